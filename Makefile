@@ -1,0 +1,32 @@
+# The README's two commands: `make run` (the main job) and `make test` (the whole suite).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test setup validate clean
+
+setup: $(STAMP)
+
+# torch is installed explicitly first: a bare requirement would pull a multi-GB CUDA build,
+# while `torch==2.13.0` takes the CPU build these machines keep on disk.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	$(BIN)/python -m pip install -q --no-deps openrlhf==0.11.2
+	touch $(STAMP)
+
+validate: $(STAMP)
+	$(BIN)/composer validate specs/*.yaml specs/hybrids/*.yaml examples/*.yaml
+	for f in specs/*.yaml; do $(BIN)/composer explain $$f > /dev/null || exit 1; done
+
+run: validate
+	$(BIN)/composer run specs/mintrl.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,3 @@
+"""The built-in component library. Importing it registers every built-in kind."""
+
+from components import guides, objectives, signals, sources, tasks  # noqa: F401

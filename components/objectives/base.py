@@ -1,0 +1,140 @@
+"""What every objective config shares, plus the loss helpers they all use.
+
+Helpers are pure functions over plain tensors (ALGORITHMS.md section 0). torch is reached through
+the lazy proxy so that importing this module (spec validation) never loads torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Literal, Optional
+
+from pydantic import Field
+
+from composer.lazy import torch
+from composer.origins import Origin
+from composer.registry import Component
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+class Objective(Component):
+    loss_tokens: list[Origin] = Field(default_factory=lambda: ["policy"], description="Token origins that get loss: prompt, policy, guide_prefix, guide_intervention, demonstration.")
+
+    wants_logits: ClassVar[bool] = False  # needs full-vocabulary logits, not only sampled-token log-probs
+    on_policy_only: ClassVar[bool] = False  # assumes rollouts come from the current weights, no correction
+    policy_gradient: ClassVar[bool] = False  # importance-ratio policy gradient: off-policy tokens must be masked
+    uses_group_baseline: ClassVar[bool] = False
+
+    def loss_mask(self, batch) -> "Tensor":
+        """[B, T] bool: tokens of `loss_tokens` origins that are not padding."""
+        return batch.mask(self.loss_tokens) & batch.attention_mask
+
+
+# ----------------------------------------------------------------------------------------------
+# Aggregation (ALGORITHMS.md section 0; verl `core_algos.agg_loss`, as in lasgroup/SDPO)
+# ----------------------------------------------------------------------------------------------
+
+def _safe_div(num: "Tensor", den: "Tensor") -> "Tensor":
+    """num / den, 0 where den == 0 (no NaN forward or backward)."""
+    ok = den > 0
+    return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+def aggregate(loss_tok: "Tensor", mask: "Tensor", mode: str, norm_const: Optional[float] = None,
+              seq_weight: Optional["Tensor"] = None) -> "Tensor":
+    """Reduce a per-token loss matrix to a scalar (ALGORITHMS.md section 0, verl `agg_loss`).
+
+    loss_tok [B, T], mask [B, T] (bool or 0/1), seq_weight [B] (s_i, default 1) -> scalar. With m = mask:
+      token-mean:              sum_{i,t} m s_i l / sum_{i,t} m s_i     (verl/DAPO; SDPO with s_i)
+      seq-mean-token-mean:     sum_i s_i (sum_t m l / sum_t m) / sum_i s_i   (GRPO paper form)
+      seq-mean-token-sum:      sum_i s_i (sum_t m l) / sum_i s_i
+      seq-mean-token-sum-norm: sum_{i,t} m s_i l / C, C = norm_const or T   (Dr. GRPO, Liu et al. 2025)
+    The seq-means run over rows with at least one loss token (an empty row is no sequence; newer
+    verl does the same); with s = 1 and no empty row they are the plain (1/B) sum_i of section 0.
+    Masked-out entries are replaced by 0 before summing, so NaN/inf at pad positions never leaks.
+    An all-empty mask gives 0.
+    """
+    m = mask.to(loss_tok.dtype)  # [B, T]
+    s = torch.ones(loss_tok.shape[0], dtype=loss_tok.dtype, device=loss_tok.device) if seq_weight is None \
+        else seq_weight.to(loss_tok.dtype)  # [B]
+    w = m * s[:, None]  # [B, T]
+    l = torch.where(w != 0, loss_tok, torch.zeros_like(loss_tok))  # [B, T]
+    if mode == "token-mean":
+        return _safe_div((w * l).sum(), w.sum())
+    if mode == "seq-mean-token-sum-norm":
+        C = float(norm_const) if norm_const is not None else float(loss_tok.shape[1])
+        return (w * l).sum() / C
+    row_sum = (m * l).sum(-1)  # [B]
+    n_tok = m.sum(-1)  # [B]
+    if mode == "seq-mean-token-mean":
+        per_seq = _safe_div(row_sum, n_tok)  # [B]
+    elif mode == "seq-mean-token-sum":
+        per_seq = row_sum  # [B]
+    else:
+        raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGGREGATIONS}")
+    s_rows = s * (n_tok > 0).to(s.dtype)  # [B]: rows with no loss token do not count
+    return _safe_div((s_rows * per_seq).sum(), s_rows.sum())
+
+
+def masked_mean(x: "Tensor", mask: "Tensor") -> "Tensor":
+    """sum(m x) / sum(m) over every entry, 0 if the mask is empty. x, mask: same shape -> scalar."""
+    m = mask.to(x.dtype)
+    return _safe_div((torch.where(m != 0, x, torch.zeros_like(x)) * m).sum(), m.sum())
+
+
+# ----------------------------------------------------------------------------------------------
+# Group statistics (GRPO, Shao et al. 2024, arXiv 2402.03300; verl `compute_grpo_outcome_advantage`)
+# ----------------------------------------------------------------------------------------------
+
+def group_index(group: "Tensor") -> tuple["Tensor", int]:
+    """group [B] ids (any values) -> (inverse [B] in 0..G-1, G)."""
+    uniq, inv = torch.unique(group, return_inverse=True)
+    return inv, int(uniq.numel())
+
+
+def group_stats(rewards: "Tensor", group: "Tensor") -> tuple["Tensor", "Tensor", "Tensor", "Tensor"]:
+    """Per-row statistics of each row's group.
+
+    rewards [B] float, group [B] -> (mean [B], std [B], count [B], constant [B] bool).
+    std is unbiased (n-1, like torch.std), 0 for a group of one; `constant` marks rows whose group
+    has all rewards equal (then mean is set to that reward exactly, so r - mean == 0 bit-exactly).
+    Computed in float64, returned in the rewards' dtype.
+    """
+    inv, G = group_index(group)
+    r = rewards.detach().to(torch.float64)  # [B]
+    zeros = torch.zeros(G, dtype=torch.float64, device=r.device)
+    n = zeros.index_add(0, inv, torch.ones_like(r))  # [G]
+    mean = zeros.index_add(0, inv, r) / n  # [G]
+    sq = zeros.index_add(0, inv, (r - mean[inv]) ** 2)  # [G]
+    std = torch.sqrt(sq / (n - 1).clamp(min=1))  # [G]; n == 1 -> sq == 0 -> 0
+    gmax = torch.full((G,), -float("inf"), dtype=torch.float64, device=r.device).scatter_reduce(0, inv, r, "amax")
+    gmin = torch.full((G,), float("inf"), dtype=torch.float64, device=r.device).scatter_reduce(0, inv, r, "amin")
+    const = gmax == gmin  # [G]
+    mean = torch.where(const, gmax, mean)
+    std = torch.where(const, torch.zeros_like(std), std)
+    dt = rewards.dtype
+    return mean[inv].to(dt), std[inv].to(dt), n[inv].to(dt), const[inv]
+
+
+def group_advantages(rewards: "Tensor", group: "Tensor", std_norm: bool = True, eps: float = 1e-6) -> "Tensor":
+    """GRPO outcome advantage A_i = (r_i - mean_g r) / (std_g r + eps), or r_i - mean_g r (Dr. GRPO).
+
+    rewards [B], group [B] -> A [B]. Unbiased std with eps added to it (verl). A group whose rewards
+    are all equal (including a group of one) gets exactly 0.
+    """
+    mean, std, _, const = group_stats(rewards, group)
+    r = rewards.detach()
+    adv = r - mean
+    if std_norm:
+        adv = adv / (std + eps)
+    return torch.where(const, torch.zeros_like(adv), adv)
+
+
+def zero_advantage_fraction(rewards: "Tensor", group: "Tensor") -> "Tensor":
+    """Fraction of trajectories whose group has all rewards equal (no group-relative signal). -> scalar."""
+    _, _, _, const = group_stats(rewards, group)
+    return const.to(torch.float32).mean()

@@ -1,0 +1,41 @@
+"""Token-level cross-entropy on demonstrations (SFT)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from pydantic import Field
+
+from components.objectives.base import Aggregation, Objective, aggregate
+from composer.origins import Origin
+from composer.registry import register
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from composer.batch import PolicyView, TrajectoryBatch
+
+
+def cross_entropy_loss(logp: "Tensor", mask: "Tensor", mode: str = "token-mean") -> "Tensor":
+    """SFT negative log-likelihood (ALGORITHMS.md section 1): L = agg(-log pi_theta(y*_t | x, y*_<t)).
+
+    logp [B, T] token-aligned log-probs of the targets, mask [B, T] -> scalar. With token-mean this is
+    -(1/sum m) sum_{i,t} m log pi_theta, the HF/TRL default.
+    """
+    return aggregate(-logp, mask, mode)
+
+
+@register("objective")
+class CrossEntropy(Objective):
+    """L = -(1/N) sum_i sum_t m_it log pi_theta(y*_it | x_i, y*_<t) (maximum likelihood on targets)."""
+
+    kind: Literal["cross_entropy"] = Field("cross_entropy", description="Component kind.")
+    loss_tokens: list[Origin] = Field(default_factory=lambda: ["demonstration", "policy", "guide_intervention"], description="Token origins that get loss (SFT targets are `demonstration` tokens, or policy prefix + intervention for InT).")
+    aggregation: Aggregation = Field("token-mean", description="How per-token losses become one number (ALGORITHMS.md section 0).")
+
+    needs: ClassVar = ("sft_target",)
+
+    def loss(self, batch: "TrajectoryBatch", cur: "PolicyView") -> tuple["Tensor", dict[str, float]]:
+        mask = self.loss_mask(batch)  # [B, T]
+        loss = cross_entropy_loss(cur.logprobs, mask, self.aggregation)
+        return loss, {"loss": float(loss.detach()), "tokens": float(mask.sum())}

@@ -1,0 +1,151 @@
+"""Per-token divergence to a teacher on the student's own rollouts (OPD, OPSD, SDPO, GKD)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from pydantic import Field
+
+from components.objectives.base import Aggregation, Objective, aggregate, masked_mean
+from composer.lazy import F, torch
+from composer.registry import register
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from composer.batch import PolicyView, TrajectoryBatch
+
+
+def sampled_distill_loss(logp: "Tensor", behavior_logp: "Tensor", teacher_logp: "Tensor",
+                         kl_coef: float = 1.0) -> "Tensor":
+    """On-policy distillation as an importance-weighted policy gradient (Lu / Thinking Machines 2025;
+    Tinker `importance_sampling` loss, kl_discount_factor 0).
+
+    A_t = -c (log pi_beh(y_t) - log pi_T(y_t)) (detached); l_t = -exp(log pi_theta - log pi_beh) A_t.
+    At pi_theta = pi_beh, E_y[grad l] = c grad KL(pi_theta || pi_T). All [B, T] -> [B, T].
+    """
+    adv = (-kl_coef * (behavior_logp - teacher_logp)).detach()  # [B, T]
+    ratio = torch.exp(logp - behavior_logp.detach())  # [B, T]
+    return -ratio * adv
+
+
+def _kl(logp: "Tensor", logq: "Tensor") -> "Tensor":
+    """KL(p || q) = sum_v p_v (log p_v - log q_v) over the last dim; 0 * log 0 = 0. [..., V] -> [...]."""
+    pos = torch.isfinite(logp)  # p_v > 0
+    lp = torch.where(pos, logp, torch.zeros_like(logp))
+    lq = torch.where(pos, logq, torch.zeros_like(logq))
+    return torch.where(pos, torch.exp(lp) * (lp - lq), torch.zeros_like(lp)).sum(-1)
+
+
+def token_divergence(student_logp: "Tensor", teacher_logp: "Tensor", measure: str, beta: float = 0.5) -> "Tensor":
+    """Per-position divergence between normalised log-distributions S (student) and T (teacher).
+
+    student_logp, teacher_logp [..., V] (log-softmaxed) -> [...]:
+      reverse_kl: KL(S || T) (SDPO paper form; mode seeking)
+      forward_kl: KL(T || S)
+      jsd: generalised JSD_beta = beta KL(T || M) + (1 - beta) KL(S || M), M = beta T + (1 - beta) S,
+           log M = logsumexp(log beta + log T, log(1 - beta) + log S). As in TRL `generalized_jsd_loss`
+           (GKD, Agarwal et al. 2024, arXiv 2306.13649; OPSD) and SDPO's alpha: beta = 0 is forward
+           KL(T || S) and beta = 1 reverse KL(S || T), special-cased exactly.
+    The teacher is the caller's to detach.
+    """
+    if measure == "reverse_kl" or (measure == "jsd" and beta == 1):
+        return _kl(student_logp, teacher_logp)
+    if measure == "forward_kl" or (measure == "jsd" and beta == 0):
+        return _kl(teacher_logp, student_logp)
+    if measure != "jsd":
+        raise ValueError(f"unknown divergence measure {measure!r}; expected reverse_kl, forward_kl or jsd")
+    log_m = torch.logsumexp(torch.stack([teacher_logp + math.log(beta), student_logp + math.log(1.0 - beta)]), dim=0)
+    return beta * _kl(teacher_logp, log_m) + (1.0 - beta) * _kl(student_logp, log_m)
+
+
+def add_tail(logp_k: "Tensor") -> "Tensor":
+    """Append the tail bucket log(1 - sum_k p) to top-k log-probs (SDPO, Hübotter et al. 2026,
+    arXiv 2601.20802): log_s = logsumexp clamped to <= -1e-7, tail = log(-expm1(log_s)).
+    [..., k] -> [..., k + 1]."""
+    log_s = torch.logsumexp(logp_k, dim=-1, keepdim=True).clamp(max=-1e-7)
+    return torch.cat([logp_k, torch.log(-torch.expm1(log_s))], dim=-1)
+
+
+def top_k_with_tail(student_logp: "Tensor", teacher_logp: "Tensor", k: int) -> tuple["Tensor", "Tensor"]:
+    """Restrict both distributions to the student's top-k indices (chosen without gradient) plus a
+    tail bucket (SDPO). student_logp, teacher_logp [..., V] -> ([..., k+1], [..., k+1])."""
+    k = min(k, student_logp.shape[-1])
+    idx = torch.topk(student_logp.detach(), k, dim=-1).indices  # [..., k]
+    return add_tail(student_logp.gather(-1, idx)), add_tail(teacher_logp.gather(-1, idx))
+
+
+def is_weight(logp: "Tensor", behavior_logp: "Tensor", is_clip: float) -> "Tensor":
+    """Detached truncated importance weight w_t = min(exp(log pi_theta - log pi_beh), is_clip)
+    (SDPO is_clip = 2; log-ratio clamped to +-20). [B, T] -> [B, T]."""
+    return torch.exp((logp - behavior_logp).detach().clamp(-20.0, 20.0)).clamp(max=is_clip)
+
+
+@register("objective")
+class Divergence(Objective):
+    """Distil a teacher into the policy on the policy's own tokens.
+
+    `sampled`: on-policy distillation (Lu / Thinking Machines 2025): A_t = -c (log pi_beh - log pi_T),
+    importance-weighted policy gradient, discount 0. `full`: exact divergence over the vocabulary
+    (GKD, Agarwal et al. 2024; OPSD, Zhao et al. 2026). `top_k`: the student's top-k plus a tail
+    bucket (SDPO, Hübotter et al. 2026).
+    """
+
+    kind: Literal["divergence"] = Field("divergence", description="Component kind.")
+    measure: Literal["reverse_kl", "forward_kl", "jsd"] = Field("reverse_kl", description="KL(student||teacher), KL(teacher||student), or generalised JSD_beta.")
+    beta: float = Field(0.5, ge=0, le=1, description="JSD mixture weight: beta KL(T||M) + (1-beta) KL(S||M), M = beta T + (1-beta) S.")
+    estimator: Literal["sampled", "full", "top_k"] = Field("sampled", description="Single-sample per-token advantage (reverse KL only), exact over the vocabulary, or top-k + tail.")
+    k: int = Field(100, ge=1, description="top_k: vocabulary entries kept (student's top-k).")
+    kl_coef: float = Field(1.0, gt=0, description="sampled: c in A_t = -c (log pi_beh - log pi_T).")
+    is_clip: float = Field(2.0, gt=0, description="Cap of the detached importance weight pi_theta/pi_beh on full/top_k losses (SDPO is_clip=2).")
+    aggregation: Aggregation = Field("token-mean", description="How per-token losses become one number.")
+
+    needs: ClassVar = ("teacher_logprobs",)
+    on_policy_only: ClassVar = True
+    policy_gradient: ClassVar = True
+
+    @property
+    def wants_logits(self) -> bool:  # type: ignore[override]
+        return self.estimator != "sampled"
+
+    def loss(self, batch: "TrajectoryBatch", cur: "PolicyView") -> tuple["Tensor", dict[str, float]]:
+        """Per-token divergence, weighted by SDPO's s_i (and w_t for full/top_k), aggregated:
+        token-mean is sum m s w l / sum m s (SDPO `compute_self_distillation_loss`)."""
+        mask = self.loss_mask(batch)  # [B, T]
+        s = batch.weights()  # [B]
+        beh = batch.behavior_logprobs.detach()
+        if self.estimator == "sampled":
+            if self.measure != "reverse_kl":
+                raise ValueError(f"divergence: estimator 'sampled' estimates reverse KL only (got measure "
+                                 f"{self.measure!r}); use estimator 'full' or 'top_k' for {self.measure}")
+            if batch.teacher_logprobs is None:
+                raise ValueError("divergence: estimator 'sampled' needs batch.teacher_logprobs")
+            teacher_tok = batch.teacher_logprobs.detach()  # [B, T]
+            loss_tok = sampled_distill_loss(cur.logprobs, beh, teacher_tok, self.kl_coef)  # [B, T]
+            div_tok = beh - teacher_tok  # [B, T] single-sample reverse-KL estimate
+        else:
+            if cur.logits is None or batch.teacher_logits is None:
+                raise ValueError(f"divergence: estimator {self.estimator!r} needs full logits of the student "
+                                 "(PolicyView.logits) and the teacher (batch.teacher_logits)")
+            rows, cols = mask.nonzero(as_tuple=True)  # N loss positions
+            s_lp = F.log_softmax(cur.logits[rows, cols].float(), dim=-1)  # [N, V]
+            t_lp = F.log_softmax(batch.teacher_logits[rows, cols].detach().float(), dim=-1)  # [N, V]
+            if self.estimator == "top_k":
+                s_lp, t_lp = top_k_with_tail(s_lp, t_lp, self.k)  # [N, k+1]
+            div_n = token_divergence(s_lp, t_lp, self.measure, self.beta)  # [N]
+            div_tok = torch.zeros(mask.shape, dtype=div_n.dtype, device=div_n.device).index_put((rows, cols), div_n)
+            loss_tok = is_weight(cur.logprobs, beh, self.is_clip).to(div_tok.dtype) * div_tok  # [B, T]
+            teacher_tok = batch.teacher_logprobs
+            if teacher_tok is None:
+                teacher_tok = F.log_softmax(batch.teacher_logits.detach().float(), -1).gather(
+                    -1, batch.tokens[..., None]).squeeze(-1)
+            teacher_tok = teacher_tok.detach()
+        loss = aggregate(loss_tok, mask, self.aggregation, seq_weight=s)
+        metrics = {
+            "loss": float(loss.detach()),
+            "divergence": float(aggregate(div_tok.detach(), mask, "token-mean", seq_weight=s)),
+            "reverse_kl_to_teacher": float(masked_mean((beh - teacher_tok).float(), mask)),
+            "no_signal_frac": float((s == 0).float().mean()),
+        }
+        return loss, metrics

@@ -1,0 +1,22 @@
+"""Reward signal: a source's sequence reward for every rollout."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from composer.registry import Component, register
+
+
+@register("signal")
+class RewardSignal(Component):
+    """The outcome reward of every rollout, from an outcome_reward source."""
+
+    kind: Literal["reward"] = Field("reward", description="Component kind.")
+    source: str = Field(..., description="The outcome_reward source.")
+
+    refs: ClassVar = {"source": ("outcome_reward",)}
+    needs: ClassVar = ("sequence_reward",)
+    provides: ClassVar = ("reward",)
+    usage: ClassVar[str] = "reward"

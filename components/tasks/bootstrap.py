@@ -1,0 +1,283 @@
+"""Bootstrap the toy testbed's checkpoints: a char tokenizer, an SFT'd student and a larger teacher.
+
+    ensure_checkpoints() -> {"tokenizer": dir, "student": dir, "teacher": dir}
+
+Built once into $COMPOSER_CACHE/toy-v1 (default ~/.cache/composer/toy-v1), under a file lock, each
+directory written to a temp name and renamed, so concurrent processes are safe. The student learns
+chains of 1-4 steps (fails on long ones); the teacher, wider and deeper, learns chains of 1-8.
+Both also see the privileged-context formats of components.tasks.toy.TEMPLATES.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import os
+import random
+import shutil
+import time
+from typing import Optional
+
+from components.tasks import toy
+from components.tasks.tokenizer import build_char_tokenizer, char_tokenizer, other_vocab_tokenizer
+
+VERSION = "toy-v1"
+STUDENT = dict(layers=4, hidden=128, heads=4, kv_heads=2, intermediate=384)
+TEACHER = dict(layers=6, hidden=192, heads=6, kv_heads=2, intermediate=576)
+# SFT recipes: chain lengths of the plain problems, updates, and the highest tier of copy formats
+STUDENT_SFT = dict(tiers=(1, 2, 3, 4), updates=1100, copy_tiers=(1, 2, 3, 4, 5, 6, 7, 8), seed=1)
+TEACHER_SFT = dict(tiers=(1, 2, 3, 4, 5, 6, 7, 8), updates=1100, copy_tiers=(1, 2, 3, 4, 5, 6, 7, 8), seed=2)
+# the share of each format in a bootstrap batch (the rest is the plain prompt)
+MIX = dict(reference=0.06, sibling=0.04, feedback=0.05, prefix=0.10, judge=0.05)
+EVAL_TIERS = (1, 2, 4, 6, 8)
+
+
+def cache_folder(cache_dir: Optional[str] = None) -> str:
+    """The versioned cache folder: `cache_dir` as given, else $COMPOSER_CACHE/toy-v1, else ~/.cache/composer/toy-v1."""
+    if cache_dir:
+        return cache_dir
+    root = os.environ.get("COMPOSER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "composer")
+    return os.path.join(root, VERSION)
+
+
+def qwen3(vocab_size: int, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, tok=None):
+    """A fresh Qwen3ForCausalLM with tied embeddings and the tokenizer's special ids."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = tok or char_tokenizer()
+    cfg = Qwen3Config(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+        max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+    )
+    model = Qwen3ForCausalLM(cfg)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model
+
+
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------------- the SFT mix
+
+
+def corrupt(line: str, rng: random.Random) -> str:
+    """A step line with a wrong result digit."""
+    return line[:-1] + str((int(line[-1]) + rng.randrange(1, 10)) % 10)
+
+
+def mix_pair(rng: random.Random, tiers, copy_tiers) -> tuple[str, str]:
+    """One (prompt, target) bootstrap pair: a plain problem or one of the privileged formats."""
+    T = toy.TEMPLATES
+    r, fmt = rng.random(), "plain"
+    for name, share in MIX.items():
+        if r < share:
+            fmt = name
+            break
+        r -= share
+    tier = rng.choice(copy_tiers if fmt in ("reference", "sibling") else tiers)
+    if fmt == "prefix":  # a long chain whose prefix leaves at most max(tiers) steps to do
+        tier = rng.choice(copy_tiers)
+    ex = toy.make_example(toy.random_problem(rng, tier, "train"))
+    lines = ex.solution.split("\n")
+    if fmt == "plain":
+        return ex.prompt, ex.solution
+    if fmt in ("reference", "sibling"):
+        return T[fmt].format(problem=ex.problem, solution=ex.solution, sibling=ex.solution), ex.solution
+    if fmt == "feedback":
+        fb = "the final answer is wrong" + (f"; step {rng.randrange(tier) + 1} is wrong" if rng.random() < 0.5 else "")
+        return T["feedback"].format(problem=ex.problem, feedback=fb), ex.solution
+    if fmt == "prefix":
+        k = rng.randrange(max(0, tier - max(tiers)), tier)
+        return toy.prefix_prompt(ex, k)
+    # judge: accepted reference lines, then a chunk of new lines, maybe one of them wrong
+    steps = lines[:-1]
+    a = rng.randrange(len(steps))
+    new = steps[a : a + rng.randint(1, 3)]
+    if rng.random() < 0.6:
+        j = rng.randrange(len(new))
+        new = new[:j] + [corrupt(new[j], rng)] + new[j + 1 :]
+    return toy.judge_prompt(ex, steps[:a], new), toy.judge_target(ex, steps[:a], new)
+
+
+def batch_tensors(pairs, tok):
+    """Right-padded input_ids/attention_mask/labels [B, L]; loss on the target tokens and eos only."""
+    import torch
+
+    seqs, labels = [], []
+    for prompt, target in pairs:
+        p, t = tok.encode(prompt), tok.encode(target) + [tok.eos_token_id]
+        seqs.append(p + t)
+        labels.append([-100] * len(p) + t)
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), tok.pad_token_id)  # [B, L]
+    lab = torch.full((len(seqs), L), -100)  # [B, L]
+    mask = torch.zeros((len(seqs), L), dtype=torch.long)  # [B, L]
+    for i, (s, l) in enumerate(zip(seqs, labels)):
+        ids[i, : len(s)], lab[i, : len(l)], mask[i, : len(s)] = torch.tensor(s), torch.tensor(l), 1
+    return ids, mask, lab
+
+
+def sft(model, tok, tiers, copy_tiers, updates: int, seed: int, batch: int = 64, lr: float = 3e-3, log_every: int = 100):
+    """Plain AdamW SFT on the bootstrap mix (linear warmup, cosine decay to 10%); returns the last loss."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    warm = 50
+    model.train()
+    t0, ema = time.time(), None
+    for step in range(updates):
+        frac = step / max(1, updates - warm)
+        scale = (step + 1) / warm if step < warm else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+        for g in opt.param_groups:
+            g["lr"] = lr * scale
+        ids, mask, lab = batch_tensors([mix_pair(rng, tiers, copy_tiers) for _ in range(batch)], tok)
+        logits = model(input_ids=ids, attention_mask=mask).logits  # [B, L, V]
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), lab[:, 1:].reshape(-1), ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        ema = loss.item() if ema is None else 0.9 * ema + 0.1 * loss.item()
+        if log_every and (step % log_every == 0 or step == updates - 1):
+            print(f"  step {step:5d}  loss {ema:.4f}  lr {lr * scale:.2e}  {time.time() - t0:6.1f}s", flush=True)
+    model.eval()
+    return ema
+
+
+# ---------------------------------------------------------------------------------- evaluation
+
+
+def generate_greedy(model, tok, prompts: list[str], max_new_tokens: int, batch: int = 128) -> list[str]:
+    """Greedy completions of `prompts` (left-padded batches), special tokens removed."""
+    import torch
+
+    tok.padding_side = "left"
+    out = []
+    for i in range(0, len(prompts), batch):
+        enc = tok(prompts[i : i + batch], return_tensors="pt", padding=True)  # [B, L]
+        with torch.no_grad():
+            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # [B, L + new]
+        out += tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    return out
+
+
+def evaluate_greedy(model_dir, tier: int, n: int, tokenizer=None, template: str = "prompt", seed: int = 0) -> float:
+    """Greedy pass@1 of a model (directory or loaded model) on `n` eval problems of `tier` steps.
+
+    template: 'prompt' (plain), 'reference' or 'sibling' (the solution shown in the prompt).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from components.tasks.verifiers import toy_verifier
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir) if isinstance(model_dir, str) else model_dir
+    tok = tokenizer or AutoTokenizer.from_pretrained(model_dir)
+    exs = toy.make_examples(tier, n, seed, "eval")
+    fmt = toy.TEMPLATES[template]
+    prompts = [fmt.format(problem=e.problem, solution=e.solution, sibling=e.solution) for e in exs]
+    outs = generate_greedy(model, tok, prompts, toy.max_new_tokens_for(tier))
+    return sum(toy_verifier(o, e).reward for o, e in zip(outs, exs)) / len(exs)
+
+
+def pass_table(models: dict, tok, tiers=EVAL_TIERS, n: int = 64) -> str:
+    """A text table of greedy pass@1 per tier for {name: model}."""
+    rows = ["model    " + "".join(f"  tier{t:<2d}" for t in tiers)]
+    for name, model in models.items():
+        rows.append(f"{name:8s} " + "".join(f"  {evaluate_greedy(model, t, n, tok):6.3f}" for t in tiers))
+    return "\n".join(rows)
+
+
+# --------------------------------------------------------------------------------- checkpoints
+
+
+def _save(model, tok, out_dir: str) -> None:
+    """save_pretrained model + tokenizer into `out_dir` atomically (temp dir then rename)."""
+    tmp = f"{out_dir}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.rename(tmp, out_dir)
+
+
+def train_model(arch: dict, recipe: dict, tok, name: str):
+    """Build and SFT one model; prints its size and time."""
+    import torch
+
+    torch.manual_seed(recipe["seed"])
+    model = qwen3(len(tok), tok=tok, **arch)
+    print(f"[bootstrap] {name}: {n_params(model) / 1e6:.2f}M params, {recipe['updates']} updates on tiers {recipe['tiers']}", flush=True)
+    t0 = time.time()
+    sft(model, tok, recipe["tiers"], recipe["copy_tiers"], recipe["updates"], recipe["seed"])
+    print(f"[bootstrap] {name}: trained in {time.time() - t0:.1f}s", flush=True)
+    return model
+
+
+def ensure_checkpoints(cache_dir: Optional[str] = None) -> dict:
+    """Directories {tokenizer, student, teacher}, bootstrapped on first call (a few minutes on 2 cores).
+
+    Idempotent; concurrent callers wait on a file lock and reuse the result.
+    """
+    folder = cache_folder(cache_dir)
+    paths = {k: os.path.join(folder, k) for k in ("tokenizer", "student", "teacher")}
+    if all(os.path.isdir(p) for p in paths.values()):
+        return paths
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if all(os.path.isdir(p) for p in paths.values()):
+            return paths
+        import torch
+
+        torch.set_num_threads(2)
+        t_start = time.time()
+        if not os.path.isdir(paths["tokenizer"]):
+            tmp = f"{paths['tokenizer']}.tmp-{os.getpid()}"
+            build_char_tokenizer(tmp)
+            os.rename(tmp, paths["tokenizer"])
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(paths["tokenizer"])
+        models = {}
+        for name, arch, recipe in (("student", STUDENT, STUDENT_SFT), ("teacher", TEACHER, TEACHER_SFT)):
+            if not os.path.isdir(paths[name]):
+                models[name] = train_model(arch, recipe, tok, name)
+                _save(models[name], tok, paths[name])
+        if models:
+            print(f"[bootstrap] total {time.time() - t_start:.1f}s; greedy pass@1 (64 eval problems per tier):", flush=True)
+            print(pass_table(models, tok), flush=True)
+    return paths
+
+
+# --------------------------------------------------------------------------------- smoke tests
+
+
+def tiny_random_checkpoint(out_dir: str, layers: int = 2, hidden: int = 64) -> str:
+    """An untrained tiny Qwen3 with the char tokenizer, saved to `out_dir` (for smoke tests)."""
+    tok = char_tokenizer()
+    model = qwen3(len(tok), layers=layers, hidden=hidden, heads=2, kv_heads=1, intermediate=2 * hidden, tok=tok)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+def other_vocab_checkpoint(out_dir: str) -> str:
+    """A tiny random checkpoint whose tokenizer has a different vocabulary (tokenizer-mismatch tests)."""
+    tok = other_vocab_tokenizer()
+    model = qwen3(len(tok), layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, tok=tok)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+if __name__ == "__main__":
+    print(ensure_checkpoints())

@@ -1,0 +1,225 @@
+"""The toy testbed: mod-10 arithmetic chains written one step per line (DESIGN.md section 6).
+
+    prompt    Q:7+3-5+9\\nA:
+    solution  7+3=0\\n0-5=5\\n5+9=4\\n#4
+    answer    4            tier = 3 (number of steps)
+
+Train and eval are split by a hash of the problem text, so they never overlap. No torch at import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from typing import Optional
+
+from composer.data import Example, Task
+
+EVAL_BUCKETS = 5  # 1 in 5 problems (by hash) belongs to the eval split
+
+# Prompt formats. Fields are filled with str.format; every format ends with "A:" and the response
+# is the solution lines (for `prefix`: the lines after the prefix), then "#N".
+TEMPLATES = {
+    "prompt": "Q:{problem}\nA:",
+    "reference": "R:{solution}\nQ:{problem}\nA:",  # OPSD-style self-teacher sees the reference
+    "feedback": "F:{feedback}\nQ:{problem}\nA:",  # verifier feedback on a failed attempt
+    "sibling": "S:{sibling}\nQ:{problem}\nA:",  # a successful sibling rollout (SDPO)
+    "prefix": "Q:{problem}\nP:{prefix}\nA:",  # POPE: first k reference lines; response = the rest
+    # judge: {accepted} = accepted lines ("\n"-joined), {steps} = new lines numbered "1:..\n2:.."
+    # from 1; the judge answers "KEEP" or "REVISE <k>\n<right line k>" (k = number within {steps}).
+    "judge": "J:{problem}\nC:{accepted}\nN:\n{steps}\nV:",
+}
+
+
+# ---------------------------------------------------------------------------------------- problems
+
+
+def solve(problem: str) -> tuple[list[str], str]:
+    """The step lines and the answer of a chain like '7+3-5+9'."""
+    acc, steps = int(problem[0]), []
+    for i in range(1, len(problem), 2):
+        op, b = problem[i], int(problem[i + 1])
+        new = (acc + b) % 10 if op == "+" else (acc - b) % 10
+        steps.append(f"{acc}{op}{b}={new}")
+        acc = new
+    return steps, str(acc)
+
+
+def split_of(problem: str) -> str:
+    """'eval' or 'train': a stable hash partition of the problem text."""
+    h = int(hashlib.sha256(problem.encode()).hexdigest()[:8], 16)
+    return "eval" if h % EVAL_BUCKETS == 0 else "train"
+
+
+def make_example(problem: str) -> Example:
+    """The Example of one chain."""
+    steps, answer = solve(problem)
+    solution = "\n".join(steps) + f"\n#{answer}"
+    return Example(prompt=TEMPLATES["prompt"].format(problem=problem), answer=answer, solution=solution, problem=problem, tier=len(steps))
+
+
+def random_problem(rng: random.Random, tier: int, split: str) -> str:
+    """A random chain of `tier` steps from `split` (rejection sampling over the hash partition)."""
+    while True:
+        p = str(rng.randrange(10)) + "".join(rng.choice("+-") + str(rng.randrange(10)) for _ in range(tier))
+        if split_of(p) == split:
+            return p
+
+
+def make_examples(tier: int, n: int, seed: int, split: str) -> list[Example]:
+    """`n` deterministic examples of `tier` steps from `split` ('train' or 'eval'), distinct when possible."""
+    assert split in ("train", "eval"), split
+    rng = random.Random(f"toy/{seed}/{tier}/{split}")
+    seen, out = set(), []
+    for _ in range(50 * n):  # dedupe, but small tiers (tier 1: 200 problems) may run out
+        if len(out) == n:
+            break
+        p = random_problem(rng, tier, split)
+        if p not in seen:
+            seen.add(p)
+            out.append(make_example(p))
+    while len(out) < n:
+        out.append(make_example(random_problem(rng, tier, split)))
+    return out
+
+
+def sample_train_fn(train_tiers):
+    """A `sample_train(rng, n)` that draws fresh train-split problems from `train_tiers`."""
+    tiers = tuple(train_tiers)
+
+    def sample_train(rng: random.Random, n: int) -> list[Example]:
+        return [make_example(random_problem(rng, rng.choice(tiers), "train")) for _ in range(n)]
+
+    return sample_train
+
+
+def max_new_tokens_for(tier: int) -> int:
+    """Response budget in characters (= tokens): 6 per step line, '#N', eos, and a margin."""
+    return 6 * tier + 2 + 1 + 8
+
+
+# ------------------------------------------------------------------------------- privileged texts
+
+
+def step_lines(text: str) -> list[str]:
+    """A response split into steps (lines), trailing empty lines dropped."""
+    lines = text.split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    return lines
+
+
+def prefix_prompt(example: Example, k: int) -> tuple[str, str]:
+    """(prompt, target): the POPE prompt showing the first k reference lines, and the rest of the solution."""
+    lines = example.solution.split("\n")
+    return TEMPLATES["prefix"].format(problem=example.problem, prefix="\n".join(lines[:k])), "\n".join(lines[k:])
+
+
+def judge_prompt(example: Example, accepted: list[str], new: list[str]) -> str:
+    """The judge prompt for accepted step lines and the new step lines under review."""
+    steps = "\n".join(f"{i + 1}:{s}" for i, s in enumerate(new))
+    return TEMPLATES["judge"].format(problem=example.problem, accepted="\n".join(accepted), steps=steps)
+
+
+def judge_target(example: Example, accepted: list[str], new: list[str]) -> str:
+    """What a perfect judge answers: 'KEEP' or 'REVISE k\\n<right line>' (k 1-based within `new`)."""
+    checker = ToyStepChecker()
+    bad = checker.first_wrong_step(example, accepted + new)
+    if bad is None or bad < len(accepted) or bad >= len(accepted) + len(new):
+        return "KEEP"
+    return f"REVISE {bad - len(accepted) + 1}\n{checker.correct_step(example, accepted + new, bad)}"
+
+
+def parse_judge(text: str) -> Optional[tuple[int, str]]:
+    """None for KEEP (or unreadable text); else (k 1-based within the new steps, correction line)."""
+    lines = text.strip().split("\n")
+    head = lines[0].split()
+    if len(head) == 2 and head[0] == "REVISE" and head[1].isdigit() and len(lines) > 1:
+        return int(head[1]), lines[1].strip()
+    return None
+
+
+class ToyStepChecker:
+    """Programmatic step checker (composer.data.StepChecker): a step is right iff it equals the reference line."""
+
+    def reference_lines(self, example: Example) -> list[str]:
+        """The reference step lines followed by the '#N' line."""
+        return (example.solution or make_example(example.problem).solution).split("\n")
+
+    def first_wrong_step(self, example: Example, steps: list[str]) -> Optional[int]:
+        """Index of the first step differing from the reference (missing or extra lines count); None if all right."""
+        ref = self.reference_lines(example)
+        steps = [s.strip() for s in steps]
+        while steps and not steps[-1]:
+            steps.pop()
+        for i in range(max(len(ref), len(steps))):
+            if i >= len(steps) or i >= len(ref) or steps[i] != ref[i]:
+                return i
+        return None
+
+    def correct_step(self, example: Example, steps: list[str], index: int) -> str:
+        """The reference line at `index` (the '#N' line at the end); '' past the end."""
+        ref = self.reference_lines(example)
+        return ref[index] if index < len(ref) else ""
+
+    def feedback_text(self, example: Example, response: str, detail: str = "step") -> str:
+        """Verifier feedback: 'the final answer is wrong', plus '; step k is wrong' (1-based) when detail='step'."""
+        text = "the final answer is wrong"
+        if detail == "step":
+            bad = self.first_wrong_step(example, step_lines(response))
+            if bad is not None:
+                text += f"; step {bad + 1} is wrong"
+        return text
+
+
+# ------------------------------------------------------------------------------------- the task
+
+
+def toy_checkpoints(cache_dir: Optional[str] = None) -> dict:
+    """Directories of the bootstrapped checkpoints {tokenizer, student, teacher}; builds them on first use."""
+    from components.tasks.bootstrap import ensure_checkpoints
+
+    return ensure_checkpoints(cache_dir)
+
+
+def toy_task(tiers=(1, 2, 4, 6, 8), train_tiers=(2, 4, 6), eval_per_tier=64, seed=0, train_per_tier=256, with_models=False) -> Task:
+    """The toy Task. Eval keys are 'tier<k>'. with_models=True bootstraps (or loads) student/teacher."""
+    train = [ex for t in train_tiers for ex in make_examples(t, train_per_tier, seed, "train")]
+    evals = {f"tier{t}": make_examples(t, eval_per_tier, seed, "eval") for t in tiers}
+    ckpt = toy_checkpoints() if with_models else {}
+    return Task(
+        name="toy",
+        train=train,
+        eval=evals,
+        verifier="toy",
+        step_checker=ToyStepChecker(),
+        student=ckpt.get("student"),
+        teacher=ckpt.get("teacher"),
+        max_new_tokens=max_new_tokens_for(max(tuple(tiers) + tuple(train_tiers))),
+        step_split="\n",
+        templates={k: v for k, v in TEMPLATES.items() if k != "prompt"},
+        sample_train=sample_train_fn(train_tiers),
+    )
+
+
+def _record(ex: Example) -> dict:
+    return {"prompt": ex.prompt, "problem": ex.problem, "answer": ex.answer, "solution": ex.solution, "tier": ex.tier}
+
+
+def write_jsonl(out_dir: str, task_or_params=None) -> dict:
+    """Write train.jsonl and eval_<tier>.jsonl (prompt/problem/answer/solution/tier); returns {name: path}.
+
+    `task_or_params` is a Task, a dict of toy_task keyword arguments, or None (defaults).
+    """
+    task = task_or_params if isinstance(task_or_params, Task) else toy_task(**(task_or_params or {}))
+    os.makedirs(out_dir, exist_ok=True)
+    files = {"train": task.train, **{f"eval_{k.removeprefix('tier')}": v for k, v in task.eval.items()}}
+    paths = {}
+    for name, exs in files.items():
+        paths[name] = os.path.join(out_dir, f"{name}.jsonl")
+        with open(paths[name], "w") as f:
+            for ex in exs:
+                f.write(json.dumps(_record(ex)) + "\n")
+    return paths

@@ -1,0 +1,102 @@
+"""The trajectory batch: token ids with provenance, the one runtime value every objective reads.
+
+Layout: B trajectories, each `[prompt][response]`, right-padded to T tokens. Per-token tensors are
+aligned with `tokens`: `x_logprobs[b, t]` is log p(tokens[b, t] | tokens[b, :t]) under model x, and
+`x_logits[b, t]` is the distribution that predicts tokens[b, t]. Position 0 has no prediction and
+holds 0 (it is always a prompt token, so it never gets loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Optional
+
+from composer.lazy import torch
+from composer.origins import CODE, ON_POLICY
+
+
+@dataclass
+class TrajectoryBatch:
+    tokens: "torch.Tensor"  # [B, T] long
+    origin: "torch.Tensor"  # [B, T] uint8, codes of composer.origins.ORIGINS (0 = pad)
+    behavior_logprobs: "torch.Tensor"  # [B, T] float: log-prob under the rollout weights, every non-pad token
+    group: "torch.Tensor"  # [B] long: advantage group id (prompt x guided/unguided)
+    control: "torch.Tensor"  # [B] bool: never touched by the guide
+    rewards: Optional["torch.Tensor"] = None  # [B] float
+    teacher_logprobs: Optional["torch.Tensor"] = None  # [B, T]
+    teacher_logits: Optional["torch.Tensor"] = None  # [B, T, V]
+    initial_logprobs: Optional["torch.Tensor"] = None  # [B, T]: the frozen initial policy (KL, A*PO anchor)
+    seq_weight: Optional["torch.Tensor"] = None  # [B]: per-trajectory weight (SDPO: 0 without teacher signal)
+    examples: list = field(default_factory=list)  # [B] composer.data.Example
+    prompt_index: Optional["torch.Tensor"] = None  # [B] long: which prompt of the step
+    guided: Optional["torch.Tensor"] = None  # [B] bool: a guide wrote tokens into it
+    info: dict[str, Any] = field(default_factory=dict)  # per-batch scalars for metrics
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def attention_mask(self) -> "torch.Tensor":
+        return self.origin != CODE["pad"]  # [B, T]
+
+    def mask(self, origins) -> "torch.Tensor":
+        """[B, T] bool: tokens whose origin is one of `origins`."""
+        m = torch.zeros_like(self.origin, dtype=torch.bool)
+        for name in origins:
+            m |= self.origin == CODE[name]
+        return m
+
+    @property
+    def response_mask(self) -> "torch.Tensor":
+        return self.attention_mask & (self.origin != CODE["prompt"])
+
+    @property
+    def policy_mask(self) -> "torch.Tensor":
+        return self.mask(ON_POLICY)
+
+    def weights(self) -> "torch.Tensor":
+        return self.seq_weight if self.seq_weight is not None else torch.ones(self.size, dtype=torch.float32,
+                                                                              device=self.tokens.device)
+
+    def select(self, index) -> "TrajectoryBatch":
+        """Rows `index` (a list or long tensor) of every per-row field."""
+        idx = torch.as_tensor(index, dtype=torch.long, device=self.tokens.device)
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "examples":
+                v = [v[i] for i in idx.tolist()] if v else v
+            elif f.name == "info":
+                v = dict(v)
+            elif v is not None and hasattr(v, "shape") and v.dim() > 0 and v.shape[0] == self.size:
+                v = v[idx]
+            out[f.name] = v
+        return TrajectoryBatch(**out)
+
+    def to(self, device) -> "TrajectoryBatch":
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if hasattr(getattr(self, f.name), "to") and not isinstance(getattr(self, f.name), (list, dict))})
+
+
+def pad_and_stack(rows: list[list[int]], origins: list[list[int]], logprobs: list[list[float]], pad_id: int):
+    """Right-pad per-row token lists into [B, T] tensors (tokens, origin codes, logprobs)."""
+    T = max(len(r) for r in rows)
+    B = len(rows)
+    tokens = torch.full((B, T), pad_id, dtype=torch.long)
+    origin = torch.zeros((B, T), dtype=torch.uint8)
+    lp = torch.zeros((B, T), dtype=torch.float32)
+    for i, (r, o, l) in enumerate(zip(rows, origins, logprobs)):
+        tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        origin[i, : len(o)] = torch.tensor(o, dtype=torch.uint8)
+        lp[i, : len(l)] = torch.tensor(l, dtype=torch.float32)
+    return tokens, origin, lp
+
+
+@dataclass
+class PolicyView:
+    """The current policy on a batch: what objectives differentiate through."""
+
+    logprobs: "torch.Tensor"  # [B, T] log pi_theta(tokens[b, t] | tokens[b, :t]), 0 at t = 0
+    logits: Optional["torch.Tensor"] = None  # [B, T, V] predicting tokens[b, t]; only when wanted
+    entropy: Optional["torch.Tensor"] = None  # [B, T] entropy of the predicting distribution

@@ -1,0 +1,135 @@
+"""The `composer` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from composer.errors import SpecError
+
+EXIT_INVALID = 2
+
+
+def _fail(diags_text: str) -> None:
+    click.echo(diags_text, err=True)
+    sys.exit(EXIT_INVALID)
+
+
+def _validate(path: str, overrides: list[str]):
+    from composer.validate import validate_file
+
+    return validate_file(path, overrides)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="algorithm-composer")
+def main():
+    """Declare, validate, explain and run LLM post-training methods as YAML graphs of components."""
+
+
+@main.command()
+@click.argument("specs", nargs=-1, required=True)
+@click.option("--set", "overrides", multiple=True, help="Override (path.to.field=value); also accepted as bare args.")
+def validate(specs, overrides):
+    """Validate SPEC files (schema, graph, method rules). Exit 0 if all are valid, 2 otherwise."""
+    files = [s for s in specs if "=" not in s]
+    overrides = list(overrides) + [s for s in specs if "=" in s]
+    bad = warned = 0
+    for f in files:
+        try:
+            v = _validate(f, overrides)
+        except SpecError as e:
+            bad += 1
+            click.echo(str(e), err=True)
+            continue
+        except Exception as e:  # never a traceback for an input file
+            bad += 1
+            click.echo(f"{f}:1:1: error: internal error while validating: {type(e).__name__}: {e}", err=True)
+            continue
+        for w in v.warnings:
+            warned += 1
+            click.echo(w.format(), err=True)
+        click.echo(f"{f}: ok")
+    click.echo(f"{len(files) - bad} valid, {bad} invalid" + (f", {warned} warnings" if warned else ""))
+    sys.exit(EXIT_INVALID if bad else 0)
+
+
+@main.command()
+@click.argument("spec")
+@click.argument("overrides", nargs=-1)
+@click.option("--format", "fmt", type=click.Choice(["text", "mermaid", "dot", "json"]), default="text")
+def explain(spec, overrides, fmt):
+    """Explain SPEC: sources and readers, token origins with loss and anchor, models, taxonomy."""
+    from composer import explain as ex
+    from composer.plan import compile_plan
+
+    try:
+        v = _validate(spec, list(overrides))
+    except SpecError as e:
+        _fail(str(e))
+    for w in v.warnings:
+        click.echo(w.format(), err=True)
+    plan = compile_plan(v)
+    click.echo({"text": ex.text, "mermaid": ex.mermaid, "dot": ex.dot, "json": ex.as_json}[fmt](plan))
+
+
+@main.command("list")
+@click.option("--section", type=click.Choice(["sources", "guide", "signal", "objective", "verifier"]), default=None)
+def list_(section):
+    """Every component kind with its description (built-in and plugins), and every verifier."""
+    from composer import registry
+
+    registry.load_all()
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    for sec in registry.SECTIONS:
+        if section and section != sec:
+            continue
+        table = Table(title=f"{sec}", show_lines=False)
+        table.add_column("kind", style="bold")
+        table.add_column("description")
+        table.add_column("fields")
+        table.add_column("from")
+        for kind, cls in sorted(registry.kinds(sec).items()):
+            fields = ", ".join(f.alias or n for n, f in cls.model_fields.items() if n != "kind")
+            table.add_row(kind, cls.summary(), fields, cls.plugin or "built-in")
+        console.print(table)
+    if section in (None, "verifier"):
+        table = Table(title="verifiers (outcome_reward.verifier)")
+        table.add_column("name", style="bold")
+        table.add_column("description")
+        for name, info in sorted(registry.VERIFIERS.items()):
+            table.add_row(name, info.description)
+        console.print(table)
+    for err in registry.PLUGIN_ERRORS:
+        console.print(f"[yellow]warning:[/] {err}")
+
+
+@main.command()
+@click.option("--out", default=None, help="Output file (default: schemas/spec.schema.json of this checkout).")
+def schema(out):
+    """Write the JSON Schema (2020-12) of the spec language, generated from the component registry."""
+    from composer.schema import write_schema
+
+    path = write_schema(Path(out) if out else None)
+    click.echo(f"wrote {path}")
+
+
+def _register_optional_commands():
+    """Commands whose modules only load when they run (they import torch)."""
+    from composer import cli_run  # noqa: F401
+
+
+try:
+    _register_optional_commands()
+except ImportError:
+    pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Load a spec: safe YAML with a location for every node, `extends`, then command-line overrides.
+
+The YAML is composed into nodes by PyYAML's SafeLoader (so Python object tags are refused, never
+executed) and turned into plain data by a walker that records where every key and item stood,
+refuses duplicate keys, and enforces size, node and depth limits before anything is built.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from composer.errors import Diagnostic, Location, SpecError
+
+MAX_FILE_BYTES = 1 << 20  # 1 MiB: specs are small; anything larger is a mistake or an attack
+MAX_NODES = 100_000  # after alias expansion: stops "billion laughs" alias bombs
+MAX_DEPTH = 64
+
+
+@dataclass
+class LoadedSpec:
+    data: dict
+    positions: dict = field(default_factory=dict)  # path tuple -> Location
+    file: str = "<spec>"
+
+    def locate(self, path) -> Location | None:
+        path = tuple(path)
+        while True:
+            if path in self.positions:
+                return self.positions[path]
+            if not path:
+                return None
+            path = path[:-1]
+
+
+def _err(message: str, file: str, mark=None, path=(), hint="") -> SpecError:
+    loc = Location(file, mark.line + 1, mark.column + 1) if mark is not None else Location(file, 1, 1)
+    return SpecError([Diagnostic("yaml", message, tuple(path), loc, hint)])
+
+
+class _Walker:
+    """Turns a composed node tree into plain data plus a path -> Location map."""
+
+    def __init__(self, loader: yaml.SafeLoader, file: str):
+        self.loader = loader
+        self.file = file
+        self.count = 0
+        self.positions: dict = {}
+
+    def loc(self, node) -> Location:
+        return Location(self.file, node.start_mark.line + 1, node.start_mark.column + 1)
+
+    def walk(self, node, path: tuple, depth: int) -> Any:
+        self.count += 1
+        if self.count > MAX_NODES:
+            raise _err(f"the document expands to more than {MAX_NODES} nodes (an alias bomb?)", self.file,
+                       node.start_mark, path, "specs are small: remove the repeated aliases")
+        if depth > MAX_DEPTH:
+            raise _err(f"nesting deeper than {MAX_DEPTH} levels", self.file, node.start_mark, path)
+        if isinstance(node, yaml.MappingNode):
+            if node.tag not in ("tag:yaml.org,2002:map",):
+                raise _err(f"unsupported tag {node.tag}", self.file, node.start_mark, path,
+                           "specs use plain mappings, lists and scalars only")
+            self.loader.flatten_mapping(node)  # YAML merge keys (<<)
+            out: dict = {}
+            for key_node, value_node in node.value:
+                if not isinstance(key_node, yaml.ScalarNode):
+                    raise _err("mapping keys must be plain scalars", self.file, key_node.start_mark, path)
+                key = self.scalar(key_node, path)
+                if not isinstance(key, str):
+                    key = str(key).lower() if isinstance(key, bool) or key is None else str(key)
+                if key in out:
+                    first = self.positions.get(path + (key,))
+                    raise _err(f"duplicate key '{key}'" + (f" (first at line {first.line})" if first else ""),
+                               self.file, key_node.start_mark, path + (key,), "remove one of the two")
+                self.positions[path + (key,)] = self.loc(key_node)
+                out[key] = self.walk(value_node, path + (key,), depth + 1)
+            return out
+        if isinstance(node, yaml.SequenceNode):
+            if node.tag != "tag:yaml.org,2002:seq":
+                raise _err(f"unsupported tag {node.tag}", self.file, node.start_mark, path)
+            items = []
+            for i, item in enumerate(node.value):
+                self.positions[path + (i,)] = self.loc(item)
+                items.append(self.walk(item, path + (i,), depth + 1))
+            return items
+        return self.scalar(node, path)
+
+    def scalar(self, node, path):
+        try:
+            value = self.loader.construct_object(node, deep=True)
+        except yaml.constructor.ConstructorError as e:
+            raise _err(f"{e.problem}", self.file, node.start_mark, path,
+                       "Python object tags are not allowed in specs; write plain values") from None
+        if not isinstance(value, (str, int, float, bool, type(None))):
+            raise _err(f"unsupported value of type {type(value).__name__}", self.file, node.start_mark, path,
+                       "quote it to make it a string")
+        return value
+
+
+def parse_yaml(text: str, file: str) -> tuple[Any, dict]:
+    """Parse one YAML document into (data, positions)."""
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_FILE_BYTES:
+        raise _err(f"file larger than {MAX_FILE_BYTES} bytes", file, None, (), "specs are small YAML files")
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, {}
+        walker = _Walker(loader, file)
+        return walker.walk(node, (), 0), walker.positions
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        raise _err(f"YAML syntax: {e.problem or e.context}", file, mark) from None
+    except yaml.YAMLError as e:
+        raise _err(f"YAML: {e}", file) from None
+    except RecursionError:
+        raise _err(f"nesting deeper than {MAX_DEPTH} levels", file) from None
+    finally:
+        loader.dispose()
+
+
+def deep_merge(base: Any, over: Any) -> Any:
+    """Merge `over` onto `base`: mappings merge key by key, everything else is replaced.
+
+    A component whose `kind` changes is replaced whole, so that switching `guide: {kind: none}` in a
+    phase does not inherit the old guide's fields.
+    """
+    if not (isinstance(base, dict) and isinstance(over, dict)):
+        return over
+    if "kind" in base and "kind" in over and base["kind"] != over["kind"]:
+        return over
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = deep_merge(base[key], value) if key in base else value
+    return out
+
+
+def read_text(path: Path) -> str:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise _err("no such file", str(path)) from None
+    except IsADirectoryError:
+        raise _err("is a directory, not a spec file", str(path)) from None
+    except OSError as e:
+        raise _err(f"cannot read: {e.strerror}", str(path)) from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise _err(f"file larger than {MAX_FILE_BYTES} bytes", str(path), None, (), "specs are small YAML files")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _err(f"not UTF-8 text (byte {e.start})", str(path)) from None
+
+
+def _load_file(path: Path, stack: tuple) -> LoadedSpec:
+    resolved = path.resolve()
+    if resolved in stack:
+        chain = " -> ".join(p.name for p in stack + (resolved,))
+        raise _err(f"`extends` forms a cycle: {chain}", str(path), None, ("extends",),
+                   "remove one `extends` from the cycle")
+    file = str(path)
+    data, positions = parse_yaml(read_text(path), file)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise _err(f"a spec is a mapping of sections, not a {type(data).__name__}", file, None, (),
+                   "start with `name: my_method`")
+    parent = data.get("extends")
+    if parent is None:
+        return LoadedSpec(data, positions, file)
+    if not isinstance(parent, str):
+        loc = positions.get(("extends",))
+        raise SpecError([Diagnostic("yaml", "`extends` takes a path to another spec", ("extends",), loc,
+                                    "write `extends: grpo.yaml` (relative to this file)")])
+    base_path = path.parent / parent
+    if not base_path.exists():
+        loc = positions.get(("extends",))
+        siblings = [p.name for p in path.parent.glob("*.yaml")]
+        from composer.errors import did_you_mean
+        raise SpecError([Diagnostic("yaml", f"`extends` names {parent}, which does not exist (looked in "
+                                    f"{path.parent})", ("extends",), loc, did_you_mean(Path(parent).name, siblings))])
+    base = _load_file(base_path, stack + (resolved,))
+    merged = deep_merge(base.data, {k: v for k, v in data.items() if k != "extends"})
+    return LoadedSpec(merged, {**base.positions, **positions}, file)
+
+
+def apply_overrides(spec: LoadedSpec, overrides: list[str]) -> LoadedSpec:
+    """Apply OmegaConf dotlist overrides (`train.steps=20 sync.every=10`)."""
+    if not overrides:
+        return spec
+    from omegaconf import OmegaConf
+
+    data, positions = spec.data, dict(spec.positions)
+    for item in overrides:
+        loc = Location(f"<override {item!r}>", 1, 1)
+        if "=" not in item:
+            raise SpecError([Diagnostic("yaml", "an override is `path.to.field=value`", (), loc,
+                                        "for example train.steps=20")])
+        try:
+            conf = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=True)
+        except Exception as e:  # OmegaConf raises several grammar error types
+            raise SpecError([Diagnostic("yaml", f"cannot parse override: {e}".splitlines()[0], (), loc)]) from None
+        data = deep_merge(data, _inf_floats(conf))
+        key = tuple(int(p) if p.isdigit() else p for p in item.split("=", 1)[0].split("."))
+        positions[key] = loc
+    return LoadedSpec(data, positions, spec.file)
+
+
+def _inf_floats(value):
+    # OmegaConf reads `.inf` as the string ".inf"; YAML (and the spec) mean infinity.
+    if isinstance(value, dict):
+        return {k: _inf_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_inf_floats(v) for v in value]
+    if isinstance(value, str) and value.lower() in (".inf", "+.inf", "-.inf"):
+        return -math.inf if value.startswith("-") else math.inf
+    return value
+
+
+def load_spec(path: str | Path, overrides: list[str] | None = None) -> LoadedSpec:
+    """Layer 1: read the YAML (with `extends`) and apply overrides. Raises SpecError."""
+    spec = _load_file(Path(path), ())
+    return apply_overrides(spec, overrides or [])
+
+
+def load_text(text: str, file: str = "<spec>") -> LoadedSpec:
+    data, positions = parse_yaml(text, file)
+    if not isinstance(data, dict):
+        raise _err("a spec is a mapping of sections", file)
+    return LoadedSpec(data, positions, file)

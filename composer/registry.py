@@ -1,0 +1,127 @@
+"""The component registry: every kind of every section is declared once and found here.
+
+A component is a pydantic config class with `kind: Literal[...]` plus its implementation, in one
+file, registered under its section with `@register("objective")`. The spec's tagged unions, the JSON
+Schema and `composer list` are all built from this registry. Third-party packages register through
+the `composer.components` entry-point group (each entry point names a module to import).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+SECTIONS = ("sources", "guide", "signal", "objective")
+ENTRY_POINT_GROUP = "composer.components"
+
+_REGISTRY: dict[str, dict[str, type["Component"]]] = {s: {} for s in SECTIONS}
+VERIFIERS: dict[str, "VerifierInfo"] = {}
+_LOADED = {"builtins": False, "entry_points": False}
+PLUGIN_ERRORS: list[str] = []
+
+
+class Component(BaseModel):
+    """Base of every component config.
+
+    Class-level data (not spec fields):
+      needs / provides: port names, the graph layer checks that every need is provided.
+      refs: field name -> source kinds the named source(s) may have (an edge in the graph).
+    """
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=False)
+
+    section: ClassVar[str] = ""
+    needs: ClassVar[tuple[str, ...]] = ()
+    provides: ClassVar[tuple[str, ...]] = ()
+    refs: ClassVar[dict[str, tuple[str, ...]]] = {}
+    plugin: ClassVar[str] = ""  # the distribution/module that registered it, empty for built-ins
+
+    @classmethod
+    def kind_name(cls) -> str:
+        return cls.model_fields["kind"].default
+
+    @classmethod
+    def summary(cls) -> str:
+        doc = (cls.__doc__ or "").strip()
+        return doc.splitlines()[0] if doc else ""
+
+    def ref_names(self) -> dict[str, list[str]]:
+        """The source names this component refers to, per reference field."""
+        out = {}
+        for field in self.refs:
+            value = getattr(self, field, None)
+            if value is None:
+                continue
+            names = value if isinstance(value, list) else [value]
+            out[field] = [n for n in names if isinstance(n, str)]
+        return out
+
+
+def register(section: str, plugin: str = "") -> Callable[[type[Component]], type[Component]]:
+    if section not in SECTIONS:
+        raise ValueError(f"unknown section {section!r}; sections are {SECTIONS}")
+
+    def deco(cls: type[Component]) -> type[Component]:
+        cls.section = section
+        cls.plugin = plugin or ("" if cls.__module__.startswith("components.") else cls.__module__)
+        _REGISTRY[section][cls.kind_name()] = cls
+        return cls
+
+    return deco
+
+
+class VerifierInfo:
+    def __init__(self, name: str, module: str, attr: str, description: str):
+        self.name, self.module, self.attr, self.description = name, module, attr, description
+
+    def load(self) -> Callable:
+        return getattr(importlib.import_module(self.module), self.attr)
+
+
+def register_verifier(name: str, description: str):
+    """Register `fn(response_text, example) -> VerifierResult` as `verifier: name`.
+
+    Registration stores only where the function lives, so that naming a verifier in a spec
+    never imports what it needs (math-verify, a sandbox) during validation.
+    """
+
+    def deco(fn):
+        VERIFIERS[name] = VerifierInfo(name, fn.__module__, fn.__name__, description)
+        return fn
+
+    return deco
+
+
+def load_builtins() -> None:
+    if not _LOADED["builtins"]:
+        _LOADED["builtins"] = True
+        importlib.import_module("components")
+
+
+def load_entry_points() -> None:
+    if _LOADED["entry_points"]:
+        return
+    _LOADED["entry_points"] = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            ep.load()
+        except Exception as e:  # a broken plugin must not break validation of every spec
+            PLUGIN_ERRORS.append(f"plugin {ep.name} ({ep.value}) failed to load: {type(e).__name__}: {e}")
+
+
+def load_all() -> None:
+    load_builtins()
+    load_entry_points()
+
+
+def kinds(section: str) -> dict[str, type[Component]]:
+    load_all()
+    return dict(_REGISTRY[section])
+
+
+def lookup(section: str, kind: str) -> type[Component]:
+    return kinds(section)[kind]

@@ -1,0 +1,220 @@
+"""Layer 4: method semantics. Each rule is a small registered function over one resolved spec.
+
+A rule returns diagnostics for combinations that are well-formed but wrong, each with a reason and
+a fix. Rules see a resolved segment (the base spec with one phase or stage merged in), so a phase
+that switches the guide off is checked as what it is.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from composer.errors import Diagnostic
+from composer.graph import signal_objective_pairs
+
+RULES: dict[str, Callable] = {}
+OFF_POLICY_ORIGINS = ("guide_prefix", "guide_intervention", "demonstration")
+
+
+def rule(name: str):
+    def deco(fn):
+        RULES[name] = fn
+        return fn
+
+    return deco
+
+
+def _pairs_with_paths(spec):
+    for i, (sig, obj) in enumerate(signal_objective_pairs(spec)):
+        base = ("terms", i) if spec.terms else ()
+        yield base, sig, obj
+
+
+def _d(name, message, path, hint, severity="error"):
+    return Diagnostic("semantics", message, tuple(path), None, hint, severity, name)
+
+
+@rule("signal_and_objective")
+def signal_and_objective(spec, segment):
+    if spec.terms and (spec.signal or spec.objective):
+        return [_d("signal_and_objective", "both `terms` and `signal`/`objective` are given", ("terms",),
+                   "write either one signal + objective, or a list of terms")]
+    if not spec.terms and (spec.signal is None or spec.objective is None):
+        missing = "signal" if spec.signal is None else "objective"
+        return [_d("signal_and_objective", f"no `{missing}`: a method needs a signal and an objective", (missing,),
+                   "add `signal:` and `objective:` (or `terms:`)")]
+    return []
+
+
+@rule("objective_reads_its_signal")
+def objective_reads_its_signal(spec, segment):
+    """An objective needs what its signal provides (divergence needs a distillation signal, ...)."""
+    out = []
+    for base, sig, obj in _pairs_with_paths(spec):
+        if sig is None or obj is None:
+            continue
+        missing = [n for n in obj.needs if n not in sig.provides]
+        if missing:
+            wanted = {"teacher_logprobs": "distillation", "reward": "reward", "sft_target": "sft"}
+            kinds = " or ".join(wanted.get(n, n) for n in missing)
+            out.append(_d("objective_reads_its_signal",
+                          f"a {obj.kind_name()} objective needs {', '.join(missing)}, which a {sig.kind_name()} "
+                          f"signal does not provide", base + ("objective", "kind"),
+                          f"use a {kinds} signal, or an objective that reads {sig.kind_name()}"))
+    return out
+
+
+@rule("policy_gradient_on_guide_tokens")
+def policy_gradient_on_guide_tokens(spec, segment):
+    out = []
+    for base, sig, obj in _pairs_with_paths(spec):
+        if obj is None or not type(obj).policy_gradient:
+            continue
+        bad = [o for o in obj.loss_tokens if o in OFF_POLICY_ORIGINS]
+        if bad:
+            out.append(_d("policy_gradient_on_guide_tokens",
+                          f"{obj.kind_name()} is a policy gradient, but loss_tokens includes {', '.join(bad)}: "
+                          "those tokens were not sampled by the policy, so their importance ratios are wrong",
+                          base + ("objective", "loss_tokens"),
+                          "mask them (loss_tokens: [policy]) or use advantage_regression, which anchors them"))
+    return out
+
+
+@rule("lag_needs_correction")
+def lag_needs_correction(spec, segment):
+    if spec.sync.every <= 1 or spec.sync.off_policy_ok:
+        return []
+    out = []
+    for base, sig, obj in _pairs_with_paths(spec):
+        if obj is not None and type(obj).on_policy_only:
+            out.append(_d("lag_needs_correction",
+                          f"sync.every is {spec.sync.every}, but {obj.kind_name()} assumes on-policy data: its "
+                          "ratio correction only holds near the sampling weights", ("sync", "every"),
+                          "use advantage_regression (OAPL), set sync.every: 1, or set sync.off_policy_ok: true "
+                          "to study the lag on purpose"))
+    return out
+
+
+@rule("control_baseline_needs_controls")
+def control_baseline_needs_controls(spec, segment):
+    guide = spec.rollout.guide
+    out = []
+    for base, sig, obj in _pairs_with_paths(spec):
+        if getattr(obj, "baseline", None) != "control":
+            continue
+        if guide.kind_name() == "intervention" and guide.control_samples == 0:
+            out.append(_d("control_baseline_needs_controls",
+                          "baseline: control, but the intervention guide has control_samples: 0, so no rollout "
+                          "is a control", base + ("objective", "baseline"),
+                          "set rollout.guide.control_samples (MInTRL: 8 of 16) or baseline: all"))
+        if guide.kind_name() == "prefix" and guide.guided_fraction >= 1:
+            out.append(_d("control_baseline_needs_controls",
+                          "baseline: control, but every prompt is guided (guided_fraction: 1)",
+                          base + ("objective", "baseline"), "lower rollout.guide.guided_fraction or use baseline: all"))
+    return out
+
+
+@rule("control_samples_fit")
+def control_samples_fit(spec, segment):
+    guide = spec.rollout.guide
+    n = getattr(guide, "control_samples", 0)
+    if n and n >= spec.rollout.samples_per_prompt:
+        return [_d("control_samples_fit",
+                   f"control_samples ({n}) must be less than samples_per_prompt ({spec.rollout.samples_per_prompt}),"
+                   " or no rollout can be guided", ("rollout", "guide", "control_samples"),
+                   f"for example control_samples: {spec.rollout.samples_per_prompt // 2}")]
+    return []
+
+
+@rule("group_baseline_needs_groups")
+def group_baseline_needs_groups(spec, segment):
+    if spec.rollout.samples_per_prompt > 1:
+        return []
+    out = []
+    for base, sig, obj in _pairs_with_paths(spec):
+        if obj is not None and type(obj).uses_group_baseline and getattr(sig, "kind", "") == "reward":
+            out.append(_d("group_baseline_needs_groups",
+                          f"{obj.kind_name()} uses a group baseline, but samples_per_prompt is 1: every advantage "
+                          "is zero", ("rollout", "samples_per_prompt"), "sample several responses per prompt (GRPO: 8-64)"))
+    return out
+
+
+@rule("guided_sft_needs_guide")
+def guided_sft_needs_guide(spec, segment):
+    out = []
+    for base, sig, obj in _pairs_with_paths(spec):
+        if getattr(sig, "kind", "") == "sft" and sig.target == "guided" and spec.rollout.guide.kind_name() == "none":
+            out.append(_d("guided_sft_needs_guide", "sft with target: guided needs a guide that writes into rollouts",
+                          base + ("signal", "target"), "set rollout.guide (InT: kind: intervention, review: end)"))
+    return out
+
+
+@rule("teacher_shares_tokenizer")
+def teacher_shares_tokenizer(spec, segment):
+    out = []
+    for base, sig, obj in _pairs_with_paths(spec):
+        if getattr(sig, "kind", "") != "distillation":
+            continue
+        teacher = spec.sources.get(sig.teacher)
+        if teacher is not None and not teacher.is_self and not teacher.shares_tokenizer:
+            out.append(_d("teacher_shares_tokenizer",
+                          f"distillation from '{sig.teacher}' needs log-probs on the student's tokens, but the teacher "
+                          "is declared with shares_tokenizer: false", ("sources", sig.teacher, "shares_tokenizer"),
+                          "distil from a teacher with the policy's tokenizer"))
+    return out
+
+
+@rule("self_weights_only_for_self")
+def self_weights_only_for_self(spec, segment):
+    out = []
+    for name, src in spec.sources.items():
+        if src.kind_name() == "policy_model" and not src.is_self and src.weights != "current":
+            out.append(_d("self_weights_only_for_self",
+                          f"weights: {src.weights} applies to `model: self`; '{src.model}' is a separate, frozen model",
+                          ("sources", name, "weights"), "remove `weights` or use model: self"))
+    return out
+
+
+@rule("phases_cover_steps")
+def phases_cover_steps(spec, segment):
+    """Checked on the base spec: phases increase and the last covers train.steps."""
+    if segment != "base" or not spec.phases:
+        return []
+    out = []
+    prev = 0
+    for i, ph in enumerate(spec.phases):
+        if ph.until <= prev:
+            out.append(_d("phases_cover_steps", f"phase {i} ends at step {ph.until}, not after the previous phase "
+                          f"({prev})", ("phases", i, "until"), "list phases in increasing `until`"))
+        prev = ph.until
+        if ph.train and "steps" in ph.train:
+            out.append(_d("phases_cover_steps", "a phase cannot change train.steps", ("phases", i, "train", "steps"),
+                          "set train.steps at the top level; phases split it with `until`"))
+    if prev < spec.train.steps and not out:
+        out.append(_d("phases_cover_steps", f"the last phase ends at step {prev} but train.steps is {spec.train.steps}",
+                      ("phases", len(spec.phases) - 1, "until"),
+                      f"add `- {{until: {spec.train.steps}}}` to say what happens after step {prev}"))
+    if spec.stages:
+        out.append(_d("phases_cover_steps", "phases and stages together are ambiguous", ("phases",),
+                      "put the phases inside the stage they belong to"))
+    return out
+
+
+@rule("stages_well_formed")
+def stages_well_formed(spec, segment):
+    if segment != "base" or not spec.stages:
+        return []
+    out, seen = [], set()
+    for i, st in enumerate(spec.stages):
+        if st.name in seen:
+            out.append(_d("stages_well_formed", f"two stages are named '{st.name}'", ("stages", i, "name"),
+                          "give each stage its own name"))
+        seen.add(st.name)
+    return out
+
+
+def check(spec, segment: str) -> list[Diagnostic]:
+    out = []
+    for fn in RULES.values():
+        out.extend(fn(spec, segment))
+    return out

@@ -1,0 +1,156 @@
+"""Layer 2: turn pydantic validation errors into located, friendly diagnostics."""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from composer.errors import Diagnostic, did_you_mean
+from composer.loader import LoadedSpec
+
+
+def data_path(data: Any, loc: tuple) -> tuple:
+    """Map a pydantic error location onto the path in the data, skipping union tags and validator names."""
+    path, cur = [], data
+    for part in loc:
+        if isinstance(cur, dict) and part in cur:
+            path.append(part)
+            cur = cur[part]
+        elif isinstance(cur, list) and isinstance(part, int) and 0 <= part < len(cur):
+            path.append(part)
+            cur = cur[part]
+        elif isinstance(cur, dict) and isinstance(part, str) and not path_is_tag(cur, part):
+            path.append(part)  # a missing field: the path ends here
+            cur = None
+        # else: a union tag ("policy_model") or a validator name: not part of the data
+    return tuple(path)
+
+
+def path_is_tag(cur: dict, part: str) -> bool:
+    return cur.get("kind") == part
+
+
+def _unwrap(annotation, value) -> type[BaseModel] | None:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _unwrap(typing.get_args(annotation)[0], value)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        for opt in options:
+            m = _unwrap(opt, value)
+            if m is not None and (not isinstance(value, dict) or "kind" not in m.model_fields
+                                  or m.model_fields["kind"].default == value.get("kind")):
+                return m
+        return None
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def model_at(model: type[BaseModel], data: Any, path: tuple) -> type[BaseModel] | None:
+    """The pydantic model that validates the mapping at `path` of `data`."""
+    cur_model, cur = model, data
+    i = 0
+    while i < len(path):
+        key = path[i]
+        field = _field(cur_model, key)
+        if field is None:
+            return None
+        value = cur.get(key) if isinstance(cur, dict) else None
+        ann = field.annotation
+        # containers: list[X] / dict[str, X] consume one more path element
+        for _ in range(3):
+            origin = typing.get_origin(ann)
+            if origin is typing.Union:
+                args = [a for a in typing.get_args(ann) if a is not type(None)]
+                ann = args[0] if len(args) == 1 else ann
+                if len(args) != 1:
+                    break
+            elif origin in (list, dict) and i + 1 < len(path):
+                ann = typing.get_args(ann)[-1]
+                i += 1
+                value = value[path[i]] if isinstance(value, (list, dict)) and _has(value, path[i]) else None
+            else:
+                break
+        nxt = _unwrap(ann, value)
+        if nxt is None:
+            return None
+        cur_model, cur = nxt, value
+        i += 1
+    return cur_model
+
+
+def _has(container, key) -> bool:
+    if isinstance(container, dict):
+        return key in container
+    return isinstance(key, int) and 0 <= key < len(container)
+
+
+def _field(model: type[BaseModel], key):
+    if not isinstance(key, str):
+        return None
+    for name, f in model.model_fields.items():
+        if name == key or f.alias == key:
+            return f
+    return None
+
+
+def field_names(model: type[BaseModel]) -> list[str]:
+    return [f.alias or n for n, f in model.model_fields.items()]
+
+
+def diagnostics_from(err: ValidationError, spec: LoadedSpec, model: type[BaseModel], prefix: tuple = (),
+                     locate=None) -> list[Diagnostic]:
+    """Friendly diagnostics for every pydantic error, located in the YAML."""
+    locate = locate or spec.locate
+    out, seen = [], set()
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        data_root = spec.data
+        for p in prefix:
+            data_root = data_root[p]
+        path = prefix + data_path(data_root, loc)
+        etype, ctx, value = e["type"], e.get("ctx") or {}, e.get("input")
+        hint = ""
+        if etype == "extra_forbidden":
+            parent = model_at(model, spec.data, path[:-1])
+            allowed = field_names(parent) if parent else []
+            msg = f"unknown key '{path[-1]}'" + (f" in {parent.__name__}" if parent else "")
+            hint = did_you_mean(path[-1], allowed)
+        elif etype == "union_tag_invalid":
+            expected = [t.strip().strip("'") for t in str(ctx.get("expected_tags", "")).split(",")]
+            msg = f"unknown kind '{ctx.get('tag')}'"
+            hint = did_you_mean(ctx.get("tag"), expected)
+            if "did you mean" in hint:
+                hint += " Valid kinds: " + ", ".join(expected)
+            path = path + ("kind",) if path[-1:] != ("kind",) else path
+        elif etype == "union_tag_not_found":
+            msg = "missing `kind`"
+            hint = "add `kind:` (`composer list` shows the kinds of each section)"
+        elif etype == "missing":
+            parent = model_at(model, spec.data, path[:-1])
+            f = _field(parent, path[-1]) if parent else None
+            msg = f"missing required field '{path[-1]}'"
+            hint = f.description if f is not None and f.description else ""
+        elif etype in ("literal_error", "enum"):
+            expected = ctx.get("expected", "")
+            options = [o.strip().strip("'\"") for o in str(expected).replace(" or ", ",").split(",") if o.strip()]
+            msg = f"{value!r} is not allowed; expected {expected}"
+            hint = did_you_mean(value, options) if isinstance(value, str) else ""
+        elif etype in ("model_type", "dict_type", "model_attributes_type"):
+            msg = f"expected a mapping, got {type(value).__name__} {_short(value)}"
+        else:
+            msg = f"{e['msg']}" + (f", got {_short(value)}" if not isinstance(value, (dict, list)) else "")
+        key = (path, msg)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(Diagnostic("schema", msg, path, locate(path), hint))
+    return out
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

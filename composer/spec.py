@@ -1,0 +1,151 @@
+"""The spec models: top-level sections, with the component sections as tagged unions from the registry."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from composer import registry
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Policy(Strict):
+    model: Optional[str] = Field(None, description="Model id or local directory loaded with `from_pretrained`; omitted -> the toy testbed's student.")
+    tokenizer: Optional[str] = Field(None, description="Tokenizer directory, when it differs from `model`.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype of the trained policy.")
+
+
+class Data(Strict):
+    train: Optional[str] = Field(None, description="Training prompts: jsonl, parquet, or a local `datasets` directory; omitted -> the toy testbed.")
+    eval: Optional[str] = Field(None, description="Held-out evaluation prompts, same format as `train`.")
+    prompt_field: str = Field("prompt", description="Field holding the problem text.")
+    answer_field: str = Field("answer", description="Field holding the final answer the verifier checks.")
+    solution_field: str = Field("solution", description="Field holding a step-by-step reference solution (for reference_solution sources).")
+    on_bad_row: Literal["error", "skip"] = Field("error", description="A row with a missing or unusable field: stop with an error naming file, row and field, or skip and count it.")
+    tiers: list[int] = Field(default_factory=lambda: [1, 2, 4, 6, 8], description="Toy testbed only: chain lengths (steps) of the difficulty tiers.")
+    train_tiers: list[int] = Field(default_factory=lambda: [2, 4, 6], description="Toy testbed only: the chain lengths training prompts are drawn from.")
+
+
+class Rollout(Strict):
+    samples_per_prompt: int = Field(8, ge=1, description="Responses sampled per prompt (the group size G).")
+    max_new_tokens: int = Field(1024, ge=1, description="Largest number of response tokens per rollout (the toy testbed caps it at what its task needs).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables.")
+    engine: Literal["auto", "hf", "vllm"] = Field("auto", description="Rollout engine: `hf` (transformers generate), `vllm`, or `auto` (vLLM when installed and a GPU is present, else hf).")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM only: fraction of GPU memory the engine may take.")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM only: tensor-parallel degree of the rollout engine.")
+    guide: Any = Field(None, description="Who else writes tokens into rollouts (none, prefix, intervention).")
+
+
+class Sync(Strict):
+    every: int = Field(1, ge=1, description="Refresh the rollout weights from the trainer every this many optimiser steps (1 = on-policy).")
+    clear_buffer: bool = Field(True, description="Drop stored rollouts of older weights at each sync.")
+    reuse: bool = Field(False, description="Between syncs, train on the stored rollouts of the last sync instead of sampling new ones from the lagged weights.")
+    off_policy_ok: bool = Field(False, description="Allow every > 1 with an objective that assumes on-policy data (to study the lag on purpose).")
+
+
+class Train(Strict):
+    steps: int = Field(100, ge=1, description="Optimiser steps.")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts sampled per step (each gets samples_per_prompt rollouts).")
+    lr: float = Field(1.0e-6, gt=0, description="Peak learning rate (AdamW).")
+    betas: list[float] = Field(default_factory=lambda: [0.9, 0.999], min_length=2, max_length=2, description="AdamW betas.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate schedule after warm-up.")
+    grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clip; 0 disables.")
+    entropy_coef: float = Field(0.0, description="Subtract this times the token-mean entropy from the loss.")
+    seed: int = Field(0, description="Random seed for data order, sampling and initialisation.")
+    backend: Literal["lightning", "openrlhf"] = Field("lightning", description="Which backend compiles the run.")
+    micro_batch_size: int = Field(64, ge=1, description="Sequences per forward pass when computing log-probs and loss.")
+    eval_every: int = Field(20, ge=0, description="Evaluate pass@1 on each tier every this many steps (0: only at the end).")
+    eval_samples: int = Field(64, ge=1, description="Evaluation prompts per tier.")
+    checkpoint_every: int = Field(50, ge=1, description="Write a checkpoint every this many steps.")
+    devices: Any = Field("auto", description="Lightning `devices` (a count, a list, or auto).")
+    accelerator: str = Field("auto", description="Lightning accelerator: cpu, gpu, auto.")
+    strategy: str = Field("auto", description="Lightning strategy: auto, ddp, fsdp.")
+    precision: str = Field("32-true", description="Lightning precision, e.g. 32-true or bf16-mixed.")
+    num_nodes: int = Field(1, ge=1, description="Nodes for multi-node Lightning runs.")
+
+
+def _component_union(section: str, builtins_only: bool):
+    classes = tuple(c for c in registry.kinds(section).values() if not (builtins_only and c.plugin))
+    if len(classes) == 1:
+        return Annotated[classes[0], Field(discriminator="kind")]
+    return Annotated[Union[classes], Field(discriminator="kind")]
+
+
+PARTIAL_KEYS = ("sources", "rollout", "signal", "objective", "terms", "sync", "train")
+PARTIAL_HELP = "A partial spec merged over the base spec (components whose `kind` changes are replaced whole)."
+
+
+class Phase(Strict):
+    until: int = Field(..., ge=1, description="This phase covers steps up to (excluding) this step.")
+    sources: Optional[dict[str, Any]] = Field(None, description=PARTIAL_HELP)
+    rollout: Optional[dict[str, Any]] = Field(None, description=PARTIAL_HELP)
+    signal: Optional[dict[str, Any]] = Field(None, description=PARTIAL_HELP)
+    objective: Optional[dict[str, Any]] = Field(None, description=PARTIAL_HELP)
+    terms: Optional[list[Any]] = Field(None, description=PARTIAL_HELP)
+    sync: Optional[dict[str, Any]] = Field(None, description=PARTIAL_HELP)
+    train: Optional[dict[str, Any]] = Field(None, description="Partial train settings (not `steps`, which belongs to the spec).")
+
+
+class Stage(Strict):
+    name: str = Field(..., pattern=r"^[a-z0-9_-]+$", description="Stage name (used in logs and run folders).")
+    sources: Optional[dict[str, Any]] = Field(None, description=PARTIAL_HELP)
+    rollout: Optional[dict[str, Any]] = Field(None, description=PARTIAL_HELP)
+    signal: Optional[dict[str, Any]] = Field(None, description=PARTIAL_HELP)
+    objective: Optional[dict[str, Any]] = Field(None, description=PARTIAL_HELP)
+    terms: Optional[list[Any]] = Field(None, description=PARTIAL_HELP)
+    sync: Optional[dict[str, Any]] = Field(None, description=PARTIAL_HELP)
+    train: Optional[dict[str, Any]] = Field(None, description="Partial train settings; `steps` is this stage's step count.")
+
+
+_CACHE: dict = {}
+
+
+def spec_model(builtins_only: bool = False) -> type[BaseModel]:
+    """Build the Spec model from the registry (rebuilt when plugins add kinds)."""
+    key = (builtins_only,) + tuple((s, tuple(registry.kinds(s))) for s in registry.SECTIONS)
+    if key in _CACHE:
+        return _CACHE[key]
+    source_u, guide_u = _component_union("sources", builtins_only), _component_union("guide", builtins_only)
+    signal_u, objective_u = _component_union("signal", builtins_only), _component_union("objective", builtins_only)
+    none_guide = registry.lookup("guide", "none")
+
+    rollout = create_model(
+        "Rollout", __base__=Rollout,
+        guide=(guide_u, Field(default_factory=none_guide, description="Who else writes tokens into rollouts.")),
+    )
+    term = create_model(
+        "Term", __base__=Strict,
+        signal=(signal_u, Field(..., description="Where the learning signal comes from.")),
+        objective=(objective_u, Field(..., description="How the signal becomes a loss.")),
+        weight=(float, Field(1.0, description="Weight of this term in the summed loss.")),
+        name=(Optional[str], Field(None, description="Name used when logging this term (default: term<i>).")),
+    )
+    model = create_model(
+        "Spec", __base__=Strict,
+        name=(str, Field(..., pattern=r"^[a-z0-9_-]+$", description="Method name, [a-z0-9_-]+.")),
+        summary=(str, Field("", description="One line saying what the method does.")),
+        extends=(Optional[str], Field(None, description="Path (relative to this file) of a spec to deep-merge over.")),
+        plugins=(list[str], Field(default_factory=list, description="Modules to import for third-party components, named explicitly.")),
+        policy=(Policy, Field(default_factory=Policy, description="The trained model.")),
+        data=(Data, Field(default_factory=Data, description="Training and evaluation data.")),
+        sources=(dict[str, source_u], Field(default_factory=dict, description="Privileged-information sources, by name.")),
+        rollout=(rollout, Field(default_factory=rollout, description="How responses are sampled.")),
+        signal=(Optional[signal_u], Field(None, description="Where the learning signal comes from.")),
+        objective=(Optional[objective_u], Field(None, description="How the signal becomes a loss.")),
+        terms=(Optional[list[term]], Field(None, description="Several weighted signal/objective pairs, instead of `signal` + `objective`.")),
+        sync=(Sync, Field(default_factory=Sync, description="When rollout weights are refreshed from the trainer.")),
+        phases=(list[Phase], Field(default_factory=list, description="Step ranges with partial overrides, e.g. a guide switched off after step 200.")),
+        stages=(list[Stage], Field(default_factory=list, description="Stages run one after another, each a partial spec with its own train.steps.")),
+        train=(Train, Field(default_factory=Train, description="Optimisation and run settings.")),
+    )
+    _CACHE[key] = model
+    return model
+

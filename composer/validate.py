@@ -1,0 +1,197 @@
+"""Validation in layers (DESIGN.md section 3): YAML, schema, graph, method semantics.
+
+Each layer reports all its problems together; validation stops at the first layer that fails.
+Nothing here imports torch, transformers or lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from composer import graph, registry, rules
+from composer.errors import Diagnostic, Location, SpecError
+from composer.loader import LoadedSpec, deep_merge, load_spec
+from composer.schema_errors import diagnostics_from
+from composer.spec import PARTIAL_KEYS, spec_model
+
+
+@dataclass
+class Segment:
+    """A step range with its resolved spec: the base, or the base with one phase or stage merged in."""
+
+    name: str  # "main", "phase0", or the stage name
+    start: int
+    end: int  # exclusive
+    spec: Any
+    data: dict
+    origin: tuple = ()  # ("phases", i) or ("stages", i): where its overrides stand
+
+
+@dataclass
+class Validated:
+    loaded: LoadedSpec
+    spec: Any
+    segments: list[Segment]
+    warnings: list[Diagnostic] = field(default_factory=list)
+
+    @property
+    def total_steps(self) -> int:
+        return self.segments[-1].end if self.segments else 0
+
+
+def _locate(diags: list[Diagnostic], loaded: LoadedSpec, origin: tuple = ()) -> list[Diagnostic]:
+    for d in diags:
+        if d.location is None:
+            d.location = None
+            if origin and _exists(loaded.data, origin + d.path[:1]):
+                d.location = loaded.locate(origin + d.path)
+                d.path = origin + d.path
+            if d.location is None:
+                d.location = loaded.locate(d.path) or Location(loaded.file, 1, 1)
+    return diags
+
+
+def _exists(data, path) -> bool:
+    cur = data
+    for p in path:
+        if isinstance(cur, dict) and p in cur:
+            cur = cur[p]
+        elif isinstance(cur, list) and isinstance(p, int) and 0 <= p < len(cur):
+            cur = cur[p]
+        else:
+            return False
+    return True
+
+
+def load_plugins(loaded: LoadedSpec) -> list[Diagnostic]:
+    """Import the modules the spec names in `plugins:` (and nothing else)."""
+    names = loaded.data.get("plugins") or []
+    if not isinstance(names, list):
+        return []  # the schema layer reports the type
+    out = []
+    for i, name in enumerate(names):
+        if not isinstance(name, str):
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # a plugin's own errors must become a diagnostic, not a traceback
+            out.append(Diagnostic("schema", f"plugin module '{name}' cannot be imported: {type(e).__name__}: {e}",
+                                  ("plugins", i), loaded.locate(("plugins", i)),
+                                  "install the package that provides it, or fix the module name"))
+    return out
+
+
+def _segment_data(base: dict, part: dict) -> dict:
+    over = {k: v for k, v in part.items() if k in PARTIAL_KEYS}
+    merged = deep_merge(base, over)
+    merged.pop("phases", None)
+    merged.pop("stages", None)
+    return merged
+
+
+def _validate_segment(model, data: dict, loaded: LoadedSpec, origin: tuple) -> tuple[Any, list[Diagnostic]]:
+    try:
+        return model.model_validate(data), []
+    except ValidationError as e:
+        view = LoadedSpec(data, loaded.positions, loaded.file)
+
+        def locate(path):
+            if _exists(loaded.data, origin + path[:2]) and origin:
+                return loaded.locate(origin + path)
+            return loaded.locate(path)
+
+        return None, diagnostics_from(e, view, model, locate=locate)
+
+
+def validate_loaded(loaded: LoadedSpec) -> Validated:
+    """Run layers 2-4 on loaded YAML. Raises SpecError with every diagnostic of the failing layer."""
+    registry.load_all()
+    diags = load_plugins(loaded)
+    if diags:
+        raise SpecError(diags)
+    model = spec_model()
+    try:
+        spec = model.model_validate(loaded.data)
+    except ValidationError as e:
+        raise SpecError(diagnostics_from(e, loaded, model)) from None
+
+    # phases and stages: each resolved segment must be a valid spec on its own
+    base = {k: v for k, v in loaded.data.items() if k not in ("phases", "stages", "extends")}
+    segments, diags = [], []
+    if spec.stages:
+        start = 0
+        for i, st in enumerate(spec.stages):
+            data = _segment_data(base, loaded.data["stages"][i])
+            seg_spec, d = _validate_segment(model, data, loaded, ("stages", i))
+            for x in d:
+                x.message = f"in stage '{st.name}': {x.message}"
+            diags += d
+            if seg_spec is not None:
+                segments.append(Segment(st.name, start, start + seg_spec.train.steps, seg_spec, data, ("stages", i)))
+                start += seg_spec.train.steps
+    elif spec.phases:
+        start = 0
+        for i, ph in enumerate(spec.phases):
+            data = _segment_data(base, loaded.data["phases"][i])
+            seg_spec, d = _validate_segment(model, data, loaded, ("phases", i))
+            for x in d:
+                x.message = f"in phase {i} (steps {start}-{ph.until}): {x.message}"
+            diags += d
+            end = min(ph.until, spec.train.steps)
+            if seg_spec is not None and end > start:
+                segments.append(Segment(f"phase{i}", start, end, seg_spec, data, ("phases", i)))
+            start = max(start, ph.until)
+    else:
+        segments.append(Segment("main", 0, spec.train.steps, spec, base))
+    if diags:
+        raise SpecError(_locate(diags, loaded))
+
+    # layer 3: the graph of each segment; unused sources across all of them
+    used: set[str] = set()
+    for seg in segments or [Segment("main", 0, 0, spec, base)]:
+        g, d = graph.check(seg.spec)
+        for x in d:
+            if seg.origin:
+                x.message = f"in {seg.name}: {x.message}"
+        diags += _locate(d, loaded, seg.origin)
+        used |= graph.used_sources(g)
+    if diags:
+        raise SpecError(_dedupe(diags))
+    warnings = [Diagnostic("graph", f"source '{n}' is declared but nothing reads it", ("sources", n),
+                           loaded.locate(("sources", n)), "remove it, or refer to it from a signal, guide or "
+                           "another source", severity="warning")
+                for n in spec.sources if n not in used]
+
+    # layer 4: method semantics, on the base spec and each segment
+    diags = _locate(rules.check(spec, "base"), loaded)
+    for seg in segments:
+        d = rules.check(seg.spec, seg.name)
+        for x in d:
+            if seg.origin:
+                x.message = f"in {seg.name}: {x.message}"
+        diags += _locate(d, loaded, seg.origin)
+    errors = [d for d in _dedupe(diags) if d.severity == "error"]
+    warnings += [d for d in _dedupe(diags) if d.severity == "warning"]
+    if errors:
+        raise SpecError(errors + warnings)
+    return Validated(loaded, spec, segments, warnings)
+
+
+def _dedupe(diags: list[Diagnostic]) -> list[Diagnostic]:
+    seen, out = set(), []
+    for d in diags:
+        key = (d.path, d.message.split(": ", 1)[-1] if d.message.startswith("in ") else d.message)
+        if key not in seen:
+            seen.add(key)
+            out.append(d)
+    return out
+
+
+def validate_file(path: str | Path, overrides: list[str] | None = None) -> Validated:
+    """Load and validate a spec file. Raises SpecError."""
+    return validate_loaded(load_spec(path, overrides))
