@@ -68,5 +68,6 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     if close:
         return f"did you mean '{close[0]}'?"
     if choices:
-        return "expected one of: " + ", ".join(choices)
+        shown = choices[:15]
+        return "expected one of: " + ", ".join(shown) + (f", ... ({len(choices) - 15} more)" if len(choices) > 15 else "")
     return ""

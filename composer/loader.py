@@ -60,7 +60,8 @@ class _Walker:
             raise _err(f"the document expands to more than {MAX_NODES} nodes (an alias bomb?)", self.file,
                        node.start_mark, path, "specs are small: remove the repeated aliases")
         if depth > MAX_DEPTH:
-            raise _err(f"nesting deeper than {MAX_DEPTH} levels", self.file, node.start_mark, path)
+            raise _err(f"nesting deeper than {MAX_DEPTH} levels", self.file, node.start_mark, path,
+                       "specs are a few levels deep: look for unclosed brackets")
         if isinstance(node, yaml.MappingNode):
             if node.tag not in ("tag:yaml.org,2002:map",):
                 raise _err(f"unsupported tag {node.tag}", self.file, node.start_mark, path,
@@ -72,7 +73,7 @@ class _Walker:
                     raise _err("mapping keys must be plain scalars", self.file, key_node.start_mark, path)
                 key = self.scalar(key_node, path)
                 if not isinstance(key, str):
-                    key = str(key).lower() if isinstance(key, bool) or key is None else str(key)
+                    key = "null" if key is None else str(key).lower() if isinstance(key, bool) else str(key)
                 if key in out:
                     first = self.positions.get(path + (key,))
                     raise _err(f"duplicate key '{key}'" + (f" (first at line {first.line})" if first else ""),
@@ -99,6 +100,12 @@ class _Walker:
         if not isinstance(value, (str, int, float, bool, type(None))):
             raise _err(f"unsupported value of type {type(value).__name__}", self.file, node.start_mark, path,
                        "quote it to make it a string")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise _err("a string with a lone surrogate escape (not valid Unicode)", self.file, node.start_mark,
+                           path, "write the character itself, or a \\U escape of a real code point") from None
         return value
 
 
@@ -119,7 +126,8 @@ def parse_yaml(text: str, file: str) -> tuple[Any, dict]:
     except yaml.YAMLError as e:
         raise _err(f"YAML: {e}", file) from None
     except RecursionError:
-        raise _err(f"nesting deeper than {MAX_DEPTH} levels", file) from None
+        raise _err(f"nesting deeper than {MAX_DEPTH} levels", file, None, (),
+                   "specs are a few levels deep: look for unclosed brackets") from None
     finally:
         loader.dispose()
 
@@ -142,13 +150,15 @@ def deep_merge(base: Any, over: Any) -> Any:
 
 def read_text(path: Path) -> str:
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)  # never more: /dev/zero or a huge file must not fill memory
     except FileNotFoundError:
-        raise _err("no such file", str(path)) from None
+        raise _err("no such file", str(path), None, (), "check the path (overrides are written path.to.field=value)") \
+            from None
     except IsADirectoryError:
         raise _err("is a directory, not a spec file", str(path)) from None
-    except OSError as e:
-        raise _err(f"cannot read: {e.strerror}", str(path)) from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        raise _err(f"cannot read: {getattr(e, 'strerror', None) or e}", str(path)) from None
     if len(raw) > MAX_FILE_BYTES:
         raise _err(f"file larger than {MAX_FILE_BYTES} bytes", str(path), None, (), "specs are small YAML files")
     try:
@@ -159,10 +169,6 @@ def read_text(path: Path) -> str:
 
 def _load_file(path: Path, stack: tuple) -> LoadedSpec:
     resolved = path.resolve()
-    if resolved in stack:
-        chain = " -> ".join(p.name for p in stack + (resolved,))
-        raise _err(f"`extends` forms a cycle: {chain}", str(path), None, ("extends",),
-                   "remove one `extends` from the cycle")
     file = str(path)
     data, positions = parse_yaml(read_text(path), file)
     if data is None:
@@ -177,13 +183,22 @@ def _load_file(path: Path, stack: tuple) -> LoadedSpec:
         loc = positions.get(("extends",))
         raise SpecError([Diagnostic("yaml", "`extends` takes a path to another spec", ("extends",), loc,
                                     "write `extends: grpo.yaml` (relative to this file)")])
+    loc = positions.get(("extends",))
     base_path = path.parent / parent
-    if not base_path.exists():
-        loc = positions.get(("extends",))
+    try:
+        exists = base_path.is_file()
+        base_resolved = base_path.resolve()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        exists = False
+    if not exists:
         siblings = [p.name for p in path.parent.glob("*.yaml")]
         from composer.errors import did_you_mean
-        raise SpecError([Diagnostic("yaml", f"`extends` names {parent}, which does not exist (looked in "
+        raise SpecError([Diagnostic("yaml", f"`extends` names {parent!r}, which is not a spec file (looked in "
                                     f"{path.parent})", ("extends",), loc, did_you_mean(Path(parent).name, siblings))])
+    if base_resolved in stack + (resolved,):
+        chain = " -> ".join(p.name for p in stack + (resolved, base_resolved))
+        raise SpecError([Diagnostic("yaml", f"`extends` forms a cycle: {chain}", ("extends",), loc,
+                                    "remove one `extends` from the cycle")])
     base = _load_file(base_path, stack + (resolved,))
     merged = deep_merge(base.data, {k: v for k, v in data.items() if k != "extends"})
     return LoadedSpec(merged, {**base.positions, **positions}, file)
@@ -204,10 +219,14 @@ def apply_overrides(spec: LoadedSpec, overrides: list[str]) -> LoadedSpec:
         try:
             conf = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=True)
         except Exception as e:  # OmegaConf raises several grammar error types
-            raise SpecError([Diagnostic("yaml", f"cannot parse override: {e}".splitlines()[0], (), loc)]) from None
+            raise SpecError([Diagnostic("yaml", f"cannot parse override: {e}".splitlines()[0], (), loc,
+                                        "write path.to.field=value; quote values with brackets or spaces, "
+                                        "e.g. 'summary=\"a b\"'")]) from None
         data = deep_merge(data, _inf_floats(conf))
         key = tuple(int(p) if p.isdigit() else p for p in item.split("=", 1)[0].split("."))
-        positions[key] = loc
+        for n in range(1, len(key) + 1):  # a misspelt section (`trian.steps=3`) is located at the override too
+            if n == len(key) or key[:n] not in positions:
+                positions[key[:n]] = loc
     return LoadedSpec(data, positions, spec.file)
 
 

@@ -57,9 +57,7 @@ def _models(spec, data_is_toy: bool) -> list[dict]:
     for _, obj in graph.signal_objective_pairs(spec):
         if obj is None:
             continue
-        if getattr(obj, "kl_coef", 0) and obj.kind_name() == "grpo":
-            needs_initial = True
-        if getattr(obj, "reference", "") == "initial":
+        if getattr(obj, "wants_initial", False):
             needs_initial = True
     for name, src in spec.sources.items():
         if src.kind_name() != "policy_model":

@@ -213,6 +213,19 @@ def stages_well_formed(spec, segment):
     return out
 
 
+@rule("sampled_divergence_is_reverse_kl")
+def sampled_divergence_is_reverse_kl(spec, segment):
+    out = []
+    for base, sig, obj in _pairs_with_paths(spec):
+        if obj is not None and obj.kind_name() == "divergence" and obj.estimator == "sampled" \
+                and obj.measure != "reverse_kl":
+            out.append(_d("sampled_divergence_is_reverse_kl",
+                          f"estimator: sampled estimates reverse KL only (a single sample of the student's own "
+                          f"token); measure is {obj.measure}", base + ("objective", "estimator"),
+                          "use estimator: full or top_k for forward_kl and jsd"))
+    return out
+
+
 def check(spec, segment: str) -> list[Diagnostic]:
     out = []
     for fn in RULES.values():

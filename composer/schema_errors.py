@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import typing
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticUndefined
 
-from composer.errors import Diagnostic, did_you_mean
+from composer import registry
+from composer.errors import Diagnostic, Location, did_you_mean
 from composer.loader import LoadedSpec
 
 
@@ -106,6 +109,7 @@ def diagnostics_from(err: ValidationError, spec: LoadedSpec, model: type[BaseMod
     """Friendly diagnostics for every pydantic error, located in the YAML."""
     locate = locate or spec.locate
     out, seen = [], set()
+    by_path: dict[tuple, list] = {}  # value errors per path: the members of a plain union are merged into one
     for e in err.errors():
         loc = tuple(e["loc"])
         data_root = spec.data
@@ -133,22 +137,86 @@ def diagnostics_from(err: ValidationError, spec: LoadedSpec, model: type[BaseMod
             parent = model_at(model, spec.data, path[:-1])
             f = _field(parent, path[-1]) if parent else None
             msg = f"missing required field '{path[-1]}'"
-            hint = f.description if f is not None and f.description else ""
-        elif etype in ("literal_error", "enum"):
-            expected = ctx.get("expected", "")
-            options = [o.strip().strip("'\"") for o in str(expected).replace(" or ", ",").split(",") if o.strip()]
-            msg = f"{value!r} is not allowed; expected {expected}"
-            hint = did_you_mean(value, options) if isinstance(value, str) else ""
+            hint = f"add `{path[-1]}:`" + (f" ({f.description})" if f is not None and f.description else "")
         elif etype in ("model_type", "dict_type", "model_attributes_type"):
             msg = f"expected a mapping, got {type(value).__name__} {_short(value)}"
+            hint = _field_hint(model, spec.data, path) or "write `key: value` pairs"
+            if isinstance(value, str) and path and any(value in registry.kinds(sec) for sec in registry.SECTIONS):
+                hint = f"a component is a mapping: write `{path[-1]}: {{kind: {value}}}`"
         else:
-            msg = f"{e['msg']}" + (f", got {_short(value)}" if not isinstance(value, (dict, list)) else "")
+            by_path.setdefault(path, []).append(e)
+            continue
         key = (path, msg)
         if key in seen:
             continue
         seen.add(key)
-        out.append(Diagnostic("schema", msg, path, locate(path), hint))
+        out.append(Diagnostic("schema", msg, path, locate(path) or Location(spec.file, 1, 1), hint))
+    for path, errs in by_path.items():
+        value = errs[0].get("input")
+        if len(errs) == 1:
+            e = errs[0]
+            if e["type"] in ("literal_error", "enum"):
+                expected = (e.get("ctx") or {}).get("expected", "")
+                msg = f"{value!r} is not allowed; expected {expected}"
+            else:
+                msg = f"{e['msg']}" + (f", got {_short(value)}" if not isinstance(value, (dict, list)) else "")
+        else:
+            wanted = []
+            for e in errs:
+                w = _expectation(e)
+                if w not in wanted:
+                    wanted.append(w)
+            msg = f"{_short(value)} is not allowed here; expected " + " or ".join(wanted)
+        options = []
+        for e in errs:
+            if e["type"] in ("literal_error", "enum"):
+                expected = str((e.get("ctx") or {}).get("expected", ""))
+                options += [o.strip().strip("'\"") for o in expected.replace(" or ", ",").split(",") if o.strip()]
+        hint = did_you_mean(value, options) if options and isinstance(value, str) else ""
+        if not hint or not hint.startswith("did you mean"):
+            hint = _field_hint(model, spec.data, path) or hint
+        out.append(Diagnostic("schema", msg, path, locate(path) or Location(spec.file, 1, 1), hint))
     return out
+
+
+def _expectation(e: dict) -> str:
+    """What a pydantic error says the value should be, as a phrase: "a valid number", "'policy' or 'behavior'"."""
+    text = str(e.get("msg", ""))
+    text = text[len("Input should be "):] if text.startswith("Input should be ") else text
+    return text.split(",")[0]
+
+
+def _field_hint(model: type[BaseModel], data: Any, path: tuple) -> str:
+    """The field's description and default, as a hint for a value of the wrong type or range."""
+    f = None
+    for cut in (1, 2):  # the field itself, or the list/dict field an item belongs to
+        if len(path) < cut:
+            break
+        parent = model_at(model, data, path[:-cut])
+        f = _field(parent, path[-cut]) if parent is not None else None
+        if f is not None:
+            break
+    if f is None:
+        return ""
+    text = f.description or ""
+    default = f.get_default(call_default_factory=True)
+    if default is not PydanticUndefined and default is not None and not isinstance(default, BaseModel):
+        text += f" Default: {_yaml_value(default)}."
+    return text.strip()
+
+
+def _yaml_value(value) -> str:
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return ".inf" if value > 0 else "-.inf"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_yaml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_yaml_value(v)}" for k, v in value.items()) + "}"
+    return str(value)
 
 
 def _short(value) -> str:

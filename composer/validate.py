@@ -68,6 +68,17 @@ def _exists(data, path) -> bool:
     return True
 
 
+def _nan_paths(value, path: tuple):
+    if isinstance(value, float) and value != value:
+        yield path
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _nan_paths(v, path + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _nan_paths(v, path + (i,))
+
+
 def load_plugins(loaded: LoadedSpec) -> list[Diagnostic]:
     """Import the modules the spec names in `plugins:` (and nothing else)."""
     names = loaded.data.get("plugins") or []
@@ -105,7 +116,11 @@ def _validate_segment(model, data: dict, loaded: LoadedSpec, origin: tuple) -> t
                 return loaded.locate(origin + path)
             return loaded.locate(path)
 
-        return None, diagnostics_from(e, view, model, locate=locate)
+        diags = diagnostics_from(e, view, model, locate=locate)
+        for d in diags:  # a problem the phase or stage wrote is named by its own path
+            if _exists(loaded.data, origin + d.path[:2]):
+                d.path = origin + d.path
+        return None, diags
 
 
 def validate_loaded(loaded: LoadedSpec) -> Validated:
@@ -115,10 +130,15 @@ def validate_loaded(loaded: LoadedSpec) -> Validated:
     if diags:
         raise SpecError(diags)
     model = spec_model()
+    nans = [Diagnostic("schema", "not a number (.nan)", p, loaded.locate(p) or Location(loaded.file, 1, 1),
+                       "write a number: no setting takes .nan") for p in _nan_paths(loaded.data, ())]
     try:
         spec = model.model_validate(loaded.data)
     except ValidationError as e:
-        raise SpecError(diagnostics_from(e, loaded, model)) from None
+        raise SpecError(nans + [d for d in diagnostics_from(e, loaded, model)
+                                if d.path not in {n.path for n in nans}]) from None
+    if nans:
+        raise SpecError(nans)
 
     # phases and stages: each resolved segment must be a valid spec on its own
     base = {k: v for k, v in loaded.data.items() if k not in ("phases", "stages", "extends")}

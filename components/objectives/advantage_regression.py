@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, ClassVar, Literal, Optional, Union
+from typing import TYPE_CHECKING, ClassVar, Literal, Union
 
 from pydantic import Field
 
@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 AnchorValue = Union[float, Literal["policy", "behavior"]]
 
 
-def soft_value(rewards: "Tensor", group: "Tensor", beta1: float,
-               baseline: Optional["Tensor"] = None) -> tuple["Tensor", int]:
+def soft_value(rewards: Tensor, group: Tensor, beta1: float,
+               baseline: Tensor | None = None) -> tuple[Tensor, int]:
     """V_hat(x) = beta1 ln((1/n) sum_j exp(r_j / beta1)) over the baseline rows of each group.
 
     A*PO (Brantley et al. 2025, arXiv 2505.20686) and OAPL (Ritter et al. 2026, arXiv 2602.19362);
@@ -58,7 +58,7 @@ def soft_value(rewards: "Tensor", group: "Tensor", beta1: float,
     return v[inv].to(rewards.dtype), int(fallback.sum())
 
 
-def sequence_log_ratio(logp: "Tensor", anchor: "Tensor", mask: "Tensor") -> "Tensor":
+def sequence_log_ratio(logp: Tensor, anchor: Tensor, mask: Tensor) -> Tensor:
     """log pi_theta(y|x) - log pi_anchor(y|x) = sum_t m_t (log pi_theta(y_t) - anchor_t).
 
     logp [B, T], anchor [B, T] (detached), mask [B, T] -> [B]. Masked-out entries are zeroed first.
@@ -67,7 +67,7 @@ def sequence_log_ratio(logp: "Tensor", anchor: "Tensor", mask: "Tensor") -> "Ten
     return torch.where(mask, d, torch.zeros_like(d)).sum(-1)
 
 
-def regression_loss(log_ratio: "Tensor", adv: "Tensor", beta2: float, weights: "Tensor") -> "Tensor":
+def regression_loss(log_ratio: Tensor, adv: Tensor, beta2: float, weights: Tensor) -> Tensor:
     """L = sum_i w_i (beta2 * log_ratio_i - A_i)^2 / sum_i w_i (A*PO / OAPL / MInTRL squared regression).
 
     log_ratio [B], adv [B] (detached), weights [B] -> scalar (0 if all weights are 0).
@@ -98,6 +98,11 @@ class AdvantageRegression(Objective):
     needs: ClassVar = ("reward",)
     uses_group_baseline: ClassVar = True
 
+    @property
+    def wants_initial(self) -> bool:
+        """A*PO anchors policy tokens at the frozen initial policy."""
+        return self.reference == "initial"
+
     def anchor_for(self, origin: str) -> AnchorValue:
         return self.anchor.get(origin, "behavior")
 
@@ -107,7 +112,7 @@ class AdvantageRegression(Objective):
             return "mean"
         return "max" if self.beta1 == 0 else "softmax"
 
-    def anchor_logprobs(self, batch: "TrajectoryBatch") -> "Tensor":
+    def anchor_logprobs(self, batch: TrajectoryBatch) -> Tensor:
         """[B, T] per-token anchor log-prob: policy tokens -> behaviour (or initial, A*PO) log-prob;
         other origins -> `anchor_for(origin)`: a constant kappa (MInTRL-Const) or the rollout weights'
         log-prob of those tokens, batch.behavior_logprobs (`policy`/`behavior`, MInTRL-Proxy)."""
@@ -124,7 +129,7 @@ class AdvantageRegression(Objective):
                 anchor = torch.where(batch.origin == CODE[name], torch.full_like(anchor, float(a)), anchor)
         return anchor
 
-    def loss(self, batch: "TrajectoryBatch", cur: "PolicyView") -> tuple["Tensor", dict[str, float]]:
+    def loss(self, batch: TrajectoryBatch, cur: PolicyView) -> tuple[Tensor, dict[str, float]]:
         if batch.rewards is None:
             raise ValueError("advantage_regression: the batch has no rewards (a reward signal must fill batch.rewards)")
         mask = self.loss_mask(batch)  # [B, T]

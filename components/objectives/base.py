@@ -6,7 +6,7 @@ the lazy proxy so that importing this module (spec validation) never loads torch
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal, Optional
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 
@@ -29,7 +29,7 @@ class Objective(Component):
     policy_gradient: ClassVar[bool] = False  # importance-ratio policy gradient: off-policy tokens must be masked
     uses_group_baseline: ClassVar[bool] = False
 
-    def loss_mask(self, batch) -> "Tensor":
+    def loss_mask(self, batch) -> Tensor:
         """[B, T] bool: tokens of `loss_tokens` origins that are not padding."""
         return batch.mask(self.loss_tokens) & batch.attention_mask
 
@@ -38,14 +38,14 @@ class Objective(Component):
 # Aggregation (ALGORITHMS.md section 0; verl `core_algos.agg_loss`, as in lasgroup/SDPO)
 # ----------------------------------------------------------------------------------------------
 
-def _safe_div(num: "Tensor", den: "Tensor") -> "Tensor":
+def _safe_div(num: Tensor, den: Tensor) -> Tensor:
     """num / den, 0 where den == 0 (no NaN forward or backward)."""
     ok = den > 0
     return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
 
 
-def aggregate(loss_tok: "Tensor", mask: "Tensor", mode: str, norm_const: Optional[float] = None,
-              seq_weight: Optional["Tensor"] = None) -> "Tensor":
+def aggregate(loss_tok: Tensor, mask: Tensor, mode: str, norm_const: float | None = None,
+              seq_weight: Tensor | None = None) -> Tensor:
     """Reduce a per-token loss matrix to a scalar (ALGORITHMS.md section 0, verl `agg_loss`).
 
     loss_tok [B, T], mask [B, T] (bool or 0/1), seq_weight [B] (s_i, default 1) -> scalar. With m = mask:
@@ -80,7 +80,7 @@ def aggregate(loss_tok: "Tensor", mask: "Tensor", mode: str, norm_const: Optiona
     return _safe_div((s_rows * per_seq).sum(), s_rows.sum())
 
 
-def masked_mean(x: "Tensor", mask: "Tensor") -> "Tensor":
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """sum(m x) / sum(m) over every entry, 0 if the mask is empty. x, mask: same shape -> scalar."""
     m = mask.to(x.dtype)
     return _safe_div((torch.where(m != 0, x, torch.zeros_like(x)) * m).sum(), m.sum())
@@ -90,13 +90,13 @@ def masked_mean(x: "Tensor", mask: "Tensor") -> "Tensor":
 # Group statistics (GRPO, Shao et al. 2024, arXiv 2402.03300; verl `compute_grpo_outcome_advantage`)
 # ----------------------------------------------------------------------------------------------
 
-def group_index(group: "Tensor") -> tuple["Tensor", int]:
+def group_index(group: Tensor) -> tuple[Tensor, int]:
     """group [B] ids (any values) -> (inverse [B] in 0..G-1, G)."""
     uniq, inv = torch.unique(group, return_inverse=True)
     return inv, int(uniq.numel())
 
 
-def group_stats(rewards: "Tensor", group: "Tensor") -> tuple["Tensor", "Tensor", "Tensor", "Tensor"]:
+def group_stats(rewards: Tensor, group: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-row statistics of each row's group.
 
     rewards [B] float, group [B] -> (mean [B], std [B], count [B], constant [B] bool).
@@ -120,7 +120,7 @@ def group_stats(rewards: "Tensor", group: "Tensor") -> tuple["Tensor", "Tensor",
     return mean[inv].to(dt), std[inv].to(dt), n[inv].to(dt), const[inv]
 
 
-def group_advantages(rewards: "Tensor", group: "Tensor", std_norm: bool = True, eps: float = 1e-6) -> "Tensor":
+def group_advantages(rewards: Tensor, group: Tensor, std_norm: bool = True, eps: float = 1e-6) -> Tensor:
     """GRPO outcome advantage A_i = (r_i - mean_g r) / (std_g r + eps), or r_i - mean_g r (Dr. GRPO).
 
     rewards [B], group [B] -> A [B]. Unbiased std with eps added to it (verl). A group whose rewards
@@ -134,7 +134,7 @@ def group_advantages(rewards: "Tensor", group: "Tensor", std_norm: bool = True, 
     return torch.where(const, torch.zeros_like(adv), adv)
 
 
-def zero_advantage_fraction(rewards: "Tensor", group: "Tensor") -> "Tensor":
+def zero_advantage_fraction(rewards: Tensor, group: Tensor) -> Tensor:
     """Fraction of trajectories whose group has all rewards equal (no group-relative signal). -> scalar."""
     _, _, _, const = group_stats(rewards, group)
     return const.to(torch.float32).mean()

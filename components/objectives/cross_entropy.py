@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from composer.batch import PolicyView, TrajectoryBatch
 
 
-def cross_entropy_loss(logp: "Tensor", mask: "Tensor", mode: str = "token-mean") -> "Tensor":
+def cross_entropy_loss(logp: Tensor, mask: Tensor, mode: str = "token-mean") -> Tensor:
     """SFT negative log-likelihood (ALGORITHMS.md section 1): L = agg(-log pi_theta(y*_t | x, y*_<t)).
 
     logp [B, T] token-aligned log-probs of the targets, mask [B, T] -> scalar. With token-mean this is
@@ -35,7 +35,7 @@ class CrossEntropy(Objective):
 
     needs: ClassVar = ("sft_target",)
 
-    def loss(self, batch: "TrajectoryBatch", cur: "PolicyView") -> tuple["Tensor", dict[str, float]]:
+    def loss(self, batch: TrajectoryBatch, cur: PolicyView) -> tuple[Tensor, dict[str, float]]:
         mask = self.loss_mask(batch)  # [B, T]
         loss = cross_entropy_loss(cur.logprobs, mask, self.aggregation)
         return loss, {"loss": float(loss.detach()), "tokens": float(mask.sum())}

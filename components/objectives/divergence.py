@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from composer.batch import PolicyView, TrajectoryBatch
 
 
-def sampled_distill_loss(logp: "Tensor", behavior_logp: "Tensor", teacher_logp: "Tensor",
-                         kl_coef: float = 1.0) -> "Tensor":
+def sampled_distill_loss(logp: Tensor, behavior_logp: Tensor, teacher_logp: Tensor,
+                         kl_coef: float = 1.0) -> Tensor:
     """On-policy distillation as an importance-weighted policy gradient (Lu / Thinking Machines 2025;
     Tinker `importance_sampling` loss, kl_discount_factor 0).
 
@@ -30,7 +30,7 @@ def sampled_distill_loss(logp: "Tensor", behavior_logp: "Tensor", teacher_logp: 
     return -ratio * adv
 
 
-def _kl(logp: "Tensor", logq: "Tensor") -> "Tensor":
+def _kl(logp: Tensor, logq: Tensor) -> Tensor:
     """KL(p || q) = sum_v p_v (log p_v - log q_v) over the last dim; 0 * log 0 = 0. [..., V] -> [...]."""
     pos = torch.isfinite(logp)  # p_v > 0
     lp = torch.where(pos, logp, torch.zeros_like(logp))
@@ -38,7 +38,7 @@ def _kl(logp: "Tensor", logq: "Tensor") -> "Tensor":
     return torch.where(pos, torch.exp(lp) * (lp - lq), torch.zeros_like(lp)).sum(-1)
 
 
-def token_divergence(student_logp: "Tensor", teacher_logp: "Tensor", measure: str, beta: float = 0.5) -> "Tensor":
+def token_divergence(student_logp: Tensor, teacher_logp: Tensor, measure: str, beta: float = 0.5) -> Tensor:
     """Per-position divergence between normalised log-distributions S (student) and T (teacher).
 
     student_logp, teacher_logp [..., V] (log-softmaxed) -> [...]:
@@ -60,7 +60,7 @@ def token_divergence(student_logp: "Tensor", teacher_logp: "Tensor", measure: st
     return beta * _kl(teacher_logp, log_m) + (1.0 - beta) * _kl(student_logp, log_m)
 
 
-def add_tail(logp_k: "Tensor") -> "Tensor":
+def add_tail(logp_k: Tensor) -> Tensor:
     """Append the tail bucket log(1 - sum_k p) to top-k log-probs (SDPO, Hübotter et al. 2026,
     arXiv 2601.20802): log_s = logsumexp clamped to <= -1e-7, tail = log(-expm1(log_s)).
     [..., k] -> [..., k + 1]."""
@@ -68,7 +68,7 @@ def add_tail(logp_k: "Tensor") -> "Tensor":
     return torch.cat([logp_k, torch.log(-torch.expm1(log_s))], dim=-1)
 
 
-def top_k_with_tail(student_logp: "Tensor", teacher_logp: "Tensor", k: int) -> tuple["Tensor", "Tensor"]:
+def top_k_with_tail(student_logp: Tensor, teacher_logp: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Restrict both distributions to the student's top-k indices (chosen without gradient) plus a
     tail bucket (SDPO). student_logp, teacher_logp [..., V] -> ([..., k+1], [..., k+1])."""
     k = min(k, student_logp.shape[-1])
@@ -76,7 +76,7 @@ def top_k_with_tail(student_logp: "Tensor", teacher_logp: "Tensor", k: int) -> t
     return add_tail(student_logp.gather(-1, idx)), add_tail(teacher_logp.gather(-1, idx))
 
 
-def is_weight(logp: "Tensor", behavior_logp: "Tensor", is_clip: float) -> "Tensor":
+def is_weight(logp: Tensor, behavior_logp: Tensor, is_clip: float) -> Tensor:
     """Detached truncated importance weight w_t = min(exp(log pi_theta - log pi_beh), is_clip)
     (SDPO is_clip = 2; log-ratio clamped to +-20). [B, T] -> [B, T]."""
     return torch.exp((logp - behavior_logp).detach().clamp(-20.0, 20.0)).clamp(max=is_clip)
@@ -109,7 +109,7 @@ class Divergence(Objective):
     def wants_logits(self) -> bool:  # type: ignore[override]
         return self.estimator != "sampled"
 
-    def loss(self, batch: "TrajectoryBatch", cur: "PolicyView") -> tuple["Tensor", dict[str, float]]:
+    def loss(self, batch: TrajectoryBatch, cur: PolicyView) -> tuple[Tensor, dict[str, float]]:
         """Per-token divergence, weighted by SDPO's s_i (and w_t for full/top_k), aggregated:
         token-mean is sum m s w l / sum m s (SDPO `compute_self_distillation_loss`)."""
         mask = self.loss_mask(batch)  # [B, T]

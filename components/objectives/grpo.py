@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal, Optional
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 
-from components.objectives.base import Aggregation, Objective, aggregate, group_advantages, masked_mean, \
-    zero_advantage_fraction
+from components.objectives.base import (
+    Aggregation,
+    Objective,
+    aggregate,
+    group_advantages,
+    masked_mean,
+    zero_advantage_fraction,
+)
 from composer.lazy import torch
 from composer.registry import register
 
@@ -17,7 +23,7 @@ if TYPE_CHECKING:
     from composer.batch import PolicyView, TrajectoryBatch
 
 
-def kl_estimate(delta: "Tensor", estimator: str) -> "Tensor":
+def kl_estimate(delta: Tensor, estimator: str) -> Tensor:
     """Per-token KL estimator of delta = log pi_theta - log pi_ref (ALGORITHMS.md section 0; Schulman 2020).
 
     k1 = delta; k2 = 0.5 delta^2 (verl "mse"); k3 = exp(-delta) + delta - 1 (verl "low_var_kl",
@@ -33,8 +39,8 @@ def kl_estimate(delta: "Tensor", estimator: str) -> "Tensor":
     raise ValueError(f"unknown KL estimator {estimator!r}; expected k1, k2 or k3")
 
 
-def clipped_surrogate(logp: "Tensor", old_logp: "Tensor", adv: "Tensor", clip_low: float,
-                      clip_high: float) -> tuple["Tensor", "Tensor", "Tensor"]:
+def clipped_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, clip_low: float,
+                      clip_high: float) -> tuple[Tensor, Tensor, Tensor]:
     """PPO/GRPO clipped surrogate (Shao et al. 2024, arXiv 2402.03300; DAPO clip-higher, arXiv 2503.14476).
 
     logp, old_logp [B, T]; adv [B, T] (or broadcastable, e.g. [B, 1]) ->
@@ -56,11 +62,11 @@ class Grpo(Objective):
 
     kind: Literal["grpo"] = Field("grpo", description="Component kind.")
     clip: float = Field(0.2, ge=0, description="Symmetric ratio clip epsilon.")
-    clip_low: Optional[float] = Field(None, ge=0, description="Lower clip epsilon (DAPO clip-higher); overrides `clip` below 1.")
-    clip_high: Optional[float] = Field(None, ge=0, description="Upper clip epsilon (DAPO: 0.28); overrides `clip` above 1.")
+    clip_low: float | None = Field(None, ge=0, description="Lower clip epsilon (DAPO clip-higher); overrides `clip` below 1.")
+    clip_high: float | None = Field(None, ge=0, description="Upper clip epsilon (DAPO: 0.28); overrides `clip` above 1.")
     std_norm: bool = Field(True, description="Divide group-centred rewards by the group std (False: Dr. GRPO).")
     loss_agg: Aggregation = Field("token-mean", description="Loss aggregation (verl default token-mean; the paper's form is seq-mean-token-mean; Dr. GRPO seq-mean-token-sum-norm).")
-    norm_const: Optional[float] = Field(None, gt=0, description="C of seq-mean-token-sum-norm (Dr. GRPO: the maximum generation length); default: the batch's padded length T.")
+    norm_const: float | None = Field(None, gt=0, description="C of seq-mean-token-sum-norm (Dr. GRPO: the maximum generation length); default: the batch's padded length T.")
     kl_coef: float = Field(0.001, ge=0, description="Coefficient of the KL loss against the initial policy (0 disables; verl 0.001, DeepSeekMath 0.04).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator of the KL loss.")
     std_eps: float = Field(1e-6, gt=0, description="Added to the group std.")
@@ -70,7 +76,12 @@ class Grpo(Objective):
     policy_gradient: ClassVar = True
     uses_group_baseline: ClassVar = True
 
-    def loss(self, batch: "TrajectoryBatch", cur: "PolicyView") -> tuple["Tensor", dict[str, float]]:
+    @property
+    def wants_initial(self) -> bool:
+        """The KL loss reads the frozen initial policy's log-probs."""
+        return self.kl_coef > 0
+
+    def loss(self, batch: TrajectoryBatch, cur: PolicyView) -> tuple[Tensor, dict[str, float]]:
         """-agg(min(rho A, clip(rho) A)) + kl_coef * agg(k(log pi_theta - log pi_init)) over the loss tokens."""
         if batch.rewards is None:
             raise ValueError("grpo: the batch has no rewards (a reward signal must fill batch.rewards)")

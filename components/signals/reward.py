@@ -20,3 +20,8 @@ class RewardSignal(Component):
     needs: ClassVar = ("sequence_reward",)
     provides: ClassVar = ("reward",)
     usage: ClassVar[str] = "reward"
+
+    def apply(self, ctx, batch):
+        """Fill batch.rewards from the outcome_reward source."""
+        batch.rewards = ctx.source(self.source).rewards(ctx, batch)
+        return batch

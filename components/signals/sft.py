@@ -23,3 +23,32 @@ class SftSignal(Component):
 
     def ref_names(self) -> dict[str, list[str]]:
         return {} if self.target == "guided" else {"target": [self.target]}
+
+    @property
+    def makes_batch(self) -> bool:
+        """A reference target needs no rollout: the batch is the demonstrations themselves."""
+        return self.target != "guided"
+
+    def make_batch(self, ctx, examples):
+        from composer.runtime.trajectory import Row, assemble
+
+        ref = ctx.source(self.target)
+        rows = []
+        for i, ex in enumerate(examples):
+            target = ctx.encode(ref.text(ex)) + [ctx.eos_id]
+            rows.append(Row(ex, ctx.encode(ex.prompt), [(target, "demonstration")], group=i, prompt_index=i))
+        batch = assemble(rows, ctx.pad_id)
+        batch.info["temperature"] = 1.0
+        return batch
+
+    def apply(self, ctx, batch):
+        if self.target == "guided":
+            return guided_targets(ctx, batch, self.filter_samples)
+        return batch
+
+
+def guided_targets(ctx, batch, filter_samples: int):
+    """InT's SFT targets from guided rollouts: implemented with the guides (components/guides)."""
+    from components.guides.intervention import sft_targets_from_guided
+
+    return sft_targets_from_guided(ctx, batch, filter_samples)

@@ -19,3 +19,33 @@ class OutcomeReward(Component):
 
     provides: ClassVar = ("sequence_reward",)
     pi: ClassVar[str] = "posterior"
+
+    def build(self, ctx, name: str):
+        return RewardScorer(self, ctx.verifier(self.verifier))
+
+
+class RewardScorer:
+    """Scores finished rollouts with the verifier; unreadable answers are counted, never silent."""
+
+    def __init__(self, cfg: OutcomeReward, verify):
+        self.cfg, self.verify = cfg, verify
+
+    def verdicts(self, ctx, batch):
+        """Per-row Verdicts, computed once per batch and kept in batch.info."""
+        if "verdicts" not in batch.info:
+            from composer.runtime.trajectory import response_texts
+
+            texts = response_texts(batch, ctx.tokenizer)
+            batch.info["texts"] = texts
+            batch.info["verdicts"] = [self.verify(t, ex) for t, ex in zip(texts, batch.examples)]
+        return batch.info["verdicts"]
+
+    def rewards(self, ctx, batch):
+        from composer.lazy import torch
+
+        verdicts = self.verdicts(ctx, batch)
+        ctx.log(unparsed_frac=sum(not v.parsed for v in verdicts) / max(len(verdicts), 1))
+        return torch.tensor([v.reward for v in verdicts], dtype=torch.float32)
+
+    def success(self, ctx, batch) -> list[bool]:
+        return [v.reward >= self.cfg.success_threshold for v in self.verdicts(ctx, batch)]

@@ -69,15 +69,19 @@ def corrupt(line: str, rng: random.Random) -> str:
     return line[:-1] + str((int(line[-1]) + rng.randrange(1, 10)) % 10)
 
 
-def mix_pair(rng: random.Random, tiers, copy_tiers) -> tuple[str, str]:
-    """One (prompt, target) bootstrap pair: a plain problem or one of the privileged formats."""
-    T = toy.TEMPLATES
-    r, fmt = rng.random(), "plain"
+def pick_format(rng: random.Random) -> str:
+    """'plain' or one of the MIX formats, drawn with the MIX shares."""
+    r = rng.random()
     for name, share in MIX.items():
         if r < share:
-            fmt = name
-            break
+            return name
         r -= share
+    return "plain"
+
+
+def mix_pair(rng: random.Random, fmt: str, tiers, copy_tiers) -> tuple[str, str]:
+    """One (prompt, target) bootstrap pair in format `fmt` ('plain' or a TEMPLATES key)."""
+    T = toy.TEMPLATES
     tier = rng.choice(copy_tiers if fmt in ("reference", "sibling") else tiers)
     if fmt == "prefix":  # a long chain whose prefix leaves at most max(tiers) steps to do
         tier = rng.choice(copy_tiers)
@@ -137,8 +141,9 @@ def sft(model, tok, tiers, copy_tiers, updates: int, seed: int, batch: int = 64,
         scale = (step + 1) / warm if step < warm else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
         for g in opt.param_groups:
             g["lr"] = lr * scale
-        ids, mask, lab = batch_tensors([mix_pair(rng, tiers, copy_tiers) for _ in range(batch)], tok)
-        logits = model(input_ids=ids, attention_mask=mask).logits  # [B, L, V]
+        fmt = pick_format(rng)  # one format per batch: similar lengths, little padding
+        ids, mask, lab = batch_tensors([mix_pair(rng, fmt, tiers, copy_tiers) for _ in range(batch)], tok)
+        logits = model(input_ids=ids).logits  # [B, L, V]; right padding: no mask needed under causal attention
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), lab[:, 1:].reshape(-1), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()

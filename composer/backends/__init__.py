@@ -1,0 +1,1 @@
+"""Backends: lightning (in-process, the embedded default) and openrlhf (a Ray cluster bundle)."""

@@ -1,0 +1,1 @@
+"""The Lightning backend: a LightningModule that executes the Plan."""

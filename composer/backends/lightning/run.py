@@ -1,0 +1,102 @@
+"""`composer run`: build the Lightning Trainer around the module, run, and write what a run keeps."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from composer.backends.lightning.module import ComposerModule, NonFiniteError
+from composer.plan import compile_plan
+from composer.runtime.binding import bind_task
+from composer.runtime.models import load_model, load_tokenizer
+
+log = logging.getLogger("composer")
+
+
+def default_out(name: str) -> Path:
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def last_checkpoint(out: Path) -> Path | None:
+    """The last complete checkpoint: Lightning writes to a temp file and renames, so a file here is whole."""
+    ckpt = out / "checkpoints" / "last.ckpt"
+    return ckpt if ckpt.exists() else None
+
+
+def train(validated, out: Path, resume: bool = False, progress: bool = True, quiet: bool = False) -> dict:
+    """Run a validated spec on the Lightning backend. Returns the final metrics."""
+    spec = validated.spec
+    torch.manual_seed(spec.train.seed)
+    torch.set_num_threads(max(1, min(os.cpu_count() or 1, 8)))
+    out.mkdir(parents=True, exist_ok=True)
+    plan = compile_plan(validated, "lightning")
+    (out / "plan.json").write_text(json.dumps(plan, indent=2, default=str))
+    task = bind_task(spec)
+    policy_name = spec.policy.model or "toy:student"
+    tokenizer = load_tokenizer(spec.policy.tokenizer or policy_name)
+    policy = load_model(policy_name, spec.policy.dtype)
+    module = ComposerModule(validated, task, tokenizer, policy)
+    t = spec.train
+    callbacks = [ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=t.checkpoint_every,
+                                 save_last=True, save_top_k=0, save_on_train_epoch_end=False)]
+    if progress:
+        callbacks.append(_progress_bar())
+    loggers = [CSVLogger(save_dir=str(out), name="", version="")]
+    try:
+        from lightning.pytorch.loggers import TensorBoardLogger
+        import tensorboard  # noqa: F401
+
+        loggers.append(TensorBoardLogger(save_dir=str(out), name="tensorboard", version=""))
+    except ImportError:
+        pass
+    trainer = L.Trainer(
+        max_steps=validated.total_steps, max_epochs=-1, accelerator=t.accelerator, devices=t.devices,
+        strategy=t.strategy, num_nodes=t.num_nodes, precision=t.precision,
+        gradient_clip_val=t.grad_clip or None, logger=loggers, callbacks=callbacks, log_every_n_steps=1,
+        enable_progress_bar=progress, enable_model_summary=False, num_sanity_val_steps=0,
+        enable_checkpointing=True, default_root_dir=str(out), limit_val_batches=0,
+    )
+    ckpt = last_checkpoint(out) if resume else None
+    if resume and ckpt is None:
+        raise FileNotFoundError(f"{out}: no checkpoint to resume from (looked for checkpoints/last.ckpt)")
+    try:
+        trainer.fit(module, ckpt_path=str(ckpt) if ckpt else None)
+    except NonFiniteError as e:
+        last = last_checkpoint(out)
+        raise NonFiniteError(f"{e}; the run stopped, the last good checkpoint is "
+                             f"{last if last else '(none yet)'}; fix the spec and continue with --resume {out}") from None
+    final = dict(module.last_eval)
+    write_report(out, plan, final)
+    return final
+
+
+def _progress_bar():
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+    try:
+        return RichProgressBar(leave=True)
+    except Exception:
+        return TQDMProgressBar()
+
+
+def write_report(out: Path, plan: dict, final: dict) -> None:
+    """report.md with a PNG of reward and pass@1 against step."""
+    from composer.report import plot_metrics
+
+    metrics = out / "metrics.csv"
+    png = plot_metrics(metrics, out / "curves.png", plan["name"]) if metrics.exists() else None
+    lines = [f"# {plan['name']}", "", plan.get("summary", ""), "",
+             f"Steps: {plan['total_steps']}, backend: lightning, testbed: {plan['testbed']}.", "",
+             "## Final evaluation (greedy pass@1 per tier)", "", "| tier | pass@1 |", "| --- | --- |"]
+    lines += [f"| {k.split('/', 1)[-1]} | {v:.3f} |" for k, v in sorted(final.items())]
+    if png:
+        lines += ["", f"![reward and pass@1]({png.name})"]
+    (out / "report.md").write_text("\n".join(lines) + "\n")

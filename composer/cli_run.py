@@ -1,0 +1,78 @@
+"""Commands that run things (`run`, `toy-data`): their heavy imports happen only when they run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from composer.cli import EXIT_INVALID, main
+from composer.errors import SpecError
+
+
+@main.command()
+@click.argument("spec", required=False)
+@click.argument("overrides", nargs=-1)
+@click.option("--out", type=click.Path(file_okay=False), default=None, help="Run folder (default runs/<name>-<time>).")
+@click.option("--resume", type=click.Path(file_okay=False), default=None,
+              help="Continue the run in this folder from its last checkpoint.")
+@click.option("--no-progress", is_flag=True, help="No progress bar (for logs and CI).")
+def run(spec, overrides, out, resume, no_progress):
+    """Train SPEC (the toy testbed when it names no policy/data). OVERRIDES: path.to.field=value."""
+    from composer.validate import validate_file
+
+    if resume and spec is None:
+        spec = str(Path(resume) / "spec.yaml")
+    if spec is None:
+        raise click.UsageError("give a SPEC, or --resume DIR")
+    try:
+        v = validate_file(spec, list(overrides))
+    except SpecError as e:
+        click.echo(str(e), err=True)
+        sys.exit(EXIT_INVALID)
+    for w in v.warnings:
+        click.echo(w.format(), err=True)
+    if v.spec.train.backend != "lightning":
+        click.echo(f"{spec}: train.backend is {v.spec.train.backend}; use `composer compile --backend "
+                   f"{v.spec.train.backend}` for it", err=True)
+        sys.exit(EXIT_INVALID)
+    from composer.backends.lightning.run import default_out, train
+    from composer.backends.lightning.module import NonFiniteError
+    from composer.runtime.binding import DataError
+    from composer.runtime.models import ModelLoadError
+
+    folder = Path(resume or out or default_out(v.spec.name))
+    folder.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        _save_resolved(spec, overrides, folder)
+    try:
+        final = train(v, folder, resume=bool(resume), progress=not no_progress)
+    except (DataError, ModelLoadError, NonFiniteError, FileNotFoundError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_INVALID)
+    click.echo(f"run folder: {folder}")
+    for k, val in sorted(final.items()):
+        click.echo(f"  {k}: {val:.3f}")
+
+
+def _save_resolved(spec: str, overrides, folder: Path) -> None:
+    """Keep the spec (with its overrides) in the run folder, so --resume needs nothing else."""
+    import yaml
+
+    from composer.loader import load_spec
+
+    data = load_spec(spec, list(overrides)).data
+    data.pop("extends", None)
+    (folder / "spec.yaml").write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+
+
+@main.command("toy-data")
+@click.option("--out", type=click.Path(file_okay=False), required=True, help="Folder for train.jsonl and eval_<tier>.jsonl.")
+@click.option("--seed", default=0, show_default=True)
+def toy_data(out, seed):
+    """Write the toy testbed's data as jsonl, to go through the ordinary `data:` path."""
+    from components.tasks.toy import write_jsonl
+
+    paths = write_jsonl(out, seed=seed)
+    click.echo(f"wrote {paths if isinstance(paths, (str, Path)) else ', '.join(map(str, paths))}")

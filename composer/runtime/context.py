@@ -1,0 +1,96 @@
+"""The run context: what component implementations may use at run time (shared by both backends)."""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from composer.data import Example, Task
+from composer.runtime.engine import RolloutEngine, Sampling
+
+
+@dataclass
+class RunContext:
+    task: Task
+    tokenizer: Any
+    policy: torch.nn.Module  # the trained weights (live)
+    engine: RolloutEngine  # samples with the rollout copy
+    spec: Any = None  # the resolved spec of the current segment
+    segment: str = "main"
+    step: int = 0
+    seed: int = 0
+    rng: random.Random = field(default_factory=random.Random)  # data order and guide decisions
+    data_pos: int = 0
+    runtimes: dict = field(default_factory=dict)  # (kind, name) -> built runtime of a component
+    metrics: dict = field(default_factory=dict)  # scalars of the current step
+    costs: dict = field(default_factory=lambda: {"policy_tokens": 0, "judge_tokens": 0, "teacher_tokens": 0})
+    _initial: torch.nn.Module | None = None
+
+    # ---- text ----
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    @property
+    def max_new_tokens(self) -> int:
+        cap = self.task.max_new_tokens
+        n = self.spec.rollout.max_new_tokens
+        return min(n, cap) if cap else n
+
+    @property
+    def sampling(self) -> Sampling:
+        r = self.spec.rollout
+        return Sampling(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+
+    # ---- data ----
+    def next_prompts(self, n: int) -> list[Example]:
+        if self.task.sample_train is not None:
+            return self.task.sample_train(self.rng, n)
+        out = []
+        for _ in range(n):
+            if self.data_pos % len(self.task.train) == 0:
+                self._order = list(range(len(self.task.train)))
+                random.Random(self.seed + self.data_pos).shuffle(self._order)
+            out.append(self.task.train[self._order[self.data_pos % len(self.task.train)]])
+            self.data_pos += 1
+        return out
+
+    # ---- components ----
+    def source(self, name: str):
+        """The built runtime of source `name` in the current segment (built once per config)."""
+        cfg = self.spec.sources[name]
+        key = ("source", name, cfg.model_dump_json())
+        if key not in self.runtimes:
+            self.runtimes[key] = cfg.build(self, name) if hasattr(cfg, "build") else cfg
+        return self.runtimes[key]
+
+    def verifier(self, name: str):
+        from composer.registry import VERIFIERS
+
+        name = self.task.verifier if name == "auto" else name
+        if name not in VERIFIERS:
+            raise KeyError(f"verifier '{name}' is not registered (known: {', '.join(sorted(VERIFIERS))})")
+        return VERIFIERS[name].load()
+
+    def initial_policy(self) -> torch.nn.Module:
+        """A frozen copy of the policy's weights at the start of the run."""
+        if self._initial is None:
+            self._initial = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        return self._initial
+
+    def log(self, **values: float) -> None:
+        self.metrics.update({k: float(v) for k, v in values.items()})

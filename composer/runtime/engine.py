@@ -1,0 +1,138 @@
+"""Rollout engines: sample responses with the rollout weights and report behaviour log-probs.
+
+The rollout weights are a separate copy of the policy, refreshed only by `sync` on the schedule,
+so that `sync.every: L` really trains L steps against a fixed sampler.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from composer.runtime.models import token_logprobs
+
+log = logging.getLogger("composer")
+
+
+@dataclass
+class Sampling:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # generated tokens, EOS included when the model stopped
+    finished: bool  # stopped at EOS (not at the token limit)
+
+
+class RolloutEngine(Protocol):
+    name: str
+    exact_logprobs: bool  # behaviour log-probs are those of the weights that sampled
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling) -> list[Generation]: ...
+
+    def score(self, sequences: list[list[int]], temperature: float) -> list[list[float]]: ...
+
+    def sync(self, policy: torch.nn.Module, step: int) -> None: ...
+
+
+class HFEngine:
+    """`transformers` generate with KV cache, batched over all prompts; log-probs from one forward pass."""
+
+    name = "hf"
+    exact_logprobs = True
+
+    def __init__(self, policy: torch.nn.Module, tokenizer, batch_size: int = 256):
+        self.model = copy.deepcopy(policy).eval().requires_grad_(False)
+        self.tok = tokenizer
+        self.batch_size = batch_size
+        self.last_sync = 0
+        self.generated_tokens = 0
+
+    @property
+    def device(self):
+        return next(self.model.parameters()).device
+
+    def sync(self, policy: torch.nn.Module, step: int) -> None:
+        self.model.load_state_dict(policy.state_dict())
+        self.last_sync = step
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling) -> list[Generation]:
+        out = hf_generate(self.model, self.tok, prompts, max_new_tokens, sampling, self.batch_size)
+        self.generated_tokens += sum(len(g.tokens) for g in out)
+        return out
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """Log-prob of every token of every sequence under the rollout weights (0 for the first)."""
+        out = []
+        for i in range(0, len(sequences), self.batch_size):
+            chunk = sequences[i: i + self.batch_size]
+            T = max(len(s) for s in chunk)
+            ids = torch.full((len(chunk), T), self.tok.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), T), dtype=torch.bool)
+            for r, s in enumerate(chunk):
+                ids[r, : len(s)] = torch.tensor(s)
+                mask[r, : len(s)] = True
+            lp, _, _ = token_logprobs(self.model, ids.to(self.device), mask.to(self.device), temperature)
+            out += [lp[r, : len(s)].tolist() for r, s in enumerate(chunk)]
+        return out
+
+
+@torch.no_grad()
+def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
+                batch_size: int = 256) -> list[Generation]:
+    """Batched `generate` with KV cache; prompts are left-padded so every row continues at one position."""
+    device = next(model.parameters()).device
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    kwargs = dict(do_sample=False) if sampling.greedy else dict(
+        do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+    gens: list[Generation] = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i: i + batch_size]
+        P = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), P), pad, dtype=torch.long)
+        mask = torch.zeros((len(chunk), P), dtype=torch.long)
+        for r, p in enumerate(chunk):
+            ids[r, P - len(p):] = torch.tensor(p)
+            mask[r, P - len(p):] = 1
+        seqs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                              pad_token_id=pad, eos_token_id=eos, use_cache=True, **kwargs)
+        for row in seqs[:, P:].tolist():
+            if eos in row:
+                gens.append(Generation(row[: row.index(eos) + 1], True))
+            else:
+                gens.append(Generation([t for t in row if t != pad] if sampling.greedy else row, False))
+    return gens
+
+
+def vllm_available() -> tuple[bool, str]:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False, "vLLM is not installed"
+    if not torch.cuda.is_available():
+        return False, "no GPU is present"
+    return True, ""
+
+
+def make_engine(kind: str, policy, tokenizer, rollout_cfg=None) -> RolloutEngine:
+    """`hf`, `vllm`, or `auto` (vLLM when installed and a GPU is present, else hf, said in the log)."""
+    if kind in ("auto", "vllm"):
+        ok, why = vllm_available()
+        if ok:
+            from composer.runtime.vllm_engine import VLLMEngine
+
+            return VLLMEngine(policy, tokenizer, rollout_cfg)
+        if kind == "vllm":
+            raise RuntimeError(f"rollout.engine: vllm was asked for, but {why}; use engine: hf or auto")
+        log.info("rollout engine: hf (%s, so vLLM is not used)", why)
+    return HFEngine(policy, tokenizer)

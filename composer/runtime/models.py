@@ -1,0 +1,72 @@
+"""Loading models and tokenizers: always `from_pretrained` on a directory, the path a real checkpoint takes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+class ModelLoadError(Exception):
+    """A model or tokenizer directory that does not load: names the path and the reason."""
+
+
+def resolve(name: str) -> str:
+    """Map `toy:student` / `toy:teacher` to the toy testbed's cached checkpoints; anything else is as given."""
+    if name.startswith("toy:"):
+        from components.tasks.bootstrap import ensure_checkpoints
+
+        which = name.split(":", 1)[1]
+        paths = ensure_checkpoints()
+        if which not in paths:
+            raise ModelLoadError(f"{name}: the toy testbed has {', '.join(k for k in paths if k != 'tokenizer')}")
+        return str(paths[which])
+    return name
+
+
+def load_tokenizer(name: str):
+    path = resolve(name)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ModelLoadError(f"tokenizer at {path} does not load: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(name: str, dtype: str = "float32"):
+    path = resolve(name)
+    if not Path(path).exists() and "/" not in path:
+        raise ModelLoadError(f"model {path}: no such directory (no model hub is reachable; give a local path)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    except Exception as e:
+        raise ModelLoadError(f"model at {path} does not load: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    return model
+
+
+def same_vocabulary(tok_a, tok_b) -> bool:
+    return tok_a.get_vocab() == tok_b.get_vocab()
+
+
+def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
+                   want_logits: bool = False):
+    """One forward pass: per-token log-probs aligned with `tokens` (and the predicting logits if wanted).
+
+    tokens, attention_mask: [B, T]. Returns logprobs [B, T] (0 at t=0), logits [B, T, V] or None,
+    entropy [B, T].
+    """
+    out = model(input_ids=tokens, attention_mask=attention_mask.long())
+    logits = out.logits[:, :-1].float() / temperature  # [B, T-1, V] predicting tokens[:, 1:]
+    logp_all = torch.log_softmax(logits, dim=-1)
+    lp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)  # [B, T-1]
+    ent = -(logp_all.exp() * logp_all).sum(-1)  # [B, T-1]
+    pad = lp.new_zeros(tokens.shape[0], 1)
+    logprobs = torch.cat([pad, lp], dim=1)
+    entropy = torch.cat([pad, ent], dim=1)
+    full = None
+    if want_logits:
+        full = torch.cat([logits.new_zeros(tokens.shape[0], 1, logits.shape[-1]), logits], dim=1)  # [B, T, V]
+    return logprobs, full, entropy

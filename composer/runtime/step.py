@@ -1,0 +1,111 @@
+"""One training step, composed from the registry: rollout -> signals -> objectives. No method names here."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from composer.batch import PolicyView, TrajectoryBatch
+from composer.graph import signal_objective_pairs
+from composer.runtime.context import RunContext
+from composer.runtime.models import token_logprobs
+
+
+def terms(spec) -> list[tuple[str, object, object, float]]:
+    """(name, signal, objective, weight) of every term of a resolved spec."""
+    if spec.terms:
+        return [(t.name or f"term{i}", t.signal, t.objective, t.weight) for i, t in enumerate(spec.terms)]
+    return [("term0", spec.signal, spec.objective, 1.0)]
+
+
+def collect(ctx: RunContext, examples) -> list[TrajectoryBatch]:
+    """Build one batch per term: one shared rollout for every term that needs rollouts."""
+    rollout: TrajectoryBatch | None = None
+    out = []
+    for _name, sig, _obj, _w in terms(ctx.spec):
+        if getattr(sig, "makes_batch", False):
+            batch = sig.make_batch(ctx, examples)
+        else:
+            if rollout is None:
+                t0 = time.perf_counter()
+                before = ctx.costs["policy_tokens"]
+                rollout = ctx.spec.rollout.guide.rollout(ctx, examples, ctx.spec.rollout.samples_per_prompt)
+                rollout.info.setdefault("temperature", ctx.spec.rollout.temperature)
+                dt = time.perf_counter() - t0
+                ctx.log(tokens_per_s=(ctx.costs["policy_tokens"] - before) / max(dt, 1e-9), rollout_s=dt)
+            batch = rollout
+        batch = sig.apply(ctx, batch)
+        if getattr(_obj, "wants_initial", False) and batch.initial_logprobs is None:
+            batch.initial_logprobs = initial_logprobs(ctx, batch)
+        out.append(batch)
+    return out
+
+
+@torch.no_grad()
+def initial_logprobs(ctx: RunContext, batch: TrajectoryBatch) -> torch.Tensor:
+    """Log-probs of the batch under the frozen initial policy (KL losses, A*PO's anchor)."""
+    model = ctx.initial_policy()
+    lp, _, _ = token_logprobs(model, batch.tokens.to(next(model.parameters()).device),
+                              batch.attention_mask.to(next(model.parameters()).device),
+                              batch.info.get("temperature", 1.0))
+    return lp.to(batch.tokens.device)
+
+
+def policy_view(policy, batch: TrajectoryBatch, want_logits: bool) -> PolicyView:
+    lp, logits, ent = token_logprobs(policy, batch.tokens, batch.attention_mask,
+                                     batch.info.get("temperature", 1.0), want_logits)
+    return PolicyView(lp, logits, ent)
+
+
+def loss(ctx: RunContext, policy, batches: list[TrajectoryBatch]) -> tuple[torch.Tensor, dict]:
+    """Weighted sum of every term's objective, plus the entropy bonus; metrics per term."""
+    views: dict[int, PolicyView] = {}
+    wants = {}
+    for (_n, _s, obj, _w), b in zip(terms(ctx.spec), batches):
+        wants[id(b)] = wants.get(id(b), False) or bool(obj.wants_logits)
+    total = 0.0
+    metrics: dict[str, float] = {}
+    many = len(batches) > 1
+    for (name, _sig, obj, weight), b in zip(terms(ctx.spec), batches):
+        if id(b) not in views:
+            views[id(b)] = policy_view(policy, b, wants[id(b)])
+        value, m = obj.loss(b, views[id(b)])
+        total = total + weight * value
+        for k, v in m.items():
+            metrics[f"{name}/{k}" if many else k] = v
+        if many:
+            metrics[f"{name}/loss"] = float(value.detach())
+    # entropy of the policy on the response tokens of the first rollout batch
+    first = batches[0]
+    view = views[id(first)]
+    mask = first.response_mask & first.attention_mask
+    ent = (view.entropy * mask).sum() / mask.sum().clamp(min=1)
+    if ctx.spec.train.entropy_coef:
+        total = total - ctx.spec.train.entropy_coef * ent
+    metrics["entropy"] = float(ent.detach())
+    metrics.update(batch_metrics(first))
+    return total, metrics
+
+
+def batch_metrics(batch: TrajectoryBatch) -> dict[str, float]:
+    """Per-step facts about the data: reward, length, off-policy tokens, groups with no signal."""
+    out = {}
+    resp = batch.response_mask
+    n_resp = resp.sum().clamp(min=1)
+    out["response_len"] = float(resp.sum(1).float().mean())
+    off = batch.mask(("guide_prefix", "guide_intervention", "demonstration")) & resp
+    out["offpolicy_token_frac"] = float(off.sum() / n_resp)
+    if batch.rewards is not None:
+        r = batch.rewards
+        out["reward_mean"] = float(r.mean())
+        same = 0
+        for g in batch.group.unique():
+            rg = r[batch.group == g]
+            if torch.all(rg == rg[0]):
+                same += len(rg)
+        out["zero_advantage_frac"] = same / batch.size
+        if batch.guided is not None and batch.guided.any() and (~batch.guided).any():
+            out["reward_guided"] = float(r[batch.guided].mean())
+            out["reward_control"] = float(r[~batch.guided].mean())
+    return out
