@@ -68,12 +68,15 @@ def explain(spec, overrides, fmt):
 
     try:
         v = _validate(spec, list(overrides))
+        plan = compile_plan(v)
+        out = {"text": ex.text, "mermaid": ex.mermaid, "dot": ex.dot, "json": ex.as_json}[fmt](plan)
     except SpecError as e:
         _fail(str(e))
+    except Exception as e:  # never a traceback for an input file
+        _fail(f"{spec}:1:1: error: internal error while explaining: {type(e).__name__}: {e}")
     for w in v.warnings:
         click.echo(w.format(), err=True)
-    plan = compile_plan(v)
-    click.echo({"text": ex.text, "mermaid": ex.mermaid, "dot": ex.dot, "json": ex.as_json}[fmt](plan))
+    click.echo(out)
 
 
 @main.command("list")
@@ -112,11 +115,18 @@ def list_(section):
 
 @main.command()
 @click.option("--out", default=None, help="Output file (default: schemas/spec.schema.json of this checkout).")
-def schema(out):
+@click.option("--with-plugins", is_flag=True, help="Include the kinds of installed plugins (the committed schema "
+              "covers built-in kinds only).")
+def schema(out, with_plugins):
     """Write the JSON Schema (2020-12) of the spec language, generated from the component registry."""
     from composer.schema import write_schema
 
-    path = write_schema(Path(out) if out else None)
+    if with_plugins and not out:
+        _fail("error: --with-plugins needs --out (the committed schemas/spec.schema.json covers built-in kinds only)")
+    try:
+        path = write_schema(Path(out) if out else None, builtins_only=not with_plugins)
+    except OSError as e:
+        _fail(f"{out}: error: cannot write the schema: {e.strerror or e}")
     click.echo(f"wrote {path}")
 
 
@@ -131,5 +141,7 @@ except ImportError:
     pass
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # `python -m composer.cli`: use the imported module, where every command registered
+    from composer.cli import main as _main
+
+    _main()

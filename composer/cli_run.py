@@ -37,7 +37,7 @@ def run(spec, overrides, out, resume, no_progress):
         click.echo(f"{spec}: train.backend is {v.spec.train.backend}; use `composer compile --backend "
                    f"{v.spec.train.backend}` for it", err=True)
         sys.exit(EXIT_INVALID)
-    from composer.backends.lightning.run import default_out, train
+    from composer.backends.lightning.run import Interrupted, default_out, train
     from composer.backends.lightning.module import NonFiniteError
     from composer.runtime.binding import DataError
     from composer.runtime.models import ModelLoadError
@@ -51,6 +51,9 @@ def run(spec, overrides, out, resume, no_progress):
     except (DataError, ModelLoadError, NonFiniteError, FileNotFoundError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(EXIT_INVALID)
+    except Interrupted as e:
+        click.echo(str(e), err=True)
+        sys.exit(130)
     click.echo(f"run folder: {folder}")
     for k, val in sorted(final.items()):
         click.echo(f"  {k}: {val:.3f}")

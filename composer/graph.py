@@ -78,8 +78,10 @@ def build(spec) -> tuple[nx.DiGraph, list[Diagnostic]]:
                 if allowed and target.kind_name() not in allowed:
                     diags.append(Diagnostic(
                         "graph", f"'{name}' is {_a(target.kind_name())} source; {field.rstrip('_')} must be "
-                        f"{' or '.join(allowed)}", path, None, f"point {field.rstrip('_')} at "
-                        f"{' or '.join(allowed)} source"))
+                        f"{' or '.join(allowed)}", path, None, f"point {field.rstrip('_')} at {_a(allowed[0])} source"
+                        + (f" ({', '.join(ok)})" if (ok := [n for n, s in spec.sources.items()
+                                                           if s.kind_name() in allowed]) else
+                           f", declared under `sources:` with kind {' or '.join(allowed)}")))
                     continue
                 g.add_edge(f"source:{name}", s.node, field=field, path=path)
     return g, diags

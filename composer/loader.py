@@ -17,7 +17,8 @@ import yaml
 from composer.errors import Diagnostic, Location, SpecError
 
 MAX_FILE_BYTES = 1 << 20  # 1 MiB: specs are small; anything larger is a mistake or an attack
-MAX_NODES = 100_000  # after alias expansion: stops "billion laughs" alias bombs
+MAX_NODES = 10_000  # after alias expansion: stops "billion laughs" alias bombs (a spec has a few hundred)
+MERGE_TAG = "tag:yaml.org,2002:merge"
 MAX_DEPTH = 64
 
 
@@ -66,11 +67,15 @@ class _Walker:
             if node.tag not in ("tag:yaml.org,2002:map",):
                 raise _err(f"unsupported tag {node.tag}", self.file, node.start_mark, path,
                            "specs use plain mappings, lists and scalars only")
-            self.loader.flatten_mapping(node)  # YAML merge keys (<<)
             out: dict = {}
+            merged: dict = {}  # YAML merge keys (`<<: *base`): the mapping's own keys override merged ones
             for key_node, value_node in node.value:
+                if key_node.tag == MERGE_TAG:
+                    merged.update(self.merge(value_node, path, depth))
+                    continue
                 if not isinstance(key_node, yaml.ScalarNode):
-                    raise _err("mapping keys must be plain scalars", self.file, key_node.start_mark, path)
+                    raise _err("mapping keys must be plain scalars", self.file, key_node.start_mark, path,
+                               "write keys as plain words, e.g. `samples_per_prompt: 8`")
                 key = self.scalar(key_node, path)
                 if not isinstance(key, str):
                     key = "null" if key is None else str(key).lower() if isinstance(key, bool) else str(key)
@@ -80,7 +85,7 @@ class _Walker:
                                self.file, key_node.start_mark, path + (key,), "remove one of the two")
                 self.positions[path + (key,)] = self.loc(key_node)
                 out[key] = self.walk(value_node, path + (key,), depth + 1)
-            return out
+            return {**{k: v for k, v in merged.items() if k not in out}, **out}
         if isinstance(node, yaml.SequenceNode):
             if node.tag != "tag:yaml.org,2002:seq":
                 raise _err(f"unsupported tag {node.tag}", self.file, node.start_mark, path)
@@ -91,12 +96,27 @@ class _Walker:
             return items
         return self.scalar(node, path)
 
+    def merge(self, node, path: tuple, depth: int) -> dict:
+        """The mappings a merge key names; of several, the earlier ones win (YAML merge-key semantics)."""
+        sources = node.value if isinstance(node, yaml.SequenceNode) else [node]
+        out: dict = {}
+        for src in sources:
+            if not isinstance(src, yaml.MappingNode):
+                raise _err("a merge key `<<` takes a mapping or a list of mappings", self.file, src.start_mark, path,
+                           "write `<<: *anchor` where the anchor names a mapping")
+            for k, v in self.walk(src, path, depth).items():
+                out.setdefault(k, v)
+        return out
+
     def scalar(self, node, path):
         try:
             value = self.loader.construct_object(node, deep=True)
         except yaml.constructor.ConstructorError as e:
             raise _err(f"{e.problem}", self.file, node.start_mark, path,
                        "Python object tags are not allowed in specs; write plain values") from None
+        except Exception:  # an explicit tag the value does not fit (`!!int x`, `!!bool maybe`, `!!float nope`)
+            raise _err(f"{node.value!r} cannot be read as {node.tag.rsplit(':', 1)[-1]}", self.file, node.start_mark,
+                       path, "remove the explicit tag (or quote the value to make it a string)") from None
         if not isinstance(value, (str, int, float, bool, type(None))):
             raise _err(f"unsupported value of type {type(value).__name__}", self.file, node.start_mark, path,
                        "quote it to make it a string")
@@ -109,20 +129,73 @@ class _Walker:
         return value
 
 
+def _check_expansion(root, file: str) -> None:
+    """Refuse a document whose aliases expand past MAX_NODES, or refer to themselves, before building anything.
+
+    Aliases share their node, so sizes are counted once per distinct node (memoised): an alias bomb of
+    a few lines is measured in microseconds instead of being expanded.
+    """
+    size: dict[int, int] = {}
+    visiting: set[int] = set()
+
+    def count(node) -> int:
+        key = id(node)
+        if key in size:
+            return size[key]
+        if key in visiting:
+            raise _err("an alias refers to the node that contains it (an infinitely deep value)", file,
+                       node.start_mark, (), "an anchor's value cannot contain an alias of itself")
+        visiting.add(key)
+        n = 1
+        if isinstance(node, yaml.MappingNode):
+            n += sum(count(k) + count(v) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            n += sum(count(c) for c in node.value)
+        visiting.discard(key)
+        size[key] = n = min(n, MAX_NODES + 1)
+        return n
+
+    if count(root) <= MAX_NODES:
+        return
+    # name the biggest top-level entry
+    where, path = root, ()
+    if isinstance(root, yaml.MappingNode) and root.value:
+        key_node, _ = max(root.value, key=lambda kv: size.get(id(kv[1]), 0))
+        where, path = key_node, ((str(key_node.value),) if isinstance(key_node, yaml.ScalarNode) else ())
+    raise _err(f"the document expands to more than {MAX_NODES} nodes through its aliases (an alias bomb?)", file,
+               where.start_mark, path, "specs are small: remove the repeated aliases")
+
+
+def _reader_err(e, text: str, file: str) -> SpecError:
+    """A character YAML does not allow (a control character such as NUL), located."""
+    pos = max(0, min(int(e.position or 0), len(text)))
+    line = text.count("\n", 0, pos) + 1
+    col = pos - (text.rfind("\n", 0, pos) + 1) + 1
+    code = e.character if isinstance(e.character, int) else ord(str(e.character)[:1] or "\0")
+    return SpecError([Diagnostic("yaml", f"character #x{code:04x} is not allowed in YAML", (), Location(file, line, col),
+                                 "remove it, or write it as an escape inside a double-quoted string")])
+
+
 def parse_yaml(text: str, file: str) -> tuple[Any, dict]:
     """Parse one YAML document into (data, positions)."""
     if len(text.encode("utf-8", "surrogatepass")) > MAX_FILE_BYTES:
         raise _err(f"file larger than {MAX_FILE_BYTES} bytes", file, None, (), "specs are small YAML files")
-    loader = yaml.SafeLoader(text)
+    try:
+        loader = yaml.SafeLoader(text)
+    except yaml.reader.ReaderError as e:
+        raise _reader_err(e, text, file) from None
     try:
         node = loader.get_single_node()
         if node is None:
             return None, {}
+        _check_expansion(node, file)
         walker = _Walker(loader, file)
         return walker.walk(node, (), 0), walker.positions
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         raise _err(f"YAML syntax: {e.problem or e.context}", file, mark) from None
+    except yaml.reader.ReaderError as e:
+        raise _reader_err(e, text, file) from None
     except yaml.YAMLError as e:
         raise _err(f"YAML: {e}", file) from None
     except RecursionError:

@@ -10,8 +10,9 @@ from composer.spec import spec_model
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "schemas" / "spec.schema.json"
 
 
-def spec_schema() -> dict:
-    schema = spec_model(builtins_only=True).model_json_schema(by_alias=True, mode="validation")
+def spec_schema(builtins_only: bool = True) -> dict:
+    """The committed schema covers built-in kinds only; builtins_only=False adds installed plugins' kinds."""
+    schema = spec_model(builtins_only=builtins_only).model_json_schema(by_alias=True, mode="validation")
     schema = {"$schema": "https://json-schema.org/draft/2020-12/schema",
               "$id": "https://algorithm-composer/spec.schema.json", **schema}
     return _fix_inf(schema)
@@ -28,8 +29,8 @@ def _fix_inf(value):
     return value
 
 
-def write_schema(path: Path | None = None) -> Path:
+def write_schema(path: Path | None = None, builtins_only: bool = True) -> Path:
     path = path or DEFAULT_PATH
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(spec_schema(), indent=2, sort_keys=False) + "\n")
+    path.write_text(json.dumps(spec_schema(builtins_only), indent=2, sort_keys=False) + "\n")
     return path

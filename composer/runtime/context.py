@@ -75,7 +75,11 @@ class RunContext:
         cfg = self.spec.sources[name]
         key = ("source", name, cfg.model_dump_json())
         if key not in self.runtimes:
-            self.runtimes[key] = cfg.build(self, name) if hasattr(cfg, "build") else cfg
+            rt = cfg.build(self, name) if hasattr(cfg, "build") else cfg
+            state = getattr(self, "pending_runtime_state", {}).get(repr(key))
+            if state and hasattr(rt, "load_state_dict"):  # resumed run: the checkpointed runtime state
+                rt.load_state_dict(state)
+            self.runtimes[key] = rt
         return self.runtimes[key]
 
     def verifier(self, name: str):

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import copy
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -55,10 +56,21 @@ class HFEngine:
         self.batch_size = batch_size
         self.last_sync = 0
         self.generated_tokens = 0
+        # The engine is built in LightningModule.setup, before the Trainer moves the policy to its
+        # device; the rollout copy follows the policy's device (never its weights) when it samples.
+        self._policy = policy
 
     @property
     def device(self):
         return next(self.model.parameters()).device
+
+    def _follow_device(self) -> None:
+        try:
+            want = next(self._policy.parameters()).device
+        except (AttributeError, StopIteration):
+            return
+        if want != self.device:
+            self.model.to(want)
 
     def sync(self, policy: torch.nn.Module, step: int) -> None:
         self.model.load_state_dict(policy.state_dict())
@@ -66,6 +78,7 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling) -> list[Generation]:
+        self._follow_device()
         out = hf_generate(self.model, self.tok, prompts, max_new_tokens, sampling, self.batch_size)
         self.generated_tokens += sum(len(g.tokens) for g in out)
         return out
@@ -73,6 +86,7 @@ class HFEngine:
     @torch.no_grad()
     def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
         """Log-prob of every token of every sequence under the rollout weights (0 for the first)."""
+        self._follow_device()
         out = []
         for i in range(0, len(sequences), self.batch_size):
             chunk = sequences[i: i + self.batch_size]
@@ -115,24 +129,72 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, sampl
 
 
 def vllm_available() -> tuple[bool, str]:
+    """(True, "") when vLLM imports and a CUDA GPU is present, else (False, the reason)."""
     try:
         import vllm  # noqa: F401
     except ImportError:
         return False, "vLLM is not installed"
+    except Exception as e:  # installed but broken (CUDA/torch mismatch, ...)
+        return False, f"vLLM is installed but does not import ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     if not torch.cuda.is_available():
         return False, "no GPU is present"
     return True, ""
 
 
+# A hook that replaces make_engine's choice (tests, custom engines): f(kind, policy, tokenizer, rollout_cfg).
+_ENGINE_FACTORY: Callable | None = None
+
+
+def set_engine_factory(factory: Callable | None) -> Callable | None:
+    """Install `factory(kind, policy, tokenizer, rollout_cfg) -> RolloutEngine` (None: the built-in choice);
+    returns the previous one."""
+    global _ENGINE_FACTORY
+    previous, _ENGINE_FACTORY = _ENGINE_FACTORY, factory
+    return previous
+
+
+@contextmanager
+def engine_factory(factory: Callable):
+    """`with engine_factory(f): ...` builds every run's rollout engine with f inside the block."""
+    previous = set_engine_factory(factory)
+    try:
+        yield factory
+    finally:
+        set_engine_factory(previous)
+
+
 def make_engine(kind: str, policy, tokenizer, rollout_cfg=None) -> RolloutEngine:
     """`hf`, `vllm`, or `auto` (vLLM when installed and a GPU is present, else hf, said in the log)."""
+    if _ENGINE_FACTORY is not None:
+        return _ENGINE_FACTORY(kind, policy, tokenizer, rollout_cfg)
+    if kind not in ("auto", "hf", "vllm"):
+        raise ValueError(f"rollout.engine: unknown engine {kind!r} (known: auto, hf, vllm)")
     if kind in ("auto", "vllm"):
         ok, why = vllm_available()
         if ok:
             from composer.runtime.vllm_engine import VLLMEngine
 
-            return VLLMEngine(policy, tokenizer, rollout_cfg)
+            if kind == "vllm":
+                return VLLMEngine(policy, tokenizer, rollout_cfg)
+            try:
+                return VLLMEngine(policy, tokenizer, rollout_cfg)
+            except Exception as e:
+                log.warning("rollout engine: auto -> hf (vLLM did not start: %s: %s); set rollout.engine: vllm "
+                            "to make this an error", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                return HFEngine(policy, tokenizer)
         if kind == "vllm":
-            raise RuntimeError(f"rollout.engine: vllm was asked for, but {why}; use engine: hf or auto")
-        log.info("rollout engine: hf (%s, so vLLM is not used)", why)
+            hint = ("install it on a GPU machine with `pip install -e '.[gpu]'`" if "not installed" in why
+                    else "vLLM needs a CUDA GPU")
+            raise RuntimeError(f"rollout.engine: vllm was asked for, but {why} ({hint}); "
+                               f"use rollout.engine: hf (or auto, which falls back to hf)")
+        log.info("rollout engine: auto -> hf (%s, so vLLM is not used)", why)
+    else:
+        log.info("rollout engine: hf")
     return HFEngine(policy, tokenizer)
+
+
+def engine_note(rollout_cfg) -> str:
+    """One line for `explain`: which engine a rollout config gets and whether its behaviour log-probs are exact."""
+    from composer.runtime.vllm_engine import engine_note as note
+
+    return note(rollout_cfg)

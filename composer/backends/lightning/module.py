@@ -48,6 +48,7 @@ class ComposerModule(L.LightningModule):
         self.ctx: RunContext | None = None
         self.last_eval: dict[str, float] = {}
         self.total_steps = validated.total_steps
+        self.stopped_by: str | None = None
 
     # ---- setup ----
     def segment_at(self, step: int):
@@ -68,6 +69,10 @@ class ComposerModule(L.LightningModule):
                               segment=seg.name, seed=seed, rng=random.Random(seed))
         if any(_needs_initial(s.spec) for s in self.segments):
             self.ctx.initial_policy()
+        for s in self.segments:  # checks that must fail before any training (e.g. teacher tokenizers)
+            for name, cfg in s.spec.sources.items():
+                if hasattr(cfg, "preflight"):
+                    cfg.preflight(self.ctx, name)
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(_Steps(self.total_steps), batch_size=None, shuffle=False)
@@ -103,7 +108,7 @@ class ComposerModule(L.LightningModule):
         batches = [b.to(self.device) for b in batches]
         loss, metrics = run_step.loss(ctx, self.policy, batches)
         if not torch.isfinite(loss):
-            raise NonFiniteError(f"the loss is not finite at step {step} ({float(loss)})")
+            raise NonFiniteError(f"the loss is not finite at step {step} ({float(loss.detach())})")
         metrics.update(ctx.metrics)
         metrics["loss"] = float(loss.detach())
         metrics["lr"] = self.optimizers().param_groups[0]["lr"]
@@ -119,7 +124,12 @@ class ComposerModule(L.LightningModule):
             if p.grad is not None and not torch.isfinite(p.grad).all():
                 raise NonFiniteError(f"a gradient is not finite at step {self.global_step}")
 
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+    def after_step(self) -> None:
+        """After every optimiser step: EMA teachers, the sync schedule, evaluation.
+
+        Called by the AfterStep callback, which Lightning runs before ModelCheckpoint saves,
+        so that a checkpoint of step N holds the state after all of step N's bookkeeping.
+        """
         ctx = self.ctx
         done = self.global_step  # optimizer steps taken so far
         for rt in list(ctx.runtimes.values()):

@@ -11,7 +11,8 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
+
+from composer.backends.lightning.callbacks import AfterStep, AtomicCheckpointIO, GracefulStop, RunCSVLogger
 
 from composer.backends.lightning.module import ComposerModule, NonFiniteError
 from composer.plan import compile_plan
@@ -19,6 +20,10 @@ from composer.runtime.binding import bind_task
 from composer.runtime.models import load_model, load_tokenizer
 
 log = logging.getLogger("composer")
+
+
+class Interrupted(RuntimeError):
+    pass
 
 
 def default_out(name: str) -> Path:
@@ -34,6 +39,7 @@ def last_checkpoint(out: Path) -> Path | None:
 def train(validated, out: Path, resume: bool = False, progress: bool = True, quiet: bool = False) -> dict:
     """Run a validated spec on the Lightning backend. Returns the final metrics."""
     spec = validated.spec
+    quiet_libraries()
     torch.manual_seed(spec.train.seed)
     torch.set_num_threads(max(1, min(os.cpu_count() or 1, 8)))
     out.mkdir(parents=True, exist_ok=True)
@@ -45,11 +51,17 @@ def train(validated, out: Path, resume: bool = False, progress: bool = True, qui
     policy = load_model(policy_name, spec.policy.dtype)
     module = ComposerModule(validated, task, tokenizer, policy)
     t = spec.train
-    callbacks = [ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=t.checkpoint_every,
+    ckpt = last_checkpoint(out) if resume else None
+    if resume and ckpt is None:
+        raise FileNotFoundError(f"{out}: no checkpoint to resume from (looked for checkpoints/last.ckpt)")
+    resumed_at = torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"] if ckpt else None
+    stop = GracefulStop(out / "checkpoints" / "last.ckpt")
+    callbacks = [AfterStep(), stop,
+                 ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=t.checkpoint_every,
                                  save_last=True, save_top_k=0, save_on_train_epoch_end=False)]
     if progress:
         callbacks.append(_progress_bar())
-    loggers = [CSVLogger(save_dir=str(out), name="", version="")]
+    loggers = [RunCSVLogger(out, keep_before=resumed_at)]
     try:
         from lightning.pytorch.loggers import TensorBoardLogger
         import tensorboard  # noqa: F401
@@ -63,19 +75,35 @@ def train(validated, out: Path, resume: bool = False, progress: bool = True, qui
         gradient_clip_val=t.grad_clip or None, logger=loggers, callbacks=callbacks, log_every_n_steps=1,
         enable_progress_bar=progress, enable_model_summary=False, num_sanity_val_steps=0,
         enable_checkpointing=True, default_root_dir=str(out), limit_val_batches=0,
+        plugins=[AtomicCheckpointIO()],
     )
-    ckpt = last_checkpoint(out) if resume else None
-    if resume and ckpt is None:
-        raise FileNotFoundError(f"{out}: no checkpoint to resume from (looked for checkpoints/last.ckpt)")
     try:
         trainer.fit(module, ckpt_path=str(ckpt) if ckpt else None)
     except NonFiniteError as e:
         last = last_checkpoint(out)
         raise NonFiniteError(f"{e}; the run stopped, the last good checkpoint is "
                              f"{last if last else '(none yet)'}; fix the spec and continue with --resume {out}") from None
+    if getattr(module, "stopped_by", None):
+        raise Interrupted(f"{module.stopped_by}: stopped after step {module.global_step}, checkpoint written; "
+                          f"continue with --resume {out}")
     final = dict(module.last_eval)
     write_report(out, plan, final)
     return final
+
+
+def quiet_libraries() -> None:
+    """Keep the console for the run: no library tips, deprecation notes or weight-loading bars."""
+    import warnings
+
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    for pattern in (".*LeafSpec.*", ".*does not have many workers.*", ".*exists and is not empty.*",
+                    ".*reproducible.*", ".*dataloader is not resumable.*", ".*Checkpoint directory.*exists and is not empty.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
+    logging.getLogger("lightning.fabric.utilities.rank_zero").setLevel(logging.WARNING)
 
 
 def _progress_bar():

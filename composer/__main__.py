@@ -1,0 +1,5 @@
+"""`python -m composer`: the command line."""
+
+from composer.cli import main
+
+main()

@@ -1,0 +1,243 @@
+"""A faster drop-in for `engine.hf_generate`: a preallocated-KV-cache sampling loop, fully batched.
+
+    fast_generate(model, tok, prompts, max_new_tokens, sampling, batch_size=256) -> list[Generation]
+
+Same signature, same left padding, same positions (`attention_mask.cumsum - 1`, as `generate`), same
+logits processing (min_new_tokens from `model.generation_config`, then temperature, top-k, top-p, in
+transformers' order, on float32 logits) and the same post-processing of rows as `hf_generate`; with
+greedy sampling it yields exactly the tokens `hf_generate` yields (tests/test_fast_sampler.py).
+
+Why it is faster on small models: `generate` spends most of a decode step in Python (mask building,
+cache bookkeeping, logits-processor objects, stopping criteria, ~20 nn.Module calls per layer) and
+grows its KV cache with `torch.cat` every token. Here a decode step is ~25 tensor ops per layer on a
+cache allocated once, with q/k/v and gate/up projections fused into one matmul each.
+
+The decoder is written out for the Llama family with optional per-head q/k RMSNorm (Qwen3, Qwen2,
+Llama, Mistral without sliding window) and default RoPE. Any other model, or a generation_config
+asking for a processor this loop does not implement, falls back to `hf_generate` (so calling it is
+always correct). `fast_generate_with_logprobs` also returns each generated token's log-probability
+under the sampling temperature (what `HFEngine.score` recomputes with a separate forward pass).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from composer.runtime.engine import Generation, Sampling, hf_generate
+
+_FAMILIES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
+
+
+def supported(model) -> tuple[bool, str]:
+    """Whether the written-out decoder covers this model ('' or the reason it does not)."""
+    name = type(model).__name__
+    if name not in _FAMILIES:
+        return False, f"{name} is not one of {', '.join(_FAMILIES)}"
+    cfg = model.config
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if (rope.get("rope_type") or rope.get("type") or "default") != "default":
+        return False, f"rope type {rope.get('rope_type') or rope.get('type')}"
+    if getattr(cfg, "use_sliding_window", False) or (getattr(cfg, "sliding_window", None) and name == "MistralForCausalLM"):
+        return False, "sliding-window attention"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return False, f"activation {cfg.hidden_act}"
+    if getattr(cfg, "mlp_bias", False):
+        return False, "MLP bias"
+    g = model.generation_config
+    plain = (
+        (g.repetition_penalty in (None, 1.0)) and not g.no_repeat_ngram_size and not g.bad_words_ids
+        and not g.suppress_tokens and not g.begin_suppress_tokens and not g.forced_bos_token_id
+        and not g.forced_eos_token_id and g.min_p is None and not getattr(g, "sequence_bias", None)
+        and not g.min_length and g.num_beams in (None, 1)
+    )
+    if not plain:
+        return False, "the generation_config asks for a logits processor this loop does not implement"
+    return True, ""
+
+
+class _Weights:
+    """The decoder's weights, fused where a matmul can be shared (read once per call)."""
+
+    def __init__(self, model):
+        cfg = model.config
+        inner = model.model
+        self.eps = cfg.rms_norm_eps
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.embed = inner.embed_tokens.weight
+        self.final_norm = inner.norm.weight
+        self.lm_head = model.lm_head.weight
+        self.rotary = inner.rotary_emb
+        self.layers = []
+        for layer in inner.layers[: cfg.num_hidden_layers]:
+            a, m = layer.self_attn, layer.mlp
+            biases = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
+            self.layers.append(dict(
+                ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
+                qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                qkv_b=torch.cat(biases) if all(b is not None for b in biases) else None,
+                q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
+                k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
+                o=a.o_proj.weight, o_b=a.o_proj.bias,
+                gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]), down=m.down_proj.weight,
+            ))
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm, op for op (float32 statistics, weight applied in the input dtype)."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _forward(W: _Weights, ids, cos, sin, mask, cache_k, cache_v, start: int) -> torch.Tensor:
+    """Run tokens `ids` [B, T] written at cache slots start..start+T; returns the last position's hidden [B, H].
+
+    cos/sin [B, T, D]; mask [B, 1, T, start+T] bool (True = may attend); cache_k/v: per layer [B, KV, S, D].
+    """
+    B, T = ids.shape
+    nh, nkv, d = W.n_heads, W.n_kv, W.head_dim
+    x = F.embedding(ids, W.embed)  # [B, T, H]
+    cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
+    end = start + T
+    for i, L in enumerate(W.layers):
+        h = _rms(x, L["ln1"], W.eps)
+        qkv = F.linear(h, L["qkv"], L["qkv_b"])  # [B, T, (nh + 2 nkv) d]
+        q, k, v = qkv.split((nh * d, nkv * d, nkv * d), dim=-1)
+        q, k, v = q.view(B, T, nh, d), k.view(B, T, nkv, d), v.view(B, T, nkv, d)
+        if L["q_norm"] is not None:
+            q, k = _rms(q, L["q_norm"], W.eps), _rms(k, L["k_norm"], W.eps)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, d]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cache_k[i][:, :, start:end] = k
+        cache_v[i][:, :, start:end] = v
+        o = F.scaled_dot_product_attention(q, cache_k[i][:, :, :end], cache_v[i][:, :, :end], attn_mask=mask,
+                                           scale=d ** -0.5, enable_gqa=nh != nkv)  # [B, nh, T, d]
+        x = x + F.linear(o.transpose(1, 2).reshape(B, T, nh * d), L["o"], L["o_b"])
+        h = _rms(x, L["ln2"], W.eps)
+        gate, up = F.linear(h, L["gate_up"]).chunk(2, dim=-1)
+        x = x + F.linear(F.silu(gate) * up, L["down"])
+    return _rms(x[:, -1], W.final_norm, W.eps)  # [B, H]
+
+
+def _next_token(logits: torch.Tensor, sampling: Sampling, block_eos: bool, eos: int):
+    """transformers' processing order on float32 logits: min_new_tokens, temperature, top-k, top-p."""
+    scores = logits.float()  # [B, V]
+    if block_eos:
+        scores[:, eos] = float("-inf")
+    if sampling.greedy:
+        return scores.argmax(-1)
+    if sampling.temperature != 1.0:
+        scores = scores / sampling.temperature
+    if sampling.top_k and sampling.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, sampling.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        srt, idx = torch.sort(scores, descending=False)
+        remove = srt.softmax(-1).cumsum(-1) <= (1 - sampling.top_p)
+        remove[:, -1] = False  # keep at least one token
+        scores = scores.masked_fill(remove.scatter(1, idx, remove), float("-inf"))
+    return torch.multinomial(scores.softmax(-1), 1).squeeze(1)
+
+
+@torch.no_grad()
+def _generate_chunk(W: _Weights, model, chunk, max_new_tokens, sampling, pad, eos, min_new, want_logprobs):
+    device = W.embed.device
+    B, P = len(chunk), max(len(p) for p in chunk)
+    S = P + max_new_tokens
+    ids = torch.full((B, P), pad, dtype=torch.long)
+    valid = torch.zeros((B, S), dtype=torch.bool)  # key slots holding real tokens
+    for r, p in enumerate(chunk):
+        ids[r, P - len(p):] = torch.tensor(p)
+        valid[r, P - len(p):] = True
+    valid[:, P:] = True  # generated slots always attend (as generate's growing attention_mask)
+    ids, valid = ids.to(device), valid.to(device)
+    # positions as generate computes them: cumsum(attention_mask) - 1, pads at 1
+    lens = valid[:, :P].sum(1)  # [B]
+    pos = (valid[:, :P].long().cumsum(1) - 1).masked_fill(~valid[:, :P], 1)  # [B, P]
+    table_pos = torch.arange(S, device=device)[None]
+    dtype = W.embed.dtype
+    cos_t, sin_t = W.rotary(W.embed, table_pos)  # [1, S, D] (the model's own RoPE module)
+    cos_t, sin_t = cos_t[0], sin_t[0]  # [S, D]
+    cache_k = [torch.empty((B, W.n_kv, S, W.head_dim), dtype=dtype, device=device) for _ in W.layers]
+    cache_v = [torch.empty((B, W.n_kv, S, W.head_dim), dtype=dtype, device=device) for _ in W.layers]
+    # prefill: causal over real prompt tokens; a pad query attends to itself only (keeps it finite)
+    causal = torch.ones((P, P), dtype=torch.bool, device=device).tril()
+    mask = (causal[None] & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)[None]
+    hidden = _forward(W, ids, cos_t[pos], sin_t[pos], mask[:, None], cache_k, cache_v, 0)
+    out = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
+    lps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device) if want_logprobs else None
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    n = 0
+    for t in range(max_new_tokens):
+        logits = F.linear(hidden, W.lm_head)  # [B, V]
+        tok = _next_token(logits, sampling, t < min_new, eos)
+        tok = tok.masked_fill(done, pad)
+        out[:, t] = tok
+        if want_logprobs:
+            temp = 1.0 if sampling.greedy else sampling.temperature
+            lp = torch.log_softmax(logits.float() / temp, dim=-1).gather(1, tok[:, None]).squeeze(1)
+            lps[:, t] = lp.masked_fill(done, 0.0)
+        done = done | (tok == eos)
+        n = t + 1
+        if t == max_new_tokens - 1 or bool(done.all()):
+            break
+        p = (lens + t)[:, None]  # [B, 1] position of the token just sampled
+        hidden = _forward(W, tok[:, None], cos_t[p], sin_t[p], valid[:, None, None, : P + t + 1],
+                          cache_k, cache_v, P + t)
+    return out[:, :n].tolist(), (lps[:, :n].tolist() if want_logprobs else None)
+
+
+def _post(row: list[int], eos: int, pad: int, greedy: bool) -> Generation:
+    """The row as `hf_generate` reports it."""
+    if eos in row:
+        return Generation(row[: row.index(eos) + 1], True)
+    return Generation([t for t in row if t != pad] if greedy else row, False)
+
+
+@torch.no_grad()
+def fast_generate_with_logprobs(model, tok, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
+                                batch_size: int = 256) -> tuple[list[Generation], list[list[float]] | None]:
+    """`fast_generate`, plus each generated token's log-prob under the sampling temperature (None on fallback)."""
+    ok, _why = supported(model)
+    if not ok:
+        return hf_generate(model, tok, prompts, max_new_tokens, sampling, batch_size), None
+    W = _Weights(model)
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    min_new = model.generation_config.min_new_tokens or 0
+    gens: list[Generation] = []
+    logprobs: list[list[float]] = []
+    for i in range(0, len(prompts), batch_size):
+        rows, lps = _generate_chunk(W, model, prompts[i: i + batch_size], max_new_tokens, sampling, pad, eos,
+                                    min_new, True)
+        for row, lp in zip(rows, lps):
+            g = _post(row, eos, pad, sampling.greedy)
+            gens.append(g)
+            logprobs.append(lp[: len(g.tokens)])
+    return gens, logprobs
+
+
+@torch.no_grad()
+def fast_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
+                  batch_size: int = 256) -> list[Generation]:
+    """Drop-in for `engine.hf_generate` (same arguments, same result for greedy sampling)."""
+    ok, _why = supported(model)
+    if not ok:
+        return hf_generate(model, tok, prompts, max_new_tokens, sampling, batch_size)
+    W = _Weights(model)
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    min_new = model.generation_config.min_new_tokens or 0
+    gens: list[Generation] = []
+    for i in range(0, len(prompts), batch_size):
+        rows, _ = _generate_chunk(W, model, prompts[i: i + batch_size], max_new_tokens, sampling, pad, eos,
+                                  min_new, False)
+        gens += [_post(row, eos, pad, sampling.greedy) for row in rows]
+    return gens
