@@ -125,14 +125,15 @@ def schema(out, with_plugins):
         _fail("error: --with-plugins needs --out (the committed schemas/spec.schema.json covers built-in kinds only)")
     try:
         path = write_schema(Path(out) if out else None, builtins_only=not with_plugins)
-    except OSError as e:
-        _fail(f"{out}: error: cannot write the schema: {e.strerror or e}")
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        _fail(f"{out!r}: error: cannot write the schema: {getattr(e, 'strerror', None) or e}")
     click.echo(f"wrote {path}")
 
 
 def _register_optional_commands():
     """Commands whose modules only load when they run (they import torch)."""
     from composer import cli_run  # noqa: F401
+    from composer import cli_compile  # noqa: F401
 
 
 try:

@@ -41,6 +41,7 @@ def run(spec, overrides, out, resume, no_progress):
     from composer.backends.lightning.module import NonFiniteError
     from composer.runtime.binding import DataError
     from composer.runtime.models import ModelLoadError
+    from components.tasks.code_verifier import SandboxUnavailable
 
     folder = Path(resume or out or default_out(v.spec.name))
     folder.mkdir(parents=True, exist_ok=True)
@@ -48,7 +49,7 @@ def run(spec, overrides, out, resume, no_progress):
         _save_resolved(spec, overrides, folder)
     try:
         final = train(v, folder, resume=bool(resume), progress=not no_progress)
-    except (DataError, ModelLoadError, NonFiniteError, FileNotFoundError) as e:
+    except (DataError, ModelLoadError, NonFiniteError, FileNotFoundError, SandboxUnavailable) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(EXIT_INVALID)
     except Interrupted as e:

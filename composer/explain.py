@@ -9,6 +9,7 @@ def text(plan: dict) -> str:
     lines = [f"{plan['name']}: {plan['summary']}".rstrip(": "), ""]
     lines.append(f"policy: {plan['policy']}   data: {'toy testbed' if plan['testbed'] == 'toy' else plan['data']['train']}"
                  f"   backend: {plan['backend']}   steps: {plan['total_steps']}")
+    lines.append(f"rollout engine: {plan['rollout']['engine']}; behaviour log-probs {plan.get('rollout_engine', '')}")
     if plan["sources"]:
         lines += ["", "sources (privileged information: what / when / how it is used):"]
         readers: dict[str, list[str]] = {}

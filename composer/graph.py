@@ -78,10 +78,7 @@ def build(spec) -> tuple[nx.DiGraph, list[Diagnostic]]:
                 if allowed and target.kind_name() not in allowed:
                     diags.append(Diagnostic(
                         "graph", f"'{name}' is {_a(target.kind_name())} source; {field.rstrip('_')} must be "
-                        f"{' or '.join(allowed)}", path, None, f"point {field.rstrip('_')} at {_a(allowed[0])} source"
-                        + (f" ({', '.join(ok)})" if (ok := [n for n, s in spec.sources.items()
-                                                           if s.kind_name() in allowed]) else
-                           f", declared under `sources:` with kind {' or '.join(allowed)}")))
+                        f"{' or '.join(allowed)}", path, None, _wrong_kind_hint(spec, field.rstrip('_'), allowed)))
                     continue
                 g.add_edge(f"source:{name}", s.node, field=field, path=path)
     return g, diags
@@ -131,6 +128,13 @@ def _component(spec, node: str):
     pairs = signal_objective_pairs(spec)
     i = int(node[node.index("[") + 1: -1]) if "[" in node else 0
     return pairs[i][0] if node.startswith("signal") else pairs[i][1]
+
+
+def _wrong_kind_hint(spec, field: str, allowed) -> str:
+    ok = [n for n, s in spec.sources.items() if s.kind_name() in allowed]
+    if ok:
+        return f"point {field} at " + (f"'{ok[0]}'" if len(ok) == 1 else "one of " + ", ".join(f"'{n}'" for n in ok))
+    return f"declare {_a(' or '.join(allowed))} source under `sources:` and name it here"
 
 
 def _a(word: str) -> str:

@@ -88,7 +88,8 @@ class _Walker:
             return {**{k: v for k, v in merged.items() if k not in out}, **out}
         if isinstance(node, yaml.SequenceNode):
             if node.tag != "tag:yaml.org,2002:seq":
-                raise _err(f"unsupported tag {node.tag}", self.file, node.start_mark, path)
+                raise _err(f"unsupported tag {node.tag}", self.file, node.start_mark, path,
+                           "specs use plain mappings, lists and scalars only")
             items = []
             for i, item in enumerate(node.value):
                 self.positions[path + (i,)] = self.loc(item)
@@ -127,6 +128,24 @@ class _Walker:
                 raise _err("a string with a lone surrogate escape (not valid Unicode)", self.file, node.start_mark,
                            path, "write the character itself, or a \\U escape of a real code point") from None
         return value
+
+
+def _check_depth(text: str, file: str) -> None:
+    """Refuse deep nesting from the event stream, before PyYAML's recursive composer sees it."""
+    events = yaml.SafeLoader(text)
+    depth = 0
+    try:
+        while events.check_event():
+            event = events.get_event()
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                depth += 1
+                if depth > MAX_DEPTH + 1:  # the top-level mapping is depth 1
+                    raise _err(f"nesting deeper than {MAX_DEPTH} levels", file, event.start_mark, (),
+                               "specs are a few levels deep: look for unclosed brackets")
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                depth -= 1
+    finally:
+        events.dispose()
 
 
 def _check_expansion(root, file: str) -> None:
@@ -176,6 +195,24 @@ def _reader_err(e, text: str, file: str) -> SpecError:
                                  "remove it, or write it as an escape inside a double-quoted string")])
 
 
+SYNTAX_HINTS = (
+    ("'\\t'", "indent with spaces: YAML does not allow tabs"),
+    ("undefined alias", "define the anchor (`&name`) before its first alias (`*name`)"),
+    ("another document", "a spec is one YAML document: remove the `---` or what follows it"),
+    ("mapping values are not allowed", "quote a value that contains `: `, or check the indentation"),
+    ("could not find expected ':'", "a key needs `: value`; check the indentation and quotes"),
+    ("found unexpected end of stream", "close the quoted string"),
+    ("found character that cannot start any token", "quote a value that starts with @, ` or %"),
+)
+
+
+def _syntax_hint(problem: str) -> str:
+    for needle, hint in SYNTAX_HINTS:
+        if needle in problem:
+            return hint
+    return "check the indentation, brackets and quotes at and just before this position"
+
+
 def parse_yaml(text: str, file: str) -> tuple[Any, dict]:
     """Parse one YAML document into (data, positions)."""
     if len(text.encode("utf-8", "surrogatepass")) > MAX_FILE_BYTES:
@@ -185,6 +222,7 @@ def parse_yaml(text: str, file: str) -> tuple[Any, dict]:
     except yaml.reader.ReaderError as e:
         raise _reader_err(e, text, file) from None
     try:
+        _check_depth(text, file)
         node = loader.get_single_node()
         if node is None:
             return None, {}
@@ -193,11 +231,12 @@ def parse_yaml(text: str, file: str) -> tuple[Any, dict]:
         return walker.walk(node, (), 0), walker.positions
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
-        raise _err(f"YAML syntax: {e.problem or e.context}", file, mark) from None
+        raise _err(f"YAML syntax: {e.problem or e.context}", file, mark, (), _syntax_hint(str(e.problem or e.context)))\
+            from None
     except yaml.reader.ReaderError as e:
         raise _reader_err(e, text, file) from None
     except yaml.YAMLError as e:
-        raise _err(f"YAML: {e}", file) from None
+        raise _err(f"YAML: {e}", file, None, (), "fix the YAML near the start of the file") from None
     except RecursionError:
         raise _err(f"nesting deeper than {MAX_DEPTH} levels", file, None, (),
                    "specs are a few levels deep: look for unclosed brackets") from None
@@ -229,15 +268,19 @@ def read_text(path: Path) -> str:
         raise _err("no such file", str(path), None, (), "check the path (overrides are written path.to.field=value)") \
             from None
     except IsADirectoryError:
-        raise _err("is a directory, not a spec file", str(path)) from None
+        raise _err("is a directory, not a spec file", str(path), None, (), "name a .yaml spec file") from None
     except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
-        raise _err(f"cannot read: {getattr(e, 'strerror', None) or e}", str(path)) from None
+        raise _err(f"cannot read: {getattr(e, 'strerror', None) or e}", str(path), None, (),
+                   "check the path and its permissions") from None
     if len(raw) > MAX_FILE_BYTES:
         raise _err(f"file larger than {MAX_FILE_BYTES} bytes", str(path), None, (), "specs are small YAML files")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise _err(f"not UTF-8 text (byte {e.start})", str(path)) from None
+        line = raw.count(b"\n", 0, e.start) + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise SpecError([Diagnostic("yaml", f"not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r})", (),
+                                    Location(str(path), line, col), "save the file as UTF-8")]) from None
 
 
 def _load_file(path: Path, stack: tuple) -> LoadedSpec:
@@ -323,5 +366,5 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> LoadedSpe
 def load_text(text: str, file: str = "<spec>") -> LoadedSpec:
     data, positions = parse_yaml(text, file)
     if not isinstance(data, dict):
-        raise _err("a spec is a mapping of sections", file)
+        raise _err("a spec is a mapping of sections", file, None, (), "start with `name: my_method`")
     return LoadedSpec(data, positions, file)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from composer import graph
 from composer.origins import ORIGINS
+from composer.runtime.vllm_engine import engine_note
 from composer.validate import Segment, Validated
 
 PI_TYPE = {
@@ -171,6 +172,7 @@ def compile_plan(v: Validated, backend: str | None = None) -> dict:
         "edges": [{"from": a, "to": b, "field": d.get("field")} for a, b, d in g.edges(data=True)],
         "train": spec.train.model_dump(mode="json"),
         "rollout": {k: v for k, v in spec.rollout.model_dump(mode="json").items() if k != "guide"},
+        "rollout_engine": engine_note(spec.rollout),
         "data": spec.data.model_dump(mode="json"),
         "policy_config": spec.policy.model_dump(mode="json"),
         "source_configs": {n: _component(s) for n, s in spec.sources.items()},

@@ -121,7 +121,7 @@ def diagnostics_from(err: ValidationError, spec: LoadedSpec, model: type[BaseMod
         if etype == "extra_forbidden":
             parent = model_at(model, spec.data, path[:-1])
             allowed = field_names(parent) if parent else []
-            msg = f"unknown key '{path[-1]}'" + (f" in {parent.__name__}" if parent else "")
+            msg = f"unknown key '{path[-1]}'" + _where(parent, path[:-1])
             hint = did_you_mean(path[-1], allowed)
         elif etype == "union_tag_invalid":
             expected = [t.strip().strip("'") for t in str(ctx.get("expected_tags", "")).split(",")]
@@ -177,6 +177,17 @@ def diagnostics_from(err: ValidationError, spec: LoadedSpec, model: type[BaseMod
             hint = _field_hint(model, spec.data, path) or hint
         out.append(Diagnostic("schema", msg, path, locate(path) or Location(spec.file, 1, 1), hint))
     return out
+
+
+def _where(parent, path: tuple) -> str:
+    """' in the grpo objective', ' at the top level of the spec', ' in rollout'."""
+    if parent is not None and isinstance(getattr(parent, "section", None), str) and parent.section \
+            and "kind" in parent.model_fields:
+        return f" in the {parent.kind_name()} {parent.section.rstrip('s')}"
+    if not path:
+        return " at the top level of the spec"
+    from composer.errors import dotted
+    return f" in {dotted(path)}"
 
 
 def _expectation(e: dict) -> str:

@@ -48,12 +48,29 @@ def _locate(diags: list[Diagnostic], loaded: LoadedSpec, origin: tuple = ()) -> 
     for d in diags:
         if d.location is None:
             d.location = None
-            if origin and _exists(loaded.data, origin + d.path[:1]):
+            if origin and _in_segment(loaded, origin, d.path):
                 d.location = loaded.locate(origin + d.path)
                 d.path = origin + d.path
             if d.location is None:
                 d.location = loaded.locate(d.path) or Location(loaded.file, 1, 1)
     return diags
+
+
+def _depth(data, path) -> int:
+    """How many leading elements of `path` exist in `data`."""
+    n = 0
+    while n < len(path) and _exists(data, path[: n + 1]):
+        n += 1
+    return n
+
+
+def _in_segment(loaded: LoadedSpec, origin: tuple, path: tuple) -> bool:
+    """Whether the phase/stage at `origin` wrote what `path` names (rather than the base spec)."""
+    phase = loaded.data
+    for p in origin:
+        phase = phase[p] if _exists(phase, (p,)) else {}
+    here = _depth(phase, path)
+    return here >= 1 and here >= _depth(loaded.data, path)
 
 
 def _exists(data, path) -> bool:
@@ -66,6 +83,12 @@ def _exists(data, path) -> bool:
         else:
             return False
     return True
+
+
+def _label(seg: Segment) -> str:
+    if seg.origin[:1] == ("phases",):
+        return f"phase {seg.origin[1]} (steps {seg.start}-{seg.end})"
+    return f"stage '{seg.name}'"
 
 
 def _nan_paths(value, path: tuple):
@@ -112,13 +135,13 @@ def _validate_segment(model, data: dict, loaded: LoadedSpec, origin: tuple) -> t
         view = LoadedSpec(data, loaded.positions, loaded.file)
 
         def locate(path):
-            if _exists(loaded.data, origin + path[:2]) and origin:
+            if origin and _in_segment(loaded, origin, path):
                 return loaded.locate(origin + path)
             return loaded.locate(path)
 
         diags = diagnostics_from(e, view, model, locate=locate)
         for d in diags:  # a problem the phase or stage wrote is named by its own path
-            if _exists(loaded.data, origin + d.path[:2]):
+            if _in_segment(loaded, origin, d.path):
                 d.path = origin + d.path
         return None, diags
 
@@ -177,7 +200,7 @@ def validate_loaded(loaded: LoadedSpec) -> Validated:
         g, d = graph.check(seg.spec)
         for x in d:
             if seg.origin:
-                x.message = f"in {seg.name}: {x.message}"
+                x.message = f"in {_label(seg)}: {x.message}"
         diags += _locate(d, loaded, seg.origin)
         used |= graph.used_sources(g)
     if diags:
@@ -193,7 +216,7 @@ def validate_loaded(loaded: LoadedSpec) -> Validated:
         d = rules.check(seg.spec, seg.name)
         for x in d:
             if seg.origin:
-                x.message = f"in {seg.name}: {x.message}"
+                x.message = f"in {_label(seg)}: {x.message}"
         diags += _locate(d, loaded, seg.origin)
     errors = [d for d in _dedupe(diags) if d.severity == "error"]
     warnings += [d for d in _dedupe(diags) if d.severity == "warning"]

@@ -20,3 +20,27 @@ class DistillationSignal(Component):
     needs: ClassVar = ("teacher_logprobs",)
     provides: ClassVar = ("teacher_logprobs",)
     usage: ClassVar[str] = "teacher"
+
+    def apply(self, ctx, batch):
+        """Fill batch.teacher_logprobs [B, T], batch.teacher_logits [B, T, V] (only when an objective of
+        this signal wants full logits) and batch.seq_weight [B] from the teacher source; log
+        teacher_kl = mean_t (log pi_beh - log pi_T) on weighted policy tokens (a sampled reverse-KL
+        estimate), teacher_student_gap = mean_t |log pi_beh - log pi_T|, no_signal_frac, and for an
+        EMA teacher ema_param_distance = ||theta_T - theta||_2."""
+        from composer.runtime.step import terms
+
+        teacher = ctx.source(self.teacher)
+        want = any(getattr(obj, "wants_logits", False) for _n, sig, obj, _w in terms(ctx.spec)
+                   if sig is self or sig == self)
+        lp, logits, w = teacher.score(ctx, batch, want)
+        batch.teacher_logprobs, batch.teacher_logits = lp, logits
+        batch.seq_weight = w if batch.seq_weight is None else batch.seq_weight * w
+        m = (batch.policy_mask & (w > 0)[:, None]).float()  # [B, T]
+        gap = (batch.behavior_logprobs - lp) * m  # [B, T]
+        n = m.sum().clamp(min=1)
+        ctx.log(teacher_kl=gap.sum() / n, teacher_student_gap=gap.abs().sum() / n,
+                no_signal_frac=(w == 0).float().mean())
+        dist = getattr(teacher, "param_distance", lambda c: None)(ctx)
+        if dist is not None:
+            ctx.log(ema_param_distance=dist)
+        return batch

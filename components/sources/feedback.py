@@ -23,3 +23,17 @@ class Feedback(Component):
     needs: ClassVar = ("sequence_reward",)
     refs: ClassVar = {"from_": ("outcome_reward",)}
     pi: ClassVar[str] = "posterior"
+
+    def build(self, ctx, name: str):
+        return self
+
+    def text(self, ctx, batch, i: int):
+        """Feedback on row i if it failed (per the `from` source), else None. Toy: the step checker's
+        text ('the final answer is wrong; step k is wrong'); other tasks: the verifier's Verdict.detail."""
+        scorer = ctx.source(self.from_)
+        if scorer.success(ctx, batch)[i]:
+            return None
+        checker = getattr(ctx.task, "step_checker", None)
+        if hasattr(checker, "feedback_text"):
+            return checker.feedback_text(batch.examples[i], batch.info["texts"][i], self.detail)
+        return scorer.verdicts(ctx, batch)[i].detail or None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field
@@ -22,3 +23,20 @@ class SiblingSuccess(Component):
     needs: ClassVar = ("sequence_reward",)
     refs: ClassVar = {"from_": ("outcome_reward",)}
     pi: ClassVar[str] = "posterior"
+
+    def build(self, ctx, name: str):
+        return self
+
+    def text(self, ctx, batch, i: int):
+        """The response text of the first successful rollout j != i with batch.group[j] == batch.group[i]
+        (SDPO dont_reprompt_on_self_success), `<think>...</think>` stripped; None if there is none."""
+        success = ctx.source(self.from_).success(ctx, batch)  # also fills batch.info["texts"]
+        group = batch.group.tolist()
+        for j in range(batch.size):
+            if j != i and group[j] == group[i] and success[j]:
+                text = batch.info["texts"][j]
+                return THINK.sub("", text).lstrip() if "<think>" in text else text
+        return None
+
+
+THINK = re.compile(r"<think>.*?</think>", re.DOTALL)

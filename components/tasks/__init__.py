@@ -1,3 +1,3 @@
 """Tasks: verifiers and the toy testbed."""
 
-from components.tasks import verifiers  # noqa: F401
+from components.tasks import code_verifier, verifiers  # noqa: F401

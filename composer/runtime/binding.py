@@ -1,15 +1,76 @@
-"""Bind a spec to what it trains on: the toy testbed when no data is given, else the data files."""
+"""Bind a spec to what it trains on: the toy testbed when no data is given, else the data files.
+
+Bad data never passes silently. Every bad row is either a `DataError` naming the file, the row
+(1-based; for jsonl the line number) and the field, or, with `data.on_bad_row: skip`, skipped and
+counted by reason. The counts live on the task: `task.skipped_rows` (total) and
+`task.skipped_by_reason` ({reason: count}); the run logs them (`skipped_rows`).
+
+Checks, in order:
+  load time (`load_examples`, called by `bind_task`): invalid JSON, non-UTF-8 bytes (or lone
+    surrogates), a row that is not an object, missing / null fields, a prompt that is not text or
+    is empty, an answer that is not text or a number;
+  load time (`validate_answers`, called by `bind_task` for each verifier the spec names): dataset
+    answers the verifier cannot read (math: math_verify finds no expression; exact: empty; code:
+    no tests or tests that do not compile);
+  after the tokenizer is loaded (`check_lengths` / `check_task_lengths`, called by the run): prompts
+    longer than the context (the policy's max_position_embeddings, see `context_length`).
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import threading
+from collections import Counter
 from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
 
 from composer.data import Example, Task
+
+log = logging.getLogger("composer")
+
+# skip reasons (keys of task.skipped_by_reason)
+BAD_JSON, NOT_UTF8, NOT_OBJECT, MISSING_FIELD, BAD_TYPE, EMPTY_PROMPT, TOO_LONG, UNPARSABLE_ANSWER = (
+    "bad_json", "not_utf8", "not_object", "missing_field", "bad_type", "empty_prompt", "too_long", "unparsable_answer")
 
 
 class DataError(Exception):
     """Bad input data: names the file, the row and the field."""
+
+    def __init__(self, message: str, file: str = "", row: int = -1, field: str = "", reason: str = ""):
+        super().__init__(message)
+        self.file, self.row, self.field, self.reason = file, row, field, reason
+
+
+def _error(file, row: int, field: Optional[str], what: str, reason: str) -> DataError:
+    where = f"{file}: row {row}" + (f": field '{field}'" if field else "")
+    return DataError(f"{where}: {what}", file=str(file), row=row, field=field or "", reason=reason)
+
+
+class _Skips:
+    """Counts skipped rows by reason; raises instead when on_bad_row is `error`."""
+
+    def __init__(self, on_bad_row: str):
+        if on_bad_row not in ("error", "skip"):
+            raise ValueError(f"on_bad_row must be 'error' or 'skip', not {on_bad_row!r}")
+        self.on_bad_row, self.counts, self.first = on_bad_row, Counter(), {}
+
+    def bad(self, err: DataError) -> None:
+        if self.on_bad_row != "skip":
+            raise err
+        self.counts[err.reason or "bad_row"] += 1
+        self.first.setdefault(err.reason or "bad_row", str(err))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def report(self, what: str) -> None:
+        for reason, n in sorted(self.counts.items()):
+            log.warning("%s: skipped %d row(s) (%s), e.g. %s", what, n, reason, self.first[reason])
+
+
+# ------------------------------------------------------------------------------------------ binding
 
 
 def bind_task(spec) -> Task:
@@ -19,72 +80,284 @@ def bind_task(spec) -> Task:
     if d.train is None:
         task = toy_task(tiers=tuple(d.tiers), train_tiers=tuple(d.train_tiers), eval_per_tier=spec.train.eval_samples,
                         seed=spec.train.seed)
+        task.skipped_rows, task.skipped_by_reason = 0, {}
         return task
-    train, skipped = load_examples(d.train, d)
+    counts: Counter = Counter()
+    train, c = load_examples_counted(d.train, d)
+    counts += c
     evals = {}
     if d.eval:
-        evals["eval"], s2 = load_examples(d.eval, d)
-        skipped += s2
+        evals["eval"], c = load_examples_counted(d.eval, d)
+        counts += c
     task = Task(name=Path(d.train).stem, train=train, eval=evals, verifier="math")
-    task.skipped_rows = skipped
+    for name in spec_verifiers(spec, task):
+        task.train, n = validate_answers(task.train, name, d.on_bad_row, file=d.train, field=d.answer_field)
+        counts[UNPARSABLE_ANSWER] += n
+        for k in task.eval:
+            task.eval[k], n = validate_answers(task.eval[k], name, d.on_bad_row, file=d.eval, field=d.answer_field)
+            counts[UNPARSABLE_ANSWER] += n
+    _set_counts(task, counts)
     return task
 
 
-def _rows(path: Path):
+def _set_counts(task: Task, counts: Counter) -> None:
+    task.skipped_by_reason = {k: v for k, v in counts.items() if v}
+    task.skipped_rows = sum(task.skipped_by_reason.values())
+
+
+def spec_verifiers(spec, task: Task) -> list[str]:
+    """Verifier names of the spec's outcome_reward sources (phases and stages included); `auto` -> the task's."""
+    found = []
+
+    def add(src):
+        kind = getattr(src, "kind", None) if not isinstance(src, dict) else src.get("kind")
+        name = getattr(src, "verifier", None) if not isinstance(src, dict) else src.get("verifier")
+        if kind == "outcome_reward" or (kind is None and name is not None):
+            found.append(task.verifier if name in (None, "auto") else name)
+
+    for src in (getattr(spec, "sources", None) or {}).values():
+        add(src)
+    for part in list(getattr(spec, "phases", None) or []) + list(getattr(spec, "stages", None) or []):
+        for src in (getattr(part, "sources", None) or {}).values():
+            add(src)
+    return list(dict.fromkeys(found))
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+def _rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """(1-based row number, row dict or DataError) for every row of a jsonl / parquet / datasets dir."""
     if path.is_dir():
-        from datasets import load_from_disk
+        try:
+            from datasets import load_from_disk
 
-        ds = load_from_disk(str(path))
-        if hasattr(ds, "keys") and "train" in ds:
+            ds = load_from_disk(str(path))
+        except Exception as e:
+            raise DataError(f"{path}: not a readable `datasets` directory ({type(e).__name__}: {e})", file=str(path))
+        if hasattr(ds, "keys"):
+            if "train" not in ds:
+                raise DataError(f"{path}: a DatasetDict without a 'train' split (splits: {', '.join(ds.keys())})",
+                                file=str(path))
             ds = ds["train"]
-        yield from enumerate(ds)
+        for i, row in enumerate(ds):
+            yield i + 1, row
     elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+        try:
+            import pyarrow.parquet as pq
 
-        yield from enumerate(pq.read_table(path).to_pylist())
+            batches = pq.ParquetFile(path).iter_batches(batch_size=4096)
+            i = 0
+            for batch in batches:
+                for row in batch.to_pylist():
+                    i += 1
+                    yield i, row
+        except DataError:
+            raise
+        except Exception as e:
+            raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})", file=str(path)) from None
     else:
         with path.open("rb") as f:
-            for i, raw in enumerate(f):
+            for i, raw in enumerate(f, start=1):
                 if not raw.strip():
                     continue
                 try:
-                    yield i, json.loads(raw.decode("utf-8"))
-                except UnicodeDecodeError:
-                    yield i, DataError(f"{path}: row {i + 1}: not UTF-8 text")
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield i, _error(path, i, None, f"not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})",
+                                    NOT_UTF8)
+                    continue
+                try:
+                    yield i, json.loads(text.lstrip("\ufeff") if i == 1 else text)
                 except json.JSONDecodeError as e:
-                    yield i, DataError(f"{path}: row {i + 1}: not valid JSON ({e.msg})")
+                    yield i, _error(path, i, None, f"not valid JSON ({e.msg} at column {e.colno})", BAD_JSON)
 
 
-def load_examples(file: str, d) -> tuple[list[Example], int]:
-    """Examples from jsonl / parquet / a `datasets` directory; bad rows stop the run or are skipped."""
+def load_examples_counted(file: str, d) -> tuple[list[Example], Counter]:
+    """Examples from jsonl / parquet / a `datasets` directory, and the skipped rows counted by reason."""
     path = Path(file)
     if not path.exists():
-        raise DataError(f"{file}: no such data file")
-    out, skipped = [], 0
+        raise DataError(f"{file}: no such data file", file=str(file))
+    out, skips = [], _Skips(d.on_bad_row)
     for i, row in _rows(path):
         try:
             if isinstance(row, DataError):
                 raise row
             out.append(_example(path, i, row, d))
-        except DataError:
-            if d.on_bad_row == "skip":
-                skipped += 1
-                continue
-            raise
+        except DataError as e:
+            skips.bad(e)
+    skips.report(str(file))
     if not out:
-        raise DataError(f"{file}: no usable rows" + (f" ({skipped} skipped)" if skipped else ""))
-    return out, skipped
+        raise DataError(f"{file}: no usable rows" + (f" ({skips.total} skipped: {dict(skips.counts)})"
+                                                     if skips.total else ""), file=str(file))
+    return out, skips.counts
+
+
+def load_examples(file: str, d) -> tuple[list[Example], int]:
+    """Examples from jsonl / parquet / a `datasets` directory; bad rows stop the run or are skipped (counted)."""
+    out, counts = load_examples_counted(file, d)
+    return out, sum(counts.values())
+
+
+def _text(path, i, fld, value, numbers_ok: bool) -> str:
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise _error(path, i, fld, "not UTF-8 text", NOT_UTF8) from None
+    if isinstance(value, bool) or not isinstance(value, (str, int, float) if numbers_ok else str):
+        want = "text or a number" if numbers_ok else "text"
+        raise _error(path, i, fld, f"expected {want}, got {type(value).__name__}", BAD_TYPE)
+    value = str(value)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _error(path, i, fld, "not valid Unicode text (lone surrogate escape)", NOT_UTF8) from None
+    return value
 
 
 def _example(path: Path, i: int, row, d) -> Example:
     if not isinstance(row, dict):
-        raise DataError(f"{path}: row {i + 1}: expected an object with fields, got {type(row).__name__}")
+        raise _error(path, i, None, f"expected an object with fields, got {type(row).__name__}", NOT_OBJECT)
     for fld in (d.prompt_field, d.answer_field):
         if fld not in row or row[fld] is None:
-            raise DataError(f"{path}: row {i + 1}: missing field '{fld}' (fields: {', '.join(map(str, row))})")
-    prompt = str(row[d.prompt_field])
+            have = ", ".join(map(str, row)) or "none"
+            raise _error(path, i, fld, f"missing (the row has fields: {have})", MISSING_FIELD)
+    prompt = _text(path, i, d.prompt_field, row[d.prompt_field], numbers_ok=False)
     if not prompt.strip():
-        raise DataError(f"{path}: row {i + 1}: field '{d.prompt_field}' is empty")
+        raise _error(path, i, d.prompt_field, "empty prompt", EMPTY_PROMPT)
+    answer = _text(path, i, d.answer_field, row[d.answer_field], numbers_ok=True)
     sol = row.get(d.solution_field)
-    return Example(prompt=prompt, answer=str(row[d.answer_field]), solution=None if sol is None else str(sol),
-                   row=i + 1, meta={k: v for k, v in row.items()} | {"file": str(path)})
+    sol = None if sol is None else _text(path, i, d.solution_field, sol, numbers_ok=True)
+    return Example(prompt=prompt, answer=answer, solution=sol, row=i, meta=dict(row) | {"file": str(path)})
+
+
+# ------------------------------------------------------------------------------------------ answers
+
+
+def _math_reason(answer: str) -> Optional[str]:
+    from math_verify import parse
+
+    kw = {} if threading.current_thread() is threading.main_thread() else {"parsing_timeout": None}
+    found = parse(f"${answer}$", **kw) or parse(answer, **kw)
+    if not any(not isinstance(x, str) for x in found):  # only the raw-string fallback: nothing parsed
+        return f"math_verify cannot parse the answer {answer!r}"
+    return None
+
+
+def _exact_reason(answer: str) -> Optional[str]:
+    from components.tasks.verifiers import normalise
+
+    return None if normalise(answer) else "empty answer"
+
+
+def _code_reason(ex: Example) -> Optional[str]:
+    from components.tasks.code_verifier import _compiles, example_tests
+
+    tests = example_tests(ex)
+    if not tests.strip():
+        return "no tests (the answer or meta['tests'] holds the test code)"
+    if not _compiles(tests):
+        return "the tests are not valid Python"
+    return None
+
+
+def answer_problem(ex: Example, verifier_name: str) -> Optional[str]:
+    """Why `verifier_name` could not read this example's answer, or None (also for verifiers with no check)."""
+    if verifier_name == "math":
+        return _math_reason(ex.answer)
+    if verifier_name == "exact":
+        return _exact_reason(ex.answer)
+    if verifier_name == "code":
+        return _code_reason(ex)
+    if verifier_name == "toy":
+        return None if ex.answer.strip() and not any(c.isspace() for c in ex.answer.strip()) else "not a toy answer"
+    return None
+
+
+def validate_answers(examples: Iterable[Example], verifier_name: str, on_bad_row: str = "error",
+                     file: Optional[str] = None, field: str = "answer") -> tuple[list[Example], int]:
+    """Check every dataset answer is readable by the verifier: raise a DataError, or skip and count.
+
+    Returns (the kept examples, the number skipped). Never lets a row through whose reward would be
+    a silent 0 because the reference answer itself cannot be read.
+    """
+    skips, out = _Skips(on_bad_row), []
+    for ex in examples:
+        why = answer_problem(ex, verifier_name)
+        if why is None:
+            out.append(ex)
+            continue
+        src = (ex.meta or {}).get("file") or file or "<data>"
+        fld = "tests" if verifier_name == "code" and "tests" in (ex.meta or {}) else field
+        skips.bad(_error(src, ex.row, fld, f"verifier '{verifier_name}': {why}", UNPARSABLE_ANSWER))
+    skips.report(file or "data")
+    if not out and skips.total:
+        raise DataError(f"{file or 'data'}: no usable rows ({skips.total} answers unreadable by verifier "
+                        f"'{verifier_name}', e.g. {next(iter(skips.first.values()))})", file=str(file or ""))
+    return out, skips.total
+
+
+# ------------------------------------------------------------------------------------------ lengths
+
+
+def context_length(model_or_config, default: Optional[int] = None) -> Optional[int]:
+    """The policy's context: config.max_position_embeddings (or n_positions / max_seq_len / seq_length)."""
+    cfg = getattr(model_or_config, "config", model_or_config)
+    for cfg_ in (cfg, getattr(cfg, "text_config", None)):
+        for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx"):
+            v = getattr(cfg_, key, None) if cfg_ is not None else None
+            if isinstance(v, int) and v > 0:
+                return v
+    return default
+
+
+def _encode_all(tokenizer, prompts: list[str]) -> list[int]:
+    """Token counts, as the run encodes prompts (`encode(text, add_special_tokens=False)`)."""
+    if callable(tokenizer) and not hasattr(tokenizer, "encode"):
+        return [len(tokenizer(p)) for p in prompts]
+    try:
+        ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        if len(ids) == len(prompts):
+            return [len(x) for x in ids]
+    except Exception:
+        pass
+    return [len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+
+
+def check_lengths(examples: list[Example], tokenizer, max_len: Optional[int], on_bad_row: str = "error",
+                  field: str = "prompt") -> tuple[list[Example], int]:
+    """Prompts longer than `max_len` tokens: a DataError naming file, row and field, or skipped and counted.
+
+    Returns (the kept examples, the number skipped). `max_len` None: no check.
+    """
+    if max_len is None or not examples:
+        return list(examples), 0
+    counts = _encode_all(tokenizer, [ex.prompt for ex in examples])
+    skips, out = _Skips(on_bad_row), []
+    for ex, n in zip(examples, counts):
+        if n <= max_len:
+            out.append(ex)
+            continue
+        src = (ex.meta or {}).get("file", "<data>")
+        skips.bad(_error(src, ex.row, field, f"prompt is {n} tokens, longer than the context ({max_len} tokens)",
+                         TOO_LONG))
+    skips.report("prompt lengths")
+    return out, skips.total
+
+
+def check_task_lengths(task: Task, tokenizer, max_len: Optional[int], on_bad_row: str = "error",
+                       field: str = "prompt") -> int:
+    """check_lengths over the task's train and eval examples, in place; adds to the task's skip counts."""
+    total = 0
+    task.train, n = check_lengths(task.train, tokenizer, max_len, on_bad_row, field)
+    total += n
+    for k in list(task.eval):
+        task.eval[k], n = check_lengths(task.eval[k], tokenizer, max_len, on_bad_row, field)
+        total += n
+    if not task.train:
+        raise DataError(f"{task.name}: no training prompt fits the context ({max_len} tokens)")
+    counts = Counter(getattr(task, "skipped_by_reason", {}) or {})
+    counts[TOO_LONG] += total
+    _set_counts(task, counts)
+    return total

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -135,7 +136,8 @@ def vllm_available() -> tuple[bool, str]:
     except ImportError:
         return False, "vLLM is not installed"
     except Exception as e:  # installed but broken (CUDA/torch mismatch, ...)
-        return False, f"vLLM is installed but does not import ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        first = str(e).splitlines()[0] if str(e) else ""
+        return False, f"vLLM is installed but does not import ({type(e).__name__}: {first})"
     if not torch.cuda.is_available():
         return False, "no GPU is present"
     return True, ""

@@ -78,8 +78,9 @@ class _Weights:
                 ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
                 qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
                 qkv_b=torch.cat(biases) if all(b is not None for b in biases) else None,
-                q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
-                k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
+                # per-head q/k RMSNorm weights stacked over the q and k heads: one norm call for both
+                qk_norm=torch.cat([a.q_norm.weight.expand(self.n_heads, -1), a.k_norm.weight.expand(self.n_kv, -1)])
+                if hasattr(a, "q_norm") else None,
                 o=a.o_proj.weight, o_b=a.o_proj.bias,
                 gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]), down=m.down_proj.weight,
             ))
@@ -111,12 +112,13 @@ def _forward(W: _Weights, ids, cos, sin, mask, cache_k, cache_v, start: int) -> 
     for i, L in enumerate(W.layers):
         h = _rms(x, L["ln1"], W.eps)
         qkv = F.linear(h, L["qkv"], L["qkv_b"])  # [B, T, (nh + 2 nkv) d]
-        q, k, v = qkv.split((nh * d, nkv * d, nkv * d), dim=-1)
-        q, k, v = q.view(B, T, nh, d), k.view(B, T, nkv, d), v.view(B, T, nkv, d)
-        if L["q_norm"] is not None:
-            q, k = _rms(q, L["q_norm"], W.eps), _rms(k, L["k_norm"], W.eps)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, d]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        qk, v = qkv.split(((nh + nkv) * d, nkv * d), dim=-1)
+        qk = qk.view(B, T, nh + nkv, d)  # q and k heads side by side: norm and RoPE are per head
+        if L["qk_norm"] is not None:
+            qk = _rms(qk, L["qk_norm"], W.eps)
+        qk = _rotate(qk.transpose(1, 2), cos, sin)  # [B, nh + nkv, T, d]
+        q, k = qk[:, :nh], qk[:, nh:]
+        v = v.view(B, T, nkv, d).transpose(1, 2)  # [B, nkv, T, d]
         cache_k[i][:, :, start:end] = k
         cache_v[i][:, :, start:end] = v
         o = F.scaled_dot_product_attention(q, cache_k[i][:, :, :end], cache_v[i][:, :, :end], attn_mask=mask,

@@ -26,15 +26,18 @@ import dataclasses
 import logging
 import math
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
-import torch
+from composer.lazy import torch  # imported on first use: `engine_note` (explain) never loads torch or vLLM
 
-from composer.runtime.engine import Generation, Sampling
+if TYPE_CHECKING:
+    from composer.runtime.engine import Generation, Sampling
 
 log = logging.getLogger("composer")
 
 SLEEP_ENV = "COMPOSER_VLLM_SLEEP"  # 1: always sleep between rollouts, 0: never; unset: when memory requires it
+PREFIX_CACHE_ENV = "COMPOSER_VLLM_PREFIX_CACHING"  # 0: no prefix caching (old vLLMs: no prompt log-probs with it)
 DTYPE_ENV = "COMPOSER_VLLM_DTYPE"  # vLLM dtype (default auto: vLLM's choice, bf16 for an fp32 checkpoint)
 FULL_VOCAB_SCORING = 4096  # vocabularies up to this size get exactly tempered prompt log-probs on any vLLM
 
@@ -81,15 +84,6 @@ def _has_field(cls, name: str) -> bool:
         return name in inspect.signature(cls).parameters
     except (TypeError, ValueError):
         return False
-
-
-def supports_processed_logprobs() -> bool:
-    """Whether the installed vLLM has the `logprobs_mode` engine argument (processed log-probs)."""
-    try:
-        names = _engine_arg_names(_vllm())
-    except Exception:
-        return False
-    return bool(names) and "logprobs_mode" in names
 
 
 # ------------------------------------------------------------------------------------ behaviour log-probs
@@ -140,7 +134,7 @@ def _lp_of(entry: Any, token: int) -> float | None:
     except (KeyError, IndexError, TypeError):
         return None
     v = getattr(v, "logprob", v)
-    return float(v) if v is not None and math.isfinite(float(v)) else None
+    return None if v is None or math.isnan(float(v)) else float(v)
 
 
 def _all_lps(entry: Any) -> list[float]:
@@ -153,7 +147,7 @@ class _RolloutWeights:
     `load_state_dict` (a resumed run) pushes them into the engine.
     """
 
-    def __init__(self, engine: "VLLMEngine"):
+    def __init__(self, engine: VLLMEngine):
         self.engine = engine
 
     def state_dict(self) -> dict:
@@ -213,7 +207,7 @@ class VLLMEngine:
 
     def __init__(self, policy: torch.nn.Module | None, tokenizer, rollout_cfg=None, *, model_dir: str | None = None,
                  seed: int = 0, sleep: bool | None = None, dtype: str | None = None, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, frozen: bool = False, llm=None, **llm_kwargs):
+                 enable_prefix_caching: bool | None = None, frozen: bool = False, llm=None, **llm_kwargs):
         vllm = _vllm()
         self._vllm = vllm
         self.version = getattr(vllm, "__version__", "?")
@@ -240,6 +234,8 @@ class VLLMEngine:
         self.sleep_mode = bool(sleep)
 
         names = _engine_arg_names(vllm)
+        if enable_prefix_caching is None:
+            enable_prefix_caching = os.environ.get(PREFIX_CACHE_ENV, "1") != "0"
         kwargs: dict[str, Any] = dict(
             model=self.model_dir, tokenizer=self.model_dir, seed=seed,
             gpu_memory_utilization=self.gpu_memory_utilization, tensor_parallel_size=self.tensor_parallel_size,
@@ -273,8 +269,11 @@ class VLLMEngine:
         self.llm = llm
         self.model = _RolloutWeights(self)
         self._snapshot: dict | None = None
+        from composer.runtime.engine import Sampling
+
         sampling = Sampling(temperature=float(getattr(rollout_cfg, "temperature", 1.0)),
-                            top_p=float(getattr(rollout_cfg, "top_p", 1.0)), top_k=int(getattr(rollout_cfg, "top_k", 0)))
+                            top_p=float(getattr(rollout_cfg, "top_p", 1.0)),
+                            top_k=int(getattr(rollout_cfg, "top_k", 0)))
         self.exact_logprobs = self._sampler_exact(sampling)
         log.info("rollout engine: vllm %s (%s; tensor_parallel_size %d, gpu_memory_utilization %.2f, sleep between "
                  "rollouts: %s, %s; behaviour log-probs %s)", self.version, self.model_dir, self.tensor_parallel_size,
@@ -349,7 +348,7 @@ class VLLMEngine:
         try:
             from vllm.inputs import TokensPrompt
         except ImportError:  # very old vLLM: the typed dict is a plain dict
-            TokensPrompt = dict  # noqa: N806
+            TokensPrompt = dict
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         try:
             return self.llm.generate(inputs, params, use_tqdm=False)
@@ -358,6 +357,8 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling) -> list[Generation]:
         """One batched generate over all token-id prompts; records the sampler's log-probs for `score`."""
+        from composer.runtime.engine import Generation
+
         if not prompts:
             return []
         self.wake_up()
@@ -412,7 +413,14 @@ class VLLMEngine:
                             "here: tokens the sampler did not write get temperature-1 log-probs (sampling "
                             "temperature %g)", self.version, self.vocab_size, temperature)
         k = self.vocab_size if full else 0
-        outs = self._run(seqs, self._params(1, None, logprobs=False, prompt_logprobs=k, prompt_temperature=prompt_t))
+        try:
+            outs = self._run(seqs, self._params(1, None, logprobs=False, prompt_logprobs=k,
+                                                prompt_temperature=prompt_t))
+        except ValueError as e:
+            if "prefix caching" not in str(e).lower():
+                raise
+            raise RuntimeError(f"vLLM {self.version} cannot return prompt log-probs with prefix caching on ({e}); "
+                               f"upgrade vLLM or set {PREFIX_CACHE_ENV}=0") from None
         res = []
         for seq, out in zip(seqs, outs):
             pl = out.prompt_logprobs or []
@@ -543,19 +551,61 @@ def make_judge_engine(model_dir: str, tokenizer=None, *, engine: str = "auto", g
 # ------------------------------------------------------------------------------------------- explain
 
 
-def engine_note(rollout_cfg) -> str:
-    """`exact_logprobs: yes|no` and why, for the engine this rollout config gets on this machine."""
-    from composer.runtime.engine import vllm_available
+def _vllm_here() -> tuple[bool, str, str]:
+    """(usable, why not, version) for vLLM on this machine, without importing vLLM or torch."""
+    import importlib.metadata
+    import importlib.util
 
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return False, "vLLM is not installed", ""
+    try:
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        version = "?"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = os.path.isdir("/proc/driver/nvidia/gpus") and bool(os.listdir("/proc/driver/nvidia/gpus"))
+    if visible in ("", "-1") or not (gpus or os.path.exists("/dev/nvidia0")):
+        return False, "no GPU is present", version
+    return True, "", version
+
+
+def _source_has_logprobs_mode() -> bool:
+    """Whether the installed vLLM's engine arguments include logprobs_mode (read from its source, not imported)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return False
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(folder, "engine", "arg_utils.py")
+        try:
+            with open(path, encoding="utf-8") as f:
+                if "logprobs_mode" in f.read():
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def engine_note(rollout_cfg) -> str:
+    """`exact_logprobs: yes|no|unknown - why`, for the engine this rollout config gets on this machine.
+
+    For `composer explain`: imports neither torch nor vLLM (it looks vLLM up and reads its source).
+    """
     kind = getattr(rollout_cfg, "engine", "auto")
     t = float(getattr(rollout_cfg, "temperature", 1.0))
     top_p = float(getattr(rollout_cfg, "top_p", 1.0))
     top_k = int(getattr(rollout_cfg, "top_k", 0))
     untruncated = top_p >= 1.0 and top_k <= 0
     try:
-        ok, why = vllm_available() if kind in ("auto", "vllm") else (False, "")
+        ok, why, version = _vllm_here() if kind in ("auto", "vllm") else (False, "", "")
     except Exception as e:  # never let explain fail on the engine
-        ok, why = False, f"{type(e).__name__}"
+        ok, why, version = False, type(e).__name__, ""
     if kind == "vllm" and not ok:
         return (f"exact_logprobs: unknown - engine vllm, but {why} here (the run stops with an error unless it "
                 f"runs where vLLM and a GPU are)")
@@ -566,8 +616,7 @@ def engine_note(rollout_cfg) -> str:
                     f"weights at temperature {t:g}, the distribution that sampled")
         return (f"exact_logprobs: no - engine {which}: behaviour log-probs at temperature {t:g} without the "
                 f"top_p/top_k truncation the sampler applied")
-    version = getattr(_vllm(), "__version__", "?")
-    if supports_processed_logprobs():
+    if _source_has_logprobs_mode():
         return (f"exact_logprobs: yes - engine vllm {version}: the sampler's own log-probs after temperature "
                 f"{t:g}, top_p and top_k (logprobs_mode=processed_logprobs); tokens it did not write (prompt, "
                 f"guide tokens) are scored by a prefill of the rollout weights")

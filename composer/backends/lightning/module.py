@@ -49,6 +49,7 @@ class ComposerModule(L.LightningModule):
         self.last_eval: dict[str, float] = {}
         self.total_steps = validated.total_steps
         self.stopped_by: str | None = None
+        self.start_metrics: dict[str, float] = {}
 
     # ---- setup ----
     def segment_at(self, step: int):
@@ -110,6 +111,7 @@ class ComposerModule(L.LightningModule):
         if not torch.isfinite(loss):
             raise NonFiniteError(f"the loss is not finite at step {step} ({float(loss.detach())})")
         metrics.update(ctx.metrics)
+        metrics.update(self.start_metrics)
         metrics["loss"] = float(loss.detach())
         metrics["lr"] = self.optimizers().param_groups[0]["lr"]
         shown = ("reward_mean", "tokens_per_s")

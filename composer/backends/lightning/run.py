@@ -16,7 +16,7 @@ from composer.backends.lightning.callbacks import AfterStep, AtomicCheckpointIO,
 
 from composer.backends.lightning.module import ComposerModule, NonFiniteError
 from composer.plan import compile_plan
-from composer.runtime.binding import bind_task
+from composer.runtime.binding import bind_task, check_task_lengths, context_length
 from composer.runtime.models import load_model, load_tokenizer
 
 log = logging.getLogger("composer")
@@ -49,7 +49,13 @@ def train(validated, out: Path, resume: bool = False, progress: bool = True, qui
     policy_name = spec.policy.model or "toy:student"
     tokenizer = load_tokenizer(spec.policy.tokenizer or policy_name)
     policy = load_model(policy_name, spec.policy.dtype)
+    check_task_lengths(task, tokenizer, context_length(policy), spec.data.on_bad_row, spec.data.prompt_field)
+    if any(getattr(s, "verifier", "") == "code" for seg in validated.segments for s in seg.spec.sources.values()):
+        from components.tasks.code_verifier import ensure_sandbox
+
+        ensure_sandbox()  # fail closed before any training: code never runs outside the sandbox
     module = ComposerModule(validated, task, tokenizer, policy)
+    module.start_metrics = {"skipped_rows": float(getattr(task, "skipped_rows", 0))}
     t = spec.train
     ckpt = last_checkpoint(out) if resume else None
     if resume and ckpt is None:

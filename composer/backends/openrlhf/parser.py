@@ -97,6 +97,7 @@ def real_parser(kind: str) -> argparse.ArgumentParser:
     exec(build, scope)
     parser = scope["parser"]
     parser.allow_abbrev = False
+    parser.prog = MODULES[kind]
     return parser
 
 

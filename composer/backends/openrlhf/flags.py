@@ -1,0 +1,461 @@
+"""From a validated spec to OpenRLHF runs: native flags for everything they express, the plugin for the rest.
+
+One run per stage (stages are separate OpenRLHF launches; a later stage starts from the earlier one's
+model), or one run for the whole spec when it has phases (the plugin switches guide and objective by
+the trainer's step). Decisions read component kinds and fields, never method names. Anything OpenRLHF
+cannot express raises Unsupported naming the component and the reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from composer.graph import signal_objective_pairs
+
+NATIVE_AGG = ("token-mean", "seq-mean-token-mean")  # --actor.loss_agg_mode choices
+BEHAVIOUR_KINDS = ("advantage_regression", "divergence", "grpo")  # plugin objectives reading behaviour log-probs
+
+
+class Unsupported(Exception):
+    """A spec OpenRLHF cannot express: `path` names the component, `reason` says why."""
+
+    def __init__(self, path: tuple, reason: str, hint: str = ""):
+        super().__init__(reason)
+        self.path, self.reason, self.hint = tuple(path), reason, hint
+
+
+@dataclass
+class Layout:
+    """The cluster the bundle is for (CLI options)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    colocate: bool = True
+    vllm_engines: int | None = None  # without colocation: engines (default 1); with it: nodes*gpus/TP
+    cluster_dir: str = "/tmp/composer-runs"  # checkpoints, final models and logs, on the cluster
+    wandb_project: str | None = None
+
+
+@dataclass
+class Inputs:
+    """What the bundle resolved before the flags: model paths and the data files it wrote."""
+
+    policy_path: str
+    source_paths: dict[str, str]  # policy_model source name -> resolved model path ('self' for the policy)
+    train_file: str  # relative to the bundle
+    train_rows: dict[str, int]  # run name -> rows written for it
+    eval_file: str | None
+    max_prompt_chars: int
+    max_solution_chars: int
+    sft_eos: str | None = None  # eos text appended to SFT targets (None: OpenRLHF appends " " + eos)
+    toy: bool = True
+
+
+@dataclass
+class Run:
+    name: str
+    trainer: str  # "ppo" | "sft"
+    segments: list[int]  # indices into plan["segments"]
+    argv: list[str] = field(default_factory=list)
+    plugin: dict[str, Any] = field(default_factory=dict)  # what the plugin installs (read by the workers)
+    native: list[str] = field(default_factory=list)  # human-readable: what OpenRLHF flags express
+    via_plugin: list[str] = field(default_factory=list)  # human-readable: what the plugin does
+    notes: list[str] = field(default_factory=list)
+    output_dir: str = ""
+    nproc: int = 1  # SFT: processes on the node
+
+
+def _terms(spec):
+    weights = [t.weight for t in spec.terms] if spec.terms else [1.0]
+    base = [("terms", i) for i in range(len(spec.terms))] if spec.terms else [()]
+    return [(b, s, o, w) for b, (s, o), w in zip(base, signal_objective_pairs(spec), weights)]
+
+
+def _is_reference_sft(sig, obj) -> bool:
+    return sig.kind_name() == "sft" and sig.target != "guided" and obj.kind_name() == "cross_entropy"
+
+
+def _native_grpo(spec) -> bool:
+    """One reward term with a grpo objective whose every field has an OpenRLHF flag."""
+    terms = _terms(spec)
+    if len(terms) != 1:
+        return False
+    _, sig, obj, w = terms[0]
+    return (sig.kind_name() == "reward" and obj.kind_name() == "grpo" and w == 1.0 and obj.loss_tokens == ["policy"]
+            and obj.loss_agg in NATIVE_AGG and spec.sync.every == 1)
+
+
+def _divisor_at_most(n: int, cap: int) -> int:
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+def _fmt(x) -> str:
+    return repr(float(x)) if isinstance(x, float) else str(x)
+
+
+class _Args:
+    def __init__(self):
+        self.argv: list[str] = []
+
+    def add(self, flag: str, *values) -> None:
+        self.argv.append(f"--{flag}")
+        self.argv += [_fmt(v) for v in values]
+
+
+def build_runs(v, plan: dict, layout: Layout, inputs: Inputs) -> list[Run]:
+    """The OpenRLHF runs of a validated spec (one per stage, else one)."""
+    segs = v.segments
+    groups = [[i] for i in range(len(segs))] if v.spec.stages else [list(range(len(segs)))]
+    runs, model = [], inputs.policy_path
+    for group in groups:
+        name = segs[group[0]].name if v.spec.stages else "main"
+        run = _run(name, group, [segs[i] for i in group], layout, inputs, model, first=not runs)
+        runs.append(run)
+        model = f"{run.output_dir}/model"  # the next stage starts from this one's final model
+    return runs
+
+
+def _check_spec(spec, where: tuple) -> None:
+    if spec.policy.tokenizer and spec.policy.tokenizer != spec.policy.model:
+        raise Unsupported(where + ("policy", "tokenizer"), "OpenRLHF loads the tokenizer from the model directory",
+                          "drop policy.tokenizer, or save the tokenizer into the model directory")
+    if spec.sync.reuse:
+        raise Unsupported(where + ("sync", "reuse"), "OpenRLHF samples new rollouts every step; it cannot train "
+                          "between syncs on the rollouts of the last sync", "set sync.reuse: false")
+
+
+def _run(name, group, segs, layout: Layout, inputs: Inputs, model: str, first: bool) -> Run:
+    specs = [s.spec for s in segs]
+    where = [tuple(s.origin) for s in segs]
+    for spec, w in zip(specs, where):
+        _check_spec(spec, w)
+    run = Run(name, "ppo", group, output_dir=f"{layout.cluster_dir.rstrip('/')}/{name}")
+    pairs = [(w, t) for spec, w in zip(specs, where) for t in _terms(spec)]
+    ref_sft = [_is_reference_sft(s, o) for _, (_, s, o, _) in pairs]
+    if any(ref_sft) and not all(ref_sft):
+        w, (b, _, _, _) = pairs[ref_sft.index(True)]
+        raise Unsupported(w + b + ("signal",), "an SFT term on reference demonstrations runs through train_sft, "
+                          "which cannot be mixed with rollout terms in one OpenRLHF run", "split them into `stages`")
+    if all(ref_sft):
+        run.trainer = "sft"
+    args = [_Args() for _ in specs]
+    for a, spec, w in zip(args, specs, where):
+        (_sft_flags if run.trainer == "sft" else _ppo_flags)(a, run, spec, specs, w, layout, inputs, model)
+    for a, seg in zip(args[1:], segs[1:]):  # launch flags cannot change between phases of one run
+        if a.argv != args[0].argv:
+            diff = sorted(set(a.argv) ^ set(args[0].argv))
+            raise Unsupported(tuple(seg.origin), f"phase '{seg.name}' changes OpenRLHF launch flags "
+                              f"({' '.join(x for x in diff if x.startswith('--')) or ' '.join(diff)}), which are "
+                              "fixed for a run", "keep these settings equal across phases, or use `stages`")
+    run.argv = args[0].argv
+    if len(segs) > 1:
+        run.via_plugin.append("phases: " + ", ".join(f"{s.name} = steps {s.start}-{s.end}" for s in segs)
+                              + ", switched by the trainer's step (carried to the rollout workers in the label)")
+    run.native = list(dict.fromkeys(run.native))
+    run.via_plugin = list(dict.fromkeys(run.via_plugin))
+    run.notes = list(dict.fromkeys(run.notes))
+    return run
+
+
+def _common(a: _Args, run: Run, spec, layout: Layout, prefix: str) -> None:
+    t = spec.train
+    steps = t.steps
+    sched = "cosine" if t.lr_schedule == "cosine" else "constant_with_warmup"
+    a.add(f"{prefix}adam.lr", t.lr)
+    a.add(f"{prefix}adam.betas", *[float(b) for b in t.betas])
+    a.add(f"{prefix}adam.weight_decay", t.weight_decay)
+    a.add(f"{prefix}lr_scheduler", sched)
+    a.add(f"{prefix}lr_warmup_ratio", t.warmup_steps / steps)
+    a.add(f"{prefix}max_norm", t.grad_clip)
+    a.add("train.seed", t.seed)
+    a.add("ds.param_dtype", "fp16" if spec.policy.dtype == "float16" else "bf16")
+    a.add("ckpt.path", f"{run.output_dir}/ckpt")
+    a.add("ckpt.save_steps", t.checkpoint_every)
+    a.add("ckpt.output_dir", f"{run.output_dir}/model")
+    a.add("ckpt.load_enable")
+    a.add("logger.logging_steps", 1)
+    a.add("logger.tensorboard_dir", f"{run.output_dir}/tensorboard")
+    if layout.wandb_project:
+        a.add("logger.wandb.key", "env:WANDB_API_KEY")
+        a.add("logger.wandb.project", layout.wandb_project)
+        a.add("logger.wandb.run_name", run.name)
+    run.native += [f"optimizer: AdamW lr {t.lr}, betas {tuple(t.betas)}, weight decay {t.weight_decay}, "
+                   f"{sched} schedule, grad clip {t.grad_clip}",
+                   f"checkpoints every {t.checkpoint_every} steps, final model, TensorBoard"
+                   + (" and W&B" if layout.wandb_project else "") + " logs under " + run.output_dir]
+    if spec.policy.dtype == "float32":
+        run.notes.append("policy.dtype float32 trains in bf16 on OpenRLHF (DeepSpeed + vLLM have no fp32 mode)")
+
+
+def _sft_flags(a: _Args, run, spec, specs, where, layout: Layout, inputs: Inputs, model: str) -> None:
+    (_, sig, obj, _), = _terms(spec)
+    if obj.loss_tokens != ["demonstration"]:
+        raise Unsupported(where + ("objective", "loss_tokens"), "train_sft trains the demonstration (response) "
+                          "tokens only", "use loss_tokens: [demonstration]")
+    if obj.aggregation != "token-mean":
+        raise Unsupported(where + ("objective", "aggregation"), "train_sft's loss is a token mean",
+                          "use aggregation: token-mean")
+    if layout.nodes != 1:
+        raise Unsupported(("train",), "train_sft is launched with torchrun on the head node: one node only",
+                          "compile with --nodes 1")
+    n = inputs.train_rows[run.name]
+    pps = spec.train.prompts_per_step
+    gpus = layout.gpus_per_node
+    if pps % gpus:
+        raise Unsupported(("train", "prompts_per_step"), f"{pps} demonstrations per step do not split over {gpus} GPUs",
+                          f"use a multiple of {gpus}")
+    run.nproc = gpus
+    a.add("model.model_name_or_path", model)
+    a.add("data.dataset", inputs.train_file)
+    a.add("data.input_key", "prompt")
+    a.add("data.output_key", "target")
+    a.add("data.input_template", "{}")
+    a.add("data.max_samples", n)
+    a.add("data.max_len", inputs.max_prompt_chars + inputs.max_solution_chars + 8)
+    a.add("train.batch_size", pps)
+    a.add("train.micro_batch_size", _divisor_at_most(pps // gpus, spec.train.micro_batch_size))
+    a.add("train.max_epochs", 1)
+    _common(a, run, spec, layout, "")
+    run.native += [f"SFT (token-mean cross-entropy on the demonstrations, prompt tokens masked) through "
+                   f"openrlhf.cli.train_sft on {gpus} GPU(s), {pps} demonstrations per step, {spec.train.steps} steps",
+                   f"data fields: prompt and target (the reference solution) of {inputs.train_file}, {n} rows"]
+    if inputs.sft_eos is None:
+        run.notes.append("the tokenizer was not readable at compile time: OpenRLHF appends ' ' + eos to each target")
+
+
+def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: Inputs, model: str) -> None:
+    r, t = spec.rollout, spec.train
+    terms = [tt for s in specs for tt in _terms(s)]
+    native = all(_native_grpo(s) for s in specs) and len({repr(_terms(s)[0][2]) for s in specs}) == 1
+    kinds = {o.kind_name() for _, _, o, _ in terms}
+    p = run.plugin
+    p.update(loss=not native, agent=False, reward_source=None, verifier="none", teachers={}, ref="initial",
+             ema_beta=None, sync=any(s.sync.every > 1 for s in specs), top_k=r.top_k)
+
+    # ---- models and GPUs ----
+    n_gpu = layout.nodes * layout.gpus_per_node
+    tp = r.tensor_parallel_size
+    if layout.colocate:
+        if n_gpu % tp:
+            raise Unsupported(("rollout", "tensor_parallel_size"), f"{n_gpu} GPUs do not split into vLLM engines of "
+                              f"{tp}", "change --gpus-per-node/--nodes or rollout.tensor_parallel_size")
+        engines, actor_nodes, actor_gpn = n_gpu // tp, layout.nodes, layout.gpus_per_node
+    else:
+        engines = layout.vllm_engines or 1
+        left = n_gpu - engines * tp
+        if left < 1:
+            raise Unsupported(("rollout", "tensor_parallel_size"), f"{engines} vLLM engine(s) of {tp} GPU(s) leave no "
+                              f"GPU for training out of {n_gpu}", "add GPUs or colocate (--colocate)")
+        actor_nodes, actor_gpn = (left // layout.gpus_per_node, layout.gpus_per_node) \
+            if left % layout.gpus_per_node == 0 else (1, left)
+        if actor_gpn > layout.gpus_per_node:
+            raise Unsupported(("train",), f"{left} training GPUs do not fill whole nodes of {layout.gpus_per_node}",
+                              "choose --vllm-engines so the rest fills whole nodes")
+    a.add("actor.model_name_or_path", model)
+    a.add("actor.num_nodes", actor_nodes)
+    a.add("actor.num_gpus_per_node", actor_gpn)
+    a.add("ref.num_nodes", actor_nodes)
+    a.add("ref.num_gpus_per_node", actor_gpn)
+    a.add("vllm.num_engines", engines)
+    a.add("vllm.tensor_parallel_size", tp)
+    a.add("vllm.gpu_memory_utilization", r.gpu_memory_utilization)
+    if layout.colocate:
+        a.add("train.colocate_all")
+        a.add("vllm.enable_sleep")
+        a.add("ds.enable_sleep")
+    else:
+        a.add("train.colocate_actor_ref")
+    run.native.append(f"{actor_nodes}x{actor_gpn} DeepSpeed actor GPU(s), {engines} vLLM engine(s) x TP {tp}"
+                      + (", all colocated (sleep mode)" if layout.colocate else ", reference colocated with the actor"))
+    if r.engine == "hf":
+        run.notes.append("rollout.engine hf: OpenRLHF always samples with vLLM")
+
+    # ---- batch sizes ----
+    pps, G = t.prompts_per_step, r.samples_per_prompt
+    dp = actor_nodes * actor_gpn
+    if (pps * G) % dp:
+        raise Unsupported(("train", "prompts_per_step"), f"{pps} prompts x {G} samples do not split over {dp} "
+                          "training GPUs", f"make prompts_per_step x samples_per_prompt a multiple of {dp}")
+    micro = _divisor_at_most(pps * G // dp, t.micro_batch_size)
+    rows = inputs.train_rows[run.name]
+    a.add("data.prompt_dataset", inputs.train_file)
+    a.add("data.input_key", "prompt")
+    a.add("data.label_key", "label")
+    a.add("data.max_samples", rows)
+    a.add("rollout.batch_size", pps)
+    a.add("rollout.n_samples_per_prompt", G)
+    a.add("rollout.micro_batch_size", micro)
+    a.add("train.batch_size", pps * G)
+    a.add("train.micro_batch_size", micro)
+    a.add("train.max_epochs", 1)
+    a.add("train.num_episodes", max(1, math.ceil(t.steps * pps / rows)))
+    max_new = r.max_new_tokens if not inputs.toy else min(r.max_new_tokens, _toy_cap(spec))
+    extra = _guide_room(specs, inputs)
+    a.add("data.max_len", inputs.max_prompt_chars + extra + max_new)
+    a.add("rollout.max_new_tokens", max_new)
+    a.add("rollout.temperature", r.temperature)
+    a.add("rollout.top_p", r.top_p)
+    run.native += [f"{pps} prompts x {G} samples per step ({t.steps} steps: {rows} prompt rows, one optimizer step "
+                   "per step)", f"vLLM sampling: temperature {r.temperature}, top_p {r.top_p}, up to {max_new} new "
+                   "tokens", "data fields: prompt text and a JSON label (answer, reference solution, problem)"]
+    if r.top_k:
+        run.via_plugin.append(f"top_k {r.top_k} added to vLLM's SamplingParams (OpenRLHF has no top_k flag)")
+    if inputs.eval_file:
+        a.add("eval.dataset", inputs.eval_file)
+        a.add("eval.steps", t.eval_every or -1)
+        a.add("eval.temperature", 0.0)
+        a.add("eval.n_samples_per_prompt", 1)
+        run.native.append(f"greedy pass@1 evaluation every {t.eval_every or 'no'} steps on {inputs.eval_file}")
+    if t.entropy_coef:
+        a.add("actor.entropy_coef", t.entropy_coef)
+    _common(a, run, spec, layout, "actor.")
+
+    # ---- signals: reward, teachers, guides ----
+    rewards = {sig.source for _, sig, _, _ in terms if sig.kind_name() == "reward"}
+    if len(rewards) > 1:
+        raise Unsupported(("terms",), "OpenRLHF carries one reward per sample; these terms read "
+                          f"{len(rewards)} reward sources ({', '.join(sorted(rewards))})", "use one outcome_reward")
+    verifiers = rewards or {n for n, s in spec.sources.items() if s.kind_name() == "outcome_reward"}
+    if verifiers:
+        name = sorted(verifiers)[0]
+        p["reward_source"], p["verifier"] = name, spec.sources[name].verifier
+        if p["verifier"] == "auto":
+            p["verifier"] = "toy" if inputs.toy else "math"
+    guided = any(s.rollout.guide.kind_name() != "none" for s in specs) or any(
+        sig.kind_name() == "sft" and sig.target == "guided" for _, sig, _, _ in terms)
+    if guided:
+        p["agent"] = True
+        a.add("train.agent_func_path", "agent.py")
+        _check_guides(specs, where, inputs)
+        run.via_plugin.append("guides: agent.py (an OpenRLHF AgentExecutor generated from the spec) runs the "
+                              "guide through llm_engine.generate, returns trainable spans and the reward, and "
+                              "carries per-sample provenance in the label / extra_logs; the guide follows the "
+                              "trainer's step (phases)")
+    else:
+        a.add("reward.remote_url", "reward.py")
+        run.native.append(f"reward: reward.py (reward_func over the composer's '{p['verifier']}' verifier)"
+                          + ("" if rewards else "; no term reads it, it is logged" if verifiers else "")
+                          if verifiers else "reward: reward.py (no verifier: reward 0; the signal is the teacher)")
+    _teachers(a, run, spec, specs, terms, inputs)
+
+    # ---- objective ----
+    if native:
+        obj = _terms(spec)[0][2]
+        lo = obj.clip if obj.clip_low is None else obj.clip_low
+        hi = obj.clip if obj.clip_high is None else obj.clip_high
+        a.add("algo.advantage.estimator", "group_norm" if obj.std_norm else "dr_grpo")
+        a.add("actor.policy_loss_type", "ppo")
+        a.add("actor.eps_clip_low_high", lo, hi)
+        a.add("actor.loss_agg_mode", obj.loss_agg)
+        if obj.kl_coef > 0:
+            a.add("algo.kl.use_loss")
+            a.add("algo.kl.estimator", obj.kl_estimator)
+            a.add("algo.kl.init_coef", obj.kl_coef)
+        elif not p["teachers"]:
+            a.add("algo.kl.init_coef", 0.0)
+        run.native.append(f"GRPO: {'group_norm' if obj.std_norm else 'dr_grpo'} advantages over {G} samples, "
+                          f"clipped policy loss ({lo}, {hi}), {obj.loss_agg}"
+                          + (f", KL loss {obj.kl_estimator} x {obj.kl_coef} to the initial policy" if obj.kl_coef else ""))
+        if obj.std_norm:
+            run.notes.append(f"group_norm divides by std + 1e-9 (the composer's grpo: std + {obj.std_eps})")
+    else:
+        wants_initial = any(getattr(o, "wants_initial", False) for _, _, o, _ in terms)
+        if wants_initial and p["ref"] != "initial":
+            raise Unsupported(("sources",), "the reference slot holds the external teacher, but an objective also "
+                              "needs the frozen initial policy", "drop the KL term (kl_coef: 0) or the initial anchor")
+        a.add("algo.advantage.estimator", "reinforce")
+        if wants_initial or p["ref"] != "initial":
+            a.add("algo.kl.use_loss")
+            a.add("algo.kl.init_coef", 1.0)
+            if p["ref"] != "initial":
+                a.add("algo.kl.estimator", "k1")
+                a.add("algo.kl.unbiased_gradient")
+        else:
+            a.add("algo.kl.init_coef", 0.0)
+        if kinds & set(BEHAVIOUR_KINDS):
+            a.add("algo.advantage.is_correction_level", "token")
+            run.native.append("behaviour log-probs from vLLM (is_correction_level token -> rollout_log_probs)")
+        names = ", ".join(sorted(kinds))
+        run.via_plugin.append(f"objective: the composer's {names} loss (components/objectives) replaces "
+                              "OpenRLHF's PolicyLoss" + ("; per-sample advantages (V-hat / group statistics over the "
+                              "whole step) come from the composer's functions in the make-experience step"
+                              if kinds & {"advantage_regression", "grpo"} else ""))
+    if p["sync"]:
+        every = sorted({s.sync.every for s in specs})
+        run.via_plugin.append(f"sync: weights broadcast to vLLM every {'/'.join(map(str, every))} step(s) "
+                              "(OpenRLHF broadcasts after every step)")
+        run.notes.append("between syncs each step trains on its own fresh rollouts from the lagged vLLM weights "
+                         "(OpenRLHF clears its replay buffer every step, as the Lightning backend)")
+
+
+def _toy_cap(spec) -> int:
+    from components.tasks.toy import max_new_tokens_for
+
+    return max_new_tokens_for(max(tuple(spec.data.tiers) + tuple(spec.data.train_tiers)))
+
+
+def _guide_room(specs, inputs: Inputs) -> int:
+    """Tokens a guide may add on top of prompt + response (prefix in the prompt, judge corrections)."""
+    room = 0
+    for s in specs:
+        g = s.rollout.guide
+        if g.kind_name() == "prefix":
+            room = max(room, inputs.max_solution_chars + len(g.instruction) + 8)
+        elif g.kind_name() == "intervention":
+            room = max(room, (g.max_reviews or 1) * (g.max_correction_tokens + 2))
+    return room
+
+
+def _check_guides(specs, where, inputs: Inputs) -> None:
+    for spec, w in zip(specs, where):
+        g = spec.rollout.guide
+        if g.kind_name() == "intervention":
+            judge = spec.sources[g.judge]
+            if judge.kind_name() == "oracle" and not inputs.toy:
+                raise Unsupported(w + ("sources", g.judge), "an oracle judge needs the task's step checker; only the "
+                                  "toy testbed has one", "use a policy_model judge")
+        elif g.kind_name() not in ("none", "prefix"):
+            raise Unsupported(w + ("rollout", "guide"), f"guide kind '{g.kind_name()}' has no OpenRLHF agent")
+
+
+def _teachers(a: _Args, run: Run, spec, specs, terms, inputs: Inputs) -> None:
+    p = run.plugin
+    for b, sig, obj, _ in terms:
+        if sig.kind_name() != "distillation":
+            continue
+        name = sig.teacher
+        src = spec.sources[name]
+        info = {"self": src.is_self, "weights": src.weights, "context": list(src.context),
+                "temperature": src.temperature, "path": inputs.source_paths.get(name)}
+        if src.is_self:
+            if src.weights != "current":
+                beta = 1.0 if src.weights == "initial" else 1.0 - src.ema_rate
+                if p["ema_beta"] not in (None, beta):
+                    raise Unsupported(("sources", name, "weights"), "OpenRLHF keeps one EMA copy of the policy; two "
+                                      "self-teachers with different weights need two")
+                p["ema_beta"] = beta
+                a.add("train.enable_ema")
+                a.add("train.ema_beta", beta)
+                run.native.append(f"teacher '{name}' weights: OpenRLHF's EMA copy of the policy, beta {beta}"
+                                  + (" (a frozen initial copy)" if beta == 1.0 else ""))
+            run.via_plugin.append(f"teacher '{name}': the policy{chr(39) + 's EMA copy' if src.weights != 'current' else ''} "
+                                  f"scores each response under a privileged-context prompt ({', '.join(src.context) or 'none'}) "
+                                  "built over the whole step (make_experience override), in the training step")
+        else:
+            if src.context:
+                raise Unsupported(("sources", name, "context"), "an external teacher is loaded in OpenRLHF's "
+                                  "reference slot, which scores the policy's own sequence: it cannot see a context")
+            if obj.wants_logits:
+                raise Unsupported(b + ("objective", "estimator"), f"estimator '{obj.estimator}' needs the external "
+                                  "teacher's full logits; OpenRLHF's reference slot returns sampled-token log-probs",
+                                  "use estimator: sampled")
+            if not src.shares_tokenizer:
+                raise Unsupported(("sources", name, "shares_tokenizer"), "the teacher scores the policy's token ids")
+            if p["ref"] not in ("initial", name):
+                raise Unsupported(("sources", name), "OpenRLHF has one reference slot; two external teachers need two")
+            p["ref"] = name
+            run.via_plugin.append(f"teacher '{name}': {info['path']} loaded where OpenRLHF loads the reference model "
+                                  "(its log-probs arrive as base_action_log_probs)")
+        p["teachers"][name] = info

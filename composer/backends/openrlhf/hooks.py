@@ -1,0 +1,276 @@
+"""Installs the composer's behaviour into OpenRLHF, in every process that runs OpenRLHF code.
+
+Most of OpenRLHF runs in Ray actors (the PPOTrainer controller, DeepSpeed policy/reference actors, vLLM
+engines), so a patch made in the driver alone does not reach them. The bundle's runtime environment
+names `setup_worker` as Ray's `worker_process_setup_hook`: every worker process of the job runs it at
+start. It registers post-import hooks, so each OpenRLHF module is patched when (and only where) it is
+imported; a vLLM engine process never imports DeepSpeed because of us. The entry point runs `install`
+in the driver too (the reference-slot patch is driver-side).
+
+What is patched, and only when the run's plugin section asks for it:
+  samples_generator  SamplesGenerator._dispatch_prompts_to_vllm: the trainer step into every label (phases),
+                     top_k into vLLM's SamplingParams
+  ppo_trainer        BasePPOTrainer.train_step / broadcast_to_vllm / init_checkpoint_states: weights reach
+                     vLLM every sync.every steps; the step counter
+  experience_maker   RemoteExperienceMaker.make_experience_batch: step advantages and teacher prompts
+  ppo_actor          ActorPPOTrainer.__init__ / training_step: the composer loss, self-teacher scores
+  launcher           RayActorGroup.async_init_model_from_pretrained (driver): the teacher in the reference slot
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import sys
+
+_STATE: dict = {}
+
+
+# ------------------------------------------------------------------------------------- post-import hooks
+
+class _PostImport(importlib.abc.MetaPathFinder):
+    """Runs callbacks right after a named module is executed (or now, if it already was)."""
+
+    def __init__(self):
+        self.hooks: dict[str, list] = {}
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.hooks:
+            return None
+        spec = next((s for f in sys.meta_path if f is not self and hasattr(f, "find_spec")
+                     for s in [f.find_spec(name, path, target)] if s is not None), None)
+        if spec is None or spec.loader is None:
+            return None
+        loader, hooks = spec.loader, self.hooks.pop(name)
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                loader.exec_module(module)
+                for hook in hooks:
+                    hook(module)
+
+        spec.loader = Loader()
+        return spec
+
+
+def when_imported(name: str, hook) -> None:
+    if name in sys.modules:
+        hook(sys.modules[name])
+        return
+    finder = next((f for f in sys.meta_path if isinstance(f, _PostImport)), None)
+    if finder is None:
+        finder = _PostImport()
+        sys.meta_path.insert(0, finder)
+    finder.hooks.setdefault(name, []).append(hook)
+
+
+# ----------------------------------------------------------------------------------------- installing
+
+def load(plan_path: str, run_name: str | None):
+    plan = json.load(open(plan_path))
+    runs = plan["openrlhf"]["runs"]
+    run = next((r for r in runs if r["name"] == run_name), runs[0])
+    return plan, run
+
+
+def setup_worker() -> None:
+    """Ray's worker_process_setup_hook: install the plan named by COMPOSER_PLAN / COMPOSER_RUN."""
+    path = os.environ.get("COMPOSER_PLAN")
+    if path and os.path.exists(path):
+        install(*load(path, os.environ.get("COMPOSER_RUN")))
+
+
+def install(plan: dict, run: dict, driver: bool = False) -> None:
+    if _STATE.get("installed"):
+        return
+    _STATE.update(installed=True, plan=plan, run=run)
+    p = run["plugin"]
+    when_imported("openrlhf.trainer.ppo_utils.samples_generator", _patch_dispatch)
+    when_imported("openrlhf.trainer.ppo_trainer", _patch_trainer)
+    if p.get("loss"):
+        when_imported("openrlhf.trainer.ppo_utils.experience_maker", _patch_experience_maker)
+    if p.get("loss") or p.get("ema_beta") is not None:
+        when_imported("openrlhf.trainer.ray.ppo_actor", _patch_actor)
+    if driver and p.get("ref") not in (None, "initial"):
+        when_imported("openrlhf.trainer.ray.launcher", _patch_reference_slot)
+
+
+@functools.lru_cache(maxsize=1)
+def _segments():
+    from composer.backends.openrlhf.loss import Segments
+
+    return Segments(_STATE["plan"], _STATE["run"]["segments"])
+
+
+def _task():
+    """The task pieces the teacher prompts read: verifier name, step checker and templates."""
+    from composer.data import Task
+
+    if _STATE["plan"]["openrlhf"]["toy"]:
+        from components.tasks.toy import TEMPLATES, ToyStepChecker
+
+        return Task("toy", [], {}, "toy", ToyStepChecker(), step_split="\n",
+                    templates={k: v for k, v in TEMPLATES.items() if k != "prompt"})
+    return Task("data", [], {}, _STATE["run"]["plugin"].get("verifier") or "math")
+
+
+# ------------------------------------------------------------------------------------------- patches
+
+def _patch_dispatch(mod) -> None:
+    from composer.backends.openrlhf.batch import decode_label, encode_label
+
+    cls = mod.SamplesGenerator
+    orig = cls._dispatch_prompts_to_vllm
+    top_k = _STATE["run"]["plugin"].get("top_k") or 0
+
+    def _dispatch_prompts_to_vllm(self, prompts, labels, *, images=None, **kw):
+        step = getattr(self, "composer_step", 0)
+        labels = [encode_label(dict(decode_label(x), step=step)) for x in labels]
+        if top_k:
+            kw["top_k"] = top_k
+        return orig(self, prompts, labels, images=images, **kw)
+
+    cls._dispatch_prompts_to_vllm = _dispatch_prompts_to_vllm
+
+
+def _patch_trainer(mod) -> None:
+    cls = mod.BasePPOTrainer
+    train_step, broadcast, init_states = cls.train_step, cls.broadcast_to_vllm, cls.init_checkpoint_states
+
+    def train_step_(self, rollout_samples, global_step):
+        every = _segments().at(global_step).sync.every
+        self._composer_sync = (global_step + 1) % every == 0
+        try:
+            status, step = train_step(self, rollout_samples, global_step)
+        finally:
+            self._composer_sync = True
+        status["composer/synced"] = float((global_step + 1) % every == 0)
+        self.samples_generator.composer_step = step
+        return status, step
+
+    def broadcast_to_vllm_(self):
+        if getattr(self, "_composer_sync", True):
+            return broadcast(self)
+
+    def init_checkpoint_states_(self):
+        states = init_states(self)
+        self.samples_generator.composer_step = states.get("global_step", 0)
+        return states
+
+    cls.train_step, cls.broadcast_to_vllm, cls.init_checkpoint_states = train_step_, broadcast_to_vllm_, init_checkpoint_states_
+
+
+def _patch_experience_maker(mod) -> None:
+    from composer.backends.openrlhf.loss import prepare_step
+
+    cls = mod.RemoteExperienceMaker
+    orig = cls.make_experience_batch
+
+    def make_experience_batch(self, rollout_samples):
+        experiences = orig(self, rollout_samples)
+        prepare_step(experiences, _segments(), _STATE["run"]["plugin"], self.tokenizer, _task())
+        return experiences
+
+    cls.make_experience_batch = make_experience_batch
+
+
+def _capture_logits(actor, sink: dict):
+    """Keep the logits of the actor's training forward (full-vocabulary objectives) for the loss; returns
+    the undo. An instance attribute shadows Actor.forward, so isinstance checks still see an Actor."""
+    forward = actor.forward
+
+    def capture(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if kwargs.get("return_output") and isinstance(out, tuple):
+            sink["logits"] = out[1]["logits"]
+        return out
+
+    actor.forward = capture
+    return lambda: actor.__dict__.pop("forward", None)
+
+
+def _patch_actor(mod) -> None:
+    import torch
+
+    from composer.backends.openrlhf.batch import decode_label, to_batch
+    from composer.backends.openrlhf.loss import ComposerLoss, context_scores, prompt_lengths, step_of, terms
+
+    cls = mod.ActorPPOTrainer
+    init, training_step = cls.__init__, cls.training_step
+    plugin = _STATE["run"]["plugin"]
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if plugin.get("loss"):
+            self.actor_loss_fn = ComposerLoss(_segments(), plugin)
+        if plugin.get("ema_beta") is not None:  # the EMA copy is a teacher: the saved model stays the policy
+            self.args.train.enable_ema = False
+
+    def teacher_scores(self, exp, spec) -> dict:
+        out = {}
+        wanted = {sig.teacher: obj.wants_logits for _, sig, obj, _ in terms(spec) if sig.kind_name() == "distillation"}
+        for name, want in wanted.items():
+            info = plugin["teachers"].get(name)
+            if not info or not info["self"]:
+                continue
+            model = self.actor if info["weights"] == "current" else self.ema_model
+            metas = [decode_label(x) for x in exp.labels]
+            full = to_batch(exp.sequences, exp.attention_mask, exp.action_mask, exp.prompts, exp.labels)
+            prompts = [(m.get("teacher") or {}).get(name) for m in metas]
+            pad = self.tokenizer.pad_token_id
+
+            def forward(ids, mask, model=model):
+                was = model.training
+                model.eval()
+                logits = model(ids, action_mask=None, attention_mask=mask, return_output=True)["logits"]
+                model.train(was)
+                return logits * getattr(model, "temperature", 1.0)
+
+            out[name] = context_scores(forward, exp.sequences, exp.attention_mask, prompt_lengths(full), prompts,
+                                       info["temperature"], pad, want)
+        return out
+
+    def training_step_(self, experience, kl_ctl, step, loss_batch_info=None):
+        loss_fn = self.actor_loss_fn
+        if not isinstance(loss_fn, ComposerLoss):
+            return training_step(self, experience, kl_ctl, step, loss_batch_info)
+        spec = loss_fn.segments.at(step_of(experience.labels))
+        advs = {}
+        for key in [k for k in experience.info if k.startswith("composer/adv")]:
+            v = experience.info.pop(key)
+            advs[int(key[len("composer/adv"):])] = torch.stack(list(v)) if isinstance(v, list) else v
+        loss_fn.ctx = {"experience": experience, "advantages": advs, "teachers": teacher_scores(self, experience, spec)}
+        undo = _capture_logits(self.actor, loss_fn.ctx) if any(o.wants_logits for _, _, o, _ in terms(spec)) else None
+        try:  # the composer's terms own every KL: OpenRLHF's KL loss (reference slot) gets weight 0
+            return training_step(self, experience, 0.0, step, loss_batch_info)
+        finally:
+            if undo:
+                undo()
+            loss_fn.ctx = {}
+
+    cls.__init__, cls.training_step = __init__, training_step_
+
+
+def _patch_reference_slot(mod) -> None:
+    """Driver side: the reference group loads the external teacher (at its own temperature)."""
+    plugin = _STATE["run"]["plugin"]
+    info = plugin["teachers"][plugin["ref"]]
+    cls = mod.RayActorGroup
+    orig = cls.async_init_model_from_pretrained
+
+    def async_init_model_from_pretrained(self, strategy, pretrain, *args, **kwargs):
+        if self.ray_actor_type is mod.ReferenceModelActor:
+            strategy = copy.copy(strategy)
+            strategy.args = copy.deepcopy(strategy.args)
+            strategy.args.rollout.temperature = info["temperature"]
+            pretrain = info["path"]
+        return orig(self, strategy, pretrain, *args, **kwargs)
+
+    cls.async_init_model_from_pretrained = async_init_model_from_pretrained

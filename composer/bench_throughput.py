@@ -1,0 +1,545 @@
+"""Throughput of this project's training step against TRL's trainers, in one process, interleaved.
+
+    python examples/bench/throughput.py [--pairs grpo,opd,sft] [--sampler hf|fast] [--length 32] ...
+    (later: composer bench --throughput, which calls main(argv))
+
+Pairs, each on the same model, the same prompts, the same rows per step and the same completion length:
+
+    grpo  specs/grpo.yaml            vs  trl.GRPOTrainer (num_generations = G, beta = kl_coef, epsilon = clip)
+    opd   specs/opd.yaml             vs  trl.experimental.gkd.GKDTrainer (lmbda 1: on-policy; beta 1: reverse KL)
+    sft   specs/sft.yaml             vs  trl.SFTTrainer (prompt-completion data, completion-only loss)
+
+Our side is the Lightning backend's step without the Trainer around it: `ComposerModule.setup` builds
+the run context (rollout engine, initial policy) and `configure_optimizers` the optimiser, and every
+step does what `ComposerModule.training_step` plus the Trainer do: draw prompts, `step.collect`,
+`step.loss`, backward, gradient clipping, AdamW step, the rollout-weight sync on the schedule. What it
+leaves out is Lightning's own per-step bookkeeping (logging, progress bar, checkpoint callback).
+
+TRL's side is its own `Trainer.train()` loop on CPU (use_cpu, fp32, no vLLM, no logging, no saving);
+a TrainerCallback runs our steps in between TRL's, so the two sides alternate block by block
+(ours, TRL, ours, TRL, ...) on the same cores, and the first block of each side (warm-up) is dropped.
+A TRL block is timed from the end of our previous block to TRL's `on_step_end`, so it holds all of
+TRL's per-step work (data loading, generation, reward, reference/teacher forward, loss, backward,
+optimiser, callbacks).
+
+Completion length is forced on both sides (min_new_tokens = max_new_tokens = --length; for our side
+through the rollout copy's generation_config, which `generate` reads), so samples/s compares equal work;
+tokens/s is printed too. The numbers are reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECS = {"grpo": "grpo.yaml", "opd": "opd.yaml", "sft": "sft.yaml"}
+TRL_NAME = {"grpo": "GRPOTrainer", "opd": "GKDTrainer", "sft": "SFTTrainer"}
+TARGET = 1.5
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+def toy_examples(n: int, seed: int, tiers=(2, 4, 6)):
+    """A fixed list of toy training examples; both sides cycle through the same list."""
+    from components.tasks import toy
+
+    rng = random.Random(f"bench/{seed}")
+    return [toy.make_example(toy.random_problem(rng, rng.choice(tiers), "train")) for _ in range(n)]
+
+
+def cycler(examples):
+    """A `Task.sample_train` that hands out `examples` in order, round and round."""
+    state = {"i": 0}
+
+    def sample_train(_rng, n):
+        out = []
+        for _ in range(n):
+            out.append(examples[state["i"] % len(examples)])
+            state["i"] += 1
+        return out
+
+    return sample_train
+
+
+# --------------------------------------------------------------------------------------- our side
+
+
+@dataclass
+class Phases:
+    """Seconds per phase of our step, summed over the measured steps."""
+
+    seconds: dict = field(default_factory=dict)
+    steps: int = 0
+
+    @contextlib.contextmanager
+    def timed(self, name):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def per_step_ms(self) -> dict:
+        return {k: 1000 * v / max(self.steps, 1) for k, v in self.seconds.items()}
+
+
+class Ours:
+    """The composer's step on the Lightning backend's module, driven without the Trainer."""
+
+    def __init__(self, spec_path: str, overrides: list[str], examples, length: int | None, sampler: str):
+        import torch
+
+        from composer.backends.lightning.module import ComposerModule
+        from composer.runtime import step as run_step
+        from composer.runtime.binding import bind_task
+        from composer.runtime.models import load_model, load_tokenizer
+        from composer.validate import validate_file
+
+        self.torch, self.run_step = torch, run_step
+        v = validate_file(spec_path, overrides)
+        spec = v.spec
+        self.spec = spec
+        task = bind_task(spec)
+        tok = load_tokenizer(spec.policy.tokenizer or spec.policy.model)
+        policy = load_model(spec.policy.model, spec.policy.dtype)
+        self.module = ComposerModule(v, task, tok, policy)
+        self.module.setup("fit")
+        self.ctx = self.module.ctx
+        self.policy = policy
+        self.ctx.task.sample_train = cycler(examples)
+        self.opt = self.module.configure_optimizers()
+        self.done = 0
+        self.phases = Phases()
+        self.measuring = False
+        self.rows = 0
+        self.tokens = 0  # response tokens (rollouts) or every real token (SFT)
+        self.rollouts = length is not None
+        engine = self.ctx.engine
+        if length and hasattr(engine, "model"):
+            engine.model.generation_config.min_new_tokens = length
+        if sampler == "fast":
+            self._use_fast_sampler(engine)
+        self._wrap("generate", engine)
+        self._wrap("score", engine)
+        orig_initial = run_step.initial_logprobs
+
+        def initial(ctx, batch):
+            with self._phase("initial_logprobs"):
+                return orig_initial(ctx, batch)
+
+        self._orig_initial = orig_initial
+        run_step.initial_logprobs = initial
+
+    def close(self):
+        self.run_step.initial_logprobs = self._orig_initial
+
+    def _phase(self, name):
+        return self.phases.timed(name) if self.measuring else contextlib.nullcontext()
+
+    def _wrap(self, name, engine):
+        fn = getattr(engine, name, None)
+        if fn is None:
+            return
+
+        def wrapped(*a, **kw):
+            with self._phase(f"engine.{name}"):
+                return fn(*a, **kw)
+
+        setattr(engine, name, wrapped)
+
+    @staticmethod
+    def _use_fast_sampler(engine):
+        from composer.runtime.fast_sampler import fast_generate
+
+        if not hasattr(engine, "model"):
+            raise SystemExit(f"--sampler fast: the rollout engine {engine.name} has no local model to sample from")
+
+        def generate(prompts, max_new_tokens, sampling):
+            out = fast_generate(engine.model, engine.tok, prompts, max_new_tokens, sampling, engine.batch_size)
+            engine.generated_tokens += sum(len(g.tokens) for g in out)
+            return out
+
+        engine.generate = generate
+
+    def step(self) -> None:
+        """One optimiser step, as ComposerModule.training_step + the Trainer + after_step do it."""
+        torch, run_step, ctx = self.torch, self.run_step, self.ctx
+        t = ctx.spec.train
+        ctx.step = self.done
+        ctx.metrics = {}
+        with self._phase("total"):
+            examples = ctx.next_prompts(t.prompts_per_step)
+            with self._phase("collect"):
+                batches = run_step.collect(ctx, list(examples))
+            device = next(self.policy.parameters()).device
+            batches = [b.to(device) for b in batches]
+            with self._phase("loss (policy forward + objective)"):
+                loss, metrics = run_step.loss(ctx, self.policy, batches)
+            if not torch.isfinite(loss):
+                raise RuntimeError(f"the loss is not finite at step {self.done}")
+            metrics.update(ctx.metrics)
+            metrics["loss"] = float(loss.detach())
+            with self._phase("backward"):
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
+            with self._phase("clip + optimizer"):
+                if t.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(self.policy.parameters(), t.grad_clip)
+                self.opt.step()
+            self.done += 1
+            with self._phase("sync + hooks"):
+                for rt in list(ctx.runtimes.values()):
+                    hook = getattr(rt, "after_optimizer_step", None)
+                    if hook is not None:
+                        hook(ctx)
+                if self.done % ctx.spec.sync.every == 0:
+                    ctx.engine.sync(self.policy, self.done)
+        if self.measuring:
+            self.phases.steps += 1
+            first = batches[0]
+            self.rows += first.size
+            if self.rollouts:  # generated tokens
+                self.tokens += int((first.response_mask & first.attention_mask).sum())
+            else:  # every real token the step trains on
+                self.tokens += int(first.attention_mask.sum())
+
+    def block(self, n: int, measure: bool) -> float:
+        self.measuring = measure
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self.step()
+        self.measuring = False
+        return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------------------- TRL side
+
+
+def _common_trl_args(out: str, rows: int, steps: int, spec, threads: int) -> dict:
+    t = spec.train
+    return dict(
+        output_dir=out, per_device_train_batch_size=rows, gradient_accumulation_steps=1, max_steps=steps,
+        learning_rate=t.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=t.grad_clip or 0.0,
+        adam_beta1=t.betas[0], adam_beta2=t.betas[1], weight_decay=t.weight_decay, optim="adamw_torch",
+        use_cpu=True, bf16=False, fp16=False, report_to="none", logging_strategy="no", save_strategy="no",
+        eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0, dataloader_pin_memory=False, seed=t.seed,
+    )
+
+
+def trl_grpo(args, spec, model_dir, examples, callback, out):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from components.tasks.verifiers import toy_verifier
+    from composer.data import Example
+
+    from composer.runtime.models import load_tokenizer
+
+    obj, r = spec.objective, spec.rollout
+    G, P = r.samples_per_prompt, spec.train.prompts_per_step
+
+    def toy_reward(completions, answer, **_):
+        return [toy_verifier(c, Example(prompt="", answer=a)).reward for c, a in zip(completions, answer)]
+
+    ds = Dataset.from_dict({"prompt": [e.prompt for e in examples], "answer": [e.answer for e in examples]})
+    cfg = GRPOConfig(
+        **_common_trl_args(out, P * G, args.trl_steps, spec, args.threads),
+        num_generations=G, max_completion_length=args.length, temperature=r.temperature, top_p=r.top_p,
+        top_k=r.top_k, generation_kwargs={"min_new_tokens": args.length}, beta=obj.kl_coef,
+        epsilon=obj.clip_low if obj.clip_low is not None else obj.clip,
+        epsilon_high=obj.clip_high if obj.clip_high is not None else obj.clip,
+        loss_type="dapo", scale_rewards="group" if obj.std_norm else "none", num_iterations=1,
+        steps_per_generation=1, log_completions=False, model_init_kwargs={"dtype": "float32"},
+    )
+    tok = load_tokenizer(model_dir)
+    return GRPOTrainer(model=model_dir, reward_funcs=toy_reward, args=cfg, train_dataset=ds, processing_class=tok,
+                       callbacks=[callback])
+
+
+def trl_gkd(args, spec, model_dir, teacher_dir, examples, callback, out):
+    import torch
+    from datasets import Dataset
+
+    from composer.runtime.models import load_tokenizer
+
+    try:
+        from trl.experimental.gkd import GKDConfig, GKDTrainer
+    except ImportError:  # older TRL
+        from trl import GKDConfig, GKDTrainer
+
+    tok = load_tokenizer(model_dir)
+    G, P = spec.rollout.samples_per_prompt, spec.train.prompts_per_step
+    ds = Dataset.from_dict({"prompt": [e.prompt for e in examples for _ in range(G)]})
+
+    def collate(features):
+        """Left-padded prompts; GKD (lmbda 1) replaces input_ids/labels with the student's own samples.
+
+        The placeholder labels mark `length` completion tokens per row: transformers' Trainer counts them
+        (num_items_in_batch) before GKD swaps in the samples, and with a forced length that count is exact
+        (all -100 labels would make GKD divide by zero).
+        """
+        enc = [tok.encode(f["prompt"], add_special_tokens=False) for f in features]
+        L, n = max(len(e) for e in enc), args.length
+        ids = torch.full((len(enc), L), tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(enc), L), dtype=torch.long)
+        for i, e in enumerate(enc):
+            ids[i, L - len(e):] = torch.tensor(e)
+            mask[i, L - len(e):] = 1
+        full = torch.cat([ids, torch.full((len(enc), n), tok.eos_token_id, dtype=torch.long)], dim=1)
+        labels = torch.cat([torch.full_like(ids, -100), torch.full((len(enc), n), tok.eos_token_id)], dim=1)
+        return {"prompts": ids, "prompt_attention_mask": mask, "input_ids": full,
+                "attention_mask": torch.cat([mask, torch.ones((len(enc), n), dtype=torch.long)], dim=1),
+                "labels": labels}
+
+    cfg = GKDConfig(**_common_trl_args(out, P * G, args.trl_steps, spec, args.threads),
+                    lmbda=1.0, beta=1.0, temperature=spec.rollout.temperature, max_new_tokens=args.length,
+                    remove_unused_columns=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = GKDTrainer(model=model_dir, teacher_model=teacher_dir, args=cfg, train_dataset=ds,
+                             processing_class=tok, data_collator=collate, callbacks=[callback])
+    trainer.generation_config.min_new_tokens = args.length
+    trainer.generation_kwargs["min_new_tokens"] = args.length
+    return trainer
+
+
+def trl_sft(args, spec, model_dir, examples, callback, out):
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from composer.runtime.models import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    ds = Dataset.from_dict({"prompt": [e.prompt for e in examples], "completion": [e.solution for e in examples]})
+    cfg = SFTConfig(**_common_trl_args(out, spec.train.prompts_per_step, args.trl_steps, spec, args.threads),
+                    completion_only_loss=True, packing=False, max_length=None, dataset_num_proc=None,
+                    model_init_kwargs={"dtype": "float32"})
+    return SFTTrainer(model=model_dir, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[callback])
+
+
+def _interleaver(ours, args, record):
+    """A TrainerCallback that times TRL's blocks and runs our blocks between them."""
+    from transformers import TrainerCallback
+
+    class Interleave(TrainerCallback):
+        def on_train_begin(self, *_a, **_k):
+            if ours is not None:
+                ours.block(args.warmup, measure=False)  # our warm-up
+            record["mark"] = time.perf_counter()
+
+        def on_step_end(self, _args, state, *_a, **_k):
+            now = time.perf_counter()
+            g = state.global_step
+            if g <= args.warmup:
+                if g == args.warmup:  # TRL's warm-up ends here
+                    record["mark"] = time.perf_counter()
+                return
+            if (g - args.warmup) % args.steps == 0:
+                record["trl"].append(now - record["mark"])
+                if ours is not None:
+                    record["ours"].append(ours.block(args.steps, measure=True))
+                record["mark"] = time.perf_counter()
+
+    return Interleave()
+
+
+# ------------------------------------------------------------------------------------------ a pair
+
+
+def overrides_for(pair: str, args) -> list[str]:
+    o = [f"policy.model={args.model}", "train.eval_every=0"]
+    if pair in ("grpo", "opd"):
+        o.append(f"rollout.max_new_tokens={args.length}")
+        if args.group:
+            o.append(f"rollout.samples_per_prompt={args.group}")
+    if pair == "opd":
+        o.append(f"sources.teacher.model={args.teacher}")
+    if args.prompts:
+        o.append(f"train.prompts_per_step={args.prompts}")
+    return o + list(args.override or [])
+
+
+def run_pair(pair: str, args) -> dict:
+    from composer.validate import validate_file
+
+    spec_path = str(ROOT / "specs" / SPECS[pair])
+    ovr = overrides_for(pair, args)
+    spec = validate_file(spec_path, ovr).spec
+    rollouts = pair != "sft"
+    rows = spec.train.prompts_per_step * (spec.rollout.samples_per_prompt if rollouts else 1)
+    examples = toy_examples(max(256, 4 * spec.train.prompts_per_step), args.seed)
+    res = {"pair": pair, "trl": TRL_NAME[pair], "rows_per_step": rows, "ours_error": None, "trl_error": None}
+    ours = None
+    try:
+        ours = Ours(spec_path, ovr, examples, args.length if rollouts else None, args.sampler)
+        ours.block(1, measure=False)  # fails early if this spec does not run here
+    except Exception as e:  # reported, not raised: the TRL side still runs
+        res["ours_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if ours is not None:
+            ours.close()
+        ours = None
+    record = {"trl": [], "ours": [], "mark": 0.0}
+    args.trl_steps = args.warmup + args.rounds * args.steps
+    cb = _interleaver(ours, args, record)
+    with tempfile.TemporaryDirectory(prefix="bench-trl-") as out:
+        try:
+            if pair == "grpo":
+                trainer = trl_grpo(args, spec, args.model, examples, cb, out)
+            elif pair == "opd":
+                trainer = trl_gkd(args, spec, args.model, args.teacher, examples, cb, out)
+            else:
+                trainer = trl_sft(args, spec, args.model, examples, cb, out)
+            with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(sys.stderr if args.debug else devnull):
+                trainer.train()  # Trainer prints its summary dict; the bench prints its own
+        except Exception as e:
+            res["trl_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if args.debug:
+                raise
+    if ours is not None and not record["ours"]:  # TRL failed before interleaving: measure ours alone
+        for _ in range(args.rounds):
+            record["ours"].append(ours.block(args.steps, measure=True))
+    res["trl_block_s"] = record["trl"]
+    res["ours_block_s"] = record["ours"]
+    n = args.steps
+    if record["trl"]:
+        res["trl_samples_per_s"] = rows * n * len(record["trl"]) / sum(record["trl"])
+        res["trl_tokens_per_s"] = (res["trl_samples_per_s"] * args.length) if rollouts else None
+    if ours is not None and record["ours"]:
+        total = sum(record["ours"])
+        res["ours_samples_per_s"] = ours.rows / total
+        res["ours_tokens_per_s"] = ours.tokens / total
+        res["ours_phases_ms"] = ours.phases.per_step_ms()
+        if not rollouts:  # SFT tokens on TRL's side: the same examples, prompt + solution + eos
+            from composer.runtime.models import load_tokenizer
+
+            tok = load_tokenizer(args.model)
+            mean_len = statistics.mean(len(tok.encode(e.prompt + e.solution, add_special_tokens=False)) + 1
+                                       for e in examples)
+            res["trl_tokens_per_s"] = res.get("trl_samples_per_s", 0) * mean_len if record["trl"] else None
+            res["ours_tokens_per_s"] = ours.tokens / total
+        ours.close()
+    if res.get("trl_samples_per_s") and res.get("ours_samples_per_s"):
+        res["ratio"] = res["ours_samples_per_s"] / res["trl_samples_per_s"]
+        res["round_ratios"] = [t / o for o, t in zip(record["ours"], record["trl"])]
+    return res
+
+
+# --------------------------------------------------------------------------------------- printing
+
+
+def format_results(results: list[dict], args) -> str:
+    lines = [f"throughput on {args.threads} CPU thread(s); model {args.model}; completion length {args.length} "
+             f"(forced); sampler (ours) {args.sampler}; {args.rounds} rounds x {args.steps} steps, "
+             f"{args.warmup} warm-up step(s) dropped", "",
+             f"{'pair':6s} {'ours vs TRL':26s} {'rows/step':>9s} {'ours samp/s':>12s} {'TRL samp/s':>11s} "
+             f"{'ours tok/s':>11s} {'TRL tok/s':>10s} {'ratio':>6s}  per-round ratios"]
+    for r in results:
+        f = lambda k, d=1: (f"{r[k]:.{d}f}" if r.get(k) is not None else "-")  # noqa: E731
+        ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else "-"
+        rr = " ".join(f"{x:.2f}" for x in r.get("round_ratios", []))
+        lines.append(f"{r['pair']:6s} {SPECS[r['pair']] + ' vs ' + r['trl']:26s} {r['rows_per_step']:>9d} "
+                     f"{f('ours_samples_per_s'):>12s} {f('trl_samples_per_s'):>11s} {f('ours_tokens_per_s', 0):>11s} "
+                     f"{f('trl_tokens_per_s', 0):>10s} {ratio:>6s}  {rr}")
+    lines.append("")
+    for r in results:
+        if r.get("ratio"):
+            verdict = "meets" if r["ratio"] >= TARGET else "below"
+            lines.append(f"{r['pair']}: ours/TRL = {r['ratio']:.2f} ({verdict} the {TARGET}x target)")
+        if r.get("ours_error"):
+            lines.append(f"{r['pair']}: ours did not run: {r['ours_error']}")
+        if r.get("trl_error"):
+            lines.append(f"{r['pair']}: TRL did not run: {r['trl_error']}")
+    for r in results:
+        ph = r.get("ours_phases_ms")
+        if ph:
+            total = ph.get("total", 0.0)
+            parts = [f"{k} {v:.0f}" for k, v in ph.items() if k != "total"]
+            lines.append(f"{r['pair']} ours, ms per step (nested: collect holds engine.* and initial_logprobs): "
+                         f"total {total:.0f} = " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="throughput", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="Policy checkpoint directory (default: the toy student, bootstrapped if missing).")
+    p.add_argument("--teacher", help="Teacher checkpoint directory for opd/GKD (default: the toy teacher).")
+    p.add_argument("--pairs", default="grpo,opd,sft", help="Comma-separated subset of grpo,opd,sft.")
+    p.add_argument("--sampler", choices=("hf", "fast"), default="hf",
+                   help="Our rollout sampler: engine.hf_generate (hf) or composer.runtime.fast_sampler (fast).")
+    p.add_argument("--length", type=int, default=32, help="Completion length, forced on both sides.")
+    p.add_argument("--prompts", type=int, default=None, help="Prompts per step (default: the spec's).")
+    p.add_argument("--group", type=int, default=None, help="Samples per prompt (default: the spec's).")
+    p.add_argument("--warmup", type=int, default=1, help="Warm-up steps per side, not timed.")
+    p.add_argument("--steps", type=int, default=2, help="Steps per timed block.")
+    p.add_argument("--rounds", type=int, default=3, help="Timed blocks per side (interleaved).")
+    p.add_argument("--threads", type=int, default=max(1, min(os.cpu_count() or 1, 8)), help="torch CPU threads.")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--override", action="append", help="Extra spec override path=value for our side (repeatable).")
+    p.add_argument("--json", help="Also write the results as JSON here.")
+    p.add_argument("--debug", action="store_true", help="Raise TRL errors instead of reporting them.")
+    return p.parse_args(argv)
+
+
+def quiet() -> None:
+    import logging
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    for name in ("trl", "accelerate", "lightning", "datasets"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+    except Exception:
+        pass
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    quiet()
+    pairs = [p.strip() for p in args.pairs.split(",") if p.strip()]
+    bad = [p for p in pairs if p not in SPECS]
+    if bad:
+        print(f"unknown pair(s) {', '.join(bad)}; choose from {', '.join(SPECS)}", file=sys.stderr)
+        return 2
+    if not args.model or ("opd" in pairs and not args.teacher):
+        from components.tasks.bootstrap import ensure_checkpoints
+
+        paths = ensure_checkpoints()
+        args.model = args.model or paths["student"]
+        args.teacher = args.teacher or paths["teacher"]
+    results = []
+    for pair in pairs:
+        print(f"[bench] {pair}: ours ({SPECS[pair]}, sampler {args.sampler}) vs TRL {TRL_NAME[pair]} ...", flush=True)
+        results.append(run_pair(pair, args))
+    text = format_results(results, args)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "results": results},
+                                              indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

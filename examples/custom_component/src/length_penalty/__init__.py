@@ -1,0 +1,51 @@
+"""An example third-party component: `length_penalized_grpo`, GRPO on a length-penalised reward.
+
+Importing this module registers the kind; the composer imports it through the `composer.components`
+entry point (pyproject.toml) once the package is installed, or because a spec lists it under
+`plugins: [length_penalty]`. Like every component it is a pydantic config (`kind` Literal, unknown
+keys forbidden, every field described) plus its implementation. Nothing here imports torch at import
+time: validating a spec that uses it stays instant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from components.objectives.grpo import Grpo
+from composer.registry import register
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from composer.batch import PolicyView, TrajectoryBatch
+
+__all__ = ["LengthPenalizedGrpo", "shaped_rewards"]
+
+
+def shaped_rewards(rewards: "Tensor", n_tokens: "Tensor", penalty: float, free_tokens: int) -> "Tensor":
+    """r_i - penalty * max(0, n_i - free_tokens). rewards [B] float, n_tokens [B] -> [B]."""
+    over = (n_tokens.to(rewards.dtype) - float(free_tokens)).clamp(min=0.0)  # [B]
+    return rewards - penalty * over
+
+
+@register("objective", plugin="composer-length-penalty")
+class LengthPenalizedGrpo(Grpo):
+    """GRPO on a length-penalised outcome reward: r - penalty * max(0, policy tokens - free_tokens)."""
+
+    kind: Literal["length_penalized_grpo"] = Field("length_penalized_grpo", description="Component kind.")
+    penalty: float = Field(0.001, ge=0, description="Reward subtracted per policy token beyond free_tokens.")
+    free_tokens: int = Field(0, ge=0, description="Policy tokens per response that cost nothing.")
+
+    def loss(self, batch: "TrajectoryBatch", cur: "PolicyView"):
+        """The GRPO loss (clip, group advantages, KL) of the parent kind, on the shaped rewards."""
+        if batch.rewards is None:
+            raise ValueError("length_penalized_grpo: the batch has no rewards (a reward signal must fill batch.rewards)")
+        n = batch.policy_mask.sum(-1)  # [B] policy tokens per trajectory
+        loss, metrics = super().loss(replace(batch, rewards=shaped_rewards(batch.rewards, n, self.penalty,
+                                                                           self.free_tokens)), cur)
+        metrics = dict(metrics)
+        metrics["length_penalty/policy_tokens"] = float(n.float().mean())
+        return loss, metrics
