@@ -100,3 +100,34 @@ class PolicyView:
     logprobs: "torch.Tensor"  # [B, T] log pi_theta(tokens[b, t] | tokens[b, :t]), 0 at t = 0
     logits: Optional["torch.Tensor"] = None  # [B, T, V] predicting tokens[b, t]; only when wanted
     entropy: Optional["torch.Tensor"] = None  # [B, T] entropy of the predicting distribution
+
+
+def concat(batches: list[TrajectoryBatch], pad_id: int) -> TrajectoryBatch:
+    """Stack batches row-wise (right-padding to the longest T); group ids stay distinct per batch."""
+    T = max(b.tokens.shape[1] for b in batches)
+    offset, parts = 0, []
+    for b in batches:
+        grow = T - b.tokens.shape[1]
+
+        def pad(x, value=0):
+            if x is None or x.dim() < 2 or grow == 0:
+                return x
+            shape = (x.shape[0], grow) + tuple(x.shape[2:])
+            return torch.cat([x, x.new_full(shape, value)], dim=1)
+
+        parts.append(replace(b, tokens=pad(b.tokens, pad_id), origin=pad(b.origin), group=b.group + offset,
+                             behavior_logprobs=pad(b.behavior_logprobs), teacher_logprobs=pad(b.teacher_logprobs),
+                             teacher_logits=pad(b.teacher_logits), initial_logprobs=pad(b.initial_logprobs)))
+        offset += int(b.group.max()) + 1 if b.size else 0
+    out = {}
+    for f in fields(TrajectoryBatch):
+        vals = [getattr(p, f.name) for p in parts]
+        if f.name == "examples":
+            out[f.name] = [e for v in vals for e in v]
+        elif f.name == "info":
+            out[f.name] = dict(vals[-1])
+        elif any(v is None for v in vals):
+            out[f.name] = None
+        else:
+            out[f.name] = torch.cat(vals, dim=0)
+    return TrajectoryBatch(**out)

@@ -156,7 +156,9 @@ def teacher_shares_tokenizer(spec, segment):
         if getattr(sig, "kind", "") != "distillation":
             continue
         teacher = spec.sources.get(sig.teacher)
-        if teacher is not None and not teacher.is_self and not teacher.shares_tokenizer:
+        # rules must not assume graph-validity: a rule never crashes on a teacher of another kind
+        if teacher is not None and teacher.kind_name() == "policy_model" and not teacher.is_self \
+                and not teacher.shares_tokenizer:
             out.append(_d("teacher_shares_tokenizer",
                           f"distillation from '{sig.teacher}' needs log-probs on the student's tokens, but the teacher "
                           "is declared with shares_tokenizer: false", ("sources", sig.teacher, "shares_tokenizer"),

@@ -203,6 +203,8 @@ def validate_loaded(loaded: LoadedSpec) -> Validated:
                 x.message = f"in {_label(seg)}: {x.message}"
         diags += _locate(d, loaded, seg.origin)
         used |= graph.used_sources(g)
+    if segments and segments[0].origin:  # phases or stages: the base spec, which the rules also read, too
+        diags += _locate(graph.check(spec)[1], loaded)
     if diags:
         raise SpecError(_dedupe(diags))
     warnings = [Diagnostic("graph", f"source '{n}' is declared but nothing reads it", ("sources", n),

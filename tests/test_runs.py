@@ -144,3 +144,16 @@ def test_bad_model_directory_names_the_path(tmp_path):
                         "--out", str(tmp_path / "o"), "--no-progress"], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 2
     assert str(tmp_path) in p.stderr and "Traceback" not in p.stderr
+
+
+def test_reuse_trains_on_the_buffer_until_the_next_sync(tiny, tmp_path):
+    run("specs/oapl.yaml", tmp_path / "a", [f"policy.model={tiny}", "train.steps=6", "sync.every=3",
+                                            "sync.reuse=true", *FAST])
+    got = rows(tmp_path / "a")
+    assert [r["buffer_reused"] for r in got] == ["0.0", "1.0", "1.0", "0.0", "1.0", "1.0"]
+    assert got[0]["response_len"] == got[1]["response_len"] == got[2]["response_len"]
+    # clear_buffer: false keeps the older interval's rollouts next to the new ones
+    run("specs/oapl.yaml", tmp_path / "b", [f"policy.model={tiny}", "train.steps=6", "sync.every=3",
+                                            "sync.reuse=true", "sync.clear_buffer=false", *FAST])
+    sizes = [r["buffer_rows"] for r in rows(tmp_path / "b") if r["buffer_reused"] == "0.0"]
+    assert sizes == ["4.0", "8.0"]

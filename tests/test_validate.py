@@ -175,6 +175,10 @@ CASES = [
          "  teacher: {kind: policy_model, model: self, context: [fb]}\n"
          "signal: {kind: distillation, teacher: teacher}\nobjective: {kind: divergence}\n",
          "sources.fb", 4, "feedback needs sequence_reward, which nothing it refers to provides"),
+    Case("staged_base_is_checked_too", HEAD + "  reference: {kind: reference_solution}\n"
+         "signal: {kind: distillation, teacher: verifier}\nobjective: {kind: grpo}\n"
+         "stages:\n  - {name: sft, signal: {kind: sft, target: reference}, objective: {kind: cross_entropy}}\n",
+         "signal.teacher", 5, "teacher must be policy_model"),  # found by the fuzzer: it used to crash a rule
     Case("unused_source_is_a_warning", HEAD + "  reference: {kind: reference_solution}\n" + GRPO,
          "sources.reference", 4, "declared but nothing reads it", exit=0),
     # ---- layer 4: method semantics (one per rule)

@@ -11,7 +11,6 @@ Both also see the privileged-context formats of components.tasks.toy.TEMPLATES.
 from __future__ import annotations
 
 import fcntl
-import math
 import os
 import random
 import shutil
@@ -69,10 +68,10 @@ def corrupt(line: str, rng: random.Random) -> str:
     return line[:-1] + str((int(line[-1]) + rng.randrange(1, 10)) % 10)
 
 
-def pick_format(rng: random.Random) -> str:
-    """'plain' or one of the MIX formats, drawn with the MIX shares."""
+def pick_format(rng: random.Random, mix: dict) -> str:
+    """'plain' or one of the `mix` formats, drawn with their shares."""
     r = rng.random()
-    for name, share in MIX.items():
+    for name, share in mix.items():
         if r < share:
             return name
         r -= share
@@ -125,23 +124,30 @@ def batch_tensors(pairs, tok):
     return ids, mask, lab
 
 
-def sft(model, tok, tiers, copy_tiers, updates: int, seed: int, batch: int = 64, lr: float = 3e-3, log_every: int = 100):
-    """Plain AdamW SFT on the bootstrap mix (linear warmup, cosine decay to 10%); returns the last loss."""
+def lr_scale(step: int, updates: int, warm: int = 50, decay: float = 0.2) -> float:
+    """Warmup-stable-decay: linear warmup, constant, then linear decay to 10% over the last `decay` share."""
+    start = int(updates * (1 - decay))
+    if step < warm:
+        return (step + 1) / warm
+    return 1.0 if step < start else 1.0 - 0.9 * (step - start) / max(1, updates - start)
+
+
+def sft(model, tok, tiers, copy_tiers, updates: int, seed: int, batch: int = 64, lr: float = 3e-3, mix=None, log_every: int = 100):
+    """Plain AdamW SFT on the bootstrap mix (see lr_scale); returns the final smoothed loss."""
     import torch
     import torch.nn.functional as F
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
-    warm = 50
+    mix = MIX if mix is None else mix
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     t0, ema = time.time(), None
     for step in range(updates):
-        frac = step / max(1, updates - warm)
-        scale = (step + 1) / warm if step < warm else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+        scale = lr_scale(step, updates)
         for g in opt.param_groups:
             g["lr"] = lr * scale
-        fmt = pick_format(rng)  # one format per batch: similar lengths, little padding
+        fmt = pick_format(rng, mix)  # one format per batch: similar lengths, little padding
         ids, mask, lab = batch_tensors([mix_pair(rng, fmt, tiers, copy_tiers) for _ in range(batch)], tok)
         logits = model(input_ids=ids).logits  # [B, L, V]; right padding: no mask needed under causal attention
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), lab[:, 1:].reshape(-1), ignore_index=-100)

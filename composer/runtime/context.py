@@ -28,6 +28,8 @@ class RunContext:
     runtimes: dict = field(default_factory=dict)  # (kind, name) -> built runtime of a component
     metrics: dict = field(default_factory=dict)  # scalars of the current step
     costs: dict = field(default_factory=lambda: {"policy_tokens": 0, "judge_tokens": 0, "teacher_tokens": 0})
+    buffer: list | None = None  # stored batches of the current sync interval (sync.reuse)
+    buffer_version: int = -1  # the sync step the buffer was sampled after
     _initial: torch.nn.Module | None = None
 
     # ---- text ----

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from composer.batch import PolicyView, TrajectoryBatch
+from composer.batch import PolicyView, TrajectoryBatch, concat
 from composer.graph import signal_objective_pairs
 from composer.runtime.context import RunContext
 from composer.runtime.models import token_logprobs
@@ -20,6 +20,24 @@ def terms(spec) -> list[tuple[str, object, object, float]]:
 
 
 def collect(ctx: RunContext, examples) -> list[TrajectoryBatch]:
+    """The step's batches. With `sync.reuse`, the rollouts sampled right after a sync are stored and
+    trained on at every step until the next sync; `clear_buffer: false` keeps older ones too."""
+    sync = ctx.spec.sync
+    if not sync.reuse:
+        return sample(ctx, examples)
+    version = getattr(ctx.engine, "last_sync", 0)
+    if ctx.buffer and ctx.buffer_version == version:
+        ctx.log(buffer_reused=1.0)
+        return ctx.buffer
+    fresh = sample(ctx, examples)
+    if ctx.buffer and not sync.clear_buffer:
+        fresh = [concat([old, new], ctx.pad_id) if old is not new else new for old, new in zip(ctx.buffer, fresh)]
+    ctx.buffer, ctx.buffer_version = fresh, version
+    ctx.log(buffer_reused=0.0, buffer_rows=float(fresh[0].size))
+    return fresh
+
+
+def sample(ctx: RunContext, examples) -> list[TrajectoryBatch]:
     """Build one batch per term: one shared rollout for every term that needs rollouts."""
     rollout: TrajectoryBatch | None = None
     out = []

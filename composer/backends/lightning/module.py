@@ -162,6 +162,8 @@ class ComposerModule(L.LightningModule):
             "runtimes": {repr(k): rt.state_dict() for k, rt in ctx.runtimes.items() if hasattr(rt, "state_dict")
                          and not isinstance(rt, torch.nn.Module)},
             "costs": dict(ctx.costs),
+            "buffer": [b.to("cpu") for b in ctx.buffer] if ctx.buffer else None,
+            "buffer_version": ctx.buffer_version,
         }
         checkpoint["composer"] = state
 
@@ -182,6 +184,8 @@ class ComposerModule(L.LightningModule):
         if state["initial"] is not None:
             ctx.initial_policy().load_state_dict(state["initial"])
         ctx.costs.update(state.get("costs", {}))
+        ctx.buffer = [b.to(self.device) for b in state["buffer"]] if state.get("buffer") else None
+        ctx.buffer_version = state.get("buffer_version", -1)
         ctx.pending_runtime_state = state.get("runtimes", {})
         self._pending = None
 

@@ -54,6 +54,7 @@ def main(argv=None) -> None:
                            worker_process_setup_hook="composer.backends.openrlhf.hooks.setup_worker")
     ray.init(runtime_env=runtime_env)
     hooks.install(plan, run, driver=True)
+    judges = hooks.start_judges(run["plugin"].get("judges") or {})  # noqa: F841  (kept alive with the driver)
     sys.argv = ["openrlhf.cli.train_ppo_ray", *args]
     runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
 

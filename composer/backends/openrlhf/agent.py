@@ -2,10 +2,12 @@
 
 OpenRLHF calls `execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)` once per
 sample inside a vLLM engine actor; `llm_engine.generate(token_ids, SamplingParams)` drives the policy
-token-in/token-out. The executor writes the trajectory as pieces with origins (prompt, policy,
-guide_prefix, guide_intervention), returns the trainable pieces as `action_ranges` and carries the
-provenance in the label (see batch.py). The text/step logic is the task's: the toy testbed's judge
-prompt, judge answer parser, step checker and prefix prompt (components/tasks/toy.py).
+token-in/token-out. This module owns only that async engine loop. The text and step logic is the
+Lightning guides' own (components/guides): `PrefixGuide.conditioned` / `max_steps` / `ref_steps` for
+prefixes, `split_steps`, `correction_tokens` and the judges (`make_judge`: the oracle step checker, or
+a policy_model's prompt and `parse_decision`) for interventions, `successes` for the verifier. The
+trajectory is kept as pieces with origins; the trainable pieces become `action_ranges` and the
+provenance travels in the label (see batch.py).
 """
 
 from __future__ import annotations
@@ -14,19 +16,16 @@ import copy
 import hashlib
 import json
 import os
+import types
 from dataclasses import dataclass, field
 from typing import Optional
 
 from composer.backends.openrlhf.batch import action_ranges, decode_label, encode_label, example_of
 
-GENERIC_JUDGE = ("Problem:\n{problem}\n{context}\nAccepted steps:\n{accepted}\n\nNew steps:\n{steps}\n\n"
-                 "Reply KEEP if every new step is right; otherwise reply REVISE <k> (k: the first wrong new step) "
-                 "and, on the next line, the corrected step k.\n")
-
 
 @dataclass
 class Trace:
-    """One rollout as pieces: (token ids, origin, behaviour log-probs or None) after the prompt."""
+    """One rollout as pieces after the prompt: (token ids, origin, behaviour log-probs or None)."""
 
     prompt: list[int]
     pieces: list = field(default_factory=list)
@@ -39,42 +38,15 @@ class Trace:
     def response(self) -> list[int]:
         return [t for ids, _, _ in self.pieces for t in ids]
 
-    def cut(self, n: int) -> None:
-        """Keep the first n response tokens."""
-        out, left = [], n
-        for ids, origin, lps in self.pieces:
-            if left <= 0:
-                break
-            out.append((ids[:left], origin, None if lps is None else lps[:left]))
-            left -= len(ids)
-        self.pieces = [p for p in out if p[0]]
-
     def spans(self) -> list[list]:
         out, pos = [], len(self.prompt)
         for ids, origin, _ in self.pieces:
-            out.append([pos, pos + len(ids), origin])
+            if out and out[-1][2] == origin:
+                out[-1][1] += len(ids)
+            else:
+                out.append([pos, pos + len(ids), origin])
             pos += len(ids)
         return out
-
-
-def _steps(text: str, split: str) -> list[str]:
-    parts = text.split(split)
-    while parts and not parts[-1].strip():
-        parts.pop()
-    return parts
-
-
-def cut_tokens(decode, ids: list[int], n_chars: int, text: str) -> int:
-    """The most tokens of `ids` whose decoded text is a prefix of text[:n_chars] (binary search)."""
-    lo, hi = 0, len(ids)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        d = decode(ids[:mid])
-        if len(d) <= n_chars and text.startswith(d):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class ComposerAgent:
@@ -90,26 +62,32 @@ class ComposerAgent:
         self.run = next((r for r in runs if r["name"] == name), None) or next(r for r in runs if r["plugin"].get("agent"))
         self.segments = Segments(self.plan, self.run["segments"])
         registry.load_all()
-        verifier = self.run["plugin"].get("verifier", "none")
-        self.verify = registry.VERIFIERS[verifier].load() if verifier != "none" else None
-        self.toy = self.plan["openrlhf"]["toy"]
         specs = [s for _, _, s in self.segments.items]
         self.trainable = {"policy"} | {o for s in specs for _, _, obj, _ in terms(s) for o in obj.loss_tokens}
         self.counts: dict = {}
         self.prefix_k: dict = {}
-        self.judges: dict = {}
+        self.contexts: dict = {}
+        self.max_len = 1 << 30
+
+    # ---- the composer's run context (text, sources, judges, verifier) without a model ----
+    def context(self, spec, tok):
+        key = id(spec)
+        if key not in self.contexts:
+            from composer.backends.openrlhf.hooks import task_of
+            from composer.runtime.context import RunContext
+
+            self.contexts[key] = RunContext(task=task_of(self.plan, self.run, spec), tokenizer=tok, policy=None,
+                                            engine=None, spec=spec)
+        return self.contexts[key]
 
     # ---- engine calls ----
-    @staticmethod
-    def _params(sp, **over):
-        p = copy.deepcopy(sp)
-        for k, v in over.items():
-            setattr(p, k, v)
-        return p
-
     async def generate(self, engine, ids, sp, max_tokens: int):
-        """(tokens, behaviour log-probs or None, finished) of one policy continuation of `ids`."""
-        out = (await engine.generate(list(ids), self._params(sp, max_tokens=max(1, max_tokens)))).outputs[0]
+        """(tokens, behaviour log-probs or None, stopped at EOS) of one policy continuation of `ids`."""
+        if max_tokens < 1:
+            return [], ([] if getattr(sp, "logprobs", None) is not None else None), False
+        p = copy.deepcopy(sp)
+        p.max_tokens = max_tokens
+        out = (await engine.generate(list(ids), p)).outputs[0]
         toks = list(out.token_ids)
         lps = None
         if getattr(sp, "logprobs", None) is not None and out.logprobs is not None:
@@ -117,16 +95,11 @@ class ComposerAgent:
         return toks, lps, out.finish_reason != "length"
 
     async def score(self, engine, ids, sp) -> list[float]:
-        """Log-prob of every token of `ids` under the engine's weights (0 for the first): guide tokens'
-        behaviour log-probs (the MInTRL-Proxy anchor)."""
+        """Log-prob of every token of `ids` under the engine's weights (0 for the first): the guide tokens'
+        behaviour log-probs (MInTRL-Proxy's anchor), as the Lightning engine's `score`."""
         p = type(sp)(max_tokens=1, temperature=max(getattr(sp, "temperature", 1.0), 1e-5), prompt_logprobs=1)
         out = await engine.generate(list(ids), p)
         return [0.0 if d is None else (d[t].logprob if t in d else 0.0) for t, d in zip(ids, out.prompt_logprobs)]
-
-    async def greedy_text(self, engine, tok, prompt: str, max_tokens: int, sp) -> str:
-        p = type(sp)(max_tokens=max_tokens, temperature=0.0)
-        out = await engine.generate(tok.encode(prompt, add_special_tokens=False), p)
-        return out.outputs[0].text
 
     # ---- the sample ----
     def _index(self, prompt: str, label, n: int) -> int:
@@ -141,190 +114,191 @@ class ComposerAgent:
     async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None):
         meta = decode_label(label)
         example = example_of(prompt, meta)
-        spec = self.segments.at(int(meta.get("step", 0)))
+        step = int(meta.get("step", 0))
+        spec = self.segments.at(step)
         guide = spec.rollout.guide
         kind = "none" if meta.get("eval") else guide.kind_name()
         idx = self._index(prompt, label, spec.rollout.samples_per_prompt)
-        tok = hf_tokenizer
+        tok, sp = hf_tokenizer, sampling_params
+        ctx = self.context(spec, tok)
+        self.max_len = max_length
         ids = tok.encode(prompt, add_special_tokens=False)
-        budget = min(sampling_params.max_tokens or max_length, max_length - len(ids))
+        # one position spare: scoring guide tokens (prompt_logprobs) asks vLLM for one more token
+        budget = min(sp.max_tokens or max_length, ctx.max_new_tokens, max_length - len(ids) - 1)
         info = {"control": True, "guided": False, "tag": "", "weight": None, "reviews": 0}
         if kind == "prefix":
-            trace, finished = await self._prefix(example, guide, spec, ids, budget, sampling_params, tok, llm_engine,
-                                                 prompt, info)
+            trace, finished = await self._prefix(ctx, example, guide, step, ids, budget, sp, llm_engine, info)
         elif kind == "intervention" and idx >= guide.control_samples:
             info["control"] = False
-            trace, finished = await self._intervene(example, guide, spec, ids, budget, sampling_params, tok,
-                                                    llm_engine, info)
+            trace, finished = await self._intervene(ctx, example, guide, ids, budget, sp, llm_engine, info)
         else:
             trace = Trace(ids)
-            toks, lps, finished = await self.generate(llm_engine, ids, sampling_params, budget)
+            toks, lps, finished = await self.generate(llm_engine, ids, sp, budget)
             trace.add(toks, "policy", lps)
-        text = tok.decode(trace.response, skip_special_tokens=True)
         reward = info.pop("reward", None)
         if reward is None:
-            reward = float(self.verify(text, example).reward) if self.verify else 0.0
-        return await self._result(prompt, meta, trace, reward, finished, sampling_params, llm_engine, info)
+            reward = self._reward(ctx, example, tok.decode(trace.response, skip_special_tokens=True))
+        return await self._result(prompt, meta, trace, reward, finished, sp, llm_engine, info)
+
+    def _reward(self, ctx, example, text: str) -> float:
+        verifier = self.run["plugin"].get("verifier", "none")
+        return 0.0 if verifier == "none" else float(ctx.verifier(verifier)(text, example).reward)
 
     async def _result(self, prompt, meta, trace: Trace, reward, finished, sp, engine, info):
         spans = trace.spans()
         lps = None
         if getattr(sp, "logprobs", None) is not None:
-            if any(p[2] is None for p in trace.pieces):  # guide tokens: score them with the rollout weights
+            if any(p[2] is None for p in trace.pieces):  # guide tokens: scored with the rollout weights
                 scored = await self.score(engine, trace.prompt + trace.response, sp)
                 lps = scored[: len(trace.prompt)]
-                for ids, _, piece_lps in trace.pieces:
-                    lps += piece_lps if piece_lps is not None else scored[len(lps): len(lps) + len(ids)]
+                for ids, _, piece in trace.pieces:
+                    lps += piece if piece is not None else scored[len(lps): len(lps) + len(ids)]
             else:
                 lps = [0.0] * len(trace.prompt) + [x for _, _, p in trace.pieces for x in p]
         weight = info.get("weight")
-        ranges = [] if weight == 0 else action_ranges(spans, self.trainable)
         off = sum(len(i) for i, o, _ in trace.pieces if o != "policy")
         meta = dict(meta, spans=spans, control=info["control"], guided=info["guided"], tag=info["tag"])
         if weight is not None:
             meta["weight"] = weight
         return {
             "prompt": prompt, "label": encode_label(meta), "observation_tokens": trace.prompt + trace.response,
-            "action_ranges": ranges, "rollout_log_probs": lps, "reward": reward, "scores": reward,
-            "truncated": not finished,
+            "action_ranges": [] if weight == 0 else action_ranges(spans, self.trainable), "rollout_log_probs": lps,
+            "reward": reward, "scores": reward, "truncated": not finished,
             "extra_logs": {"composer_guided": float(info["guided"]), "composer_control": float(info["control"]),
                            "composer_offpolicy_frac": off / max(len(trace.response), 1),
                            "composer_reviews": float(info["reviews"])},
         }
 
     # ---- prefix guide (POPE, Qu et al. 2026, arXiv 2601.18779) ----
-    def prefix_prompt(self, example, guide, k: int, split: str) -> str:
-        lines = (example.solution or "").split(split)
-        if self.toy:
-            from components.tasks.toy import prefix_prompt
-
-            return prefix_prompt(example, k)[0]
-        return example.prompt + "\n" + guide.instruction + split.join(lines[:k]) + split
-
-    async def _prefix(self, example, guide, spec, ids, budget, sp, tok, engine, prompt, info):
-        frac = guide.guided_fraction
-        h = int(hashlib.sha256(f"{prompt}|{spec.train.seed}".encode()).hexdigest()[:8], 16) / 16 ** 8
-        split = "\n" if self.toy else "\n\n"
-        if h >= frac or not example.solution:
+    async def _prefix(self, ctx, example, guide, step, ids, budget, sp, engine, info):
+        """A prompt is guided with probability guided_fraction (a hash of prompt, step and seed: every sample
+        of the prompt agrees); guided prompts form their own advantage group (tag)."""
+        key = f"{example.prompt}|{step}|{ctx.spec.train.seed}".encode()
+        if int(hashlib.sha256(key).hexdigest()[:8], 16) / 16 ** 8 >= guide.guided_fraction or not example.solution:
             trace = Trace(ids)
             toks, lps, finished = await self.generate(engine, ids, sp, budget)
             trace.add(toks, "policy", lps)
             return trace, finished
-        info.update(control=False, guided=True, tag="guided")
-        k = await self._prefix_length(example, guide, split, budget, sp, tok, engine)
-        lines = example.solution.split(split)
-        if guide.placement == "prompt":
-            gids = tok.encode(self.prefix_prompt(example, guide, k, split), add_special_tokens=False)
-            trace = Trace(gids)
-            toks, lps, finished = await self.generate(engine, gids, sp, budget)
-            trace.add(toks, "policy", lps)
-            return trace, finished
-        trace = Trace(ids)
-        trace.add(tok.encode(split.join(lines[:k]) + split, add_special_tokens=False), "guide_prefix")
-        toks, lps, finished = await self.generate(engine, ids + trace.response, sp, budget - len(trace.response))
+        k = await self._prefix_steps(ctx, example, guide, sp, engine)
+        info.update(control=k == 0, guided=k > 0, tag="guided")
+        prompt, prefix = guide.conditioned(ctx, example, k)
+        trace = Trace(prompt)
+        trace.add(prefix, "guide_prefix")
+        room = min(budget, self.max_len - len(prompt) - 1) - len(prefix)
+        toks, lps, finished = await self.generate(engine, prompt + prefix, sp, room)
         trace.add(toks, "policy", lps)
         return trace, finished
 
-    async def _prefix_length(self, example, guide, split, budget, sp, tok, engine) -> int:
-        """`fixed`: max_fraction of the steps; `minimal`: the fewest steps from which one of search_samples
-        continuations succeeds (searched once per problem, cached)."""
-        n = len(example.solution.split(split))
-        kmax = max(1, int(guide.max_fraction * n))
-        if guide.search == "fixed" or self.verify is None:
+    async def _prefix_steps(self, ctx, example, guide, sp, engine) -> int:
+        """k: the largest (`fixed`), or the smallest in 0..k_max from which one of `search_samples`
+        continuations succeeds (`minimal`, searched the first time a prompt is seen, cached)."""
+        from components.guides.intervention import successes
+
+        kmax = guide.max_steps(len(guide.ref_steps(ctx, example)))
+        if guide.search == "fixed":
             return kmax
-        key = example.problem or example.prompt
-        if key not in self.prefix_k:
-            self.prefix_k[key] = kmax
-            for k in range(1, kmax + 1):
-                gids = tok.encode(self.prefix_prompt(example, guide, k, split), add_special_tokens=False)
+        if example.prompt not in self.prefix_k:
+            self.prefix_k[example.prompt] = kmax
+            for k in range(kmax + 1):
+                prompt, prefix = guide.conditioned(ctx, example, k)
+                room = min(ctx.max_new_tokens, self.max_len - len(prompt) - 1) - len(prefix)
+                texts = []
                 for _ in range(guide.search_samples):
-                    toks, _, _ = await self.generate(engine, gids, sp, budget)
-                    if self.verify(tok.decode(toks, skip_special_tokens=True), example).reward >= 0.5:
-                        self.prefix_k[key] = k
-                        break
-                if self.prefix_k[key] == k:
+                    toks, _, _ = await self.generate(engine, prompt + prefix, sp, room)
+                    texts.append(ctx.decode(prefix + toks))
+                if any(successes(ctx, [example] * len(texts), texts)):
+                    self.prefix_k[example.prompt] = k
                     break
-        return self.prefix_k[key]
+        return self.prefix_k[example.prompt]
 
     # ---- intervention guide (MInTRL Algorithm 1, Chen et al. 2026; InT, Yang et al. 2026) ----
-    async def judge(self, name, spec, example, accepted, new, tok, engine, sp):
-        """None (KEEP) or (k 1-based within `new`, correction text), from the spec's judge source."""
-        from components.tasks import toy
+    async def _decide(self, ctx, guide, example, accepted, new, sp, engine):
+        """The judge's Decision on the new steps: the oracle directly, a model judge through its prompt and
+        parser with greedy generation on the policy engine (`self`) or the named judge actor."""
+        from components.guides.judges import ModelJudge, make_judge, parse_decision
 
-        src = spec.sources[name]
-        if src.kind_name() == "oracle":
-            return toy.parse_judge(toy.judge_target(example, accepted, new))
-        if self.toy:
-            prompt = toy.judge_prompt(example, accepted, new)
+        cfg = ctx.spec.sources[guide.judge]
+        if cfg.kind == "oracle":
+            return make_judge(ctx, guide.judge, guide.max_correction_tokens).review(
+                ctx, [(example, accepted, new)], guide.step_split)[0]
+        judge = ModelJudge(ctx, guide.judge, cfg.model_copy(update={"model": "self"}), guide.max_correction_tokens)
+        text = judge.prompt(ctx, example, accepted, new, guide.step_split)
+        if cfg.is_self:
+            p = type(sp)(max_tokens=judge.max_tokens, temperature=0.0)
+            out = await engine.generate(ctx.encode(text), p)
+            answer = out.outputs[0].text
         else:
-            ctx = "".join(f"\n{c}:\n{example.solution if spec.sources[c].kind_name() == 'reference_solution' else ''}\n"
-                          for c in src.context)
-            prompt = GENERIC_JUDGE.format(problem=example.problem, context=ctx, accepted="\n".join(accepted),
-                                          steps="\n".join(f"{i + 1}: {s}" for i, s in enumerate(new)))
-        max_tokens = spec.rollout.guide.max_correction_tokens + 16
-        if src.is_self:
-            text = await self.greedy_text(engine, tok, prompt, max_tokens, sp)
-        else:
-            text = await self._external_judge(name).generate_text.remote(prompt, max_tokens)
-        return toy.parse_judge(text)
-
-    def _external_judge(self, name):
-        if name not in self.judges:
             import ray
 
-            self.judges[name] = ray.get_actor(f"composer-judge-{name}")
-        return self.judges[name]
+            answer = await ray.get_actor(f"composer-judge-{guide.judge}").generate_text.remote(text, judge.max_tokens)
+        return parse_decision(answer, len(new), guide.step_split)
 
-    async def _intervene(self, example, guide, spec, ids, budget, sp, tok, engine, info):
-        split = guide.step_split
-        trace = Trace(ids)
-        reviewed = 0  # characters of the response text already accepted (at a step boundary)
-        finished = False
-        sft = self._sft_target(spec)
-        while len(trace.response) < budget:
-            left = budget - len(trace.response)
-            chunk = left if guide.review == "end" or info["reviews"] >= guide.max_reviews else min(guide.chunk_tokens, left)
-            toks, lps, finished = await self.generate(engine, ids + trace.response, sp, chunk)
-            trace.add(toks, "policy", lps)
-            if info["reviews"] >= guide.max_reviews or not toks:
-                break
-            if guide.review == "end":
-                if not finished:
-                    continue
-                text = tok.decode(trace.response, skip_special_tokens=True)
-                if self.verify is not None and self.verify(text, example).reward >= 0.5:
-                    break
-            text = tok.decode(trace.response, skip_special_tokens=True)
-            cut = len(text) if finished else (text.rfind(split) + len(split) if split in text[reviewed:] else -1)
-            if cut <= reviewed:
-                continue  # no complete new step yet
-            accepted, new = _steps(text[:reviewed], split), _steps(text[reviewed:cut], split)
-            if not new:
-                reviewed = cut
-                continue
+    async def _intervene(self, ctx, example, guide, ids, budget, sp, engine, info):
+        """The Lightning guide's state machine (components/guides/intervention.py) for one row: pending policy
+        tokens since the last review, complete steps split on step_split, KEEP accepts them, REVISE keeps the
+        steps before the wrong one and appends the judge's correction; `end` reviews a finished failed rollout
+        once. With an sft signal on guided targets (InT stage 1) the row stops right after the correction."""
+        from components.guides.intervention import correction_tokens, split_steps, successes
+        from components.guides.judges import REVISE
+
+        trace, st = Trace(ids), types.SimpleNamespace(pending=[], lps=[], steps=[], done=False)
+        sft = self._sft_target(ctx.spec)
+
+        def length():
+            return len(trace.response) + len(st.pending)
+
+        async def extend(n):
+            toks, lps, stopped = await self.generate(engine, ids + trace.response + st.pending, sp,
+                                                     min(n, budget - length()))
+            st.pending += toks
+            st.lps += lps if lps is not None else [None] * len(toks)
+            st.done = stopped or not toks or length() >= budget
+
+        def accept(end, texts):
+            lps = st.lps[:end]
+            trace.add(st.pending[:end], "policy", None if None in lps else lps)
+            st.pending, st.lps = st.pending[end:], st.lps[end:]
+            st.steps += texts
+
+        async def review():
+            steps = split_steps(ctx, st.pending, guide.step_split, final=st.done)
+            if not steps:
+                return
+            texts = [t for t, _ in steps]
+            if not any(t.strip() for t in texts):
+                return accept(steps[-1][1], texts)
+            d = await self._decide(ctx, guide, example, list(st.steps), texts, sp, engine)
             info["reviews"] += 1
-            verdict = await self.judge(guide.judge, spec, example, accepted, new, tok, engine, sp)
-            if verdict is None:
-                reviewed = cut
-                if finished:
-                    break
-                continue
-            k, correction = verdict
-            keep = text[:reviewed] + "".join(s + split for s in new[: k - 1])
-            n_keep = cut_tokens(lambda x: tok.decode(x, skip_special_tokens=True), trace.response, len(keep), keep)
-            leftover = keep[len(tok.decode(trace.response[:n_keep], skip_special_tokens=True)):]
-            trace.cut(n_keep)
-            fix = tok.encode(leftover + correction + split, add_special_tokens=False)
-            fix = fix[: guide.max_correction_tokens + len(tok.encode(leftover + split, add_special_tokens=False))]
-            trace.add(fix, "guide_intervention")
+            if d.kind != REVISE:
+                return accept(steps[-1][1], texts)
+            accept(steps[d.index - 1][1] if d.index else 0, texts[: d.index])
+            st.pending, st.lps = [], []
+            h = correction_tokens(ctx, guide, types.SimpleNamespace(length=length()), d.correction)[: budget - length()]
+            trace.add(h, "guide_intervention")
+            st.steps.append(d.correction)
             info["guided"] = True
-            reviewed = len(tok.decode(trace.response, skip_special_tokens=True))
-            finished = False
-            if sft is not None:
-                return await self._filter(example, sft, ids, trace, budget, sp, tok, engine, info), True
-        if sft is not None:  # an SFT target exists only for a guided rollout
-            info.update(weight=0.0)
-        return trace, finished
+            st.done = (bool(h) and h[-1] == ctx.eos_id) or length() >= budget or sft is not None
+
+        if guide.review == "chunk":
+            while not st.done:
+                reviewable = info["reviews"] < guide.max_reviews
+                await extend(guide.chunk_tokens if reviewable else budget)
+                if reviewable:
+                    await review()
+        else:
+            await extend(budget)
+            if guide.max_reviews >= 1 and not successes(ctx, [example], [ctx.decode(st.pending)])[0]:
+                st.done = True
+                await review()
+                if not st.done:
+                    await extend(budget)
+        accept(len(st.pending), [])
+        if sft is not None:
+            if not info["guided"]:
+                info["weight"] = 0.0  # no target: InT trains prefix + intervention of guided rows only
+            else:
+                await self._filter(ctx, example, sft, ids, trace, budget, sp, engine, info)
+        return trace, st.done
 
     @staticmethod
     def _sft_target(spec):
@@ -333,17 +307,20 @@ class ComposerAgent:
 
         return next((sig for _, sig, _, _ in terms(spec) if sig.kind_name() == "sft" and sig.target == "guided"), None)
 
-    async def _filter(self, example, sig, ids, trace, budget, sp, tok, engine, info) -> Trace:
+    async def _filter(self, ctx, example, sig, ids, trace, budget, sp, engine, info) -> None:
         """InT: keep prefix + intervention as an SFT target only if one of `filter_samples` continuations from
-        it succeeds (the successful suffix itself is not trained)."""
-        ok = 0
+        it succeeds (components/guides/intervention.sft_targets_from_guided; the suffix is not trained)."""
+        from components.guides.intervention import successes
+
+        if not sig.filter_samples:
+            info["weight"] = 1.0
+            return
+        texts = []
         for _ in range(sig.filter_samples):
             toks, _, _ = await self.generate(engine, ids + trace.response, sp, budget - len(trace.response))
-            text = tok.decode(trace.response + toks, skip_special_tokens=True)
-            ok += self.verify is not None and self.verify(text, example).reward >= 0.5
-        info.update(weight=1.0 if ok or not sig.filter_samples else 0.0,
-                    reward=ok / max(sig.filter_samples, 1))
-        return trace
+            texts.append(ctx.decode(trace.response + toks))
+        ok = successes(ctx, [example] * len(texts), texts)
+        info.update(weight=float(any(ok)), reward=sum(ok) / len(ok))
 
 
 def executor_class(plan="plan.json"):

@@ -14,13 +14,12 @@ string from a rollout. The composer's label is JSON: the example's answer/soluti
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 from composer.batch import TrajectoryBatch
 from composer.data import Example
 from composer.lazy import torch
 from composer.origins import CODE
-
 
 # ---------------------------------------------------------------------------------------------- labels
 
@@ -58,7 +57,7 @@ def label_of(example: Example, **extra) -> dict:
     return meta
 
 
-def group_ids(prompts: list[str], metas: list[dict]) -> "torch.Tensor":
+def group_ids(prompts: list[str], metas: list[dict]) -> torch.Tensor:
     """[B] advantage groups: one per (prompt, guide tag); guided prompts (POPE) form their own group."""
     keys: dict = {}
     return torch.tensor([keys.setdefault((p, m.get("tag", "")), len(keys)) for p, m in zip(prompts, metas)],
@@ -67,17 +66,17 @@ def group_ids(prompts: list[str], metas: list[dict]) -> "torch.Tensor":
 
 # ---------------------------------------------------------------------------------------------- layout
 
-def shift(x: "torch.Tensor") -> "torch.Tensor":
+def shift(x: torch.Tensor) -> torch.Tensor:
     """OpenRLHF action layout [B, T-1, ...] -> composer token layout [B, T, ...] (0 at t = 0)."""
     return torch.cat([x.new_zeros((x.shape[0], 1) + tuple(x.shape[2:])), x], dim=1)
 
 
-def unshift(x: "torch.Tensor") -> "torch.Tensor":
+def unshift(x: torch.Tensor) -> torch.Tensor:
     """Composer token layout [B, T, ...] -> OpenRLHF action layout [B, T-1, ...]."""
     return x[:, 1:]
 
 
-def origins(attention_mask, action_mask, metas: list[dict], trainable_only: bool = False) -> "torch.Tensor":
+def origins(attention_mask, action_mask, metas: list[dict], trainable_only: bool = False) -> torch.Tensor:
     """[B, T] uint8 origin codes: pad, prompt before the first response token, policy for action tokens,
     and whatever the label's spans say (guide_prefix / guide_intervention / policy).
 
@@ -86,7 +85,7 @@ def origins(attention_mask, action_mask, metas: list[dict], trainable_only: bool
     att = attention_mask.bool()
     act = shift(action_mask.bool())  # [B, T]
     B, T = att.shape
-    out = torch.full((B, T), CODE["prompt"], dtype=torch.uint8)
+    out = torch.full((B, T), CODE["prompt"], dtype=torch.uint8, device=att.device)
     out[act] = CODE["policy"]
     for i, meta in enumerate(metas):
         for start, end, origin in meta.get("spans") or []:
@@ -98,7 +97,7 @@ def origins(attention_mask, action_mask, metas: list[dict], trainable_only: bool
 
 
 def to_batch(sequences, attention_mask, action_mask, prompts: list[str], labels: list, *, rollout_log_probs=None,
-             rewards=None, base_log_probs=None, group=None, info: Optional[dict] = None,
+             rewards=None, base_log_probs=None, group=None, info: dict | None = None,
              trainable_only: bool = False) -> TrajectoryBatch:
     """A TrajectoryBatch from Experience fields (any subset of rows; tensors on one device).
 
@@ -113,7 +112,7 @@ def to_batch(sequences, attention_mask, action_mask, prompts: list[str], labels:
     weights = [m.get("weight") for m in metas]
     return TrajectoryBatch(
         tokens=sequences.long(),
-        origin=origins(attention_mask, action_mask, metas, trainable_only).to(dev),
+        origin=origins(attention_mask, action_mask, metas, trainable_only),
         behavior_logprobs=beh,
         group=group.to(dev) if group is not None else torch.arange(B, device=dev),
         control=torch.tensor([bool(m.get("control", True)) for m in metas], device=dev),

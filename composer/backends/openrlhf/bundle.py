@@ -23,7 +23,7 @@ from pathlib import Path
 
 from composer.backends.openrlhf import OPENRLHF_VERSION, parser
 from composer.backends.openrlhf.batch import encode_label, label_of
-from composer.backends.openrlhf.flags import Inputs, Layout, Run, Unsupported, build_runs
+from composer.backends.openrlhf.flags import Inputs, Layout, Run, build_runs
 
 HOOK = "composer.backends.openrlhf.hooks.setup_worker"
 
@@ -33,15 +33,16 @@ class BundleError(Exception):
 
 
 def _examples(v):
-    """(train examples, eval examples by datasource) as the composer binds them."""
-    spec = v.spec
-    if spec.data.train is None:
+    """(train examples, eval examples by datasource) of a data spec, bound as the Lightning backend binds them."""
+    if v.spec.data.train is None:
         return None, None
-    from composer.runtime.binding import load_examples
+    from composer.runtime.binding import DataError, bind_task
 
-    train, _ = load_examples(spec.data.train, spec.data)
-    evals = {"eval": load_examples(spec.data.eval, spec.data)[0]} if spec.data.eval else {}
-    return train, evals
+    try:
+        task = bind_task(v.spec)
+    except DataError as e:
+        raise BundleError(str(e)) from None
+    return task.train, task.eval
 
 
 def _rows_needed(v) -> dict[str, int]:
@@ -145,7 +146,7 @@ def compile_bundle(v, out: Path, layout: Layout) -> dict:
     policy, sources = _models(v)
     counts, inputs = write_data(v, out, _eos(policy, v))
     inputs.policy_path, inputs.source_paths = policy, sources
-    runs = build_runs(v, plan, layout, inputs)
+    runs = build_runs(v, layout, inputs)
     warnings = {}
     for run in runs:
         try:

@@ -104,14 +104,14 @@ class _Args:
         self.argv += [_fmt(v) for v in values]
 
 
-def build_runs(v, plan: dict, layout: Layout, inputs: Inputs) -> list[Run]:
+def build_runs(v, layout: Layout, inputs: Inputs) -> list[Run]:
     """The OpenRLHF runs of a validated spec (one per stage, else one)."""
     segs = v.segments
     groups = [[i] for i in range(len(segs))] if v.spec.stages else [list(range(len(segs)))]
     runs, model = [], inputs.policy_path
     for group in groups:
         name = segs[group[0]].name if v.spec.stages else "main"
-        run = _run(name, group, [segs[i] for i in group], layout, inputs, model, first=not runs)
+        run = _run(name, group, [segs[i] for i in group], layout, inputs, model)
         runs.append(run)
         model = f"{run.output_dir}/model"  # the next stage starts from this one's final model
     return runs
@@ -126,7 +126,7 @@ def _check_spec(spec, where: tuple) -> None:
                           "between syncs on the rollouts of the last sync", "set sync.reuse: false")
 
 
-def _run(name, group, segs, layout: Layout, inputs: Inputs, model: str, first: bool) -> Run:
+def _run(name, group, segs, layout: Layout, inputs: Inputs, model: str) -> Run:
     specs = [s.spec for s in segs]
     where = [tuple(s.origin) for s in segs]
     for spec, w in zip(specs, where):
@@ -144,11 +144,12 @@ def _run(name, group, segs, layout: Layout, inputs: Inputs, model: str, first: b
     for a, spec, w in zip(args, specs, where):
         (_sft_flags if run.trainer == "sft" else _ppo_flags)(a, run, spec, specs, w, layout, inputs, model)
     for a, seg in zip(args[1:], segs[1:]):  # launch flags cannot change between phases of one run
-        if a.argv != args[0].argv:
-            diff = sorted(set(a.argv) ^ set(args[0].argv))
+        first, this = _flag_values(args[0].argv), _flag_values(a.argv)
+        diff = sorted(f for f in set(first) | set(this) if first.get(f) != this.get(f))
+        if diff:
             raise Unsupported(tuple(seg.origin), f"phase '{seg.name}' changes OpenRLHF launch flags "
-                              f"({' '.join(x for x in diff if x.startswith('--')) or ' '.join(diff)}), which are "
-                              "fixed for a run", "keep these settings equal across phases, or use `stages`")
+                              f"({', '.join(diff)}), which are fixed for a run",
+                              "keep these settings equal across phases, or use `stages`")
     run.argv = args[0].argv
     if len(segs) > 1:
         run.via_plugin.append("phases: " + ", ".join(f"{s.name} = steps {s.start}-{s.end}" for s in segs)
@@ -157,6 +158,17 @@ def _run(name, group, segs, layout: Layout, inputs: Inputs, model: str, first: b
     run.via_plugin = list(dict.fromkeys(run.via_plugin))
     run.notes = list(dict.fromkeys(run.notes))
     return run
+
+
+def _flag_values(argv: list[str]) -> dict[str, tuple]:
+    out, flag = {}, None
+    for x in argv:
+        if x.startswith("--"):
+            flag = x
+            out[flag] = ()
+        else:
+            out[flag] += (x,)
+    return out
 
 
 def _common(a: _Args, run: Run, spec, layout: Layout, prefix: str) -> None:
@@ -235,9 +247,24 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
              ema_beta=None, sync=any(s.sync.every > 1 for s in specs), top_k=r.top_k)
 
     # ---- models and GPUs ----
-    n_gpu = layout.nodes * layout.gpus_per_node
+    judges = {s.rollout.guide.judge: inputs.source_paths[s.rollout.guide.judge] for s in specs
+              if s.rollout.guide.kind_name() == "intervention" and inputs.source_paths.get(s.rollout.guide.judge,
+                                                                                             "self") != "self"}
+    p["judges"] = judges  # external judge models: a named vLLM actor each, on a GPU of its own
+    n_gpu = layout.nodes * layout.gpus_per_node - len(judges)
+    if judges and layout.nodes > 1 and layout.colocate:
+        raise Unsupported(("sources", next(iter(judges))), "an external judge takes a GPU of its own, which a "
+                          "colocated multi-node layout has not", "compile with --no-colocate")
+    if n_gpu < 1:
+        raise Unsupported(("sources", next(iter(judges))), "no GPU left for training next to the judge",
+                          "add GPUs")
     tp = r.tensor_parallel_size
-    if layout.colocate:
+    if layout.colocate and judges:
+        if n_gpu % tp:
+            raise Unsupported(("rollout", "tensor_parallel_size"), f"{n_gpu} GPUs (one is the judge's) do not split "
+                              f"into vLLM engines of {tp}")
+        engines, actor_nodes, actor_gpn = n_gpu // tp, 1, n_gpu
+    elif layout.colocate:
         if n_gpu % tp:
             raise Unsupported(("rollout", "tensor_parallel_size"), f"{n_gpu} GPUs do not split into vLLM engines of "
                               f"{tp}", "change --gpus-per-node/--nodes or rollout.tensor_parallel_size")
@@ -269,6 +296,9 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
         a.add("train.colocate_actor_ref")
     run.native.append(f"{actor_nodes}x{actor_gpn} DeepSpeed actor GPU(s), {engines} vLLM engine(s) x TP {tp}"
                       + (", all colocated (sleep mode)" if layout.colocate else ", reference colocated with the actor"))
+    for name, path in judges.items():
+        run.via_plugin.append(f"judge '{name}': {path} served by a named vLLM actor (composer-judge-{name}) on one "
+                              "GPU of its own, started by the entry point; the agent calls it with the judge prompt")
     if r.engine == "hf":
         run.notes.append("rollout.engine hf: OpenRLHF always samples with vLLM")
 
@@ -416,6 +446,15 @@ def _check_guides(specs, where, inputs: Inputs) -> None:
             if judge.kind_name() == "oracle" and not inputs.toy:
                 raise Unsupported(w + ("sources", g.judge), "an oracle judge needs the task's step checker; only the "
                                   "toy testbed has one", "use a policy_model judge")
+            if judge.kind_name() == "policy_model" and not inputs.toy and not judge.template:
+                raise Unsupported(w + ("sources", g.judge, "template"), "a judge on your data needs a prompt template "
+                                  "(only the toy testbed has its own)", "give the source a `template` with {problem}, "
+                                  "{accepted} and {steps}")
+            if judge.kind_name() == "policy_model" and not judge.is_self and judge.weights != "current":
+                raise Unsupported(w + ("sources", g.judge, "weights"), "weights apply to `model: self` only")
+            if judge.kind_name() == "policy_model" and judge.is_self and judge.weights != "current":
+                raise Unsupported(w + ("sources", g.judge, "weights"), "a self judge generates with the rollout "
+                                  "engine, which holds the current weights", "use weights: current")
         elif g.kind_name() not in ("none", "prefix"):
             raise Unsupported(w + ("rollout", "guide"), f"guide kind '{g.kind_name()}' has no OpenRLHF agent")
 

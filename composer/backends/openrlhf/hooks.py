@@ -83,8 +83,11 @@ def load(plan_path: str, run_name: str | None):
 def setup_worker() -> None:
     """Ray's worker_process_setup_hook: install the plan named by COMPOSER_PLAN / COMPOSER_RUN."""
     path = os.environ.get("COMPOSER_PLAN")
-    if path and os.path.exists(path):
-        install(*load(path, os.environ.get("COMPOSER_RUN")))
+    if not path:
+        return
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"COMPOSER_PLAN={path}: not found from {os.getcwd()} (the bundle is the job's working_dir)")
+    install(*load(path, os.environ.get("COMPOSER_RUN")))
 
 
 def install(plan: dict, run: dict, driver: bool = False) -> None:
@@ -109,16 +112,21 @@ def _segments():
     return Segments(_STATE["plan"], _STATE["run"]["segments"])
 
 
-def _task():
-    """The task pieces the teacher prompts read: verifier name, step checker and templates."""
+def task_of(plan: dict, run: dict, spec):
+    """The Lightning backend's Task for this run (toy: templates, step checker, response cap, verifier);
+    for data the verifier only (the rows travel in the labels)."""
     from composer.data import Task
 
-    if _STATE["plan"]["openrlhf"]["toy"]:
-        from components.tasks.toy import TEMPLATES, ToyStepChecker
+    if plan["openrlhf"]["toy"]:
+        from composer.runtime.binding import bind_task
 
-        return Task("toy", [], {}, "toy", ToyStepChecker(), step_split="\n",
-                    templates={k: v for k, v in TEMPLATES.items() if k != "prompt"})
-    return Task("data", [], {}, _STATE["run"]["plugin"].get("verifier") or "math")
+        return bind_task(spec)
+    return Task("data", [], {}, run["plugin"].get("verifier") or "math")
+
+
+@functools.lru_cache(maxsize=1)
+def _task():
+    return task_of(_STATE["plan"], _STATE["run"], _segments().items[0][2])
 
 
 # ------------------------------------------------------------------------------------------- patches
@@ -274,3 +282,26 @@ def _patch_reference_slot(mod) -> None:
         return orig(self, strategy, pretrain, *args, **kwargs)
 
     cls.async_init_model_from_pretrained = async_init_model_from_pretrained
+
+
+def start_judges(judges: dict[str, str]) -> list:
+    """Driver side: one named vLLM actor per external judge model (`composer-judge-<source>`), one GPU each."""
+    import ray
+
+    @ray.remote(num_gpus=1)
+    class JudgeEngine:
+        def __init__(self, path: str):
+            from vllm import LLM
+
+            self.llm = LLM(path, gpu_memory_utilization=0.85, enforce_eager=True)
+
+        def generate_text(self, prompt: str, max_tokens: int) -> str:
+            from vllm import SamplingParams
+
+            out = self.llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+            return out[0].outputs[0].text
+
+    actors = [JudgeEngine.options(name=f"composer-judge-{name}").remote(path) for name, path in judges.items()]
+    ray.get([a.__ray_ready__.remote() for a in actors])
+    return actors
+

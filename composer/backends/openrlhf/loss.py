@@ -62,7 +62,7 @@ def step_of(labels) -> int:
 
 # --------------------------------------------------------------------------------------- advantages
 
-def advantages(term_list, batch: TrajectoryBatch) -> dict[int, "torch.Tensor"]:
+def advantages(term_list, batch: TrajectoryBatch) -> dict[int, torch.Tensor]:
     """Per-row advantage [B] of every term that has one, over the whole step (full groups).
 
     advantage_regression: A = r - V_hat, V_hat = soft_value over the group's baseline rows;

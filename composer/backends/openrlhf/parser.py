@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
-from datetime import datetime
 import importlib.util
 import io
 import os
+from datetime import datetime
 from types import SimpleNamespace
 
 MODULES = {"ppo": "openrlhf.cli.train_ppo_ray", "sft": "openrlhf.cli.train_sft"}

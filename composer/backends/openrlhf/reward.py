@@ -27,7 +27,7 @@ def make_reward_func(verifier: str, tokenizer: str | None = None, threshold: flo
         return specials
 
     def response_of(query: str, prompt: str) -> str:
-        text = query[len(prompt):] if query.startswith(prompt) else query
+        text = query.removeprefix(prompt)
         for t in special_tokens():
             if t:
                 text = text.replace(t, "")
