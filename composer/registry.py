@@ -66,6 +66,12 @@ def register(section: str, plugin: str = "") -> Callable[[type[Component]], type
     def deco(cls: type[Component]) -> type[Component]:
         cls.section = section
         cls.plugin = plugin or ("" if cls.__module__.startswith("components.") else cls.__module__)
+        existing = _REGISTRY[section].get(cls.kind_name())
+        if existing is not None and existing.__qualname__ != cls.__qualname__ and not existing.plugin:
+            # a plugin may add kinds, never silently replace a built-in one
+            PLUGIN_ERRORS.append(f"{cls.plugin or cls.__module__}: kind '{cls.kind_name()}' of {section} is "
+                                 "built in; the plugin's class was not registered (choose another kind name)")
+            return cls
         _REGISTRY[section][cls.kind_name()] = cls
         return cls
 
