@@ -82,12 +82,19 @@ class Phases:
 
     seconds: dict = field(default_factory=dict)
     steps: int = 0
+    profiling: bool = False  # also mark each phase for torch.profiler (see profile_ours)
 
     @contextlib.contextmanager
     def timed(self, name):
+        mark = contextlib.nullcontext()
+        if self.profiling:
+            from torch.profiler import record_function
+
+            mark = record_function(f"phase:{name}")
         t0 = time.perf_counter()
         try:
-            yield
+            with mark:
+                yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
@@ -98,7 +105,8 @@ class Phases:
 class Ours:
     """The composer's step on the Lightning backend's module, driven without the Trainer."""
 
-    def __init__(self, spec_path: str, overrides: list[str], examples, length: int | None, sampler: str):
+    def __init__(self, spec_path: str, overrides: list[str], examples, length: int | None, sampler: str,
+                 compile_model: bool = False):
         import torch
 
         from composer.backends.lightning.module import ComposerModule
@@ -120,6 +128,11 @@ class Ours:
         self.policy = policy
         self.ctx.task.sample_train = cycler(examples)
         self.opt = self.module.configure_optimizers()
+        self.train_model = policy
+        if compile_model:  # a proposed change, measured: inductor fuses the elementwise ops of the forwards
+            self.train_model = torch.compile(policy, dynamic=True)
+            if self.ctx._initial is not None:
+                self.ctx._initial = torch.compile(self.ctx._initial, dynamic=True)
         self.done = 0
         self.phases = Phases()
         self.measuring = False
@@ -206,7 +219,7 @@ class Ours:
             device = next(self.policy.parameters()).device
             batches = [b.to(device) for b in batches]
             with self._phase("loss (policy forward + objective)"):
-                loss, metrics = run_step.loss(ctx, self.policy, batches)
+                loss, metrics = run_step.loss(ctx, self.train_model, batches)
             if not torch.isfinite(loss):
                 raise RuntimeError(f"the loss is not finite at step {self.done}")
             metrics.update(ctx.metrics)
@@ -264,7 +277,6 @@ def trl_grpo(args, spec, model_dir, examples, callback, out):
 
     from components.tasks.verifiers import toy_verifier
     from composer.data import Example
-
     from composer.runtime.models import load_tokenizer
 
     obj, r = spec.objective, spec.rollout
@@ -403,7 +415,7 @@ def run_pair(pair: str, args) -> dict:
     res = {"pair": pair, "trl": TRL_NAME[pair], "rows_per_step": rows, "ours_error": None, "trl_error": None}
     ours = None
     try:
-        ours = Ours(spec_path, ovr, examples, args.length if rollouts else None, args.sampler)
+        ours = Ours(spec_path, ovr, examples, args.length if rollouts else None, args.sampler, args.compile)
         ours.block(1, measure=False)  # fails early if this spec does not run here
     except Exception as e:  # reported, not raised: the TRL side still runs
         res["ours_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -453,7 +465,57 @@ def run_pair(pair: str, args) -> dict:
     if res.get("trl_samples_per_s") and res.get("ours_samples_per_s"):
         res["ratio"] = res["ours_samples_per_s"] / res["trl_samples_per_s"]
         res["round_ratios"] = [t / o for o, t in zip(record["ours"], record["trl"])]
+        res["median_round_ratio"] = statistics.median(res["round_ratios"])
     return res
+
+
+# -------------------------------------------------------------------------------------- profiling
+
+
+def profile_ours(pair: str, args, steps: int = 3) -> str:
+    """Where our step's time goes: per phase, wall time vs time inside ATen ops (the rest is Python,
+    dispatch and module-call overhead, plus the profiler's own per-op cost), and the heaviest ops."""
+    import bisect
+
+    from torch.profiler import ProfilerActivity, profile
+
+    spec_path = str(ROOT / "specs" / SPECS[pair])
+    ovr = overrides_for(pair, args)
+    spec_rollouts = pair != "sft"
+    examples = toy_examples(256, args.seed)
+    ours = Ours(spec_path, ovr, examples, args.length if spec_rollouts else None, args.sampler, args.compile)
+    try:
+        ours.block(args.warmup + 1, measure=False)
+        ours.phases.profiling = True
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            ours.block(steps, measure=True)
+    finally:
+        ours.close()
+    events = prof.events()
+    ops = sorted((e for e in events if e.name.startswith("aten::")), key=lambda e: e.time_range.start)
+    starts = [e.time_range.start for e in ops]
+    prefix = [0.0]
+    for e in ops:
+        prefix.append(prefix[-1] + e.self_cpu_time_total)
+    rows = {}
+    for e in events:
+        if not e.name.startswith("phase:"):
+            continue
+        lo = bisect.bisect_left(starts, e.time_range.start)
+        hi = bisect.bisect_left(starts, e.time_range.end)
+        wall, aten = rows.get(e.name[6:], (0.0, 0.0))
+        rows[e.name[6:]] = (wall + e.time_range.elapsed_us(), aten + prefix[hi] - prefix[lo])
+    lines = [f"{pair} ours under torch.profiler, {steps} steps, sampler {args.sampler}, {args.threads} thread(s); "
+             "ms per step (profiled, so slower than the timed runs):",
+             f"  {'phase':36s} {'wall':>7s} {'in ATen':>8s} {'other':>7s}"]
+    for name, (wall, aten) in sorted(rows.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"  {name:36s} {wall / 1e3 / steps:7.0f} {aten / 1e3 / steps:8.0f} "
+                     f"{(wall - aten) / 1e3 / steps:7.0f}")
+    top = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:8]
+    lines.append("  heaviest ATen ops (self ms per step): " + ", ".join(
+        f"{a.key.removeprefix('aten::')} {a.self_cpu_time_total / 1e3 / steps:.0f} ({a.count // steps}x)"
+        for a in top if a.key.startswith("aten::")))
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------- printing
@@ -461,22 +523,26 @@ def run_pair(pair: str, args) -> dict:
 
 def format_results(results: list[dict], args) -> str:
     lines = [f"throughput on {args.threads} CPU thread(s); model {args.model}; completion length {args.length} "
-             f"(forced); sampler (ours) {args.sampler}; {args.rounds} rounds x {args.steps} steps, "
+             f"(forced); sampler (ours) {args.sampler}{'; ours compiled' if args.compile else ''}; "
+             f"{args.rounds} rounds x {args.steps} steps, "
              f"{args.warmup} warm-up step(s) dropped", "",
              f"{'pair':6s} {'ours vs TRL':26s} {'rows/step':>9s} {'ours samp/s':>12s} {'TRL samp/s':>11s} "
              f"{'ours tok/s':>11s} {'TRL tok/s':>10s} {'ratio':>6s}  per-round ratios"]
+    def f(r, k, d=1):
+        return f"{r[k]:.{d}f}" if r.get(k) is not None else "-"
+
     for r in results:
-        f = lambda k, d=1: (f"{r[k]:.{d}f}" if r.get(k) is not None else "-")  # noqa: E731
         ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else "-"
         rr = " ".join(f"{x:.2f}" for x in r.get("round_ratios", []))
         lines.append(f"{r['pair']:6s} {SPECS[r['pair']] + ' vs ' + r['trl']:26s} {r['rows_per_step']:>9d} "
-                     f"{f('ours_samples_per_s'):>12s} {f('trl_samples_per_s'):>11s} {f('ours_tokens_per_s', 0):>11s} "
-                     f"{f('trl_tokens_per_s', 0):>10s} {ratio:>6s}  {rr}")
+                     f"{f(r, 'ours_samples_per_s'):>12s} {f(r, 'trl_samples_per_s'):>11s} {f(r, 'ours_tokens_per_s', 0):>11s} "
+                     f"{f(r, 'trl_tokens_per_s', 0):>10s} {ratio:>6s}  {rr}")
     lines.append("")
     for r in results:
         if r.get("ratio"):
             verdict = "meets" if r["ratio"] >= TARGET else "below"
-            lines.append(f"{r['pair']}: ours/TRL = {r['ratio']:.2f} ({verdict} the {TARGET}x target)")
+            lines.append(f"{r['pair']}: ours/TRL = {r['ratio']:.2f} over all rounds, median round "
+                         f"{r['median_round_ratio']:.2f} ({verdict} the {TARGET}x target)")
         if r.get("ours_error"):
             lines.append(f"{r['pair']}: ours did not run: {r['ours_error']}")
         if r.get("trl_error"):
@@ -501,16 +567,21 @@ def parse_args(argv):
                    help="Our rollout sampler: engine.hf_generate (hf), composer.runtime.fast_sampler (fast), or "
                         "fast plus behaviour log-probs kept from sampling, so score's forward pass is skipped "
                         "(fast-lp, a proposed engine change).")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile our policy and initial-policy forwards (a proposed change; compiling takes "
+                        "minutes and happens in the untimed warm-up).")
     p.add_argument("--length", type=int, default=32, help="Completion length, forced on both sides.")
     p.add_argument("--prompts", type=int, default=None, help="Prompts per step (default: the spec's).")
     p.add_argument("--group", type=int, default=None, help="Samples per prompt (default: the spec's).")
     p.add_argument("--warmup", type=int, default=1, help="Warm-up steps per side, not timed.")
-    p.add_argument("--steps", type=int, default=2, help="Steps per timed block.")
-    p.add_argument("--rounds", type=int, default=3, help="Timed blocks per side (interleaved).")
+    p.add_argument("--steps", type=int, default=1, help="Steps per timed block.")
+    p.add_argument("--rounds", type=int, default=6, help="Timed blocks per side (interleaved).")
     p.add_argument("--threads", type=int, default=max(1, min(os.cpu_count() or 1, 8)), help="torch CPU threads.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--override", action="append", help="Extra spec override path=value for our side (repeatable).")
     p.add_argument("--json", help="Also write the results as JSON here.")
+    p.add_argument("--profile", action="store_true",
+                   help="Instead of comparing, profile our step for each pair (phase wall time vs ATen time).")
     p.add_argument("--debug", action="store_true", help="Raise TRL errors instead of reporting them.")
     return p.parse_args(argv)
 
@@ -551,6 +622,10 @@ def main(argv=None) -> int:
         paths = ensure_checkpoints()
         args.model = args.model or paths["student"]
         args.teacher = args.teacher or paths["teacher"]
+    if args.profile:
+        for pair in pairs:
+            print(profile_ours(pair, args), flush=True)
+        return 0
     results = []
     for pair in pairs:
         print(f"[bench] {pair}: ours ({SPECS[pair]}, sampler {args.sampler}) vs TRL {TRL_NAME[pair]} ...", flush=True)

@@ -80,3 +80,47 @@ def toy_data(out, seed):
 
     paths = write_jsonl(out, seed=seed)
     click.echo(f"wrote {paths if isinstance(paths, (str, Path)) else ', '.join(map(str, paths))}")
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("specs", nargs=-1)
+@click.option("--seeds", type=int, default=None, help="Seeds per variant (default 2; --quick 1).")
+@click.option("--budget-samples", type=int, default=None, help="Policy-generated samples per run (default 4096).")
+@click.option("--out", type=click.Path(file_okay=False), default=None, help="Output folder (default runs/bench-<time>).")
+@click.option("--sweep", default=None, help="One spec field and its values: rollout.guide.max_reviews=0,1,2,4,8")
+@click.option("--suite", type=click.Choice(["seeds"]), default=None,
+              help="seeds: the nine methods and the studies (coverage, intensity, lag, off-policyness).")
+@click.option("--study", multiple=True, help="With --suite: run only these studies.")
+@click.option("--quick", is_flag=True, help="Tiny budget, one seed: a few minutes.")
+@click.option("--throughput", is_flag=True, help="Samples/s of this backend against TRL's trainers (GRPO, GKD, SFT).")
+def bench(specs, seeds, budget_samples, out, sweep, suite, study, quick, throughput):
+    """Run SPECs (or a suite) on the toy testbed at an equal policy-sample budget; write results.csv,
+    summary.md (mean and 95% interval) and plots."""
+    import time as _time
+
+    from composer import bench as b
+
+    if throughput:
+        from composer.bench_throughput import main as tp_main
+
+        sys.exit(tp_main(list(specs)))
+    cfg = dict(b.QUICK if quick else b.DEFAULTS)
+    if seeds is not None:
+        cfg["seeds"] = seeds
+    if budget_samples is not None:
+        cfg["budget_samples"] = budget_samples
+    if suite:
+        variants = [b.Variant(label, spec, list(ov), study=name) for name, items in b.SUITE.items()
+                    if not study or name in study for label, spec, ov in items]
+    elif specs:
+        variants = b.variants_from(list(specs), sweep)
+    else:
+        raise click.UsageError("give SPEC files, or --suite seeds")
+    folder = Path(out or f"runs/bench-{_time.strftime('%Y%m%d-%H%M%S')}")
+    command = "composer bench " + " ".join(sys.argv[2:])
+    try:
+        b.bench(variants, folder, cfg, command, log=lambda m: click.echo(m, err=True))
+    except SpecError as e:
+        click.echo(str(e), err=True)
+        sys.exit(EXIT_INVALID)
+    click.echo(f"wrote {folder}/results.csv, {folder}/summary.md")

@@ -338,12 +338,41 @@ def apply_overrides(spec: LoadedSpec, overrides: list[str]) -> LoadedSpec:
             raise SpecError([Diagnostic("yaml", f"cannot parse override: {e}".splitlines()[0], (), loc,
                                         "write path.to.field=value; quote values with brackets or spaces, "
                                         "e.g. 'summary=\"a b\"'")]) from None
-        data = deep_merge(data, _inf_floats(conf))
         key = tuple(int(p) if p.isdigit() else p for p in item.split("=", 1)[0].split("."))
+        data = _set_path(data, key, conf) if any(isinstance(k, int) for k in key) else deep_merge(data, _inf_floats(conf))
         for n in range(1, len(key) + 1):  # a misspelt section (`trian.steps=3`) is located at the override too
             if n == len(key) or key[:n] not in positions:
                 positions[key[:n]] = loc
     return LoadedSpec(data, positions, spec.file)
+
+
+def _set_path(data: dict, key: tuple, conf: dict):
+    """Set one override whose path indexes a list (`stages.0.train.steps=5`), merging at the leaf."""
+    value = conf
+    for part in key:  # OmegaConf nests the value under the same parts, list indices as string keys
+        value = value[str(part)] if isinstance(value, dict) and str(part) in value else value.get(part, value)
+    value = _inf_floats(value)
+
+    def put(node, rest):
+        head = rest[0]
+        if isinstance(head, int):
+            if not isinstance(node, list) or not 0 <= head < len(node):
+                raise KeyError(head)
+            node = list(node)
+        else:
+            node = dict(node) if isinstance(node, dict) else {}
+        if len(rest) == 1:
+            node[head] = deep_merge(node[head], value) if isinstance(node, dict) and head in node else value
+        else:
+            node[head] = put(node[head] if (isinstance(node, list) or head in node) else {}, rest[1:])
+        return node
+
+    try:
+        return put(data, key)
+    except (KeyError, TypeError):
+        loc = Location(f"<override {'.'.join(map(str, key))}>", 1, 1)
+        raise SpecError([Diagnostic("yaml", "the override's path indexes a list item that does not exist", key,
+                                    loc, "check the index (lists count from 0)")]) from None
 
 
 def _inf_floats(value):

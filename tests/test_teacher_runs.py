@@ -10,7 +10,8 @@ import pytest
 from composer.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = ["train.steps=2", "train.prompts_per_step=4", "train.eval_samples=4", "train.eval_every=0"]
+SMALL = ["train.steps=2", "train.prompts_per_step=4", "train.eval_samples=2", "train.eval_every=0",
+         "rollout.max_new_tokens=32"]
 
 
 def rows(path: Path) -> list[dict]:

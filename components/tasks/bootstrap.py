@@ -24,10 +24,10 @@ VERSION = "toy-v1"
 STUDENT = dict(layers=4, hidden=128, heads=4, kv_heads=2, intermediate=384)
 TEACHER = dict(layers=6, hidden=192, heads=6, kv_heads=2, intermediate=576)
 # SFT recipes: chain lengths of the plain problems, updates, and the highest tier of copy formats
-STUDENT_SFT = dict(tiers=(1, 2, 3, 4), updates=1100, copy_tiers=(1, 2, 3, 4, 5, 6, 7, 8), seed=1)
-TEACHER_SFT = dict(tiers=(1, 2, 3, 4, 5, 6, 7, 8), updates=1100, copy_tiers=(1, 2, 3, 4, 5, 6, 7, 8), seed=2)
-# the share of each format in a bootstrap batch (the rest is the plain prompt)
-MIX = dict(reference=0.06, sibling=0.04, feedback=0.05, prefix=0.10, judge=0.05)
+STUDENT_SFT = dict(tiers=(1, 2, 3, 4), copy_tiers=(1, 2, 3, 4, 5, 6, 7, 8), seed=1, max_plain=1000, mix_updates=600)
+TEACHER_SFT = dict(tiers=(1, 2, 3, 4, 5, 6, 7, 8), copy_tiers=(1, 2, 3, 4, 5, 6, 7, 8), seed=2, max_plain=1000, mix_updates=600)
+# phase 2 of the SFT: the share of each format in a batch (the rest is plain problems)
+MIX = dict(reference=0.15, sibling=0.10, feedback=0.05, prefix=0.20, judge=0.10)
 EVAL_TIERS = (1, 2, 4, 6, 8)
 
 
@@ -124,42 +124,48 @@ def batch_tensors(pairs, tok):
     return ids, mask, lab
 
 
-def lr_scale(step: int, updates: int, warm: int = 50, decay: float = 0.2) -> float:
-    """Warmup-stable-decay: linear warmup, constant, then linear decay to 10% over the last `decay` share."""
-    start = int(updates * (1 - decay))
-    if step < warm:
-        return (step + 1) / warm
-    return 1.0 if step < start else 1.0 - 0.9 * (step - start) / max(1, updates - start)
+def sft(model, tok, tiers, copy_tiers, seed: int, max_plain: int = 1000, plain_until: float = 0.01,
+        mix_updates: int = 500, mix=None, batch: int = 64, lr: float = 3e-3, warmup: int = 50, log_every: int = 100) -> dict:
+    """Two-phase AdamW SFT; returns {phase: (updates, smoothed loss)}.
 
-
-def sft(model, tok, tiers, copy_tiers, updates: int, seed: int, batch: int = 64, lr: float = 3e-3, mix=None, log_every: int = 100):
-    """Plain AdamW SFT on the bootstrap mix (see lr_scale); returns the final smoothed loss."""
+    Phase 1 trains on plain problems until the smoothed loss falls below `plain_until` (at most
+    `max_plain` updates: the loss plateaus near 1.0 for ~500 updates first). Phase 2 trains
+    `mix_updates` on the mix of formats, the learning rate decaying linearly to 10% over its second half.
+    """
     import torch
     import torch.nn.functional as F
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
     mix = MIX if mix is None else mix
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.1)  # shortens the plateau
     model.train()
-    t0, ema = time.time(), None
-    for step in range(updates):
-        scale = lr_scale(step, updates)
-        for g in opt.param_groups:
-            g["lr"] = lr * scale
-        fmt = pick_format(rng, mix)  # one format per batch: similar lengths, little padding
-        ids, mask, lab = batch_tensors([mix_pair(rng, fmt, tiers, copy_tiers) for _ in range(batch)], tok)
-        logits = model(input_ids=ids).logits  # [B, L, V]; right padding: no mask needed under causal attention
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), lab[:, 1:].reshape(-1), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        ema = loss.item() if ema is None else 0.9 * ema + 0.1 * loss.item()
-        if log_every and (step % log_every == 0 or step == updates - 1):
-            print(f"  step {step:5d}  loss {ema:.4f}  lr {lr * scale:.2e}  {time.time() - t0:6.1f}s", flush=True)
+    t0, ema, step, done, out = time.time(), None, 0, 0, {}
+    for phase, limit in (("plain", max_plain), ("mix", mix_updates)):
+        ema, i = None, -1
+        for i in range(limit):
+            scale = min(1.0, (step + 1) / warmup)
+            if phase == "mix" and i >= limit // 2:
+                scale = 1.0 - 0.9 * (i - limit // 2) / max(1, limit - limit // 2)
+            for g in opt.param_groups:
+                g["lr"] = lr * scale
+            fmt = pick_format(rng, mix) if phase == "mix" else "plain"  # one format per batch: little padding
+            ids, _, lab = batch_tensors([mix_pair(rng, fmt, tiers, copy_tiers) for _ in range(batch)], tok)  # [B, L]
+            logits = model(input_ids=ids).logits  # [B, L, V]; right padding needs no mask under causal attention
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), lab[:, 1:].reshape(-1), ignore_index=-100)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+            step += 1
+            if log_every and step % log_every == 0:
+                print(f"  {phase:5s} step {step:5d}  loss {ema:.4f}  lr {lr * scale:.2e}  {time.time() - t0:6.1f}s", flush=True)
+            if phase == "plain" and i >= warmup and ema < plain_until:
+                break
+        out[phase] = (i + 1, ema)
     model.eval()
-    return ema
+    return out
 
 
 # ---------------------------------------------------------------------------------- evaluation
@@ -224,10 +230,10 @@ def train_model(arch: dict, recipe: dict, tok, name: str):
 
     torch.manual_seed(recipe["seed"])
     model = qwen3(len(tok), tok=tok, **arch)
-    print(f"[bootstrap] {name}: {n_params(model) / 1e6:.2f}M params, {recipe['updates']} updates on tiers {recipe['tiers']}", flush=True)
+    print(f"[bootstrap] {name}: {n_params(model) / 1e6:.2f}M params, plain chains of {recipe['tiers']} steps", flush=True)
     t0 = time.time()
-    sft(model, tok, recipe["tiers"], recipe["copy_tiers"], recipe["updates"], recipe["seed"])
-    print(f"[bootstrap] {name}: trained in {time.time() - t0:.1f}s", flush=True)
+    phases = sft(model, tok, **recipe)
+    print(f"[bootstrap] {name}: trained in {time.time() - t0:.1f}s; (updates, loss) per phase {phases}", flush=True)
     return model
 
 

@@ -1,7 +1,7 @@
 """Cost of guided rollouts: MInTRL chunk reviews with the oracle judge against plain sampling.
 
     .venv/bin/python examples/bench/guided_rollout.py                 # specs/mintrl.yaml, toy testbed
-    .venv/bin/python examples/bench/guided_rollout.py --prompts 8 --repeats 7 --spec specs/int.yaml
+    .venv/bin/python examples/bench/guided_rollout.py --prompts 8 --repeats 7 rollout.guide.chunk_tokens=24
 
 Both sides sample the same prompts with the same engine and score their rollouts (behaviour
 log-probs). The figure is wall time per generated policy token (discarded tokens included),
@@ -26,6 +26,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=4, help="prompts per rollout batch (the spec's samples_per_prompt each)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("overrides", nargs="*", help="spec overrides, e.g. policy.model=/path/to/student")
     args = ap.parse_args(argv)
 
     import torch
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
     from composer.validate import validate_file
 
     torch.set_num_threads(args.threads)
-    spec = validate_file(args.spec).segments[0].spec
+    spec = validate_file(args.spec, args.overrides).segments[0].spec
     task = bind_task(spec)
     tok = load_tokenizer(spec.policy.tokenizer or spec.policy.model or "toy:student")
     policy = load_model(spec.policy.model or "toy:student")

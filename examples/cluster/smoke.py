@@ -34,7 +34,8 @@ def head_running() -> bool:
 
 def run_spec(spec: str, steps: int, out: Path) -> list[tuple[int, dict]]:
     bundle = out / spec
-    sh(sys.executable, "-m", "composer.cli", "compile", ROOT / "specs" / f"{spec}.yaml", f"train.steps={steps}",
+    sh(sys.executable, "-c", "from composer.cli import main; main()", "compile", ROOT / "specs" / f"{spec}.yaml",
+       f"train.steps={steps}",
        "train.eval_every=0", f"train.checkpoint_every={steps * 10}", "--backend", "openrlhf", "--out", bundle,
        "--nodes", 1, "--gpus-per-node", 1, "--cluster-dir", out / "runs", cwd=ROOT)
     log = bundle / "job.log"

@@ -112,6 +112,7 @@ class ComposerModule(L.LightningModule):
             raise NonFiniteError(f"the loss is not finite at step {step} ({float(loss.detach())})")
         metrics.update(ctx.metrics)
         metrics.update(self.start_metrics)
+        metrics.update({f"cost/{k}": float(v) for k, v in ctx.costs.items()})  # cumulative, for compute matching
         metrics["loss"] = float(loss.detach())
         metrics["lr"] = self.optimizers().param_groups[0]["lr"]
         shown = ("reward_mean", "tokens_per_s")

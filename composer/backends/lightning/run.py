@@ -36,8 +36,11 @@ def last_checkpoint(out: Path) -> Path | None:
     return ckpt if ckpt.exists() else None
 
 
-def train(validated, out: Path, resume: bool = False, progress: bool = True, quiet: bool = False) -> dict:
-    """Run a validated spec on the Lightning backend. Returns the final metrics."""
+def train(validated, out: Path, resume: bool = False, progress: bool = True, final_eval=None) -> dict:
+    """Run a validated spec on the Lightning backend. Returns the final metrics.
+
+    `final_eval(ctx, policy)`, when given, runs on the trained policy before the report is written.
+    """
     spec = validated.spec
     quiet_libraries()
     torch.manual_seed(spec.train.seed)
@@ -93,6 +96,8 @@ def train(validated, out: Path, resume: bool = False, progress: bool = True, qui
         raise Interrupted(f"{module.stopped_by}: stopped after step {module.global_step}, checkpoint written; "
                           f"continue with --resume {out}")
     final = dict(module.last_eval)
+    if final_eval is not None:
+        final_eval(module.ctx, module.policy)
     write_report(out, plan, final)
     return final
 

@@ -1,0 +1,255 @@
+"""`composer bench`: methods side by side on the toy testbed at an equal budget of policy samples.
+
+Each (spec, sweep value, seed) is an ordinary run; the bench only chooses its length so that every
+method sees the same number of policy-generated samples, then evaluates the final policy the same
+way for all: greedy pass@1 per tier and unbiased pass@k from sampled answers. The judge's and the
+teacher's inference are reported as separate cost columns, for compute-matched reading.
+
+The default settings below were fixed before any method was compared, and are written into summary.md.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULTS = {
+    "budget_samples": 4096,  # policy-generated samples per run (SFT: demonstrations)
+    "seeds": 2,
+    "eval_samples": 32,  # held-out problems per tier for greedy pass@1
+    "pass_k_n": 16,  # samples per problem for pass@k (k = 1..16)
+    "pass_k_problems": 16,
+    "eval_every": 10,
+}
+QUICK = {"budget_samples": 256, "seeds": 1, "eval_samples": 8, "pass_k_n": 4, "pass_k_problems": 4, "eval_every": 2}
+MIDDLE, HARD = "tier4", "tier8"
+
+SUITE = {  # study -> list of (label, spec, overrides)
+    "methods": [(m, f"specs/{m}.yaml", []) for m in
+                ("sft", "grpo", "opd", "opsd", "sdpo", "pope", "int", "oapl", "mintrl")],
+    "coverage": [("grpo", "specs/grpo.yaml", []), ("mintrl", "specs/mintrl.yaml", []),
+                 ("int", "specs/int.yaml", []), ("pope", "specs/pope.yaml", [])],
+    "intensity": [(f"mintrl max_reviews={r}", "specs/mintrl.yaml", [f"rollout.guide.max_reviews={r}"])
+                  for r in (0, 1, 2, 4, 8)],
+    "lag": [(f"{m} sync.every={L}", f"specs/{m}.yaml", [f"sync.every={L}", "sync.off_policy_ok=true"])
+            for m in ("oapl", "grpo") for L in (1, 10, 50, 100)],
+    "off_policyness": [(m, f"specs/{m}.yaml", []) for m in ("sft", "opd", "opsd", "grpo")],
+}
+
+
+@dataclass
+class Variant:
+    label: str
+    spec: str
+    overrides: list[str] = field(default_factory=list)
+    study: str = ""
+    sweep: tuple[str, str] | None = None  # (field, value) when the variant comes from --sweep
+
+
+def variants_from(specs: list[str], sweep: str | None) -> list[Variant]:
+    out = []
+    for spec in specs:
+        name = Path(spec).stem
+        if not sweep:
+            out.append(Variant(name, spec))
+            continue
+        key, values = sweep.split("=", 1)
+        for v in values.split(","):
+            out.append(Variant(f"{name} {key}={v}", spec, [f"{key}={v}"], sweep=(key, v)))
+    return out
+
+
+def samples_per_step(seg) -> int:
+    """Policy samples a step of this segment consumes (demonstrations for a no-rollout SFT step)."""
+    spec = seg.spec
+    from composer.runtime.step import terms
+
+    if all(getattr(sig, "makes_batch", False) for _n, sig, _o, _w in terms(spec)):
+        return spec.train.prompts_per_step
+    return spec.train.prompts_per_step * spec.rollout.samples_per_prompt
+
+
+def budget_overrides(variant: Variant, budget: int) -> list[str]:
+    """Scale train.steps (and stage steps and phase boundaries alike) so the run uses `budget` samples."""
+    from composer.validate import validate_file
+
+    v = validate_file(variant.spec, variant.overrides)
+    used = sum((s.end - s.start) * samples_per_step(s) for s in v.segments)
+    factor = budget / max(used, 1)
+    out = []
+    if v.spec.stages:
+        for i, seg in enumerate(v.segments):
+            out.append(f"stages.{i}.train.steps={max(1, round((seg.end - seg.start) * factor))}")
+    else:
+        steps = max(1, round(v.spec.train.steps * factor))
+        out.append(f"train.steps={steps}")
+        for i, ph in enumerate(v.spec.phases):
+            out.append(f"phases.{i}.until={max(1, round(ph.until * factor))}")
+    return out
+
+
+def run_one(variant: Variant, seed: int, out: Path, cfg: dict) -> dict:
+    from composer.backends.lightning.run import train
+    from composer.runtime.evaluate import pass_at_k
+    from composer.validate import validate_file
+
+    overrides = variant.overrides + budget_overrides(variant, cfg["budget_samples"]) + [
+        f"train.seed={seed}", f"train.eval_samples={cfg['eval_samples']}", f"train.eval_every={cfg['eval_every']}"]
+    v = validate_file(variant.spec, overrides)
+    extra = {}
+
+    def final_eval(ctx, policy):
+        for tier in (MIDDLE, HARD):
+            exs = ctx.task.eval.get(tier, [])[: cfg["pass_k_problems"]]
+            for k, val in pass_at_k(ctx, policy, exs, n=cfg["pass_k_n"]).items():
+                extra[f"pass@{k}/{tier}"] = val
+
+    t0 = time.perf_counter()
+    final = train(v, out, progress=False, final_eval=final_eval)
+    wall = time.perf_counter() - t0
+    rows = _read(out / "metrics.csv")
+    last = rows[-1] if rows else {}
+
+    def mean(key):
+        vals = [float(r[key]) for r in rows if r.get(key) not in (None, "")]
+        return statistics.fmean(vals) if vals else float("nan")
+
+    result = {"label": variant.label, "study": variant.study, "spec": variant.spec, "seed": seed,
+              "sweep_field": variant.sweep[0] if variant.sweep else "", "sweep_value": variant.sweep[1] if variant.sweep else "",
+              "steps": v.total_steps, "policy_samples": sum((s.end - s.start) * samples_per_step(s) for s in v.segments),
+              "wall_s": round(wall, 1),
+              "policy_tokens": float(last.get("cost/policy_tokens") or 0),
+              "judge_tokens": float(last.get("cost/judge_tokens") or 0),
+              "teacher_tokens": float(last.get("cost/teacher_tokens") or 0),
+              "reward_mean": mean("reward_mean"), "zero_advantage_frac": mean("zero_advantage_frac"),
+              "offpolicy_token_frac": mean("offpolicy_token_frac"),
+              "entropy_first": float(rows[0]["entropy"]) if rows else float("nan"),
+              "entropy_last": float(last.get("entropy") or "nan"), "run": str(out)}
+    result.update(final)
+    result.update(extra)
+    return result
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def ci95(values: list[float]) -> tuple[float, float]:
+    """Mean and half-width of a normal-approximation 95% interval (0 with one seed)."""
+    vals = [v for v in values if not math.isnan(v)]
+    if not vals:
+        return float("nan"), float("nan")
+    m = statistics.fmean(vals)
+    if len(vals) < 2:
+        return m, 0.0
+    return m, 1.96 * statistics.stdev(vals) / math.sqrt(len(vals))
+
+
+def write_outputs(results: list[dict], out: Path, cfg: dict, command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    keys = sorted({k for r in results for k in r}, key=lambda k: (k not in ("study", "label", "seed"), k))
+    with (out / "results.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(results)
+    cols = [f"pass@1/{MIDDLE}", f"pass@1/{HARD}", f"pass@16/{HARD}", "zero_advantage_frac",
+            "offpolicy_token_frac", "entropy_last", "judge_tokens", "teacher_tokens", "wall_s"]
+    lines = [f"# Bench ({time.strftime('%Y-%m-%d')})", "", f"Command: `{command}`", "",
+             "Settings (fixed before comparing methods): " + ", ".join(f"{k}={v}" for k, v in cfg.items()) +
+             ". Toy testbed: mod-10 arithmetic chains; greedy pass@1 on held-out problems per tier; pass@k unbiased "
+             f"from {cfg['pass_k_n']} samples at temperature 1. Mean ± 95% interval over seeds.", ""]
+    studies = sorted({r["study"] for r in results})
+    for study in studies:
+        rs = [r for r in results if r["study"] == study]
+        lines += [f"## {study or 'runs'}", "", "| variant | " + " | ".join(cols) + " |",
+                  "| --- |" + " --- |" * len(cols)]
+        for label in dict.fromkeys(r["label"] for r in rs):
+            cells = []
+            for c in cols:
+                m, h = ci95([float(r.get(c, "nan")) for r in rs if r["label"] == label])
+                cells.append(f"{m:.3f} ± {h:.3f}" if c not in ("judge_tokens", "teacher_tokens", "wall_s")
+                             else f"{m:.0f}")
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["Plots: " + ", ".join(p.name for p in plots(results, out)), ""]
+    (out / "summary.md").write_text("\n".join(lines))
+
+
+def plots(results: list[dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    for study in sorted({r["study"] for r in results}):
+        rs = [r for r in results if r["study"] == study]
+        tag = study or "runs"
+        fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
+        for label in dict.fromkeys(r["label"] for r in rs):
+            runs = [r for r in rs if r["label"] == label]
+            r0 = runs[0]
+            per_step = r0["policy_samples"] / max(r0["steps"], 1)
+            for ax, tier in ((axes[0], HARD), (axes[1], MIDDLE)):
+                xs, ys = _curve([_read(Path(r["run"]) / "metrics.csv") for r in runs], f"pass@1/{tier}")
+                ax.plot([x * per_step for x in xs], ys, marker=".", label=label)
+            ks = sorted({int(k.split("@")[1].split("/")[0]) for k in r0 if k.startswith("pass@") and k.endswith(HARD)})
+            axes[2].plot(ks, [statistics.fmean(float(r[f"pass@{k}/{HARD}"]) for r in runs) for k in ks],
+                         marker="o", label=label)
+            xs, ys = _curve([_read(Path(r["run"]) / "metrics.csv") for r in runs], "entropy")
+            axes[3].plot(xs, ys, label=label)
+        axes[0].set(title=f"hard ({HARD}) pass@1", xlabel="policy samples")
+        axes[1].set(title=f"middle ({MIDDLE}) pass@1", xlabel="policy samples")
+        axes[2].set(title=f"pass@k ({HARD})", xlabel="k", xscale="log")
+        axes[3].set(title="entropy", xlabel="step")
+        axes[3].legend(fontsize=6)
+        fig.tight_layout()
+        path = out / f"{tag}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        made.append(path)
+        sweep = [r for r in rs if r.get("sweep_field")]
+        if sweep:
+            fig, ax = plt.subplots(figsize=(5, 3.5))
+            vals = list(dict.fromkeys(r["sweep_value"] for r in sweep))
+            for tier in (MIDDLE, HARD):
+                ax.plot(vals, [statistics.fmean(float(r[f"pass@1/{tier}"]) for r in sweep if r["sweep_value"] == v)
+                               for v in vals], marker="o", label=tier)
+            ax.set(xlabel=sweep[0]["sweep_field"], ylabel="final pass@1")
+            ax.legend()
+            fig.tight_layout()
+            path = out / f"{tag}-sweep.png"
+            fig.savefig(path, dpi=90)
+            plt.close(fig)
+            made.append(path)
+    return made
+
+
+def _curve(runs: list[list[dict]], key: str) -> tuple[list[float], list[float]]:
+    """Mean over seeds of a metric against step (steps where every seed has it)."""
+    per = [{int(r["step"]): float(r[key]) for r in rows if r.get(key) not in (None, "")} for rows in runs]
+    steps = sorted(set.intersection(*[set(p) for p in per])) if per else []
+    return steps, [statistics.fmean(p[s] for p in per) for s in steps]
+
+
+def bench(variants: list[Variant], out: Path, cfg: dict, command: str, log=print) -> list[dict]:
+    results = []
+    for v in variants:
+        for seed in range(cfg["seeds"]):
+            name = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{v.study}-{v.label}").strip("-_")
+            log(f"[bench] {v.label} seed {seed} ...")
+            r = run_one(v, seed, out / "runs" / name / f"seed{seed}", cfg)
+            results.append(r)
+            log(f"[bench] {v.label} seed {seed}: pass@1 {MIDDLE} {r.get('pass@1/' + MIDDLE, float('nan')):.3f}, "
+                f"{HARD} {r.get('pass@1/' + HARD, float('nan')):.3f} ({r['wall_s']} s)")
+            write_outputs(results, out, cfg, command)
+            (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    return results
