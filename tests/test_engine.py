@@ -45,7 +45,7 @@ def short_run(tiny, tmp_path, steps, every, extra=()):
         f"policy.model={tiny}", f"train.steps={steps}", f"sync.every={every}", "train.prompts_per_step=2",
         "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8", "train.eval_every=0", "train.eval_samples=2",
         "train.checkpoint_every=100", *extra])
-    return train(v, tmp_path / "run", progress=False, quiet=True)
+    return train(v, tmp_path / "run", progress=False)
 
 
 # ------------------------------------------------------------------------ a fake engine in a real run

@@ -26,7 +26,7 @@ def last_metrics(out: Path) -> dict[str, float]:
 
 def run(path: Path, tmp_path: Path, overrides=SMALL) -> dict[str, float]:
     v = validate_file(path, list(overrides))
-    final = train(v, tmp_path / "run", progress=False, quiet=True)
+    final = train(v, tmp_path / "run", progress=False)
     assert final and all(0 <= x <= 1 for x in final.values())
     with open(tmp_path / "run" / "metrics.csv") as f:
         steps = [r for r in csv.DictReader(f) if r.get("loss")]

@@ -1,11 +1,14 @@
-"""Bootstrap the toy testbed's checkpoints: a char tokenizer, an SFT'd student and a larger teacher.
+"""Bootstrap the toy testbed's checkpoints: a char tokenizer, an SFT'd student and a deeper teacher.
 
     ensure_checkpoints() -> {"tokenizer": dir, "student": dir, "teacher": dir}
 
-Built once into $COMPOSER_CACHE/toy-v1 (default ~/.cache/composer/toy-v1), under a file lock, each
-directory written to a temp name and renamed, so concurrent processes are safe. The student learns
-chains of 1-4 steps (fails on long ones); the teacher, wider and deeper, learns chains of 1-8.
-Both also see the privileged-context formats of components.tasks.toy.TEMPLATES.
+Built once into $COMPOSER_CACHE/toy-v2 (default ~/.cache/composer/toy-v2), under a file lock, each
+directory written to a temp name and renamed, so concurrent processes are safe.
+
+The student (4 layers) learns chains of 1-4 steps and fails on long ones. The teacher is the
+student grown to 6 layers (the new layers start as the identity) and trained on chains of 1-8:
+learning from scratch on 1-8 plateaus for far longer, growing costs ~100 updates. Both see the
+privileged-context formats of components.tasks.toy.TEMPLATES in a second SFT phase.
 """
 
 from __future__ import annotations
@@ -20,19 +23,20 @@ from typing import Optional
 from components.tasks import toy
 from components.tasks.tokenizer import build_char_tokenizer, char_tokenizer, other_vocab_tokenizer
 
-VERSION = "toy-v1"
+VERSION = "toy-v2"  # bump when the recipe changes: old caches are then ignored
 STUDENT = dict(layers=4, hidden=128, heads=4, kv_heads=2, intermediate=384)
-TEACHER = dict(layers=6, hidden=192, heads=6, kv_heads=2, intermediate=576)
-# SFT recipes: chain lengths of the plain problems, updates, and the highest tier of copy formats
-STUDENT_SFT = dict(tiers=(1, 2, 3, 4), copy_tiers=(1, 2, 3, 4, 5, 6, 7, 8), seed=1, max_plain=1000, mix_updates=600)
-TEACHER_SFT = dict(tiers=(1, 2, 3, 4, 5, 6, 7, 8), copy_tiers=(1, 2, 3, 4, 5, 6, 7, 8), seed=2, max_plain=1000, mix_updates=600)
+TEACHER = dict(STUDENT, layers=6)
+# SFT recipes (see sft): tiers of the plain problems, tiers of the copy formats (reference, sibling, prefix)
+STUDENT_SFT = dict(tiers=(1, 2, 3, 4), copy_tiers=(1, 2, 3, 4, 5, 6, 7, 8), seed=1, max_plain=1200, mix_updates=600)
+TEACHER_SFT = dict(tiers=(1, 2, 3, 4, 5, 6, 7, 8), copy_tiers=(1, 2, 3, 4, 5, 6, 7, 8), seed=2, max_plain=600,
+                   mix_updates=300, batch=32, warmup=20)
 # phase 2 of the SFT: the share of each format in a batch (the rest is plain problems)
 MIX = dict(reference=0.15, sibling=0.10, feedback=0.05, prefix=0.20, judge=0.10)
 EVAL_TIERS = (1, 2, 4, 6, 8)
 
 
 def cache_folder(cache_dir: Optional[str] = None) -> str:
-    """The versioned cache folder: `cache_dir` as given, else $COMPOSER_CACHE/toy-v1, else ~/.cache/composer/toy-v1."""
+    """The versioned cache folder: `cache_dir` as given, else $COMPOSER_CACHE/toy-v2, else ~/.cache/composer/toy-v2."""
     if cache_dir:
         return cache_dir
     root = os.environ.get("COMPOSER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "composer")
@@ -204,11 +208,11 @@ def evaluate_greedy(model_dir, tier: int, n: int, tokenizer=None, template: str 
     return sum(toy_verifier(o, e).reward for o, e in zip(outs, exs)) / len(exs)
 
 
-def pass_table(models: dict, tok, tiers=EVAL_TIERS, n: int = 64) -> str:
+def pass_table(models: dict, tok, tiers=EVAL_TIERS, n: int = 64, template: str = "prompt") -> str:
     """A text table of greedy pass@1 per tier for {name: model}."""
     rows = ["model    " + "".join(f"  tier{t:<2d}" for t in tiers)]
     for name, model in models.items():
-        rows.append(f"{name:8s} " + "".join(f"  {evaluate_greedy(model, t, n, tok):6.3f}" for t in tiers))
+        rows.append(f"{name:8s} " + "".join(f"  {evaluate_greedy(model, t, n, tok, template):6.3f}" for t in tiers))
     return "\n".join(rows)
 
 
@@ -224,12 +228,26 @@ def _save(model, tok, out_dir: str) -> None:
     os.rename(tmp, out_dir)
 
 
-def train_model(arch: dict, recipe: dict, tok, name: str):
-    """Build and SFT one model; prints its size and time."""
+def grow(model, layers: int, tok):
+    """A deeper copy of `model`: its layers first, then new ones whose output projections are zero (identity)."""
     import torch
 
+    cfg = model.config
+    big = qwen3(cfg.vocab_size, layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, tok)
+    big.load_state_dict(model.state_dict(), strict=False)  # the new layers' weights are missing: keep their init
+    for layer in big.model.layers[cfg.num_hidden_layers :]:
+        torch.nn.init.zeros_(layer.self_attn.o_proj.weight)
+        torch.nn.init.zeros_(layer.mlp.down_proj.weight)
+    return big
+
+
+def train_model(name: str, tok, init=None):
+    """Build (from scratch, or grown from `init`) and SFT the student or the teacher; prints size and time."""
+    import torch
+
+    arch, recipe = (STUDENT, STUDENT_SFT) if name == "student" else (TEACHER, TEACHER_SFT)
     torch.manual_seed(recipe["seed"])
-    model = qwen3(len(tok), tok=tok, **arch)
+    model = qwen3(len(tok), tok=tok, **arch) if init is None else grow(init, arch["layers"], tok)
     print(f"[bootstrap] {name}: {n_params(model) / 1e6:.2f}M params, plain chains of {recipe['tiers']} steps", flush=True)
     t0 = time.time()
     phases = sft(model, tok, **recipe)
@@ -252,24 +270,29 @@ def ensure_checkpoints(cache_dir: Optional[str] = None) -> dict:
         if all(os.path.isdir(p) for p in paths.values()):
             return paths
         import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        threads = torch.get_num_threads()
         torch.set_num_threads(2)
         t_start = time.time()
         if not os.path.isdir(paths["tokenizer"]):
             tmp = f"{paths['tokenizer']}.tmp-{os.getpid()}"
             build_char_tokenizer(tmp)
             os.rename(tmp, paths["tokenizer"])
-        from transformers import AutoTokenizer
-
         tok = AutoTokenizer.from_pretrained(paths["tokenizer"])
         models = {}
-        for name, arch, recipe in (("student", STUDENT, STUDENT_SFT), ("teacher", TEACHER, TEACHER_SFT)):
-            if not os.path.isdir(paths[name]):
-                models[name] = train_model(arch, recipe, tok, name)
-                _save(models[name], tok, paths[name])
-        if models:
-            print(f"[bootstrap] total {time.time() - t_start:.1f}s; greedy pass@1 (64 eval problems per tier):", flush=True)
-            print(pass_table(models, tok), flush=True)
+        if not os.path.isdir(paths["student"]):
+            models["student"] = train_model("student", tok)
+            _save(models["student"], tok, paths["student"])
+        if not os.path.isdir(paths["teacher"]):
+            student = models.get("student") or AutoModelForCausalLM.from_pretrained(paths["student"])
+            models["teacher"] = train_model("teacher", tok, init=student)
+            _save(models["teacher"], tok, paths["teacher"])
+        print(f"[bootstrap] total {time.time() - t_start:.1f}s; greedy pass@1 (64 eval problems per tier):", flush=True)
+        print(pass_table(models, tok), flush=True)
+        print("with the reference solution in the prompt (template 'reference'):", flush=True)
+        print(pass_table(models, tok, template="reference"), flush=True)
+        torch.set_num_threads(threads)
     return paths
 
 

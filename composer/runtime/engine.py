@@ -60,6 +60,7 @@ class HFEngine:
         # The engine is built in LightningModule.setup, before the Trainer moves the policy to its
         # device; the rollout copy follows the policy's device (never its weights) when it samples.
         self._policy = policy
+        self._sampled: dict[tuple, tuple] = {}  # prompt + response -> (prompt length, log-probs, temperature)
 
     @property
     def device(self):
@@ -79,13 +80,33 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling) -> list[Generation]:
+        from composer.runtime.fast_sampler import fast_generate_with_logprobs
+
         self._follow_device()
-        out = hf_generate(self.model, self.tok, prompts, max_new_tokens, sampling, self.batch_size)
+        out, logprobs = fast_generate_with_logprobs(self.model, self.tok, prompts, max_new_tokens, sampling,
+                                                    self.batch_size)
+        if logprobs is not None and not sampling.greedy:
+            # the sampler's own log-probs of what it sampled: score() then needs no second forward pass
+            for p, g, lp in zip(prompts, out, logprobs):
+                self._sampled[tuple(p) + tuple(g.tokens)] = (len(p), lp, sampling.temperature)
         self.generated_tokens += sum(len(g.tokens) for g in out)
         return out
 
     @torch.no_grad()
     def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """Log-prob of every response token of every sequence under the rollout weights.
+
+        Sequences the engine sampled itself reuse the sampler's log-probs (prompt positions hold 0);
+        anything with tokens from elsewhere (a guide's) is scored in one forward pass.
+        """
+        recorded = [self._sampled.get(tuple(s)) for s in sequences]
+        self._sampled = {}
+        if all(r is not None and r[2] == temperature for r in recorded):
+            return [[0.0] * n + list(lp) for n, lp, _t in recorded]
+        return self.forward_logprobs(sequences, temperature)
+
+    @torch.no_grad()
+    def forward_logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
         """Log-prob of every token of every sequence under the rollout weights (0 for the first)."""
         self._follow_device()
         out = []
