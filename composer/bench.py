@@ -27,7 +27,7 @@ DEFAULTS = {
     "eval_every": 10,
 }
 QUICK = {"budget_samples": 256, "seeds": 1, "eval_samples": 8, "pass_k_n": 4, "pass_k_problems": 4, "eval_every": 2}
-MIDDLE, HARD = "tier4", "tier8"
+MIDDLE, HARD = "tier6", "tier8"  # the student solves tiers 1-4 at the start (bootstrap), so 6 is the middle
 
 SUITE = {  # study -> list of (label, spec, overrides)
     "methods": [(m, f"specs/{m}.yaml", []) for m in

@@ -34,7 +34,7 @@ def test_bench_writes_results_summary_and_plots(tmp_path):
     results = b.bench(variants, tmp_path / "out", cfg, "test", log=lambda m: None)
     assert [r["policy_samples"] for r in results] == [8, 8]
     rows = list(csv.DictReader((tmp_path / "out" / "results.csv").open()))
-    assert len(rows) == 2 and {"pass@1/tier4", "pass@2/tier8", "judge_tokens"} <= set(rows[0])
+    assert len(rows) == 2 and {"pass@1/tier6", "pass@2/tier8", "judge_tokens"} <= set(rows[0])
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "budget_samples=8" in summary and "oapl every=2" in summary
     assert (tmp_path / "out" / "lag.png").exists() and (tmp_path / "out" / "lag-sweep.png").exists()

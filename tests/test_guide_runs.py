@@ -12,7 +12,8 @@ from composer.backends.lightning.run import train
 from composer.validate import validate_file
 
 SPECS = Path(__file__).resolve().parents[1] / "specs"
-SMALL = ["train.steps=2", "train.prompts_per_step=2", "train.eval_samples=4", "train.eval_every=0"]
+SMALL = ["train.steps=2", "train.prompts_per_step=2", "train.eval_samples=4", "train.eval_every=0",
+         "data.tiers=[1,4]", "data.train_tiers=[4]"]  # short chains: responses of at most 35 tokens
 
 
 def last_metrics(out: Path) -> dict[str, float]:

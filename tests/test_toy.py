@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from composer.data import Example, Task
 from components.tasks import toy
 from components.tasks.verifiers import exact_verifier, math_verifier, toy_verifier
+from composer.data import Example, Task
 
 
 def ex(answer, **kw):
@@ -60,10 +60,12 @@ def test_toy_task_fields():
 def test_write_jsonl(tmp_path):
     paths = toy.write_jsonl(str(tmp_path), {"tiers": (1, 8), "eval_per_tier": 5, "train_per_tier": 3})
     assert set(paths) == {"train", "eval_1", "eval_8"}
-    rows = [json.loads(line) for line in open(paths["eval_8"])]
+    with open(paths["eval_8"]) as f:
+        rows = [json.loads(line) for line in f]
     assert len(rows) == 5 and set(rows[0]) == {"prompt", "problem", "answer", "solution", "tier"}
     assert rows[0]["prompt"] == f"Q:{rows[0]['problem']}\nA:" and rows[0]["solution"].endswith("#" + rows[0]["answer"])
-    assert len(open(paths["train"]).readlines()) == 9
+    with open(paths["train"]) as f:
+        assert len(f.readlines()) == 9
 
 
 def test_templates_and_judge_helpers():

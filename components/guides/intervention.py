@@ -272,12 +272,9 @@ def sft_targets_from_guided(ctx, batch, filter_samples: int):
     from composer.runtime.trajectory import Row, assemble
 
     inter = batch.origin == CODE["guide_intervention"]  # [B, T]
-    T = batch.tokens.shape[1]
-    cands = []  # (row index, cut)
-    for i in range(batch.size):
-        if batch.guided is not None and bool(batch.guided[i]) and bool(inter[i].any()):
-            cut = T - int(torch.flip(inter[i], dims=[0]).to(torch.long).argmax())  # one past the last intervention
-            cands.append((i, cut))
+    guided = batch.guided if batch.guided is not None else torch.zeros(batch.size, dtype=torch.bool)  # [B]
+    cands = [(i, int(inter[i].nonzero().max()) + 1)  # (row, one past its last intervention token)
+             for i in range(batch.size) if bool(guided[i]) and bool(inter[i].any())]
     if cands and filter_samples > 0:
         prompts = [batch.tokens[i, :cut].tolist() for i, cut in cands for _ in range(filter_samples)]
         plens = [int((batch.origin[i] == CODE["prompt"]).sum()) for i, _ in cands]
@@ -292,7 +289,7 @@ def sft_targets_from_guided(ctx, batch, filter_samples: int):
             exs.append(batch.examples[i])
         ok = successes(ctx, exs, texts)
         cands = [c for k, c in enumerate(cands) if any(ok[k * filter_samples: (k + 1) * filter_samples])]
-    ctx.log(sft_kept=len(cands), sft_candidates=int(batch.guided.sum()) if batch.guided is not None else 0)
+    ctx.log(sft_kept=len(cands), sft_candidates=int(guided.sum()))
     empty = not cands
     if empty:  # zero loss without crashing: prompt-only rows, weight 0
         cands = [(i, int((batch.origin[i] == CODE["prompt"]).sum())) for i in range(min(batch.size, 1))]

@@ -18,24 +18,36 @@ import os
 import random
 import shutil
 import time
-from typing import Optional
 
 from components.tasks import toy
 from components.tasks.tokenizer import build_char_tokenizer, char_tokenizer, other_vocab_tokenizer
 
 VERSION = "toy-v2"  # bump when the recipe changes: old caches are then ignored
-STUDENT = dict(layers=4, hidden=128, heads=4, kv_heads=2, intermediate=384)
-TEACHER = dict(STUDENT, layers=6)
+STUDENT = {"layers": 4, "hidden": 128, "heads": 4, "kv_heads": 2, "intermediate": 384}
+TEACHER = {**STUDENT, "layers": 6}
 # SFT recipes (see sft): tiers of the plain problems, tiers of the copy formats (reference, sibling, prefix)
-STUDENT_SFT = dict(tiers=(1, 2, 3, 4), copy_tiers=(1, 2, 3, 4, 5, 6, 7, 8), seed=1, max_plain=1200, mix_updates=600)
-TEACHER_SFT = dict(tiers=(1, 2, 3, 4, 5, 6, 7, 8), copy_tiers=(1, 2, 3, 4, 5, 6, 7, 8), seed=2, max_plain=600,
-                   mix_updates=300, batch=32, warmup=20)
+STUDENT_SFT = {
+    "tiers": (1, 2, 3, 4),
+    "copy_tiers": (1, 2, 3, 4, 5, 6, 7, 8),
+    "seed": 1,
+    "max_plain": 1200,
+    "mix_updates": 600,
+}
+TEACHER_SFT = {
+    "tiers": (1, 2, 3, 4, 5, 6, 7, 8),
+    "copy_tiers": (1, 2, 3, 4, 5, 6, 7, 8),
+    "seed": 2,
+    "max_plain": 600,
+    "mix_updates": 300,
+    "batch": 32,
+    "warmup": 20,
+}
 # phase 2 of the SFT: the share of each format in a batch (the rest is plain problems)
-MIX = dict(reference=0.15, sibling=0.10, feedback=0.05, prefix=0.20, judge=0.10)
+MIX = {"reference": 0.15, "sibling": 0.10, "feedback": 0.05, "prefix": 0.20, "judge": 0.10}
 EVAL_TIERS = (1, 2, 4, 6, 8)
 
 
-def cache_folder(cache_dir: Optional[str] = None) -> str:
+def cache_folder(cache_dir: str | None = None) -> str:
     """The versioned cache folder: `cache_dir` as given, else $COMPOSER_CACHE/toy-v2, else ~/.cache/composer/toy-v2."""
     if cache_dir:
         return cache_dir
@@ -49,10 +61,19 @@ def qwen3(vocab_size: int, layers: int, hidden: int, heads: int, kv_heads: int, 
 
     tok = tok or char_tokenizer()
     cfg = Qwen3Config(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
-        max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
     )
     model = Qwen3ForCausalLM(cfg)
     model.generation_config.pad_token_id = tok.pad_token_id
@@ -128,8 +149,21 @@ def batch_tensors(pairs, tok):
     return ids, mask, lab
 
 
-def sft(model, tok, tiers, copy_tiers, seed: int, max_plain: int = 1000, plain_until: float = 0.01,
-        mix_updates: int = 500, mix=None, batch: int = 64, lr: float = 3e-3, warmup: int = 50, log_every: int = 100) -> dict:
+def sft(
+    model,
+    tok,
+    tiers,
+    copy_tiers,
+    seed: int,
+    max_plain: int = 1000,
+    plain_until: float = 0.01,
+    mix_updates: int = 500,
+    mix=None,
+    batch: int = 64,
+    lr: float = 3e-3,
+    warmup: int = 50,
+    log_every: int = 100,
+) -> dict:
     """Two-phase AdamW SFT; returns {phase: (updates, smoothed loss)}.
 
     Phase 1 trains on plain problems until the smoothed loss falls below `plain_until` (at most
@@ -144,7 +178,7 @@ def sft(model, tok, tiers, copy_tiers, seed: int, max_plain: int = 1000, plain_u
     mix = MIX if mix is None else mix
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.1)  # shortens the plateau
     model.train()
-    t0, ema, step, done, out = time.time(), None, 0, 0, {}
+    t0, ema, step, _done, out = time.time(), None, 0, 0, {}
     for phase, limit in (("plain", max_plain), ("mix", mix_updates)):
         ema, i = None, -1
         for i in range(limit):
@@ -156,7 +190,9 @@ def sft(model, tok, tiers, copy_tiers, seed: int, max_plain: int = 1000, plain_u
             fmt = pick_format(rng, mix) if phase == "mix" else "plain"  # one format per batch: little padding
             ids, _, lab = batch_tensors([mix_pair(rng, fmt, tiers, copy_tiers) for _ in range(batch)], tok)  # [B, L]
             logits = model(input_ids=ids).logits  # [B, L, V]; right padding needs no mask under causal attention
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), lab[:, 1:].reshape(-1), ignore_index=-100)
+            loss = F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.size(-1)), lab[:, 1:].reshape(-1), ignore_index=-100
+            )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -164,7 +200,10 @@ def sft(model, tok, tiers, copy_tiers, seed: int, max_plain: int = 1000, plain_u
             ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
             step += 1
             if log_every and step % log_every == 0:
-                print(f"  {phase:5s} step {step:5d}  loss {ema:.4f}  lr {lr * scale:.2e}  {time.time() - t0:6.1f}s", flush=True)
+                print(
+                    f"  {phase:5s} step {step:5d}  loss {ema:.4f}  lr {lr * scale:.2e}  {time.time() - t0:6.1f}s",
+                    flush=True,
+                )
             if phase == "plain" and i >= warmup and ema < plain_until:
                 break
         out[phase] = (i + 1, ema)
@@ -184,8 +223,13 @@ def generate_greedy(model, tok, prompts: list[str], max_new_tokens: int, batch: 
     for i in range(0, len(prompts), batch):
         enc = tok(prompts[i : i + batch], return_tensors="pt", padding=True)  # [B, L]
         with torch.no_grad():
-            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # [B, L + new]
+            gen = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+            )  # [B, L + new]
         out += tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     return out
 
@@ -233,7 +277,15 @@ def grow(model, layers: int, tok):
     import torch
 
     cfg = model.config
-    big = qwen3(cfg.vocab_size, layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, tok)
+    big = qwen3(
+        cfg.vocab_size,
+        layers,
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.intermediate_size,
+        tok,
+    )
     big.load_state_dict(model.state_dict(), strict=False)  # the new layers' weights are missing: keep their init
     for layer in big.model.layers[cfg.num_hidden_layers :]:
         torch.nn.init.zeros_(layer.self_attn.o_proj.weight)
@@ -248,14 +300,16 @@ def train_model(name: str, tok, init=None):
     arch, recipe = (STUDENT, STUDENT_SFT) if name == "student" else (TEACHER, TEACHER_SFT)
     torch.manual_seed(recipe["seed"])
     model = qwen3(len(tok), tok=tok, **arch) if init is None else grow(init, arch["layers"], tok)
-    print(f"[bootstrap] {name}: {n_params(model) / 1e6:.2f}M params, plain chains of {recipe['tiers']} steps", flush=True)
+    print(
+        f"[bootstrap] {name}: {n_params(model) / 1e6:.2f}M params, plain chains of {recipe['tiers']} steps", flush=True
+    )
     t0 = time.time()
     phases = sft(model, tok, **recipe)
     print(f"[bootstrap] {name}: trained in {time.time() - t0:.1f}s; (updates, loss) per phase {phases}", flush=True)
     return model
 
 
-def ensure_checkpoints(cache_dir: Optional[str] = None) -> dict:
+def ensure_checkpoints(cache_dir: str | None = None) -> dict:
     """Directories {tokenizer, student, teacher}, bootstrapped on first call (a few minutes on 2 cores).
 
     Idempotent; concurrent callers wait on a file lock and reuse the result.

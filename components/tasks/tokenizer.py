@@ -19,14 +19,16 @@ def _make_fast(chars, specials: dict[str, str]):
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=specials["unk_token"]))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char alone
     tok.decoder = decoders.Fuse()  # join tokens with no separator
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False, padding_side="left", **specials)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, clean_up_tokenization_spaces=False, padding_side="left", **specials
+    )
     fast.model_max_length = 512
     return fast
 
 
 def char_tokenizer():
     """The toy testbed's tokenizer object (printable ASCII + newline, <pad>/<eos>/<unk>/<bos>)."""
-    return _make_fast(CHARS, dict(pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", bos_token="<bos>"))
+    return _make_fast(CHARS, {"pad_token": "<pad>", "eos_token": "<eos>", "unk_token": "<unk>", "bos_token": "<bos>"})
 
 
 def build_char_tokenizer(out_dir: str):
@@ -39,4 +41,4 @@ def build_char_tokenizer(out_dir: str):
 def other_vocab_tokenizer():
     """A deliberately different vocabulary (lowercase, digits and a few symbols, other specials)."""
     chars = tuple(string.ascii_lowercase + string.digits + "+-=#:\n ")
-    return _make_fast(chars, dict(pad_token="[PAD]", eos_token="[END]", unk_token="[UNK]"))
+    return _make_fast(chars, {"pad_token": "[PAD]", "eos_token": "[END]", "unk_token": "[UNK]"})

@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import random
-from typing import Optional
 
 from composer.data import Example, Task
 
@@ -57,7 +56,13 @@ def make_example(problem: str) -> Example:
     """The Example of one chain."""
     steps, answer = solve(problem)
     solution = "\n".join(steps) + f"\n#{answer}"
-    return Example(prompt=TEMPLATES["prompt"].format(problem=problem), answer=answer, solution=solution, problem=problem, tier=len(steps))
+    return Example(
+        prompt=TEMPLATES["prompt"].format(problem=problem),
+        answer=answer,
+        solution=solution,
+        problem=problem,
+        tier=len(steps),
+    )
 
 
 def random_problem(rng: random.Random, tier: int, split: str) -> str:
@@ -132,7 +137,7 @@ def judge_target(example: Example, accepted: list[str], new: list[str]) -> str:
     return f"REVISE {bad - len(accepted) + 1}\n{checker.correct_step(example, accepted + new, bad)}"
 
 
-def parse_judge(text: str) -> Optional[tuple[int, str]]:
+def parse_judge(text: str) -> tuple[int, str] | None:
     """None for KEEP (or unreadable text); else (k 1-based within the new steps, correction line)."""
     lines = text.strip().split("\n")
     head = lines[0].split()
@@ -148,7 +153,7 @@ class ToyStepChecker:
         """The reference step lines followed by the '#N' line."""
         return (example.solution or make_example(example.problem).solution).split("\n")
 
-    def first_wrong_step(self, example: Example, steps: list[str]) -> Optional[int]:
+    def first_wrong_step(self, example: Example, steps: list[str]) -> int | None:
         """Index of the first step differing from the reference (missing or extra lines count); None if all right."""
         ref = self.reference_lines(example)
         steps = [s.strip() for s in steps]
@@ -177,14 +182,16 @@ class ToyStepChecker:
 # ------------------------------------------------------------------------------------- the task
 
 
-def toy_checkpoints(cache_dir: Optional[str] = None) -> dict:
+def toy_checkpoints(cache_dir: str | None = None) -> dict:
     """Directories of the bootstrapped checkpoints {tokenizer, student, teacher}; builds them on first use."""
     from components.tasks.bootstrap import ensure_checkpoints
 
     return ensure_checkpoints(cache_dir)
 
 
-def toy_task(tiers=(1, 2, 4, 6, 8), train_tiers=(2, 4, 6), eval_per_tier=64, seed=0, train_per_tier=256, with_models=False) -> Task:
+def toy_task(
+    tiers=(1, 2, 4, 6, 8), train_tiers=(2, 4, 6), eval_per_tier=64, seed=0, train_per_tier=256, with_models=False
+) -> Task:
     """The toy Task. Eval keys are 'tier<k>'. with_models=True bootstraps (or loads) student/teacher."""
     train = [ex for t in train_tiers for ex in make_examples(t, train_per_tier, seed, "train")]
     evals = {f"tier{t}": make_examples(t, eval_per_tier, seed, "eval") for t in tiers}
@@ -220,6 +227,5 @@ def write_jsonl(out_dir: str, task_or_params=None) -> dict:
     for name, exs in files.items():
         paths[name] = os.path.join(out_dir, f"{name}.jsonl")
         with open(paths[name], "w") as f:
-            for ex in exs:
-                f.write(json.dumps(_record(ex)) + "\n")
+            f.writelines(json.dumps(_record(ex)) + "\n" for ex in exs)
     return paths

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import re
 import threading
-from typing import Optional
 
 from composer.data import Example, Verdict
 from composer.registry import register_verifier
 
 
-def last_boxed(text: str) -> Optional[str]:
+def last_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} (braces balanced), None if there is none."""
     start = text.rfind("\\boxed{")
     if start < 0:
@@ -23,7 +22,7 @@ def last_boxed(text: str) -> Optional[str]:
     return None  # unbalanced
 
 
-def after_hash(text: str) -> Optional[str]:
+def after_hash(text: str) -> str | None:
     """The rest of the line after the last '#', None if there is no '#'."""
     k = text.rfind("#")
     return None if k < 0 else text[k + 1 :].split("\n")[0]
@@ -56,7 +55,9 @@ def toy_verifier(response: str, example: Example) -> Verdict:
     return Verdict(0.0, detail="the final answer is wrong")
 
 
-@register_verifier("exact", "Normalised exact match of the final answer (after '#', in \\boxed{}, or the whole response).")
+@register_verifier(
+    "exact", "Normalised exact match of the final answer (after '#', in \\boxed{}, or the whole response)."
+)
 def exact_verifier(response: str, example: Example) -> Verdict:
     """Normalised string equality of the extracted final answer with `example.answer`."""
     pred = normalise(final_answer(response))

@@ -104,6 +104,12 @@ class ComposerModule(L.LightningModule):
         self._enter(step)
         ctx = self.ctx
         ctx.metrics = {}
+        every = ctx.spec.train.eval_every
+        if every and step % every == 0:  # pass@1 of the policy after `step` updates, in this step's row
+            self.last_eval = evaluate(ctx, self.policy)
+            metrics_eval = dict(self.last_eval)
+        else:
+            metrics_eval = {}
         examples = ctx.next_prompts(ctx.spec.train.prompts_per_step)
         batches = run_step.collect(ctx, [e for e in examples])
         batches = [b.to(self.device) for b in batches]
@@ -113,9 +119,12 @@ class ComposerModule(L.LightningModule):
         metrics.update(ctx.metrics)
         metrics.update(self.start_metrics)
         metrics.update({f"cost/{k}": float(v) for k, v in ctx.costs.items()})  # cumulative, for compute matching
+        metrics.update(metrics_eval)
         metrics["loss"] = float(loss.detach())
         metrics["lr"] = self.optimizers().param_groups[0]["lr"]
-        shown = ("reward_mean", "tokens_per_s")
+        if metrics_eval:
+            metrics["pass@1"] = metrics_eval[sorted(metrics_eval)[len(metrics_eval) // 2]]
+        shown = ("reward_mean", "tokens_per_s", "pass@1")
         self.log_dict({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k not in shown},
                       on_step=True, on_epoch=False, batch_size=1)
         self.log_dict({k: metrics[k] for k in shown if k in metrics}, prog_bar=True, on_step=True, on_epoch=False,
@@ -144,13 +153,10 @@ class ComposerModule(L.LightningModule):
             on_sync = getattr(ctx.spec.rollout.guide, "on_sync", None)
             if on_sync:
                 on_sync(ctx)
-        every = ctx.spec.train.eval_every
-        if (every and done % every == 0) or done == self.total_steps:
+        if done == self.total_steps:  # the final evaluation gets a row of its own, at step = total steps
             self.last_eval = evaluate(ctx, self.policy)
-            self.log_dict(self.last_eval, on_step=True, on_epoch=False, batch_size=1)
-            key = sorted(self.last_eval)[len(self.last_eval) // 2] if self.last_eval else None
-            if key:
-                self.log("pass@1", self.last_eval[key], prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
+            for lg in self.loggers:
+                lg.log_metrics(self.last_eval, step=done)
 
     # ---- checkpoints hold what continuing exactly needs ----
     def on_save_checkpoint(self, checkpoint: dict) -> None:
