@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 from pathlib import Path
 
+import pytest
 import yaml
 
 from composer.backends.lightning.run import train
@@ -14,6 +16,13 @@ from composer.validate import validate_file
 SPECS = Path(__file__).resolve().parents[1] / "specs"
 SMALL = ["train.steps=2", "train.prompts_per_step=2", "train.eval_samples=4", "train.eval_every=0",
          "data.tiers=[1,4]", "data.train_tiers=[4]"]  # short chains: responses of at most 35 tokens
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """train() takes min(cpu_count, 8) torch threads; on a shared 2-core box two threads that spin-wait
+    on each other's barriers make these tiny runs 10-20x slower. One thread is as fast when idle."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
 
 
 def last_metrics(out: Path) -> dict[str, float]:

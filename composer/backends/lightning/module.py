@@ -124,11 +124,13 @@ class ComposerModule(L.LightningModule):
         metrics["lr"] = self.optimizers().param_groups[0]["lr"]
         if metrics_eval:
             metrics["pass@1"] = metrics_eval[sorted(metrics_eval)[len(metrics_eval) // 2]]
-        shown = ("reward_mean", "tokens_per_s", "pass@1")
-        self.log_dict({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k not in shown},
-                      on_step=True, on_epoch=False, batch_size=1)
-        self.log_dict({k: metrics[k] for k in shown if k in metrics}, prog_bar=True, on_step=True, on_epoch=False,
-                      batch_size=1)
+        # Straight to the loggers: Lightning's result collection would repeat a key logged in an earlier
+        # step (a guide metric, an evaluation) into rows where it was not measured.
+        row = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        for lg in self.loggers:
+            lg.log_metrics(row, step=step)
+        shown = {k: row[k] for k in ("reward_mean", "tokens_per_s", "pass@1") if k in row}
+        self.log_dict(shown, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
@@ -153,10 +155,13 @@ class ComposerModule(L.LightningModule):
             on_sync = getattr(ctx.spec.rollout.guide, "on_sync", None)
             if on_sync:
                 on_sync(ctx)
-        if done == self.total_steps:  # the final evaluation gets a row of its own, at step = total steps
-            self.last_eval = evaluate(ctx, self.policy)
-            for lg in self.loggers:
-                lg.log_metrics(self.last_eval, step=done)
+
+    def final_evaluation(self, loggers) -> None:
+        """The final evaluation gets a row of its own, at step = total steps, after every step's row."""
+        self.last_eval = evaluate(self.ctx, self.policy)
+        for lg in loggers:
+            lg.log_metrics(self.last_eval, step=self.global_step)
+            lg.save()
 
     # ---- checkpoints hold what continuing exactly needs ----
     def on_save_checkpoint(self, checkpoint: dict) -> None:

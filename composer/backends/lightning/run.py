@@ -44,7 +44,9 @@ def train(validated, out: Path, resume: bool = False, progress: bool = True, fin
     spec = validated.spec
     quiet_libraries()
     torch.manual_seed(spec.train.seed)
-    torch.set_num_threads(max(1, min(os.cpu_count() or 1, 8)))
+    # tiny models are bound by per-op overhead: on a small machine extra threads only contend
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(int(os.environ.get("COMPOSER_THREADS", 1 if cores <= 2 else min(cores, 8))))
     out.mkdir(parents=True, exist_ok=True)
     plan = compile_plan(validated, "lightning")
     (out / "plan.json").write_text(json.dumps(plan, indent=2, default=str))
@@ -95,6 +97,9 @@ def train(validated, out: Path, resume: bool = False, progress: bool = True, fin
     if getattr(module, "stopped_by", None):
         raise Interrupted(f"{module.stopped_by}: stopped after step {module.global_step}, checkpoint written; "
                           f"continue with --resume {out}")
+    if module.ctx is None:  # resumed from the last step's checkpoint: Lightning ran nothing
+        module.setup("fit")
+    module.final_evaluation(loggers)
     final = dict(module.last_eval)
     if final_eval is not None:
         final_eval(module.ctx, module.policy)
