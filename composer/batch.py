@@ -74,9 +74,29 @@ class TrajectoryBatch:
             out[f.name] = v
         return TrajectoryBatch(**out)
 
-    def to(self, device) -> "TrajectoryBatch":
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
-                                if hasattr(getattr(self, f.name), "to") and not isinstance(getattr(self, f.name), (list, dict))})
+    def to(self, device, moved: dict | None = None) -> "TrajectoryBatch":
+        """This batch on `device`. Pass one `moved` dict for all of a step's batches: tensors that terms
+        share (their common rollout) are moved once and stay shared."""
+        moved = {} if moved is None else moved
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if hasattr(v, "to") and not isinstance(v, (list, dict)):
+                if id(v) not in moved:
+                    moved[id(v)] = v.to(device)
+                out[f.name] = moved[id(v)]
+        return replace(self, **out)
+
+    def term_view(self) -> "TrajectoryBatch":
+        """A shallow copy for one term: the rollout's tensors are shared, while what a term's signal
+        writes (rewards, teacher log-probs, sequence weights) stays that term's own."""
+        return replace(self, info=dict(self.info))
+
+
+def to_device(batches: list[TrajectoryBatch], device) -> list[TrajectoryBatch]:
+    """A step's batches on `device`; tensors that terms share (their common rollout) are moved once."""
+    moved: dict = {}
+    return [b.to(device, moved) for b in batches]
 
 
 def pad_and_stack(rows: list[list[int]], origins: list[list[int]], logprobs: list[list[float]], pad_id: int):

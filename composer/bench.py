@@ -107,13 +107,13 @@ def run_one(variant: Variant, seed: int, out: Path, cfg: dict) -> dict:
         for tier in (MIDDLE, HARD):
             exs = ctx.task.eval.get(tier, [])[: cfg["pass_k_problems"]]
             for k, val in pass_at_k(ctx, policy, exs, n=cfg["pass_k_n"]).items():
-                extra[f"pass@{k}/{tier}"] = val
+                extra[sampled_key(k, tier)] = val  # greedy pass@1 keeps the plain name
 
     t0 = time.perf_counter()
     final = train(v, out, progress=False, final_eval=final_eval)
     wall = time.perf_counter() - t0
     rows = _read(out / "metrics.csv")
-    last = rows[-1] if rows else {}
+    last = {k: v for r in rows for k, v in r.items() if v not in (None, "")}  # each metric's last logged value
 
     def mean(key):
         vals = [float(r[key]) for r in rows if r.get(key) not in (None, "")]
@@ -128,11 +128,16 @@ def run_one(variant: Variant, seed: int, out: Path, cfg: dict) -> dict:
               "teacher_tokens": float(last.get("cost/teacher_tokens") or 0),
               "reward_mean": mean("reward_mean"), "zero_advantage_frac": mean("zero_advantage_frac"),
               "offpolicy_token_frac": mean("offpolicy_token_frac"),
-              "entropy_first": float(rows[0]["entropy"]) if rows else float("nan"),
+              "entropy_first": float(rows[0].get("entropy") or "nan") if rows else float("nan"),
               "entropy_last": float(last.get("entropy") or "nan"), "run": str(out)}
     result.update(final)
     result.update(extra)
     return result
+
+
+def sampled_key(k: int, tier: str) -> str:
+    """Column of the unbiased pass@k from sampled answers (k = 1 is not the greedy pass@1)."""
+    return f"pass@{k}/{tier}" if k > 1 else f"pass@1_sampled/{tier}"
 
 
 def _read(path: Path) -> list[dict]:
@@ -160,27 +165,63 @@ def write_outputs(results: list[dict], out: Path, cfg: dict, command: str) -> No
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(results)
-    cols = [f"pass@1/{MIDDLE}", f"pass@1/{HARD}", f"pass@16/{HARD}", "zero_advantage_frac",
-            "offpolicy_token_frac", "entropy_last", "judge_tokens", "teacher_tokens", "wall_s"]
     lines = [f"# Bench ({time.strftime('%Y-%m-%d')})", "", f"Command: `{command}`", "",
              "Settings (fixed before comparing methods): " + ", ".join(f"{k}={v}" for k, v in cfg.items()) +
              ". Toy testbed: mod-10 arithmetic chains; greedy pass@1 on held-out problems per tier; pass@k unbiased "
-             f"from {cfg['pass_k_n']} samples at temperature 1. Mean ± 95% interval over seeds.", ""]
-    studies = sorted({r["study"] for r in results})
-    for study in studies:
-        rs = [r for r in results if r["study"] == study]
-        lines += [f"## {study or 'runs'}", "", "| variant | " + " | ".join(cols) + " |",
-                  "| --- |" + " --- |" * len(cols)]
-        for label in dict.fromkeys(r["label"] for r in rs):
-            cells = []
-            for c in cols:
-                m, h = ci95([float(r.get(c, "nan")) for r in rs if r["label"] == label])
-                cells.append(f"{m:.3f} ± {h:.3f}" if c not in ("judge_tokens", "teacher_tokens", "wall_s")
-                             else f"{m:.0f}")
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
-        lines.append("")
+             f"from {cfg['pass_k_n']} samples at temperature 1 on {cfg['pass_k_problems']} problems. Mean ± 95% interval "
+             "over seeds (normal approximation: with 2 seeds it understates the uncertainty).", ""]
+    for study in sorted({r["study"] for r in results}):
+        lines += [f"## {study or 'runs'}", "", *study_table([r for r in results if r["study"] == study]), ""]
     lines += ["Plots: " + ", ".join(p.name for p in plots(results, out)), ""]
     (out / "summary.md").write_text("\n".join(lines))
+
+
+def study_table(rs: list[dict]) -> list[str]:
+    """Markdown table, one line per variant: mean ± 95% interval over its seeds."""
+    k = max((int(c.split("@")[1].split("/")[0]) for r in rs for c in r
+             if c.startswith("pass@") and c.endswith("/" + HARD) and "_sampled" not in c and c != f"pass@1/{HARD}"),
+            default=1)
+    cols = [f"pass@1/{MIDDLE}", f"pass@1/{HARD}", sampled_key(k, HARD), "zero_advantage_frac",
+            "offpolicy_token_frac", "entropy_last", "judge_tokens", "teacher_tokens", "wall_s"]
+    lines = ["| variant | " + " | ".join(cols) + " |", "| --- |" + " --- |" * len(cols)]
+    for label in dict.fromkeys(r["label"] for r in rs):
+        cells = []
+        for c in cols:
+            m, h = ci95([float(r.get(c, "nan")) for r in rs if r["label"] == label])
+            cells.append(f"{m:.0f}" if c in ("judge_tokens", "teacher_tokens", "wall_s") else f"{m:.3f} ± {h:.3f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+BEGIN, END = "<!-- bench results: begin (composer bench --readme) -->", "<!-- bench results: end -->"
+
+
+def readme_section(out: Path, readme: Path, images: Path, study: str = "methods") -> str:
+    """Write `study`'s table and plot from the bench folder `out` into `readme` between the bench markers
+    (the plot is copied into `images`). Returns the section."""
+    import shutil
+
+    results = json.loads((out / "results.json").read_text())
+    summary = (out / "summary.md").read_text().splitlines()
+    date = summary[0].removeprefix("# Bench (").rstrip(")")
+    command = next(line for line in summary if line.startswith("Command:")).removeprefix("Command: ").strip("`")
+    settings = next(line for line in summary if line.startswith("Settings"))
+    rs = [r for r in results if r["study"] == study]
+    if not rs:
+        raise ValueError(f"{out}: no results for study {study!r}")
+    images.mkdir(parents=True, exist_ok=True)
+    shutil.copy(out / f"{study}.png", images / f"{study}.png")
+    rel = (images / f"{study}.png").resolve().relative_to(readme.resolve().parent)
+    section = "\n".join([BEGIN, f"Generated on {date} by `{command}`. {settings}", "",
+                         *study_table(rs), "", f"![{study}: pass@1 against policy samples, pass@k, entropy]({rel})",
+                         END])
+    text = readme.read_text()
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    readme.write_text(text)
+    return section
 
 
 def plots(results: list[dict], out: Path) -> list[Path]:
@@ -201,8 +242,9 @@ def plots(results: list[dict], out: Path) -> list[Path]:
             for ax, tier in ((axes[0], HARD), (axes[1], MIDDLE)):
                 xs, ys = _curve([_read(Path(r["run"]) / "metrics.csv") for r in runs], f"pass@1/{tier}")
                 ax.plot([x * per_step for x in xs], ys, marker=".", label=label)
-            ks = sorted({int(k.split("@")[1].split("/")[0]) for k in r0 if k.startswith("pass@") and k.endswith(HARD)})
-            axes[2].plot(ks, [statistics.fmean(float(r[f"pass@{k}/{HARD}"]) for r in runs) for k in ks],
+            ks = sorted(int(c.split("@")[1].split("/")[0].removesuffix("_sampled")) for c in r0
+                        if c.startswith("pass@") and c.endswith("/" + HARD) and c != f"pass@1/{HARD}")
+            axes[2].plot(ks, [statistics.fmean(float(r[sampled_key(k, HARD)]) for r in runs) for k in ks],
                          marker="o", label=label)
             xs, ys = _curve([_read(Path(r["run"]) / "metrics.csv") for r in runs], "entropy")
             axes[3].plot(xs, ys, label=label)
@@ -242,11 +284,18 @@ def _curve(runs: list[list[dict]], key: str) -> tuple[list[float], list[float]]:
 
 def bench(variants: list[Variant], out: Path, cfg: dict, command: str, log=print) -> list[dict]:
     results = []
+    done: dict[tuple, dict] = {}  # the same spec, overrides and seed in two studies run once
     for v in variants:
         for seed in range(cfg["seeds"]):
             name = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{v.study}-{v.label}").strip("-_")
+            key = (v.spec, tuple(v.overrides), seed)
+            if key in done:
+                results.append({**done[key], "label": v.label, "study": v.study})
+                log(f"[bench] {v.label} seed {seed}: same run as {done[key]['label']} ({done[key]['study']})")
+                continue
             log(f"[bench] {v.label} seed {seed} ...")
             r = run_one(v, seed, out / "runs" / name / f"seed{seed}", cfg)
+            done[key] = r
             results.append(r)
             log(f"[bench] {v.label} seed {seed}: pass@1 {MIDDLE} {r.get('pass@1/' + MIDDLE, float('nan')):.3f}, "
                 f"{HARD} {r.get('pass@1/' + HARD, float('nan')):.3f} ({r['wall_s']} s)")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -22,6 +21,17 @@ def _validate(path: str, overrides: list[str]):
     from composer.validate import validate_file
 
     return validate_file(path, overrides)
+
+
+def validated_or_exit(path: str, overrides: list[str]):
+    """The validated spec, its warnings printed; on a spec error the message and exit 2."""
+    try:
+        v = _validate(path, list(overrides))
+    except SpecError as e:
+        _fail(str(e))
+    for w in v.warnings:
+        click.echo(w.format(), err=True)
+    return v
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import click
 
-from composer.cli import EXIT_INVALID, main
-from composer.errors import SpecError
+from composer.cli import EXIT_INVALID, main, validated_or_exit
 
 
 @main.command("compile")
@@ -30,15 +29,8 @@ def compile_(spec, overrides, backend, out, nodes, gpus_per_node, colocate, vllm
     from composer.backends.openrlhf.bundle import BundleError, compile_bundle
     from composer.backends.openrlhf.flags import Layout, Unsupported
     from composer.errors import dotted
-    from composer.validate import validate_file
 
-    try:
-        v = validate_file(spec, list(overrides))
-    except SpecError as e:
-        click.echo(str(e), err=True)
-        sys.exit(EXIT_INVALID)
-    for w in v.warnings:
-        click.echo(w.format(), err=True)
+    v = validated_or_exit(spec, overrides)
     layout = Layout(nodes=nodes, gpus_per_node=gpus_per_node, colocate=colocate, vllm_engines=vllm_engines,
                     cluster_dir=f"{cluster_dir.rstrip('/')}/{v.spec.name}", wandb_project=wandb_project)
     try:

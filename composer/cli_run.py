@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from composer.cli import EXIT_INVALID, main
+from composer.cli import EXIT_INVALID, main, validated_or_exit
 from composer.errors import SpecError
 
 
@@ -20,19 +20,11 @@ from composer.errors import SpecError
 @click.option("--no-progress", is_flag=True, help="No progress bar (for logs and CI).")
 def run(spec, overrides, out, resume, no_progress):
     """Train SPEC (the toy testbed when it names no policy/data). OVERRIDES: path.to.field=value."""
-    from composer.validate import validate_file
-
     if resume and spec is None:
         spec = str(Path(resume) / "spec.yaml")
     if spec is None:
         raise click.UsageError("give a SPEC, or --resume DIR")
-    try:
-        v = validate_file(spec, list(overrides))
-    except SpecError as e:
-        click.echo(str(e), err=True)
-        sys.exit(EXIT_INVALID)
-    for w in v.warnings:
-        click.echo(w.format(), err=True)
+    v = validated_or_exit(spec, overrides)
     if v.spec.train.backend != "lightning":
         click.echo(f"{spec}: train.backend is {v.spec.train.backend}; use `composer compile --backend "
                    f"{v.spec.train.backend}` for it", err=True)
@@ -93,13 +85,23 @@ def toy_data(out, seed):
 @click.option("--study", multiple=True, help="With --suite: run only these studies.")
 @click.option("--quick", is_flag=True, help="Tiny budget, one seed: a few minutes.")
 @click.option("--throughput", is_flag=True, help="Samples/s of this backend against TRL's trainers (GRPO, GKD, SFT).")
-def bench(specs, seeds, budget_samples, out, sweep, suite, study, quick, throughput):
+@click.option("--readme", "readme_from", type=click.Path(file_okay=False, exists=True), default=None,
+              help="Write the methods table and plot of this finished bench folder into ./README.md (docs/bench/).")
+def bench(specs, seeds, budget_samples, out, sweep, suite, study, quick, throughput, readme_from):
     """Run SPECs (or a suite) on the toy testbed at an equal policy-sample budget; write results.csv,
     summary.md (mean and 95% interval) and plots."""
     import time as _time
 
     from composer import bench as b
 
+    if readme_from:
+        try:
+            b.readme_section(Path(readme_from), Path("README.md"), Path("docs/bench"), (study or ("methods",))[0])
+        except (OSError, ValueError, KeyError, StopIteration) as e:
+            click.echo(f"{readme_from}: cannot write the README section: {type(e).__name__}: {e}", err=True)
+            sys.exit(EXIT_INVALID)
+        click.echo("wrote README.md (bench results section) and docs/bench/")
+        return
     if throughput:
         from composer.bench_throughput import main as tp_main
 

@@ -70,6 +70,7 @@ class Train(Strict):
     strategy: str = Field("auto", description="Lightning strategy: auto, ddp, fsdp.")
     precision: str = Field("32-true", description="Lightning precision, e.g. 32-true or bf16-mixed.")
     num_nodes: int = Field(1, ge=1, description="Nodes for multi-node Lightning runs.")
+    compile: bool = Field(False, description="torch.compile (inductor, dynamic shapes) the training and initial-policy forward passes; the first steps pay the compile time. Lightning backend.")
 
 
 def _component_union(section: str, builtins_only: bool):

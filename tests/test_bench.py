@@ -38,3 +38,21 @@ def test_bench_writes_results_summary_and_plots(tmp_path):
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "budget_samples=8" in summary and "oapl every=2" in summary
     assert (tmp_path / "out" / "lag.png").exists() and (tmp_path / "out" / "lag-sweep.png").exists()
+
+
+def test_readme_section_is_written_between_markers_from_a_bench_folder(tmp_path):
+    results = [{"label": m, "study": "methods", "seed": s, f"pass@1/{b.MIDDLE}": v + s / 10, f"pass@1/{b.HARD}": 0.0,
+                f"pass@4/{b.HARD}": 0.5, "wall_s": 10, "policy_samples": 64, "steps": 8,
+                "run": str(tmp_path / "none")} for m, v in (("grpo", 0.1), ("opd", 0.3)) for s in (0, 1)]
+    out = tmp_path / "bench"
+    b.write_outputs(results, out, dict(b.QUICK, seeds=2), "composer bench --suite seeds")
+    (out / "results.json").write_text(__import__("json").dumps(results))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# T\n\nbefore\n\n{b.BEGIN}\nold\n{b.END}\n\nafter\n")
+    b.readme_section(out, readme, tmp_path / "docs" / "bench")
+    text = readme.read_text()
+    assert "old" not in text and text.startswith("# T\n\nbefore") and text.rstrip().endswith("after")
+    assert "`composer bench --suite seeds`" in text and "budget_samples=256" in text
+    assert "| opd | 0.350 ± 0.098 |" in text  # mean of 0.3 and 0.4; 1.96 * stdev 0.0707 / sqrt(2) = 0.098
+    assert "pass@4/tier8" in text and "](docs/bench/methods.png)" in text
+    assert (tmp_path / "docs" / "bench" / "methods.png").exists()

@@ -209,20 +209,6 @@ class FakeSamplingParams:
 
 
 @dataclasses.dataclass
-class FakeEngineArgs:
-    model: str = ""
-    tokenizer: str = ""
-    seed: int = 0
-    gpu_memory_utilization: float = 0.9
-    tensor_parallel_size: int = 1
-    enable_prefix_caching: bool = False
-    enable_sleep_mode: bool = False
-    dtype: str = "auto"
-    max_logprobs: int = 20
-    logprobs_mode: str = "raw_logprobs"
-
-
-@dataclasses.dataclass
 class FakeEngineArgsOld:  # a vLLM without logprobs_mode
     model: str = ""
     tokenizer: str = ""
@@ -233,6 +219,11 @@ class FakeEngineArgsOld:  # a vLLM without logprobs_mode
     enable_sleep_mode: bool = False
     dtype: str = "auto"
     max_logprobs: int = 20
+
+
+@dataclasses.dataclass
+class FakeEngineArgs(FakeEngineArgsOld):
+    logprobs_mode: str = "raw_logprobs"
 
 
 VOCAB = 8  # the fake model's distribution over token ids 0..7

@@ -281,6 +281,29 @@ def test_experience_to_batch_and_back():
                                                                         {"policy"}) == [(3, 5)]
 
 
+
+def test_teacher_weight_weighs_only_its_distillation_term():
+    """SDPO's s_i = 0 (no sibling success, no feedback) silences the distillation term on that row, not
+    a reward term sharing the rollout."""
+    q = math.log(0.25)
+    plan = plan_for({"sources": {"verifier": {"kind": "outcome_reward"}, "teacher": {"kind": "policy_model", "model": "t"}},
+                     "terms": [{"name": "d", "signal": {"kind": "distillation", "teacher": "teacher"},
+                                "objective": {"kind": "divergence"}},
+                               {"name": "r", "signal": {"kind": "reward", "source": "verifier"},
+                                "objective": {"kind": "advantage_regression"}}]})
+    e = experience([[PR, POL, POL], [PR, POL, POL]], [[0, q, q]] * 2, ["p", "p"], rewards=[1.0, 0.0],
+                   base=[[0, q, q]] * 2)
+    metas = [ob.decode_label(x) for x in e.labels]
+    metas[0]["teacher_weight"] = {"teacher": 0.0}
+    metas[1]["teacher_weight"] = {"teacher": 1.0}
+    e.labels = [ob.encode_label(m) for m in metas]
+    fn = ComposerLoss(Segments(plan, [0]), {"teachers": {}})
+    fn.ctx = {"experience": e}
+    spec = fn.segments.at(0)
+    (_, (d, r)) = fn.batches(spec, None, e.action_mask, e.rollout_log_probs)
+    assert d.weights().tolist() == [0.0, 1.0] and r.weights().tolist() == [1.0, 1.0]
+    assert d.teacher_logprobs is not None and r.teacher_logprobs is None
+
 # MInTRL numbers of tests/test_objectives.py::test_advantage_regression_*_by_hand
 MINTRL_ORIGIN = [[PR, POL, POL, POL], [PR, POL, GI, POL], [PR, POL, GI, POL], [PR, POL, POL, PAD]]
 ADV = [0.0, 1.0, 0.5, -0.5]
@@ -422,7 +445,7 @@ def test_prepare_step_builds_the_opsd_teacher_prompt():
     prepare_step([e], Segments(plan, [0]), plugin, tok, hooks_task(toy))
     meta = ob.decode_label(e.labels[0])
     want = toy.TEMPLATES["reference"].format(solution=ex.solution, problem=ex.problem)
-    assert tok.decode(meta["teacher"]["teacher"]) == want and meta["weight"] == 1.0
+    assert tok.decode(meta["teacher"]["teacher"]) == want and meta["teacher_weight"] == {"teacher": 1.0}
 
 
 def test_prepare_step_sdpo_contexts_span_micro_batches():
@@ -455,10 +478,11 @@ def test_prepare_step_sdpo_contexts_span_micro_batches():
     plugin = {"teachers": {"teacher": {"self": True, "context": ["sibling", "feedback"]}}}
     prepare_step(step, Segments(plan, [0]), plugin, tok, hooks_task(toy))
     metas = [ob.decode_label(x) for e in step for x in e.labels]  # rows 0, 2, 1, 3
-    assert metas[0]["weight"] == 0.0  # the only success: no sibling, no feedback -> no signal
+    assert metas[0]["teacher_weight"]["teacher"] == 0.0  # the only success: no sibling, no feedback -> no signal
+    assert all(m.get("weight") is None for m in metas)  # other terms keep weight 1
     sib = toy.TEMPLATES["sibling"].format(sibling=ex.solution, problem=ex.problem)
     for m in metas[1:]:  # failures see the successful sibling from the other micro-batch
-        assert m["weight"] == 1.0 and tok.decode(m["teacher"]["teacher"]) == sib
+        assert m["teacher_weight"]["teacher"] == 1.0 and tok.decode(m["teacher"]["teacher"]) == sib
 
 
 def hooks_task(toy):

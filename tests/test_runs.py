@@ -158,3 +158,30 @@ def test_reuse_trains_on_the_buffer_until_the_next_sync(tiny, tmp_path):
                                             "sync.reuse=true", "sync.clear_buffer=false", *FAST])
     sizes = [r["buffer_rows"] for r in rows(tmp_path / "b") if r["buffer_reused"] == "0.0"]
     assert sizes == ["4.0", "8.0"]
+
+
+def test_compiled_forwards_train_the_same_weights(tiny, tmp_path, monkeypatch):
+    """train.compile: the same loss and the same updated weights as the uncompiled run; checkpoints keep
+    the plain module's keys."""
+    import torch
+
+    compiled_models = []
+    real_compile = torch.compile
+
+    def spy(model, **kw):
+        compiled_models.append(type(model).__name__)
+        return real_compile(model, **kw)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    ovr = FAST + [f"policy.model={tiny}", "train.steps=1", "train.checkpoint_every=1"]
+    run("specs/grpo.yaml", tmp_path / "plain", ovr)
+    assert compiled_models == []
+    run("specs/grpo.yaml", tmp_path / "compiled", ovr + ["train.compile=true"])
+    assert len(compiled_models) == 2  # the policy and the initial policy (GRPO's KL)
+    a, b = rows(tmp_path / "plain")[0], rows(tmp_path / "compiled")[0]
+    assert float(b["loss"]) == pytest.approx(float(a["loss"]), rel=1e-4, abs=1e-6)
+    weights = [torch.load(tmp_path / run_ / "checkpoints" / "last.ckpt", map_location="cpu",
+                          weights_only=False)["state_dict"] for run_ in ("plain", "compiled")]
+    assert weights[0].keys() == weights[1].keys() and not any("_orig_mod" in k for k in weights[1])
+    for k in weights[0]:
+        torch.testing.assert_close(weights[1][k], weights[0][k], rtol=1e-4, atol=1e-6)

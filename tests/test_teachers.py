@@ -105,6 +105,12 @@ def test_teacher_logprobs_align_with_the_student_response(tiny):
         assert torch.all(batch.teacher_logprobs[i, P + len(response):] == 0)
     assert torch.all(batch.seq_weight == 1)
     assert {"teacher_kl", "teacher_student_gap", "no_signal_frac"} <= set(ctx.metrics)
+    tiers = [e.tier for e in batch.examples]
+    assert len(set(tiers)) == 2  # one row per tier: each tier's gap is its row's mean |log pi_beh - log pi_T|
+    for i, tier in enumerate(tiers):
+        m = batch.policy_mask[i]
+        want = (batch.behavior_logprobs[i] - batch.teacher_logprobs[i])[m].abs().mean()
+        assert ctx.metrics[f"teacher_student_gap/tier{tier}"] == pytest.approx(float(want), rel=1e-5)
 
 
 def test_sampled_objective_gets_no_logits_and_no_context_uses_the_student_prompt(tiny, tmp_path):
@@ -225,6 +231,45 @@ def test_sdpo_group_without_success_or_feedback_gets_zero_weight_and_zero_loss(t
     assert float(loss_dead.detach()) == 0.0
     loss_dead.backward()
     assert all(p.grad is None or float(p.grad.abs().max()) == 0.0 for p in ctx.policy.parameters())
+
+
+SDPO_PLUS_AR = """
+name: t
+sources:
+  verifier: {kind: outcome_reward}
+  sibling: {kind: sibling_success, from: verifier}
+  teacher: {kind: policy_model, model: self, weights: current, context: [sibling]}
+rollout: {samples_per_prompt: 2, max_new_tokens: 8}
+terms:
+  - {name: distill, signal: {kind: distillation, teacher: teacher}, objective: {kind: divergence, estimator: full}}
+  - {name: reward, signal: {kind: reward, source: verifier}, objective: {kind: advantage_regression, beta1: 1.0}}
+"""
+
+
+def test_terms_sharing_a_rollout_keep_their_own_weights_and_share_one_forward(tiny, monkeypatch):
+    """The SDPO term's zero weights (no sibling success) must not silence the reward term on the same
+    rollout; the two terms still cost one policy forward."""
+    from composer.runtime import step
+    from composer.runtime.engine import make_engine
+
+    ctx = make_ctx(tiny, SDPO_PLUS_AR)
+    ctx.engine = make_engine("hf", ctx.policy, ctx.tokenizer, ctx.spec.rollout)
+    examples = [toy.make_example("6-2+9+4-1"), toy.make_example("1+8-3+2-7")]
+    distill, reward = step.sample(ctx, examples)
+    assert distill.tokens is reward.tokens  # one rollout
+    assert distill.rewards is None and reward.teacher_logprobs is None  # each term's signal wrote its own view
+    assert distill.seq_weight.tolist() == [0.0] * 4  # random model: nothing succeeds, no sibling, no signal
+    assert reward.seq_weight is None
+    nudge(ctx.policy)  # so that the regression term is not zero at the initial weights
+    forwards = []
+    real_view = step.policy_view
+    monkeypatch.setattr(step, "policy_view", lambda *a, **kw: forwards.append(1) or real_view(*a, **kw))
+    total, m = step.loss(ctx, ctx.policy, [distill, reward])
+    assert len(forwards) == 1
+    assert m["distill/loss"] == 0.0 and m["reward/loss"] > 0.0
+    alone, _ = ctx.spec.terms[1].objective.loss(reward, real_view(ctx.policy, reward, False))
+    assert m["reward/loss"] == pytest.approx(float(alone.detach()), rel=1e-6)
+    assert float(total.detach()) == pytest.approx(m["reward/loss"], rel=1e-6)
 
 
 def test_feedback_is_none_for_successes(tiny):

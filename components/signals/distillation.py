@@ -6,6 +6,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
+from composer.lazy import torch
 from composer.registry import Component, register
 
 
@@ -25,8 +26,9 @@ class DistillationSignal(Component):
         """Fill batch.teacher_logprobs [B, T], batch.teacher_logits [B, T, V] (only when an objective of
         this signal wants full logits) and batch.seq_weight [B] from the teacher source; log
         teacher_kl = mean_t (log pi_beh - log pi_T) on weighted policy tokens (a sampled reverse-KL
-        estimate), teacher_student_gap = mean_t |log pi_beh - log pi_T|, no_signal_frac, and for an
-        EMA teacher ema_param_distance = ||theta_T - theta||_2."""
+        estimate), teacher_student_gap = mean_t |log pi_beh - log pi_T| (also per difficulty tier of the
+        rollouts' problems, teacher_student_gap/tierN), no_signal_frac, and for an EMA teacher
+        ema_param_distance = ||theta_T - theta||_2."""
         from composer.runtime.step import terms
 
         teacher = ctx.source(self.teacher)
@@ -40,6 +42,11 @@ class DistillationSignal(Component):
         n = m.sum().clamp(min=1)
         ctx.log(teacher_kl=gap.sum() / n, teacher_student_gap=gap.abs().sum() / n,
                 no_signal_frac=(w == 0).float().mean())
+        tiers = [getattr(e, "tier", None) for e in batch.examples]
+        for tier in sorted({t for t in tiers if t is not None}):
+            rows = torch.tensor([t == tier for t in tiers], device=gap.device)  # [B]
+            if m[rows].sum() > 0:
+                ctx.log(**{f"teacher_student_gap/tier{tier}": gap[rows].abs().sum() / m[rows].sum()})
         dist = getattr(teacher, "param_distance", lambda c: None)(ctx)
         if dist is not None:
             ctx.log(ema_param_distance=dist)

@@ -31,6 +31,7 @@ class RunContext:
     buffer: list | None = None  # stored batches of the current sync interval (sync.reuse)
     buffer_version: int = -1  # the sync step the buffer was sampled after
     _initial: torch.nn.Module | None = None
+    _compiled: dict = field(default_factory=dict)  # id(model) -> its torch.compile wrapper
 
     # ---- text ----
     def encode(self, text: str) -> list[int]:
@@ -97,6 +98,15 @@ class RunContext:
         if self._initial is None:
             self._initial = copy.deepcopy(self.policy).eval().requires_grad_(False)
         return self._initial
+
+    def forward_model(self, model: torch.nn.Module):
+        """`model` for log-prob forward passes: compiled once when train.compile is set (the wrapper
+        shares the weights; checkpoints keep saving the plain module)."""
+        if not (self.spec is not None and self.spec.train.compile):
+            return model
+        if id(model) not in self._compiled:
+            self._compiled[id(model)] = torch.compile(model, dynamic=True)
+        return self._compiled[id(model)]
 
     def log(self, **values: float) -> None:
         self.metrics.update({k: float(v) for k, v in values.items()})

@@ -7,7 +7,6 @@ import time
 import torch
 
 from composer.batch import PolicyView, TrajectoryBatch, concat
-from composer.graph import signal_objective_pairs
 from composer.runtime.context import RunContext
 from composer.runtime.models import token_logprobs
 
@@ -52,7 +51,7 @@ def sample(ctx: RunContext, examples) -> list[TrajectoryBatch]:
                 rollout.info.setdefault("temperature", ctx.spec.rollout.temperature)
                 dt = time.perf_counter() - t0
                 ctx.log(tokens_per_s=(ctx.costs["policy_tokens"] - before) / max(dt, 1e-9), rollout_s=dt)
-            batch = rollout
+            batch = rollout.term_view()
         batch = sig.apply(ctx, batch)
         if getattr(_obj, "wants_initial", False) and batch.initial_logprobs is None:
             batch.initial_logprobs = initial_logprobs(ctx, batch)
@@ -63,7 +62,7 @@ def sample(ctx: RunContext, examples) -> list[TrajectoryBatch]:
 @torch.no_grad()
 def initial_logprobs(ctx: RunContext, batch: TrajectoryBatch) -> torch.Tensor:
     """Log-probs of the batch under the frozen initial policy (KL losses, A*PO's anchor)."""
-    model = ctx.initial_policy()
+    model = ctx.forward_model(ctx.initial_policy())
     lp, _, _ = token_logprobs(model, batch.tokens.to(next(model.parameters()).device),
                               batch.attention_mask.to(next(model.parameters()).device),
                               batch.info.get("temperature", 1.0))
@@ -78,17 +77,17 @@ def policy_view(policy, batch: TrajectoryBatch, want_logits: bool) -> PolicyView
 
 def loss(ctx: RunContext, policy, batches: list[TrajectoryBatch]) -> tuple[torch.Tensor, dict]:
     """Weighted sum of every term's objective, plus the entropy bonus; metrics per term."""
-    views: dict[int, PolicyView] = {}
+    views: dict[int, PolicyView] = {}  # one policy forward per rollout: terms' views share its tokens
     wants = {}
     for (_n, _s, obj, _w), b in zip(terms(ctx.spec), batches):
-        wants[id(b)] = wants.get(id(b), False) or bool(obj.wants_logits)
+        wants[id(b.tokens)] = wants.get(id(b.tokens), False) or bool(obj.wants_logits)
     total = 0.0
     metrics: dict[str, float] = {}
     many = len(batches) > 1
     for (name, _sig, obj, weight), b in zip(terms(ctx.spec), batches):
-        if id(b) not in views:
-            views[id(b)] = policy_view(policy, b, wants[id(b)])
-        value, m = obj.loss(b, views[id(b)])
+        if id(b.tokens) not in views:
+            views[id(b.tokens)] = policy_view(policy, b, wants[id(b.tokens)])
+        value, m = obj.loss(b, views[id(b.tokens)])
         total = total + weight * value
         for k, v in m.items():
             metrics[f"{name}/{k}" if many else k] = v
@@ -96,13 +95,13 @@ def loss(ctx: RunContext, policy, batches: list[TrajectoryBatch]) -> tuple[torch
             metrics[f"{name}/loss"] = float(value.detach())
     # entropy of the policy on the response tokens of the first rollout batch
     first = batches[0]
-    view = views[id(first)]
+    view = views[id(first.tokens)]
     mask = first.response_mask & first.attention_mask
     ent = (view.entropy * mask).sum() / mask.sum().clamp(min=1)
     if ctx.spec.train.entropy_coef:
         total = total - ctx.spec.train.entropy_coef * ent
     metrics["entropy"] = float(ent.detach())
-    metrics.update(batch_metrics(first))
+    metrics.update(batch_metrics(next((b for b in batches if b.rewards is not None), first)))
     return total, metrics
 
 

@@ -14,6 +14,7 @@ import lightning as L
 import torch
 from torch.utils.data import Dataset
 
+from composer.batch import to_device
 from composer.runtime import step as run_step
 from composer.runtime.context import RunContext
 from composer.runtime.engine import make_engine
@@ -112,8 +113,8 @@ class ComposerModule(L.LightningModule):
             metrics_eval = {}
         examples = ctx.next_prompts(ctx.spec.train.prompts_per_step)
         batches = run_step.collect(ctx, [e for e in examples])
-        batches = [b.to(self.device) for b in batches]
-        loss, metrics = run_step.loss(ctx, self.policy, batches)
+        batches = to_device(batches, self.device)
+        loss, metrics = run_step.loss(ctx, ctx.forward_model(self.policy), batches)
         if not torch.isfinite(loss):
             raise NonFiniteError(f"the loss is not finite at step {step} ({float(loss.detach())})")
         metrics.update(ctx.metrics)
@@ -174,7 +175,7 @@ class ComposerModule(L.LightningModule):
             "runtimes": {repr(k): rt.state_dict() for k, rt in ctx.runtimes.items() if hasattr(rt, "state_dict")
                          and not isinstance(rt, torch.nn.Module)},
             "costs": dict(ctx.costs),
-            "buffer": [b.to("cpu") for b in ctx.buffer] if ctx.buffer else None,
+            "buffer": to_device(ctx.buffer, "cpu") if ctx.buffer else None,
             "buffer_version": ctx.buffer_version,
         }
         checkpoint["composer"] = state
@@ -196,7 +197,7 @@ class ComposerModule(L.LightningModule):
         if state["initial"] is not None:
             ctx.initial_policy().load_state_dict(state["initial"])
         ctx.costs.update(state.get("costs", {}))
-        ctx.buffer = [b.to(self.device) for b in state["buffer"]] if state.get("buffer") else None
+        ctx.buffer = to_device(state["buffer"], self.device) if state.get("buffer") else None
         ctx.buffer_version = state.get("buffer_version", -1)
         ctx.pending_runtime_state = state.get("runtimes", {})
         self._pending = None

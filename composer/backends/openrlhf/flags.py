@@ -197,6 +197,8 @@ def _common(a: _Args, run: Run, spec, layout: Layout, prefix: str) -> None:
                    f"{sched} schedule, grad clip {t.grad_clip}",
                    f"checkpoints every {t.checkpoint_every} steps, final model, TensorBoard"
                    + (" and W&B" if layout.wandb_project else "") + " logs under " + run.output_dir]
+    if t.compile:
+        run.notes.append("train.compile applies to the Lightning backend; OpenRLHF's trainer runs uncompiled")
     if spec.policy.dtype == "float32":
         run.notes.append("policy.dtype float32 trains in bf16 on OpenRLHF (DeepSpeed + vLLM have no fp32 mode)")
 

@@ -189,6 +189,7 @@ class ComposerLoss:
             batch.initial_logprobs = shift(base.float())
         out = []
         term_list = terms(spec)
+        metas = [decode_label(x) for x in exp.labels]
         for _name, sig, _obj, _w in term_list:
             b = batch
             if sig.kind_name() == "distillation":
@@ -197,6 +198,10 @@ class ComposerLoss:
                     b = dataclasses.replace(batch, teacher_logprobs=t[0], teacher_logits=t[1])
                 elif base is not None:  # an external teacher in the reference slot
                     b = dataclasses.replace(batch, teacher_logprobs=shift(base.float()))
+                tw = [m.get("teacher_weight", {}).get(sig.teacher) for m in metas]
+                if any(w is not None for w in tw):  # SDPO's s_i weighs this term only
+                    s_i = torch.tensor([1.0 if w is None else float(w) for w in tw], device=batch.tokens.device)
+                    b = dataclasses.replace(b, seq_weight=b.weights() * s_i)
             out.append(b)
         return term_list, out
 
@@ -281,7 +286,7 @@ def prepare_step(experiences, segments: Segments, plugin: dict, tokenizer, task)
             continue
         for meta, (ids, w) in zip(metas, teacher_prompts(spec, name, batch, tokenizer, task)):
             meta.setdefault("teacher", {})[name] = ids
-            meta["weight"] = (1.0 if meta.get("weight") is None else meta["weight"]) * w
+            meta.setdefault("teacher_weight", {})[name] = w  # only this teacher's terms read it
     start = 0
     for e in experiences:
         b = len(e.prompts)
