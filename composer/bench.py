@@ -181,14 +181,17 @@ def study_table(rs: list[dict]) -> list[str]:
     k = max((int(c.split("@")[1].split("/")[0]) for r in rs for c in r
              if c.startswith("pass@") and c.endswith("/" + HARD) and "_sampled" not in c and c != f"pass@1/{HARD}"),
             default=1)
-    cols = [f"pass@1/{MIDDLE}", f"pass@1/{HARD}", sampled_key(k, HARD), "zero_advantage_frac",
+    cols = [f"pass@1/{MIDDLE}", f"pass@1/{HARD}", sampled_key(k, MIDDLE), sampled_key(k, HARD), "zero_advantage_frac",
             "offpolicy_token_frac", "entropy_last", "judge_tokens", "teacher_tokens", "wall_s"]
     lines = ["| variant | " + " | ".join(cols) + " |", "| --- |" + " --- |" * len(cols)]
     for label in dict.fromkeys(r["label"] for r in rs):
         cells = []
         for c in cols:
             m, h = ci95([float(r.get(c, "nan")) for r in rs if r["label"] == label])
-            cells.append(f"{m:.0f}" if c in ("judge_tokens", "teacher_tokens", "wall_s") else f"{m:.3f} ± {h:.3f}")
+            if math.isnan(m):
+                cells.append("n/a")  # not measured by this method (no reward: no zero-advantage groups)
+            else:
+                cells.append(f"{m:.0f}" if c in ("judge_tokens", "teacher_tokens", "wall_s") else f"{m:.3f} ± {h:.3f}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
@@ -247,11 +250,13 @@ def plots(results: list[dict], out: Path) -> list[Path]:
             axes[2].plot(ks, [statistics.fmean(float(r[sampled_key(k, HARD)]) for r in runs) for k in ks],
                          marker="o", label=label)
             xs, ys = _curve([_read(Path(r["run"]) / "metrics.csv") for r in runs], "entropy")
-            axes[3].plot(xs, ys, label=label)
+            w = 5  # rolling mean over 5 steps: per-step entropy of 64 rollouts is noisy
+            smooth = [statistics.fmean(ys[max(0, i - w + 1): i + 1]) for i in range(len(ys))]
+            axes[3].plot([x * per_step for x in xs], smooth, label=label)
         axes[0].set(title=f"hard ({HARD}) pass@1", xlabel="policy samples")
         axes[1].set(title=f"middle ({MIDDLE}) pass@1", xlabel="policy samples")
         axes[2].set(title=f"pass@k ({HARD})", xlabel="k", xscale="log")
-        axes[3].set(title="entropy", xlabel="step")
+        axes[3].set(title="entropy (5-step mean)", xlabel="policy samples")
         axes[3].legend(fontsize=6)
         fig.tight_layout()
         path = out / f"{tag}.png"
@@ -292,13 +297,13 @@ def bench(variants: list[Variant], out: Path, cfg: dict, command: str, log=print
             if key in done:
                 results.append({**done[key], "label": v.label, "study": v.study})
                 log(f"[bench] {v.label} seed {seed}: same run as {done[key]['label']} ({done[key]['study']})")
-                continue
-            log(f"[bench] {v.label} seed {seed} ...")
-            r = run_one(v, seed, out / "runs" / name / f"seed{seed}", cfg)
-            done[key] = r
-            results.append(r)
-            log(f"[bench] {v.label} seed {seed}: pass@1 {MIDDLE} {r.get('pass@1/' + MIDDLE, float('nan')):.3f}, "
-                f"{HARD} {r.get('pass@1/' + HARD, float('nan')):.3f} ({r['wall_s']} s)")
+            else:
+                log(f"[bench] {v.label} seed {seed} ...")
+                r = run_one(v, seed, out / "runs" / name / f"seed{seed}", cfg)
+                done[key] = r
+                results.append(r)
+                log(f"[bench] {v.label} seed {seed}: pass@1 {MIDDLE} {r.get('pass@1/' + MIDDLE, float('nan')):.3f}, "
+                    f"{HARD} {r.get('pass@1/' + HARD, float('nan')):.3f} ({r['wall_s']} s)")
             write_outputs(results, out, cfg, command)
             (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     return results

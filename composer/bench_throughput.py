@@ -258,9 +258,10 @@ class Ours:
 # --------------------------------------------------------------------------------------- TRL side
 
 
-def _common_trl_args(out: str, rows: int, steps: int, spec, threads: int) -> dict:
+def _common_trl_args(out: str, rows: int, steps: int, spec, threads: int, compile_model: bool = False) -> dict:
     t = spec.train
     return dict(
+        torch_compile=compile_model,
         output_dir=out, per_device_train_batch_size=rows, gradient_accumulation_steps=1, max_steps=steps,
         learning_rate=t.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=t.grad_clip or 0.0,
         adam_beta1=t.betas[0], adam_beta2=t.betas[1], weight_decay=t.weight_decay, optim="adamw_torch",
@@ -285,7 +286,7 @@ def trl_grpo(args, spec, model_dir, examples, callback, out):
 
     ds = Dataset.from_dict({"prompt": [e.prompt for e in examples], "answer": [e.answer for e in examples]})
     cfg = GRPOConfig(
-        **_common_trl_args(out, P * G, args.trl_steps, spec, args.threads),
+        **_common_trl_args(out, P * G, args.trl_steps, spec, args.threads, args.trl_compile),
         num_generations=G, max_completion_length=args.length, temperature=r.temperature, top_p=r.top_p,
         top_k=r.top_k, generation_kwargs={"min_new_tokens": args.length}, beta=obj.kl_coef,
         epsilon=obj.clip_low if obj.clip_low is not None else obj.clip,
@@ -333,7 +334,7 @@ def trl_gkd(args, spec, model_dir, teacher_dir, examples, callback, out):
                 "attention_mask": torch.cat([mask, torch.ones((len(enc), n), dtype=torch.long)], dim=1),
                 "labels": labels}
 
-    cfg = GKDConfig(**_common_trl_args(out, P * G, args.trl_steps, spec, args.threads),
+    cfg = GKDConfig(**_common_trl_args(out, P * G, args.trl_steps, spec, args.threads, args.trl_compile),
                     lmbda=1.0, beta=1.0, temperature=spec.rollout.temperature, max_new_tokens=args.length,
                     remove_unused_columns=False)
     with warnings.catch_warnings():
@@ -353,7 +354,7 @@ def trl_sft(args, spec, model_dir, examples, callback, out):
 
     tok = load_tokenizer(model_dir)
     ds = Dataset.from_dict({"prompt": [e.prompt for e in examples], "completion": [e.solution for e in examples]})
-    cfg = SFTConfig(**_common_trl_args(out, spec.train.prompts_per_step, args.trl_steps, spec, args.threads),
+    cfg = SFTConfig(**_common_trl_args(out, spec.train.prompts_per_step, args.trl_steps, spec, args.threads, args.trl_compile),
                     completion_only_loss=True, packing=False, max_length=None, dataset_num_proc=None,
                     model_init_kwargs={"dtype": "float32"})
     return SFTTrainer(model=model_dir, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[callback])
@@ -521,7 +522,7 @@ def profile_ours(pair: str, args, steps: int = 3) -> str:
 
 def format_results(results: list[dict], args) -> str:
     lines = [f"throughput on {args.threads} CPU thread(s); model {args.model}; completion length {args.length} "
-             f"(forced); sampler (ours) {args.sampler}{'; ours compiled' if args.compile else ''}; "
+             f"(forced); sampler (ours) {args.sampler}{'; ours compiled' if args.compile else ''}{'; TRL compiled' if args.trl_compile else ''}; "
              f"{args.rounds} rounds x {args.steps} steps, "
              f"{args.warmup} warm-up step(s) dropped", "",
              f"{'pair':6s} {'ours vs TRL':26s} {'rows/step':>9s} {'ours samp/s':>12s} {'TRL samp/s':>11s} "
@@ -562,12 +563,13 @@ def parse_args(argv):
     p.add_argument("--teacher", help="Teacher checkpoint directory for opd/GKD (default: the toy teacher).")
     p.add_argument("--pairs", default="grpo,opd,sft", help="Comma-separated subset of grpo,opd,sft.")
     p.add_argument("--sampler", choices=("hf", "fast", "fast-lp"), default="hf",
-                   help="Our rollout sampler: engine.hf_generate (hf), composer.runtime.fast_sampler (fast), or "
-                        "fast plus behaviour log-probs kept from sampling, so score's forward pass is skipped "
-                        "(fast-lp, a proposed engine change).")
+                   help="Our rollout sampler: the hf engine as runs use it (hf: the KV-cache sampler, keeping its "
+                        "log-probs), or the earlier emulations: fast (the sampler, log-probs re-scored) and fast-lp.")
     p.add_argument("--compile", action="store_true",
                    help="Run ours with train.compile: true (torch.compile of the policy and initial-policy forwards; compiling takes "
                         "minutes and happens in the untimed warm-up).")
+    p.add_argument("--trl-compile", action="store_true",
+                   help="TRL's side with TrainingArguments.torch_compile (compare with --compile on ours).")
     p.add_argument("--length", type=int, default=32, help="Completion length, forced on both sides.")
     p.add_argument("--prompts", type=int, default=None, help="Prompts per step (default: the spec's).")
     p.add_argument("--group", type=int, default=None, help="Samples per prompt (default: the spec's).")

@@ -89,7 +89,7 @@ def toy_data(out, seed):
               help="Write the methods table and plot of this finished bench folder into ./README.md (docs/bench/).")
 def bench(specs, seeds, budget_samples, out, sweep, suite, study, quick, throughput, readme_from):
     """Run SPECs (or a suite) on the toy testbed at an equal policy-sample budget; write results.csv,
-    summary.md (mean and 95% interval) and plots."""
+    summary.md (mean and 95% interval) and plots. Arguments path.to.field=value override every SPEC."""
     import time as _time
 
     from composer import bench as b
@@ -115,7 +115,11 @@ def bench(specs, seeds, budget_samples, out, sweep, suite, study, quick, through
         variants = [b.Variant(label, spec, list(ov), study=name) for name, items in b.SUITE.items()
                     if not study or name in study for label, spec, ov in items]
     elif specs:
-        variants = b.variants_from(list(specs), sweep)
+        files = [s for s in specs if "=" not in s]
+        common = [s for s in specs if "=" in s]  # path.to.field=value, applied to every variant
+        variants = b.variants_from(files, sweep)
+        for v in variants:
+            v.overrides[:0] = common
     else:
         raise click.UsageError("give SPEC files, or --suite seeds")
     folder = Path(out or f"runs/bench-{_time.strftime('%Y%m%d-%H%M%S')}")

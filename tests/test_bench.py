@@ -30,13 +30,15 @@ def test_bench_writes_results_summary_and_plots(tmp_path):
             "train.prompts_per_step=2"]
     variants = [b.Variant(f"oapl every={k}", str(ROOT / "specs/oapl.yaml"), fast + [f"sync.every={k}"],
                           study="lag", sweep=("sync.every", str(k))) for k in (1, 2)]
+    variants.append(b.Variant("again", variants[0].spec, list(variants[0].overrides), study="other"))  # same run
     cfg = dict(b.QUICK, budget_samples=8, eval_samples=2, pass_k_n=2, pass_k_problems=2, eval_every=1)
     results = b.bench(variants, tmp_path / "out", cfg, "test", log=lambda m: None)
-    assert [r["policy_samples"] for r in results] == [8, 8]
+    assert [r["policy_samples"] for r in results] == [8, 8, 8]
+    assert results[2]["run"] == results[0]["run"] and results[2]["study"] == "other"  # reused, not rerun
     rows = list(csv.DictReader((tmp_path / "out" / "results.csv").open()))
-    assert len(rows) == 2 and {"pass@1/tier6", "pass@2/tier8", "judge_tokens"} <= set(rows[0])
+    assert len(rows) == 3 and {"pass@1/tier6", "pass@2/tier8", "judge_tokens"} <= set(rows[0])
     summary = (tmp_path / "out" / "summary.md").read_text()
-    assert "budget_samples=8" in summary and "oapl every=2" in summary
+    assert "budget_samples=8" in summary and "oapl every=2" in summary and "## other" in summary
     assert (tmp_path / "out" / "lag.png").exists() and (tmp_path / "out" / "lag-sweep.png").exists()
 
 
@@ -56,3 +58,17 @@ def test_readme_section_is_written_between_markers_from_a_bench_folder(tmp_path)
     assert "| opd | 0.350 ± 0.098 |" in text  # mean of 0.3 and 0.4; 1.96 * stdev 0.0707 / sqrt(2) = 0.098
     assert "pass@4/tier8" in text and "](docs/bench/methods.png)" in text
     assert (tmp_path / "docs" / "bench" / "methods.png").exists()
+
+
+def test_cli_overrides_apply_to_every_variant_before_the_sweep(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from composer.cli import main
+
+    seen = []
+    monkeypatch.setattr(b, "bench", lambda variants, *a, **kw: seen.extend(variants) or [])
+    res = CliRunner().invoke(main, ["bench", "specs/int.yaml", "specs/grpo.yaml", "sources.oracle.kind=oracle",
+                                    "--sweep", "train.lr=1e-4,3e-4", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert [v.spec for v in seen] == ["specs/int.yaml"] * 2 + ["specs/grpo.yaml"] * 2
+    assert seen[1].overrides == ["sources.oracle.kind=oracle", "train.lr=3e-4"]
