@@ -22,7 +22,7 @@ DEFAULTS = {
     "budget_samples": 4096,  # policy-generated samples per run (SFT: demonstrations)
     "seeds": 2,
     "eval_samples": 32,  # held-out problems per tier for greedy pass@1
-    "pass_k_n": 16,  # samples per problem for pass@k (k = 1..16)
+    "pass_k_n": 32,  # samples per problem for pass@k (k = 1..32)
     "pass_k_problems": 16,
     "eval_every": 10,
 }
@@ -252,11 +252,11 @@ def plots(results: list[dict], out: Path) -> list[Path]:
             xs, ys = _curve([_read(Path(r["run"]) / "metrics.csv") for r in runs], "entropy")
             w = 5  # rolling mean over 5 steps: per-step entropy of 64 rollouts is noisy
             smooth = [statistics.fmean(ys[max(0, i - w + 1): i + 1]) for i in range(len(ys))]
-            axes[3].plot([x * per_step for x in xs], smooth, label=label)
+            axes[3].plot(xs, smooth, label=label)
         axes[0].set(title=f"hard ({HARD}) pass@1", xlabel="policy samples")
         axes[1].set(title=f"middle ({MIDDLE}) pass@1", xlabel="policy samples")
         axes[2].set(title=f"pass@k ({HARD})", xlabel="k", xscale="log")
-        axes[3].set(title="entropy (5-step mean)", xlabel="policy samples")
+        axes[3].set(title="entropy (5-step mean)", xlabel="step")
         axes[3].legend(fontsize=6)
         fig.tight_layout()
         path = out / f"{tag}.png"

@@ -272,6 +272,20 @@ def test_terms_sharing_a_rollout_keep_their_own_weights_and_share_one_forward(ti
     assert float(total.detach()) == pytest.approx(m["reward/loss"], rel=1e-6)
 
 
+def test_initial_policy_log_probs_are_computed_once_per_shared_rollout(tiny, monkeypatch):
+    from composer.runtime import step
+    from composer.runtime.engine import make_engine
+
+    two_kl = SDPO_PLUS_AR.replace("objective: {kind: advantage_regression, beta1: 1.0}", "objective: {kind: grpo, kl_coef: 0.1}")
+    ctx = make_ctx(tiny, two_kl + "  - {name: pg, signal: {kind: reward, source: verifier}, objective: {kind: grpo, kl_coef: 0.1}}\n")
+    ctx.engine = make_engine("hf", ctx.policy, ctx.tokenizer, ctx.spec.rollout)
+    calls = []
+    real = step.initial_logprobs
+    monkeypatch.setattr(step, "initial_logprobs", lambda c, b: calls.append(1) or real(c, b))
+    _distill, reward, pg = step.sample(ctx, [toy.make_example("6-2+9+4-1")])
+    assert len(calls) == 1 and reward.initial_logprobs is pg.initial_logprobs is not None
+
+
 def test_feedback_is_none_for_successes(tiny):
     ctx = make_ctx(tiny, SDPO.replace("CONTEXT", "[sibling, feedback]"))
     p = "9-3-3"

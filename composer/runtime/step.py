@@ -54,7 +54,11 @@ def sample(ctx: RunContext, examples) -> list[TrajectoryBatch]:
             batch = rollout.term_view()
         batch = sig.apply(ctx, batch)
         if getattr(_obj, "wants_initial", False) and batch.initial_logprobs is None:
-            batch.initial_logprobs = initial_logprobs(ctx, batch)
+            shared = rollout is not None and batch.tokens is rollout.tokens  # computed once per rollout
+            owner = rollout if shared else batch
+            if owner.initial_logprobs is None:
+                owner.initial_logprobs = initial_logprobs(ctx, owner)
+            batch.initial_logprobs = owner.initial_logprobs
         out.append(batch)
     return out
 
