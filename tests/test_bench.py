@@ -72,3 +72,15 @@ def test_cli_overrides_apply_to_every_variant_before_the_sweep(monkeypatch, tmp_
     assert res.exit_code == 0, res.output
     assert [v.spec for v in seen] == ["specs/int.yaml"] * 2 + ["specs/grpo.yaml"] * 2
     assert seen[1].overrides == ["sources.oracle.kind=oracle", "train.lr=3e-4"]
+
+
+def test_readme_from_a_folder_without_results_fails_cleanly(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from composer.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "README.md").write_text("# T\n")
+    res = CliRunner().invoke(main, ["bench", "--readme", str(tmp_path)])
+    assert res.exit_code == 2 and "cannot write the README section" in res.output
+    assert (tmp_path / "README.md").read_text() == "# T\n"
