@@ -104,7 +104,8 @@ def loss(ctx: RunContext, policy, batches: list[TrajectoryBatch]) -> tuple[torch
     ent = (view.entropy * mask).sum() / mask.sum().clamp(min=1)
     if ctx.spec.train.entropy_coef:
         total = total - ctx.spec.train.entropy_coef * ent
-    metrics["entropy"] = float(ent.detach())
+    if mask.any():  # a batch with no response tokens (e.g. no SFT targets this step) has no entropy
+        metrics["entropy"] = float(ent.detach())
     metrics.update(batch_metrics(next((b for b in batches if b.rewards is not None), first)))
     return total, metrics
 
