@@ -51,16 +51,17 @@ class Variant:
     sweep: tuple[str, str] | None = None  # (field, value) when the variant comes from --sweep
 
 
-def variants_from(specs: list[str], sweep: str | None) -> list[Variant]:
+def variants_from(specs: list[str], sweep: str | None, overrides: list[str] = ()) -> list[Variant]:
+    """One variant per spec (and sweep value); `overrides` apply to every one, before the sweep's."""
     out = []
     for spec in specs:
         name = Path(spec).stem
         if not sweep:
-            out.append(Variant(name, spec))
+            out.append(Variant(name, spec, list(overrides)))
             continue
         key, values = sweep.split("=", 1)
         for v in values.split(","):
-            out.append(Variant(f"{name} {key}={v}", spec, [f"{key}={v}"], sweep=(key, v)))
+            out.append(Variant(f"{name} {key}={v}", spec, [*overrides, f"{key}={v}"], sweep=(key, v)))
     return out
 
 
@@ -74,13 +75,17 @@ def samples_per_step(seg) -> int:
     return spec.train.prompts_per_step * spec.rollout.samples_per_prompt
 
 
+def policy_samples(validated) -> int:
+    """Policy samples a whole run of this validated spec consumes."""
+    return sum((s.end - s.start) * samples_per_step(s) for s in validated.segments)
+
+
 def budget_overrides(variant: Variant, budget: int) -> list[str]:
     """Scale train.steps (and stage steps and phase boundaries alike) so the run uses `budget` samples."""
     from composer.validate import validate_file
 
     v = validate_file(variant.spec, variant.overrides)
-    used = sum((s.end - s.start) * samples_per_step(s) for s in v.segments)
-    factor = budget / max(used, 1)
+    factor = budget / max(policy_samples(v), 1)
     out = []
     if v.spec.stages:
         for i, seg in enumerate(v.segments):
@@ -121,7 +126,7 @@ def run_one(variant: Variant, seed: int, out: Path, cfg: dict) -> dict:
 
     result = {"label": variant.label, "study": variant.study, "spec": variant.spec, "seed": seed,
               "sweep_field": variant.sweep[0] if variant.sweep else "", "sweep_value": variant.sweep[1] if variant.sweep else "",
-              "steps": v.total_steps, "policy_samples": sum((s.end - s.start) * samples_per_step(s) for s in v.segments),
+              "steps": v.total_steps, "policy_samples": policy_samples(v),
               "wall_s": round(wall, 1),
               "policy_tokens": float(last.get("cost/policy_tokens") or 0),
               "judge_tokens": float(last.get("cost/judge_tokens") or 0),
@@ -138,6 +143,12 @@ def run_one(variant: Variant, seed: int, out: Path, cfg: dict) -> dict:
 def sampled_key(k: int, tier: str) -> str:
     """Column of the unbiased pass@k from sampled answers (k = 1 is not the greedy pass@1)."""
     return f"pass@{k}/{tier}" if k > 1 else f"pass@1_sampled/{tier}"
+
+
+def sampled_ks(row: dict, tier: str) -> list[int]:
+    """The k of every sampled pass@k column of `tier` in a result row."""
+    return sorted(int(c.split("@")[1].split("/")[0].removesuffix("_sampled")) for c in row
+                  if c.startswith("pass@") and c.endswith("/" + tier) and c != f"pass@1/{tier}")
 
 
 def _read(path: Path) -> list[dict]:
@@ -178,9 +189,7 @@ def write_outputs(results: list[dict], out: Path, cfg: dict, command: str) -> No
 
 def study_table(rs: list[dict]) -> list[str]:
     """Markdown table, one line per variant: mean ± 95% interval over its seeds."""
-    k = max((int(c.split("@")[1].split("/")[0]) for r in rs for c in r
-             if c.startswith("pass@") and c.endswith("/" + HARD) and "_sampled" not in c and c != f"pass@1/{HARD}"),
-            default=1)
+    k = max((k for r in rs for k in sampled_ks(r, HARD)), default=1)
     cols = [f"pass@1/{MIDDLE}", f"pass@1/{HARD}", sampled_key(k, MIDDLE), sampled_key(k, HARD), "zero_advantage_frac",
             "offpolicy_token_frac", "entropy_last", "judge_tokens", "teacher_tokens", "wall_s"]
     lines = ["| variant | " + " | ".join(cols) + " |", "| --- |" + " --- |" * len(cols)]
@@ -242,14 +251,14 @@ def plots(results: list[dict], out: Path) -> list[Path]:
             runs = [r for r in rs if r["label"] == label]
             r0 = runs[0]
             per_step = r0["policy_samples"] / max(r0["steps"], 1)
+            logs = [_read(Path(r["run"]) / "metrics.csv") for r in runs]
             for ax, tier in ((axes[0], HARD), (axes[1], MIDDLE)):
-                xs, ys = _curve([_read(Path(r["run"]) / "metrics.csv") for r in runs], f"pass@1/{tier}")
+                xs, ys = _curve(logs, f"pass@1/{tier}")
                 ax.plot([x * per_step for x in xs], ys, marker=".", label=label)
-            ks = sorted(int(c.split("@")[1].split("/")[0].removesuffix("_sampled")) for c in r0
-                        if c.startswith("pass@") and c.endswith("/" + HARD) and c != f"pass@1/{HARD}")
+            ks = sampled_ks(r0, HARD)
             axes[2].plot(ks, [statistics.fmean(float(r[sampled_key(k, HARD)]) for r in runs) for k in ks],
                          marker="o", label=label)
-            xs, ys = _curve([_read(Path(r["run"]) / "metrics.csv") for r in runs], "entropy")
+            xs, ys = _curve(logs, "entropy")
             w = 5  # rolling mean over 5 steps: per-step entropy of 64 rollouts is noisy
             smooth = [statistics.fmean(ys[max(0, i - w + 1): i + 1]) for i in range(len(ys))]
             axes[3].plot(xs, smooth, label=label)

@@ -23,6 +23,11 @@ def _validate(path: str, overrides: list[str]):
     return validate_file(path, overrides)
 
 
+def split_args(args) -> tuple[list[str], list[str]]:
+    """Command-line arguments as (files, path.to.field=value overrides)."""
+    return [a for a in args if "=" not in a], [a for a in args if "=" in a]
+
+
 def validated_or_exit(path: str, overrides: list[str]):
     """The validated spec, its warnings printed; on a spec error the message and exit 2."""
     try:
@@ -45,8 +50,8 @@ def main():
 @click.option("--set", "overrides", multiple=True, help="Override (path.to.field=value); also accepted as bare args.")
 def validate(specs, overrides):
     """Validate SPEC files (schema, graph, method rules). Exit 0 if all are valid, 2 otherwise."""
-    files = [s for s in specs if "=" not in s]
-    overrides = list(overrides) + [s for s in specs if "=" in s]
+    files, given = split_args(specs)
+    overrides = list(overrides) + given
     bad = warned = 0
     for f in files:
         try:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from composer.cli import EXIT_INVALID, main, validated_or_exit
+from composer.cli import EXIT_INVALID, main, split_args, validated_or_exit
 from composer.errors import SpecError
 
 
@@ -115,11 +115,8 @@ def bench(specs, seeds, budget_samples, out, sweep, suite, study, quick, through
         variants = [b.Variant(label, spec, list(ov), study=name) for name, items in b.SUITE.items()
                     if not study or name in study for label, spec, ov in items]
     elif specs:
-        files = [s for s in specs if "=" not in s]
-        common = [s for s in specs if "=" in s]  # path.to.field=value, applied to every variant
-        variants = b.variants_from(files, sweep)
-        for v in variants:
-            v.overrides[:0] = common
+        files, common = split_args(specs)  # path.to.field=value applies to every variant
+        variants = b.variants_from(files, sweep, common)
     else:
         raise click.UsageError("give SPEC files, or --suite seeds")
     folder = Path(out or f"runs/bench-{_time.strftime('%Y%m%d-%H%M%S')}")

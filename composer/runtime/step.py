@@ -30,7 +30,7 @@ def collect(ctx: RunContext, examples) -> list[TrajectoryBatch]:
         return ctx.buffer
     fresh = sample(ctx, examples)
     if ctx.buffer and not sync.clear_buffer:
-        fresh = [concat([old, new], ctx.pad_id) if old is not new else new for old, new in zip(ctx.buffer, fresh)]
+        fresh = [concat([old, new], ctx.pad_id) for old, new in zip(ctx.buffer, fresh)]
     ctx.buffer, ctx.buffer_version = fresh, version
     ctx.log(buffer_reused=0.0, buffer_rows=float(fresh[0].size))
     return fresh
