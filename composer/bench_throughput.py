@@ -138,8 +138,8 @@ class Ours:
         engine = self.ctx.engine
         if length and hasattr(engine, "model"):
             engine.model.generation_config.min_new_tokens = length
-        if sampler in ("fast", "fast-lp"):
-            self._use_fast_sampler(engine, sampler == "fast-lp")
+        if sampler == "fast":
+            self._use_fast_sampler(engine)
         self._wrap("generate", engine)
         self._wrap("score", engine)
         orig_initial = run_step.initial_logprobs
@@ -169,38 +169,20 @@ class Ours:
         setattr(engine, name, wrapped)
 
     @staticmethod
-    def _use_fast_sampler(engine, keep_logprobs: bool):
-        """fast: fast_generate in place of hf_generate. fast-lp: also keep the sampler's log-probs and answer
-        `score` for the sequences just sampled from them, skipping score's forward pass (a proposed engine
-        change, emulated here; prompt positions get 0, which every objective masks out)."""
-        from composer.runtime.fast_sampler import fast_generate, fast_generate_with_logprobs
+    def _use_fast_sampler(engine):
+        """fast: the KV-cache sampler without keeping its log-probs, so `score` runs its forward pass again
+        (what the hf engine did before it reused the sampler's log-probs)."""
+        from composer.runtime.fast_sampler import fast_generate
 
         if not hasattr(engine, "model"):
             raise SystemExit(f"--sampler fast: the rollout engine {engine.name} has no local model to sample from")
-        kept: dict = {}
 
         def generate(prompts, max_new_tokens, sampling):
-            if keep_logprobs:
-                out, lps = fast_generate_with_logprobs(engine.model, engine.tok, prompts, max_new_tokens, sampling,
-                                                       engine.batch_size)
-                kept.clear()
-                if lps is not None:
-                    for p, g, lp in zip(prompts, out, lps):
-                        kept[tuple(p + g.tokens)] = [0.0] * len(p) + lp
-            else:
-                out = fast_generate(engine.model, engine.tok, prompts, max_new_tokens, sampling, engine.batch_size)
+            out = fast_generate(engine.model, engine.tok, prompts, max_new_tokens, sampling, engine.batch_size)
             engine.generated_tokens += sum(len(g.tokens) for g in out)
             return out
 
         engine.generate = generate
-        if keep_logprobs:
-            score = engine.score
-
-            def score_kept(sequences, temperature=1.0):
-                got = [kept.get(tuple(s)) for s in sequences]
-                return got if all(g is not None for g in got) else score(sequences, temperature)
-
-            engine.score = score_kept
 
     def step(self) -> None:
         """One optimiser step, as ComposerModule.training_step + the Trainer + after_step do it."""
@@ -562,9 +544,9 @@ def parse_args(argv):
     p.add_argument("--model", help="Policy checkpoint directory (default: the toy student, bootstrapped if missing).")
     p.add_argument("--teacher", help="Teacher checkpoint directory for opd/GKD (default: the toy teacher).")
     p.add_argument("--pairs", default="grpo,opd,sft", help="Comma-separated subset of grpo,opd,sft.")
-    p.add_argument("--sampler", choices=("hf", "fast", "fast-lp"), default="hf",
+    p.add_argument("--sampler", choices=("hf", "fast"), default="hf",
                    help="Our rollout sampler: the hf engine as runs use it (hf: the KV-cache sampler, keeping its "
-                        "log-probs), or the earlier emulations: fast (the sampler, log-probs re-scored) and fast-lp.")
+                        "log-probs), or fast: the same sampler with its log-probs re-scored by a forward pass.")
     p.add_argument("--compile", action="store_true",
                    help="Run ours with train.compile: true (torch.compile of the policy and initial-policy forwards; compiling takes "
                         "minutes and happens in the untimed warm-up).")

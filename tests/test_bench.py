@@ -20,6 +20,11 @@ def test_budget_is_equal_across_methods_and_stages():
         used = sum((s.end - s.start) * b.samples_per_step(s) for s in val.segments)
         per_step = max(b.samples_per_step(s) for s in val.segments)
         assert abs(used - 512) <= per_step * len(val.segments), (spec, used)
+    # by hand: GRPO samples 8 prompts x 8 = 64 per step, so 512 samples are 8 steps; MInTRL 4 x 16 = 64 per
+    # step over 500 steps with its guide off after 200: 8 steps, the phase boundary at 200 * 8 / 500 = 3.2 -> 3
+    assert b.budget_overrides(b.Variant("g", str(ROOT / "specs/grpo.yaml")), 512) == ["train.steps=8"]
+    assert b.budget_overrides(b.Variant("m", str(ROOT / "specs/mintrl.yaml")), 512) == [
+        "train.steps=8", "phases.0.until=3", "phases.1.until=8"]
 
 
 def test_bench_writes_results_summary_and_plots(tmp_path):

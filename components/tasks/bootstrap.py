@@ -178,7 +178,7 @@ def sft(
     mix = MIX if mix is None else mix
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.1)  # shortens the plateau
     model.train()
-    t0, ema, step, _done, out = time.time(), None, 0, 0, {}
+    t0, step, out = time.time(), 0, {}
     for phase, limit in (("plain", max_plain), ("mix", mix_updates)):
         ema, i = None, -1
         for i in range(limit):

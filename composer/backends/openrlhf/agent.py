@@ -132,13 +132,18 @@ class ComposerAgent:
             info["control"] = False
             trace, finished = await self._intervene(ctx, example, guide, ids, budget, sp, llm_engine, info)
         else:
-            trace = Trace(ids)
-            toks, lps, finished = await self.generate(llm_engine, ids, sp, budget)
-            trace.add(toks, "policy", lps)
+            trace, finished = await self._plain(ids, budget, sp, llm_engine)
         reward = info.pop("reward", None)
         if reward is None:
             reward = self._reward(ctx, example, tok.decode(trace.response, skip_special_tokens=True))
         return await self._result(prompt, meta, trace, reward, finished, sp, llm_engine, info)
+
+    async def _plain(self, ids, budget, sp, engine):
+        """(trace, stopped at EOS) of one unguided policy rollout."""
+        trace = Trace(ids)
+        toks, lps, finished = await self.generate(engine, ids, sp, budget)
+        trace.add(toks, "policy", lps)
+        return trace, finished
 
     def _reward(self, ctx, example, text: str) -> float:
         verifier = self.run["plugin"].get("verifier", "none")
@@ -175,10 +180,7 @@ class ComposerAgent:
         of the prompt agrees); guided prompts form their own advantage group (tag)."""
         key = f"{example.prompt}|{step}|{ctx.spec.train.seed}".encode()
         if int(hashlib.sha256(key).hexdigest()[:8], 16) / 16 ** 8 >= guide.guided_fraction or not example.solution:
-            trace = Trace(ids)
-            toks, lps, finished = await self.generate(engine, ids, sp, budget)
-            trace.add(toks, "policy", lps)
-            return trace, finished
+            return await self._plain(ids, budget, sp, engine)
         k = await self._prefix_steps(ctx, example, guide, sp, engine)
         info.update(control=k == 0, guided=k > 0, tag="guided")
         prompt, prefix = guide.conditioned(ctx, example, k)
