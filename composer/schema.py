@@ -15,7 +15,66 @@ def spec_schema(builtins_only: bool = True) -> dict:
     schema = spec_model(builtins_only=builtins_only).model_json_schema(by_alias=True, mode="validation")
     schema = {"$schema": "https://json-schema.org/draft/2020-12/schema",
               "$id": "https://algorithm-composer/spec.schema.json", **schema}
-    return _fix_inf(schema)
+    return _fix_inf(_by_kind(schema, schema.get("$defs", {})))
+
+
+def _kind_refs(members: list, defs: dict) -> dict[str, str] | None:
+    """kind -> $ref when every member is a reference to a component model (its `kind` a constant), else None."""
+    out = {}
+    for m in members:
+        target = defs.get(m.get("$ref", "").rsplit("/", 1)[-1]) if set(m) == {"$ref"} else None
+        kind = (target or {}).get("properties", {}).get("kind", {}).get("const")
+        if kind is None:
+            return None
+        out[kind] = m["$ref"]
+    return out
+
+
+def _dispatch(refs: dict[str, str], defs: dict, partial: bool) -> dict:
+    """A component union as `kind` enum + one if/then per kind.
+
+    A generic validator then names the wrong field of the chosen kind (a `oneOf` only says "not valid under
+    any of the given schemas"); editors complete `kind` from the enum and the fields from the matching `then`.
+    A partial (inside a phase or stage) may leave `kind` out: it patches the base spec's component, so its
+    keys must be fields of some kind of the section.
+    """
+    node = {"type": "object",
+            "properties": {"kind": {"enum": list(refs), "description": "Component kind (`composer list` shows "
+                                    "each kind's fields)."}},
+            "allOf": [{"if": {"properties": {"kind": {"const": k}}, "required": ["kind"]}, "then": {"$ref": r}}
+                      for k, r in refs.items()]}
+    if partial:
+        names = sorted({f for r in refs.values() for f in defs[r.rsplit("/", 1)[-1]].get("properties", {})})
+        node["allOf"].append({"if": {"not": {"required": ["kind"]}},
+                              "then": {"propertyNames": {"enum": names}, "anyOf": [{"$ref": r} for r in refs.values()]}})
+    else:
+        node["required"] = ["kind"]
+        node["discriminator"] = {"propertyName": "kind", "mapping": dict(refs)}
+    return node
+
+
+def _by_kind(value, defs: dict):
+    """Rewrite every component union of pydantic's schema (oneOf + discriminator, or anyOf of partials)."""
+    if isinstance(value, list):
+        return [_by_kind(v, defs) for v in value]
+    if not isinstance(value, dict):
+        return value
+    value = {k: _by_kind(v, defs) for k, v in value.items()}
+    if "oneOf" in value and "discriminator" in value:
+        refs = _kind_refs(value["oneOf"], defs)
+        if refs:
+            rest = {k: v for k, v in value.items() if k not in ("oneOf", "discriminator")}
+            return {**rest, **_dispatch(refs, defs, partial=False)}
+    if "anyOf" in value:
+        members = [m for m in value["anyOf"] if m != {"type": "null"}]
+        refs = _kind_refs(members, defs) if members else None
+        if refs:
+            rest = {k: v for k, v in value.items() if k != "anyOf"}
+            node = _dispatch(refs, defs, partial=True)
+            if len(members) == len(value["anyOf"]):
+                return {**rest, **node}
+            return {**rest, "anyOf": [node, {"type": "null"}]}
+    return value
 
 
 def _fix_inf(value):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
+from pydantic.fields import FieldInfo
 
 from composer import registry
 
@@ -81,29 +82,92 @@ def _component_union(section: str, builtins_only: bool):
 
 
 PARTIAL_KEYS = ("sources", "rollout", "signal", "objective", "terms", "sync", "train")
-PARTIAL_HELP = "A partial spec merged over the base spec (components whose `kind` changes are replaced whole)."
 
 
 class Phase(Strict):
+    """A step range of the run with partial overrides of the base spec (its other sections come from spec_model)."""
+
     until: int = Field(..., ge=1, description="This phase covers steps up to (excluding) this step.")
-    sources: Optional[dict[str, Any]] = Field(None, description=PARTIAL_HELP)
-    rollout: Optional[dict[str, Any]] = Field(None, description=PARTIAL_HELP)
-    signal: Optional[dict[str, Any]] = Field(None, description=PARTIAL_HELP)
-    objective: Optional[dict[str, Any]] = Field(None, description=PARTIAL_HELP)
-    terms: Optional[list[Any]] = Field(None, description=PARTIAL_HELP)
-    sync: Optional[dict[str, Any]] = Field(None, description=PARTIAL_HELP)
-    train: Optional[dict[str, Any]] = Field(None, description="Partial train settings (not `steps`, which belongs to the spec).")
 
 
 class Stage(Strict):
+    """A stage run after the previous one, a partial spec over the base (its other sections come from spec_model)."""
+
     name: str = Field(..., pattern=r"^[a-z0-9_-]+$", description="Stage name (used in logs and run folders).")
-    sources: Optional[dict[str, Any]] = Field(None, description=PARTIAL_HELP)
-    rollout: Optional[dict[str, Any]] = Field(None, description=PARTIAL_HELP)
-    signal: Optional[dict[str, Any]] = Field(None, description=PARTIAL_HELP)
-    objective: Optional[dict[str, Any]] = Field(None, description=PARTIAL_HELP)
-    terms: Optional[list[Any]] = Field(None, description=PARTIAL_HELP)
-    sync: Optional[dict[str, Any]] = Field(None, description=PARTIAL_HELP)
-    train: Optional[dict[str, Any]] = Field(None, description="Partial train settings; `steps` is this stage's step count.")
+
+
+def _keep(value):
+    return value
+
+
+def _drop_default(schema: dict) -> None:
+    schema.pop("default", None)  # a required field made optional for a partial has no default to show
+
+
+def _partial(model: type[BaseModel], name: str, doc: str, exclude: tuple = (), **over) -> type[BaseModel]:
+    """`model` with every field optional (a partial is deep-merged over a full section), for the JSON Schema."""
+    fields = {}
+    for n, f in model.model_fields.items():
+        if n in exclude:
+            continue
+        if n in over:
+            fields[n] = over[n]
+        elif f.is_required():
+            fields[n] = (f.annotation, FieldInfo.merge_field_infos(f, default=None, json_schema_extra=_drop_default))
+        else:
+            fields[n] = (f.annotation, f)
+    return create_model(name, __base__=Strict, __doc__=doc, **fields)
+
+
+def _partial_union(section: str, builtins_only: bool):
+    """The section's kinds as partials: `kind` may be left out (the base spec's component is patched)."""
+    what = section.rstrip("s") if section != "sources" else "source"
+    parts = tuple(_partial(c, f"{c.__name__}Partial", f"Partial {c.kind_name()} {what}: merged over the base "
+                           f"spec's {what}; a different `kind` replaces it whole. {c.summary()}")
+                  for c in registry.kinds(section).values() if not (builtins_only and c.plugin))
+    return parts[0] if len(parts) == 1 else Union[parts]
+
+
+def _as_raw(schema_type, description: str, nullable: bool = False):
+    """A phase/stage section: validated after merging (composer.validate), described by its partial type.
+
+    nullable: `null` removes the base spec's value (a stage that switches from signal + objective to terms)."""
+    schema_type = Optional[schema_type] if nullable else schema_type
+    return (Annotated[Optional[Any], BeforeValidator(_keep, json_schema_input_type=schema_type)],
+            Field(None, description=description))
+
+
+def _segment_models(term, builtins_only: bool) -> tuple[type[BaseModel], type[BaseModel]]:
+    """Phase and Stage with typed partial sections. Their values stay the raw YAML mappings: validation merges
+    each one over the base spec and validates the result with the full model, so only the schema gets types."""
+    source_p, guide_p = _partial_union("sources", builtins_only), _partial_union("guide", builtins_only)
+    signal_p, objective_p = _partial_union("signal", builtins_only), _partial_union("objective", builtins_only)
+    rollout_p = _partial(Rollout, "RolloutPartial", "Partial rollout settings, merged over the base spec's rollout.",
+                         guide=(guide_p, Field(None, description="Who else writes tokens into rollouts (partial).")))
+    sync_p = _partial(Sync, "SyncPartial", "Partial sync settings, merged over the base spec's sync.")
+    train_stage = _partial(Train, "TrainPartial", "Partial train settings, merged over the base spec's train.")
+    train_phase = _partial(Train, "PhaseTrainPartial", "Partial train settings of a phase (not `steps`: phases "
+                           "split the spec's train.steps with `until`).", exclude=("steps",))
+    sections = {
+        "sources": _as_raw(dict[str, source_p], "Sources added, or merged over the base spec's sources of the same "
+                           "name (a different `kind` replaces one whole)."),
+        "rollout": _as_raw(rollout_p, "Rollout settings merged over the base spec's."),
+        "signal": _as_raw(signal_p, "The signal, merged over the base spec's (a different `kind` replaces it; "
+                          "null removes it).", nullable=True),
+        "objective": _as_raw(objective_p, "The objective, merged over the base spec's (a different `kind` replaces "
+                             "it; null removes it).", nullable=True),
+        "terms": _as_raw(list[term], "Weighted signal/objective pairs; replaces the base spec's terms whole "
+                         "(null removes them).", nullable=True),
+        "sync": _as_raw(sync_p, "Sync settings merged over the base spec's."),
+    }
+    phase = create_model("Phase", __base__=Phase, __doc__="A step range with partial overrides of the base spec.",
+                         **sections, train=_as_raw(train_phase, "Train settings merged over the base spec's (not "
+                                                   "`steps`)."))
+    stage = create_model("Stage", __base__=Stage, __doc__="A stage: a partial spec over the base, run after the "
+                         "previous stage.", **sections,
+                         train=_as_raw(train_stage, "Train settings merged over the base spec's; `steps` is this "
+                                       "stage's step count."))
+    return phase, stage
 
 
 _CACHE: dict = {}
@@ -129,6 +193,7 @@ def spec_model(builtins_only: bool = False) -> type[BaseModel]:
         weight=(float, Field(1.0, description="Weight of this term in the summed loss.")),
         name=(Optional[str], Field(None, description="Name used when logging this term (default: term<i>).")),
     )
+    phase, stage = _segment_models(term, builtins_only)
     model = create_model(
         "Spec", __base__=Strict,
         name=(str, Field(..., pattern=r"^[a-z0-9_-]+$", description="Method name, [a-z0-9_-]+.")),
@@ -143,8 +208,8 @@ def spec_model(builtins_only: bool = False) -> type[BaseModel]:
         objective=(Optional[objective_u], Field(None, description="How the signal becomes a loss.")),
         terms=(Optional[list[term]], Field(None, description="Several weighted signal/objective pairs, instead of `signal` + `objective`.")),
         sync=(Sync, Field(default_factory=Sync, description="When rollout weights are refreshed from the trainer.")),
-        phases=(list[Phase], Field(default_factory=list, description="Step ranges with partial overrides, e.g. a guide switched off after step 200.")),
-        stages=(list[Stage], Field(default_factory=list, description="Stages run one after another, each a partial spec with its own train.steps.")),
+        phases=(list[phase], Field(default_factory=list, description="Step ranges with partial overrides, e.g. a guide switched off after step 200.")),
+        stages=(list[stage], Field(default_factory=list, description="Stages run one after another, each a partial spec with its own train.steps.")),
         train=(Train, Field(default_factory=Train, description="Optimisation and run settings.")),
     )
     _CACHE[key] = model
