@@ -95,37 +95,57 @@ def explain(spec, overrides, fmt):
 
 
 @main.command("list")
-@click.option("--section", type=click.Choice(["sources", "guide", "signal", "objective", "verifier"]), default=None)
-def list_(section):
-    """Every component kind with its description (built-in and plugins), and every verifier."""
-    from composer import registry
+@click.argument("topic", required=False)
+@click.option("--section", default=None, metavar="KEY",
+              help="Same as TOPIC: a top-level key (train, stages, objective, ...), guide, or verifiers.")
+@click.option("--markdown", is_flag=True, help="Print Markdown (the text of docs/reference.md) instead.")
+@click.option("--out", default=None, help="With --markdown: write to this file (docs/reference.md is generated with "
+              "`composer list --markdown --out docs/reference.md`).")
+@click.option("--with-plugins", is_flag=True, help="With --markdown: include installed plugins' kinds (the committed "
+              "docs/reference.md covers built-in kinds only).")
+def list_(topic, section, markdown, out, with_plugins):
+    """The spec language: every top-level key, every component kind and every verifier.
+
+    TOPIC shows every field with its type, allowed values, default and description: a key (`train`,
+    `stages`, `objective`), a kind (`objective/advantage_regression`, with its formula and paper), or
+    `verifiers`.
+    """
+    from composer import reference, registry
 
     registry.load_all()
+    topic = section or topic
+    if out and not markdown:
+        _fail("error: --out needs --markdown")
+    try:
+        entries = reference.entries_for(topic, builtins_only=not with_plugins if markdown else False) \
+            if topic else None
+    except reference.UnknownTopic as e:
+        _fail(f"error: {e}" + (f"\n    hint: {e.hint}" if e.hint else ""))
+    if markdown:
+        text = reference.markdown(builtins_only=not with_plugins) if entries is None else \
+            "\n".join(line for e in entries for line in reference.entry_markdown(e))
+        if not out:
+            click.echo(text, nl=False)
+            return
+        try:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(text)
+        except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+            _fail(f"{out!r}: error: cannot write the reference: {getattr(e, 'strerror', None) or e}")
+        click.echo(f"wrote {out}")
+        return
     from rich.console import Console
-    from rich.table import Table
+    from rich.text import Text
 
-    console = Console()
-    for sec in registry.SECTIONS:
-        if section and section != sec:
-            continue
-        table = Table(title=f"{sec}", show_lines=False)
-        table.add_column("kind", style="bold")
-        table.add_column("description")
-        table.add_column("fields")
-        table.add_column("from")
-        for kind, cls in sorted(registry.kinds(sec).items()):
-            fields = ", ".join(f.alias or n for n, f in cls.model_fields.items() if n != "kind")
-            table.add_row(kind, cls.summary(), fields, cls.plugin or "built-in")
-        console.print(table)
-    if section in (None, "verifier"):
-        table = Table(title="verifiers (outcome_reward.verifier)")
-        table.add_column("name", style="bold")
-        table.add_column("description")
-        for name, info in sorted(registry.VERIFIERS.items()):
-            table.add_row(name, info.description)
-        console.print(table)
+    console = Console(highlight=False)
+    if entries is None:
+        reference.render_overview(console)
+    for e in entries or []:
+        reference.render_entry(console, e)
     for err in registry.PLUGIN_ERRORS:
-        console.print(f"[yellow]warning:[/] {err}")
+        line = Text("warning: ", style="yellow")
+        line.append(err)
+        console.print(line)
 
 
 @main.command()
