@@ -36,6 +36,8 @@ def _d(name, message, path, hint, severity="error"):
 
 @rule("signal_and_objective")
 def signal_and_objective(spec, segment):
+    if segment == "base" and spec.stages:
+        return []  # stages may each bring their own signal and objective; every stage is checked itself
     if spec.terms and (spec.signal or spec.objective):
         return [_d("signal_and_objective", "both `terms` and `signal`/`objective` are given", ("terms",),
                    "write either one signal + objective, or a list of terms")]

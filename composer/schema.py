@@ -41,11 +41,12 @@ def _dispatch(refs: dict[str, str], defs: dict, partial: bool) -> dict:
     node = {"type": "object",
             "properties": {"kind": {"enum": list(refs), "description": "Component kind (`composer list` shows "
                                     "each kind's fields)."}},
-            "allOf": [{"if": {"properties": {"kind": {"const": k}}, "required": ["kind"]}, "then": {"$ref": r}}
+            "allOf": [{"if": {"type": "object", "properties": {"kind": {"const": k}}, "required": ["kind"]},
+                       "then": {"$ref": r}}
                       for k, r in refs.items()]}
     if partial:
         names = sorted({f for r in refs.values() for f in defs[r.rsplit("/", 1)[-1]].get("properties", {})})
-        node["allOf"].append({"if": {"not": {"required": ["kind"]}},
+        node["allOf"].append({"if": {"type": "object", "not": {"required": ["kind"]}},
                               "then": {"propertyNames": {"enum": names}, "anyOf": [{"$ref": r} for r in refs.values()]}})
     else:
         node["required"] = ["kind"]
@@ -70,11 +71,19 @@ def _by_kind(value, defs: dict):
         refs = _kind_refs(members, defs) if members else None
         if refs:
             rest = {k: v for k, v in value.items() if k != "anyOf"}
-            node = _dispatch(refs, defs, partial=True)
-            if len(members) == len(value["anyOf"]):
-                return {**rest, **node}
-            return {**rest, "anyOf": [node, {"type": "null"}]}
+            return {**rest, **_nullable(_dispatch(refs, defs, partial=True), len(members) < len(value["anyOf"]))}
+        if len(members) == 1 and len(value["anyOf"]) == 2 and _is_dispatch(members[0]):
+            # an optional component: `null` joins the union's own node, so that no anyOf hides which field is wrong
+            return {**{k: v for k, v in value.items() if k != "anyOf"}, **_nullable(members[0], True)}
     return value
+
+
+def _is_dispatch(node: dict) -> bool:
+    return "allOf" in node and "enum" in node.get("properties", {}).get("kind", {})
+
+
+def _nullable(node: dict, nullable: bool) -> dict:
+    return {**node, "type": ["object", "null"]} if nullable else node
 
 
 def _fix_inf(value):

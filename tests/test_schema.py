@@ -112,3 +112,103 @@ def test_first_line_points_at_the_schema(path):
     assert first.startswith(SCHEMA_LINE), f"{path}: first line must be `{SCHEMA_LINE}<relative path>`"
     target = (path.parent / first[len(SCHEMA_LINE):].strip()).resolve()
     assert target == SCHEMA_FILE.resolve(), f"{path}: the schema line points at {target}"
+
+
+# ------------------------------------------------------------------------------------------ phases and stages
+# Typed as partial specs: an editor completes and checks inside them (before: free-form objects).
+
+STAGED = """name: staged
+sources:
+  verifier: {kind: outcome_reward}
+signal: {kind: reward, source: verifier}
+objective: {kind: grpo}
+stages:
+  - name: a
+    objective: {clip_hgih: 0.3}
+    train: {steps: 2, lrr: 3}
+  - name: b
+    rollout: {guide: {kind: prefx}}
+    objectiv: {kind: grpo}
+    train: {steps: 2}
+phases:
+  - {until: 2, train: {steps: 3}}
+  - {until: 4, sync: {evry: 2}, objective: {kind: grpo, loss_tokns: [policy]}}
+"""
+
+
+def _unexpected(e) -> tuple:
+    """The path of the key an error is about: the object's path plus the unexpected or misspelt key."""
+    import re
+
+    m = re.search(r"\('([^']+)' was unexpected\)|^'([^']+)' is not one of", e.message)
+    key = (m.group(1) or m.group(2)) if m else None
+    path = tuple(e.absolute_path)
+    return path + (key,) if key and e.validator in ("additionalProperties", "enum") and path[-1:] != ("kind",) \
+        else path
+
+
+def test_typos_inside_stages_and_phases_fail_the_json_schema_at_their_line(tmp_path, validator):
+    from jsonschema.exceptions import best_match
+
+    spec = tmp_path / "staged.yaml"
+    spec.write_text(STAGED)
+    loaded = load_spec(spec)
+    lines = STAGED.splitlines()
+    errors = list(validator.iter_errors(loaded.data))
+    found = {}
+    for e in errors:
+        best = best_match([e])
+        path = _unexpected(best)
+        found[path] = (loaded.locate(path).line, best.message)
+    want = {  # path -> the line holding the typo
+        ("stages", 0, "objective", "clip_hgih"): 8,
+        ("stages", 0, "train", "lrr"): 9,
+        ("stages", 1, "rollout", "guide", "kind"): 11,
+        ("stages", 1, "objectiv"): 12,
+        ("phases", 0, "train", "steps"): 15,
+        ("phases", 1, "sync", "evry"): 16,
+        ("phases", 1, "objective", "loss_tokns"): 16,
+    }
+    for path, line in want.items():
+        assert path in found, (path, found)
+        assert found[path][0] == line, (path, found[path], lines[line - 1])
+    assert "'prefx' is not one of ['intervention', 'none', 'prefix']" in found[("stages", 1, "rollout", "guide", "kind")][1]
+
+
+def test_a_wrong_field_of_a_kind_is_named_not_any_of(validator):
+    data = load_spec(REPO / "specs" / "grpo.yaml").data
+    data["objective"]["clip_hgih"] = 0.3
+    data["rollout"]["guide"] = {"kind": "intervention", "judge": "x", "review": "chunks"}
+    messages = sorted(e.message for e in validator.iter_errors(data))
+    assert messages == ["'chunks' is not one of ['chunk', 'end']",
+                        "Additional properties are not allowed ('clip_hgih' was unexpected)"]
+
+
+def test_component_unions_carry_kind_enum_and_discriminator_mapping():
+    schema = json.loads(SCHEMA_FILE.read_text())
+    objective = schema["properties"]["objective"]
+    assert objective["type"] == ["object", "null"]  # optional: a stage-only spec has none at the top
+    kinds = sorted(k for k, c in registry.kinds("objective").items() if not c.plugin)
+    assert objective["required"] == ["kind"] and sorted(objective["properties"]["kind"]["enum"]) == kinds
+    assert sorted(objective["discriminator"]["mapping"]) == kinds
+    assert all(set(step) == {"if", "then"} for step in objective["allOf"])
+    assert "oneOf" not in json.dumps(schema)  # no "not valid under any of the given schemas" for a wrong kind
+
+
+def test_a_partial_component_may_leave_kind_out(validator):
+    data = load_spec(REPO / "specs" / "mintrl.yaml").data
+    data["phases"][1]["objective"] = {"beta2": 0.01}  # patches the base spec's advantage_regression
+    assert not list(validator.iter_errors(data))
+    data["phases"][1]["objective"] = {"beta2": "big"}
+    assert list(validator.iter_errors(data))
+
+
+def test_validation_of_stages_is_unchanged(tmp_path):
+    """The schema got types; `composer validate` still merges each stage and names it."""
+    spec = tmp_path / "staged.yaml"
+    spec.write_text(STAGED.split("phases:")[0].replace("    objectiv: {kind: grpo}\n", ""))
+    r = CliRunner().invoke(main, ["validate", str(spec)])
+    assert r.exit_code == 2
+    assert f"{spec}:8:17: error: stages[0].objective.clip_hgih: in stage 'a': unknown key 'clip_hgih' in the grpo " \
+           "objective" in r.output
+    assert f"{spec}:11:23: error: stages[1].rollout.guide.kind: in stage 'b': unknown kind 'prefx'" in r.output
