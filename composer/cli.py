@@ -117,25 +117,36 @@ def list_(topic, section, markdown, out, with_plugins):
     if out and not markdown:
         _fail("error: --out needs --markdown")
     try:
-        entries = reference.entries_for(topic, builtins_only=not with_plugins if markdown else False) \
-            if topic else None
+        entries = reference.entries_for(topic, builtins_only=markdown and not with_plugins) if topic else None
     except reference.UnknownTopic as e:
         _fail(f"error: {e}" + (f"\n    hint: {e.hint}" if e.hint else ""))
     if markdown:
-        text = reference.markdown(builtins_only=not with_plugins) if entries is None else \
-            "\n".join(line for e in entries for line in reference.entry_markdown(e))
-        if not out:
-            click.echo(text, nl=False)
-            return
-        try:
-            Path(out).parent.mkdir(parents=True, exist_ok=True)
-            Path(out).write_text(text)
-        except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
-            _fail(f"{out!r}: error: cannot write the reference: {getattr(e, 'strerror', None) or e}")
-        click.echo(f"wrote {out}")
+        _list_markdown(entries, not with_plugins, out)
+    else:
+        _list_terminal(entries)
+
+
+def _list_markdown(entries, builtins_only: bool, out: str | None) -> None:
+    from composer import reference
+
+    text = reference.markdown(builtins_only) if entries is None else \
+        "\n".join(line for e in entries for line in reference.entry_markdown(e))
+    if not out:
+        click.echo(text, nl=False)
         return
+    try:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        _fail(f"{out!r}: error: cannot write the reference: {getattr(e, 'strerror', None) or e}")
+    click.echo(f"wrote {out}")
+
+
+def _list_terminal(entries) -> None:
     from rich.console import Console
     from rich.text import Text
+
+    from composer import reference, registry
 
     console = Console(highlight=False)
     if entries is None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import inspect
 import re
+import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, create_model
 from pydantic_core import PydanticUndefined
 
 from composer import registry
@@ -20,7 +20,6 @@ from composer.errors import did_you_mean
 from composer.schema_errors import _yaml_value
 from composer.spec import Data, Policy, Rollout, Sync, Train, spec_model
 
-DEFAULT_PATH = Path(__file__).resolve().parent.parent / "docs" / "reference.md"
 REGEN = "composer list --markdown --out docs/reference.md"
 COMPONENT_SECTIONS = registry.SECTIONS  # sources, guide, signal, objective
 # the top-level keys of a spec, in the order a spec is read (and the README's spec-language section)
@@ -30,7 +29,6 @@ VERIFIER_TOPICS = ("verifier", "verifiers")
 # sections with fields of their own; phases/stages/terms come from spec_model (they depend on the registry)
 _MODELS = {"policy": Policy, "data": Data, "rollout": Rollout, "sync": Sync, "train": Train}
 _ITEM_OF = {"terms": "one term", "phases": "one phase", "stages": "one stage"}
-_KIND_OF = {"sources": "sources", "signal": "signal", "objective": "objective", "guide": "guide"}
 
 
 PLAIN_DEFAULTS = ("required", "not set", "all defaults")
@@ -55,7 +53,7 @@ class Entry:
     fields: list[FieldDoc] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # ports, references, where it comes from
     fields_title: str = ""  # a line before the fields ("Fields of one stage:")
-    kinds: list["Entry"] = field(default_factory=list)  # a component section's kinds
+    kinds: list[Entry] = field(default_factory=list)  # a component section's kinds
     rows: list[tuple[str, str]] = field(default_factory=list)  # verifiers: (name, description)
 
 
@@ -194,8 +192,8 @@ def verifier_entry(builtins_only: bool = False) -> Entry:
 
 def section_entry(key: str, builtins_only: bool = False) -> Entry:
     """A top-level section of the spec, with every field where it has fields."""
-    if key in _KIND_OF:
-        return component_entry(_KIND_OF[key], builtins_only)
+    if key in COMPONENT_SECTIONS:
+        return component_entry(key, builtins_only)
     spec = spec_model(builtins_only=builtins_only)
     f = spec.model_fields[key]
     if key in _MODELS:
@@ -206,21 +204,20 @@ def section_entry(key: str, builtins_only: bool = False) -> Entry:
             fields.append(FieldDoc("guide", "guide component", kinds, _default(guide), guide.description or ""))
         return Entry(key, f.description or "", fields=fields)
     if key in _ITEM_OF:
-        notes = {"phases": ["Each phase is merged over the base spec for the steps from the previous phase's "
-                            "`until` up to its own; the last `until` is train.steps. A changed `kind` replaces a "
-                            "component whole"],
-                 "stages": ["Each stage is merged over the base spec and runs its own train.steps, starting from "
-                            "the previous stage's weights. A changed `kind` replaces a component whole"],
-                 "terms": ["Write `terms:` instead of `signal:` + `objective:`; the terms' losses are summed with "
-                           "their weights"]}[key]
-        return Entry(key, f.description or "", fields=fields_of(_item_model(f.annotation)), notes=notes,
+        note = {"phases": ("Each phase is merged over the base spec for the steps from the previous phase's "
+                           "`until` up to its own; the last `until` is train.steps. A changed `kind` replaces a "
+                           "component whole"),
+                "stages": ("Each stage is merged over the base spec and runs its own train.steps, starting from "
+                           "the previous stage's weights. A changed `kind` replaces a component whole"),
+                "terms": ("Write `terms:` instead of `signal:` + `objective:`; the terms' losses are summed with "
+                          "their weights")}[key]
+        return Entry(key, f.description or "", fields=fields_of(_item_model(f.annotation)), notes=[note],
                      fields_title=f"Fields of {_ITEM_OF[key]}:")
     return Entry(key, f.description or "", fields=fields_of(_only(spec, key)))
 
 
 def _item_model(annotation) -> type[BaseModel]:
-    import typing
-
+    """The model inside list[...] / Optional[...]."""
     for arg in typing.get_args(annotation) or (annotation,):
         if isinstance(arg, type) and issubclass(arg, BaseModel):
             return arg
@@ -231,8 +228,6 @@ def _item_model(annotation) -> type[BaseModel]:
 
 def _only(spec: type[BaseModel], key: str) -> type[BaseModel]:
     """A one-field model, so that a scalar section is described like any field."""
-    from pydantic import create_model
-
     f = spec.model_fields[key]
     return create_model(f"Top_{key}", **{key: (f.annotation, f)})
 
@@ -245,7 +240,7 @@ def overview(builtins_only: bool = False) -> list[FieldDoc]:
 # ------------------------------------------------------------------------------------------ topics
 
 def topics() -> list[str]:
-    return list(SPEC_KEYS) + ["guide"] + ["verifiers"]
+    return [*SPEC_KEYS, "guide", "verifiers"]
 
 
 class UnknownTopic(ValueError):
@@ -310,7 +305,7 @@ def _md_entry(e: Entry, level: int) -> list[str]:
     elif e.summary:
         out += [_md_cell(e.summary), ""]
     if e.notes:
-        out += [_md_cell("; ".join(e.notes)) + ".", ""]
+        out += [_md_cell("; ".join(n.rstrip(".") for n in e.notes)) + ".", ""]
     if e.fields_title:
         out += [e.fields_title, ""]
     if e.fields:
@@ -331,8 +326,8 @@ def markdown(builtins_only: bool = True) -> str:
            "text in a terminal: `composer list SECTION` or `composer list SECTION/KIND` (e.g. "
            "`composer list objective/advantage_regression`).", "",
            "## Top-level sections", "",
-           "A spec is one YAML mapping with these keys. Defaults are the components' own; a key left out "
-           "takes its default.", ""]
+           ("A spec is one YAML mapping with these keys. Defaults are the components' own; a key left out "
+            "takes its default."), ""]
     out += _md_fields(overview(builtins_only), head="key") + [""]
     for key in SPEC_KEYS:
         if key in ("name", "summary", "extends", "plugins"):
@@ -343,13 +338,6 @@ def markdown(builtins_only: bool = True) -> str:
             out += _md_entry(component_entry("guide", builtins_only), 2)
     out += _md_entry(verifier_entry(builtins_only), 2)
     return "\n".join(re.sub(r"[ \t]+$", "", line) for line in out).rstrip("\n") + "\n"
-
-
-def write_markdown(path: Path | None = None, builtins_only: bool = True) -> Path:
-    path = path or DEFAULT_PATH
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(markdown(builtins_only))
-    return path
 
 
 # ------------------------------------------------------------------------------------------ terminal

@@ -69,7 +69,7 @@ def _readme_cookbook() -> str:
 
 
 def _yaml_blocks(text: str) -> list[str]:
-    return re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
+    return re.findall(r"```yaml\n(.*?)```", text, flags=re.DOTALL)
 
 
 def _without_comments(text: str) -> str:

@@ -142,3 +142,8 @@ def test_markdown_cells_stay_one_line_and_escaped():
         pipes = len(re.findall(r"(?<!\\)\|", line))
         columns = columns or pipes  # the header row
         assert pipes == columns, f"a table row with a stray `|`: {line}"
+
+
+def test_list_markdown_unwritable_out_is_an_error(tmp_path):
+    r = invoke("list", "--markdown", "--out", tmp_path / "no" / "such" / "\0dir" / "reference.md")
+    assert r.exit_code == 2 and "cannot write the reference" in r.stderr and "Traceback" not in r.output
