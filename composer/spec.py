@@ -128,12 +128,13 @@ def _partial_union(section: str, builtins_only: bool):
     return parts[0] if len(parts) == 1 else Union[parts]
 
 
-def _as_raw(schema_type, description: str, nullable: bool = False):
-    """A phase/stage section: validated after merging (composer.validate), described by its partial type.
+def _as_raw(schema_type, description: str, nullable: bool = False, raw=dict[str, Any]):
+    """A phase/stage section: kept as the raw mapping (`raw`; validated after merging, in composer.validate),
+    described in the JSON Schema by its partial type.
 
     nullable: `null` removes the base spec's value (a stage that switches from signal + objective to terms)."""
     schema_type = Optional[schema_type] if nullable else schema_type
-    return (Annotated[Optional[Any], BeforeValidator(_keep, json_schema_input_type=schema_type)],
+    return (Annotated[Optional[raw], BeforeValidator(_keep, json_schema_input_type=schema_type)],
             Field(None, description=description))
 
 
@@ -157,7 +158,7 @@ def _segment_models(term, builtins_only: bool) -> tuple[type[BaseModel], type[Ba
         "objective": _as_raw(objective_p, "The objective, merged over the base spec's (a different `kind` replaces "
                              "it; null removes it).", nullable=True),
         "terms": _as_raw(list[term], "Weighted signal/objective pairs; replaces the base spec's terms whole "
-                         "(null removes them).", nullable=True),
+                         "(null removes them).", nullable=True, raw=list[Any]),
         "sync": _as_raw(sync_p, "Sync settings merged over the base spec's."),
     }
     phase = create_model("Phase", __base__=Phase, __doc__="A step range with partial overrides of the base spec.",
