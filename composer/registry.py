@@ -9,9 +9,11 @@ the `composer.components` entry-point group (each entry point names a module to 
 from __future__ import annotations
 
 import importlib
-from typing import Callable, ClassVar
+import types
+import typing
+from typing import Any, Callable, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 SECTIONS = ("sources", "guide", "signal", "objective")
 ENTRY_POINT_GROUP = "composer.components"
@@ -22,7 +24,76 @@ _LOADED = {"builtins": False, "entry_points": False}
 PLUGIN_ERRORS: list[str] = []
 
 
-class Component(BaseModel):
+def _scalar_types(annotation) -> set:
+    """The scalar types an annotation takes at its top level; {object} when it takes anything (Any)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _scalar_types(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return set().union(*(_scalar_types(a) for a in typing.get_args(annotation)))
+    if origin is typing.Literal:
+        return {type(a) for a in typing.get_args(annotation)}
+    if annotation in (int, float, bool, str, type(None)):
+        return {annotation}
+    if origin is not None or (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        return set()  # containers and models never take a bare true/false
+    return {object}
+
+
+def _items(annotation):
+    """The item annotation of a list / the value annotation of a dict (Optional unwrapped), else None."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _items(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _items(inner[0]) if len(inner) == 1 else None
+    if origin in (list, dict):
+        return typing.get_args(annotation)[-1]
+    return None
+
+
+class _Boolean:
+    """Stands in for a YAML true/false given where a number is meant: no number validator accepts it,
+    so pydantic reports the field itself ("Input should be a valid integer, got true")."""
+
+    def __init__(self, value: bool):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return "true" if self.value else "false"
+
+
+def refuse_bool_numbers(value: Any, annotation) -> Any:
+    """`value` with every true/false where `annotation` means a number replaced by a _Boolean (which fails).
+
+    pydantic's lax mode would read `steps: true` as 1 and `lr: false` as 0.0.
+    """
+    def fix(v, ann):
+        kinds = _scalar_types(ann)
+        return _Boolean(v) if isinstance(v, bool) and kinds & {int, float} and not kinds & {bool, object} else v
+
+    inner = _items(annotation)
+    if inner is not None and isinstance(value, list):
+        return [fix(v, inner) for v in value]
+    if inner is not None and isinstance(value, dict):
+        return {k: fix(v, inner) for k, v in value.items()}
+    return fix(value, annotation)
+
+
+class NumbersNotBooleans:
+    """Mixin for spec models: every field that takes numbers refuses booleans (YAML `true`, `false`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_not_booleans(cls, data):
+        if not isinstance(data, dict):
+            return data
+        fields = {f.alias or n: f for n, f in cls.model_fields.items()}
+        return {k: refuse_bool_numbers(v, fields[k].annotation) if k in fields else v for k, v in data.items()}
+
+
+class Component(NumbersNotBooleans, BaseModel):
     """Base of every component config.
 
     Class-level data (not spec fields):
