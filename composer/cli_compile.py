@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from composer.cli import EXIT_INVALID, main, validated_or_exit
+from composer.cli import EXIT_INVALID, allow_plugins_option, main, validated_or_exit
 
 
 @main.command("compile")
@@ -24,6 +24,7 @@ from composer.cli import EXIT_INVALID, main, validated_or_exit
 @click.option("--cluster-dir", default="/tmp/composer-runs", show_default=True,
               help="Folder on the cluster for checkpoints, final models and logs (a subfolder per spec).")
 @click.option("--wandb-project", default=None, help="Log to this W&B project (key from $WANDB_API_KEY at launch).")
+@allow_plugins_option
 def compile_(spec, overrides, backend, out, nodes, gpus_per_node, colocate, vllm_engines, cluster_dir, wandb_project):
     """Compile SPEC into a launch bundle for BACKEND in --out. OVERRIDES: path.to.field=value."""
     from composer.backends.openrlhf.bundle import BundleError, compile_bundle

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from composer.cli import EXIT_INVALID, main, split_args, validated_or_exit
+from composer.cli import EXIT_INVALID, allow_plugins_option, main, split_args, validated_or_exit
 from composer.errors import SpecError
 
 
@@ -18,6 +18,7 @@ from composer.errors import SpecError
 @click.option("--resume", type=click.Path(file_okay=False), default=None,
               help="Continue the run in this folder from its last checkpoint.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (for logs and CI).")
+@allow_plugins_option
 def run(spec, overrides, out, resume, no_progress):
     """Train SPEC (the toy testbed when it names no policy/data). OVERRIDES: path.to.field=value."""
     if resume and spec is None:
@@ -87,6 +88,7 @@ def toy_data(out, seed):
 @click.option("--throughput", is_flag=True, help="Samples/s of this backend against TRL's trainers (GRPO, GKD, SFT).")
 @click.option("--readme", "readme_from", type=click.Path(file_okay=False, exists=True), default=None,
               help="Write the methods table and plot of this finished bench folder into ./README.md (docs/bench/).")
+@allow_plugins_option
 def bench(specs, seeds, budget_samples, out, sweep, suite, study, quick, throughput, readme_from):
     """Run SPECs (or a suite) on the toy testbed at an equal policy-sample budget; write results.csv,
     summary.md (mean and 95% interval) and plots. Arguments path.to.field=value override every SPEC."""

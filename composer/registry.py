@@ -9,6 +9,7 @@ the `composer.components` entry-point group (each entry point names a module to 
 from __future__ import annotations
 
 import importlib
+import os
 import types
 import typing
 from typing import Any, Callable, ClassVar
@@ -17,11 +18,13 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 SECTIONS = ("sources", "guide", "signal", "objective")
 ENTRY_POINT_GROUP = "composer.components"
+ALLOW_PLUGINS_ENV = "COMPOSER_ALLOW_PLUGINS"
 
 _REGISTRY: dict[str, dict[str, type["Component"]]] = {s: {} for s in SECTIONS}
 VERIFIERS: dict[str, "VerifierInfo"] = {}
 _LOADED = {"builtins": False, "entry_points": False}
 PLUGIN_ERRORS: list[str] = []
+SPEC_PLUGIN_ERRORS: list[str] = []  # the subset a spec's `plugins:` caused (reported as that spec's warnings)
 
 
 def _scalar_types(annotation) -> set:
@@ -188,6 +191,22 @@ def load_entry_points() -> None:
             ep.load()
         except Exception as e:  # a broken plugin must not break validation of every spec
             PLUGIN_ERRORS.append(f"plugin {ep.name} ({ep.value}) failed to load: {type(e).__name__}: {e}")
+
+
+_SPEC_PLUGINS = {"allowed": None}  # None: the environment decides
+
+
+def allow_spec_plugins(allowed: bool | None) -> None:
+    """Whether the modules a spec names in `plugins:` may be imported (the CLI's --allow-plugins)."""
+    _SPEC_PLUGINS["allowed"] = allowed
+
+
+def spec_plugins_allowed() -> bool:
+    """Importing a spec-named module runs its code, so it is the user's explicit choice: --allow-plugins or
+    COMPOSER_ALLOW_PLUGINS=1. Installed entry-point plugins are the user's own choice already."""
+    if _SPEC_PLUGINS["allowed"] is not None:
+        return _SPEC_PLUGINS["allowed"]
+    return os.environ.get(ALLOW_PLUGINS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def load_all() -> None:
