@@ -52,8 +52,9 @@ def train(validated, out: Path, resume: bool = False, progress: bool = True, fin
     (out / "plan.json").write_text(json.dumps(plan, indent=2, default=str))
     task = bind_task(spec)
     policy_name = spec.policy.model or "toy:student"
-    tokenizer = load_tokenizer(spec.policy.tokenizer or policy_name)
-    policy = load_model(policy_name, spec.policy.dtype)
+    trust = spec.policy.trust_remote_code
+    tokenizer = load_tokenizer(spec.policy.tokenizer or policy_name, trust_remote_code=trust)
+    policy = load_model(policy_name, spec.policy.dtype, trust_remote_code=trust)
     check_task_lengths(task, tokenizer, context_length(policy), spec.data.on_bad_row, spec.data.prompt_field)
     if any(getattr(s, "verifier", "") == "code" for seg in validated.segments for s in seg.spec.sources.values()):
         from components.tasks.code_verifier import ensure_sandbox
