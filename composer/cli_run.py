@@ -24,6 +24,8 @@ from composer.errors import SpecError
 @allow_plugins_option
 def run(spec, overrides, out, resume, no_progress):
     """Train SPEC (the toy testbed when it names no policy/data). OVERRIDES: path.to.field=value."""
+    if spec is not None and "=" in spec and not Path(spec).exists():  # `run --resume DIR train.steps=200`
+        spec, overrides = None, (spec, *overrides)
     if resume and spec is None:
         spec = str(Path(resume) / "spec.yaml")
     if spec is None:
@@ -32,13 +34,17 @@ def run(spec, overrides, out, resume, no_progress):
     try:
         _run(spec, overrides, out, resume, no_progress)
     except KeyboardInterrupt:
-        click.echo("SIGINT: stopped before training; nothing was trained", err=True)
+        click.echo(f"{_SIGNALLED.get('name', 'SIGINT')}: stopped before training; nothing was trained", err=True)
         sys.exit(130)
     finally:
         signal.signal(signal.SIGTERM, old_term)
 
 
+_SIGNALLED: dict = {}
+
+
 def _interrupt(signum, frame):
+    _SIGNALLED["name"] = signal.Signals(signum).name
     raise KeyboardInterrupt
 
 

@@ -110,10 +110,13 @@ def load(path: Path | str, map_location: Any = "cpu", mmap: bool = False) -> dic
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such checkpoint") from None
     except Exception as e:  # truncated zip, random bytes, a pickle asking for code (UnpicklingError)
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         if "Weights only load failed" in str(e) or "Unsupported global" in str(e):
-            reason = "it asks to build Python objects a checkpoint of this program never holds (refused unread)"
-        raise CheckpointError(f"{path}: {what} cannot be read: {reason}") from None
+            reason = "it asks to build Python objects that a checkpoint of this program never holds (refused unread)"
+        else:
+            reason = f"the file is damaged or not a checkpoint ({type(e).__name__}: {detail})"
+        raise CheckpointError(f"{path}: {what} cannot be read: {reason}\n    hint: restore a good copy of the "
+                              "file, or start a new run") from None
     if not isinstance(data, dict) or "state_dict" not in data:
         raise CheckpointError(f"{path}: not a checkpoint of a run (no state_dict)")
     return data

@@ -59,8 +59,8 @@ def claim_folder(out: Path, resume: bool):
     refused when it already holds files and this is not a resume (a finished run's files are never
     replaced). A fresh folder that a failed run leaves without a checkpoint is emptied again."""
     out = Path(out)
-    existed = out.exists()
     try:
+        existed = out.exists()
         out.mkdir(parents=True, exist_ok=True)
         if not out.is_dir():
             raise NotADirectoryError(20, "not a directory")
