@@ -63,6 +63,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return load(path, map_location=map_location if map_location is not None else "cpu")
 
 
+class StopRequested(Exception):
+    """A signal arrived while the run was being set up inside trainer.fit: leave fit before any step."""
+
+
 class GracefulStop(L.Callback):
     """SIGINT/SIGTERM: before training, stop at once; during training, finish the current step, write a
     checkpoint, stop. `install()` at the start of a run, `uninstall()` at its end."""
@@ -95,8 +99,7 @@ class GracefulStop(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self.install()
         if self.requested:  # signalled while the run was being set up: no step is taken
-            trainer.should_stop = True
-            pl_module.stopped_by = self.requested
+            raise StopRequested(self.requested)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.requested:

@@ -17,7 +17,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from composer import files
 from composer.backends.lightning import checkpoint as ckpt_format
-from composer.backends.lightning.callbacks import AfterStep, AtomicCheckpointIO, GracefulStop, RunCSVLogger
+from composer.backends.lightning.callbacks import (AfterStep, AtomicCheckpointIO, GracefulStop, RunCSVLogger,
+                                                   StopRequested)
 from composer.backends.lightning.checkpoint import CheckpointError
 from composer.backends.lightning.module import ComposerModule, NonFiniteError
 from composer.plan import compile_plan
@@ -223,6 +224,9 @@ def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop:
     stop.deferred = True  # inside fit a signal stops the run after the current step
     try:
         trainer.fit(module, ckpt_path=str(ckpt) if ckpt else None)
+    except StopRequested as e:
+        raise Interrupted(f"{e}: stopped before the first step; "
+                          + (f"continue with --resume {out}" if ckpt else "nothing was trained")) from None
     except (NonFiniteError, CheckpointError) as e:
         last = last_checkpoint(out)
         raise type(e)(f"{e}; the run stopped, the last good checkpoint is "
