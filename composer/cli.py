@@ -17,6 +17,19 @@ def _fail(diags_text: str) -> None:
     sys.exit(EXIT_INVALID)
 
 
+def allow_plugins_option(command):
+    """--allow-plugins: import the modules specs name in `plugins:` (their code runs). Off by default."""
+    def set_allowed(ctx, param, value):
+        from composer import registry
+
+        registry.allow_spec_plugins(True if value else None)  # None: COMPOSER_ALLOW_PLUGINS decides
+        return value
+
+    return click.option("--allow-plugins", is_flag=True, expose_value=False, callback=set_allowed, is_eager=True,
+                        help="Import the modules a spec names in `plugins:` (this runs their code: only for specs "
+                             "you trust). Also COMPOSER_ALLOW_PLUGINS=1.")(command)
+
+
 def _validate(path: str, overrides: list[str]):
     from composer.validate import validate_file
 
@@ -34,6 +47,8 @@ def validated_or_exit(path: str, overrides: list[str]):
         v = _validate(path, list(overrides))
     except SpecError as e:
         _fail(str(e))
+    except Exception as e:  # never a traceback for an input file
+        _fail(f"{path}:1:1: error: internal error while validating: {type(e).__name__}: {e}")
     for w in v.warnings:
         click.echo(w.format(), err=True)
     return v
@@ -48,6 +63,7 @@ def main():
 @main.command()
 @click.argument("specs", nargs=-1, required=True)
 @click.option("--set", "overrides", multiple=True, help="Override (path.to.field=value); also accepted as bare args.")
+@allow_plugins_option
 def validate(specs, overrides):
     """Validate SPEC files (schema, graph, method rules). Exit 0 if all are valid, 2 otherwise."""
     files, given = split_args(specs)
@@ -68,14 +84,25 @@ def validate(specs, overrides):
             warned += 1
             click.echo(w.format(), err=True)
         click.echo(f"{f}: ok")
+    for err in _entry_point_errors():
+        warned += 1
+        click.echo(f"warning: {err}", err=True)
     click.echo(f"{len(files) - bad} valid, {bad} invalid" + (f", {warned} warnings" if warned else ""))
     sys.exit(EXIT_INVALID if bad else 0)
+
+
+def _entry_point_errors() -> list[str]:
+    """What installed (entry-point) plugins refused or failed to do; spec plugins' are warnings of their spec."""
+    from composer import registry
+
+    return [e for e in registry.PLUGIN_ERRORS if e not in registry.SPEC_PLUGIN_ERRORS]
 
 
 @main.command()
 @click.argument("spec")
 @click.argument("overrides", nargs=-1)
 @click.option("--format", "fmt", type=click.Choice(["text", "mermaid", "dot", "json"]), default="text")
+@allow_plugins_option
 def explain(spec, overrides, fmt):
     """Explain SPEC: sources and readers, token origins with loss and anchor, models, taxonomy."""
     from composer import explain as ex

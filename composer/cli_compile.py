@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from composer.cli import EXIT_INVALID, main, validated_or_exit
+from composer.cli import EXIT_INVALID, allow_plugins_option, main, validated_or_exit
+from composer.errors import SpecError
 
 
 @main.command("compile")
@@ -24,6 +25,7 @@ from composer.cli import EXIT_INVALID, main, validated_or_exit
 @click.option("--cluster-dir", default="/tmp/composer-runs", show_default=True,
               help="Folder on the cluster for checkpoints, final models and logs (a subfolder per spec).")
 @click.option("--wandb-project", default=None, help="Log to this W&B project (key from $WANDB_API_KEY at launch).")
+@allow_plugins_option
 def compile_(spec, overrides, backend, out, nodes, gpus_per_node, colocate, vllm_engines, cluster_dir, wandb_project):
     """Compile SPEC into a launch bundle for BACKEND in --out. OVERRIDES: path.to.field=value."""
     from composer.backends.openrlhf.bundle import BundleError, compile_bundle
@@ -33,14 +35,47 @@ def compile_(spec, overrides, backend, out, nodes, gpus_per_node, colocate, vllm
     v = validated_or_exit(spec, overrides)
     layout = Layout(nodes=nodes, gpus_per_node=gpus_per_node, colocate=colocate, vllm_engines=vllm_engines,
                     cluster_dir=f"{cluster_dir.rstrip('/')}/{v.spec.name}", wandb_project=wandb_project)
+    folder = Path(out)
     try:
-        compile_bundle(v, Path(out), layout)
+        _check_out(folder)
+        compile_bundle(v, folder, layout)
     except Unsupported as e:
         where = v.loaded.locate(e.path) if e.path else None
         click.echo(f"{where or spec}: error: {dotted(e.path) or 'spec'}: OpenRLHF cannot express this: {e.reason}"
                    + (f"\n    hint: {e.hint}" if e.hint else ""), err=True)
         sys.exit(EXIT_INVALID)
-    except (BundleError, ImportError) as e:
+    except (BundleError, ImportError, SpecError) as e:
         click.echo(f"{spec}: error: {e}", err=True)
         sys.exit(EXIT_INVALID)
+    except OutFolderError as e:
+        click.echo(f"{out}: error: {e}", err=True)
+        sys.exit(EXIT_INVALID)
+    except (OSError, ValueError) as e:  # an --out under /proc, a file, a name too long, a full disk
+        click.echo(f"{out}: error: cannot write the bundle: {getattr(e, 'strerror', None) or e}", err=True)
+        sys.exit(EXIT_INVALID)
+    except Exception as e:  # every failure is a message and exit 2, never a traceback
+        from composer.cli_run import _failure
+
+        click.echo(f"{spec}: error: {_failure(e)}", err=True)
+        sys.exit(EXIT_INVALID)
     click.echo(f"wrote {out} (README.md says what it does; ./launch.sh [HEAD_ADDRESS] submits it)")
+
+
+BUNDLE_MARKS = ("plan.json", "launch.sh", "args.json")
+
+
+def _check_out(folder: Path) -> None:
+    """--out is new, empty, or an earlier bundle (which compiling again replaces); never another folder's files."""
+    if not folder.exists():
+        return
+    if not folder.is_dir():
+        raise NotADirectoryError(20, "not a directory", str(folder))
+    names = {p.name for p in folder.iterdir()}
+    if names and not all(m in names for m in BUNDLE_MARKS):
+        shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+        raise OutFolderError(f"the folder already holds files that are not a bundle ({shown}); compiling would "
+                             "replace them\n    hint: choose a new or empty folder (an earlier bundle is replaced)")
+
+
+class OutFolderError(Exception):
+    pass

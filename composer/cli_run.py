@@ -2,76 +2,160 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 
 import click
 
-from composer.cli import EXIT_INVALID, main, split_args, validated_or_exit
+from composer.cli import EXIT_INVALID, allow_plugins_option, main, split_args, validated_or_exit
 from composer.errors import SpecError
 
 
 @main.command()
 @click.argument("spec", required=False)
 @click.argument("overrides", nargs=-1)
-@click.option("--out", type=click.Path(file_okay=False), default=None, help="Run folder (default runs/<name>-<time>).")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Run folder (default runs/<name>-<time>); must be new or empty.")
 @click.option("--resume", type=click.Path(file_okay=False), default=None,
               help="Continue the run in this folder from its last checkpoint.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (for logs and CI).")
+@allow_plugins_option
 def run(spec, overrides, out, resume, no_progress):
     """Train SPEC (the toy testbed when it names no policy/data). OVERRIDES: path.to.field=value."""
+    if spec is not None and "=" in spec and not Path(spec).exists():  # `run --resume DIR train.steps=200`
+        spec, overrides = None, (spec, *overrides)
     if resume and spec is None:
         spec = str(Path(resume) / "spec.yaml")
     if spec is None:
         raise click.UsageError("give a SPEC, or --resume DIR")
+    old_term = signal.signal(signal.SIGTERM, _interrupt)  # before training, SIGTERM stops like SIGINT: exit 130
+    try:
+        _run(spec, overrides, out, resume, no_progress)
+    except KeyboardInterrupt:
+        click.echo(f"{_SIGNALLED.get('name', 'SIGINT')}: stopped before training; nothing was trained", err=True)
+        sys.exit(130)
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+
+
+_SIGNALLED: dict = {}
+
+
+def _interrupt(signum, frame):
+    _SIGNALLED["name"] = signal.Signals(signum).name
+    raise KeyboardInterrupt
+
+
+class _deferred_signals:
+    """Hold SIGINT/SIGTERM while native code imports; raise KeyboardInterrupt afterwards if one came."""
+
+    def __enter__(self):
+        self.got = []
+        self.old = {s: signal.signal(s, lambda n, f: self.got.append(n)) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def __exit__(self, *exc):
+        for s, h in self.old.items():
+            signal.signal(s, h)
+        if self.got and exc[0] is None:
+            _SIGNALLED["name"] = signal.Signals(self.got[0]).name
+            raise KeyboardInterrupt
+        return False
+
+
+def _run(spec, overrides, out, resume, no_progress):
     v = validated_or_exit(spec, overrides)
     if v.spec.train.backend != "lightning":
         click.echo(f"{spec}: train.backend is {v.spec.train.backend}; use `composer compile --backend "
                    f"{v.spec.train.backend}` for it", err=True)
         sys.exit(EXIT_INVALID)
-    from composer.backends.lightning.run import Interrupted, default_out, train
-    from composer.backends.lightning.module import NonFiniteError
-    from composer.runtime.binding import DataError
-    from composer.runtime.models import ModelLoadError
-    from components.tasks.code_verifier import SandboxUnavailable
+    with _deferred_signals():  # a signal inside torch's C++ import would abort the process, not stop it
+        from composer.backends.lightning.run import Interrupted, claim_folder, check_resume, default_out, train
 
     folder = Path(resume or out or default_out(v.spec.name))
-    folder.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        _save_resolved(spec, overrides, folder)
     try:
-        final = train(v, folder, resume=bool(resume), progress=not no_progress)
-    except (DataError, ModelLoadError, NonFiniteError, FileNotFoundError, SandboxUnavailable) as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(EXIT_INVALID)
+        with claim_folder(folder, resume=bool(resume)):
+            if resume:
+                changes = check_resume(v, folder)[1]
+                for path, old, new in changes:
+                    click.echo(f"resuming with {path}: {old} -> {new}", err=True)
+                if changes:
+                    _save_resolved(spec, overrides, folder)
+            else:
+                _save_resolved(spec, overrides, folder)
+            final = train(v, folder, resume=bool(resume), progress=not no_progress)
     except Interrupted as e:
         click.echo(str(e), err=True)
         sys.exit(130)
+    except Exception as e:  # every failure is a message and exit 2, never a traceback
+        click.echo(f"error: {_failure(e)}", err=True)
+        sys.exit(EXIT_INVALID)
     click.echo(f"run folder: {folder}")
     for k, val in sorted(final.items()):
         click.echo(f"  {k}: {val:.3f}")
+
+
+def _expected_errors() -> tuple:
+    """Failures that are the input's or the machine's, each with its own message."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from components.tasks.code_verifier import SandboxUnavailable
+    from composer.backends.lightning.checkpoint import CheckpointError
+    from composer.backends.lightning.module import NonFiniteError
+    from composer.backends.lightning.run import RunError
+    from composer.runtime.binding import DataError
+    from composer.runtime.models import ModelLoadError
+
+    return (SpecError, DataError, ModelLoadError, NonFiniteError, SandboxUnavailable, CheckpointError, RunError,
+            MisconfigurationException, OSError)
+
+
+def _failure(e: Exception) -> str:
+    """The message of a failed run; an unexpected exception also gets its traceback saved to a file."""
+    if isinstance(e, _expected_errors()):
+        if isinstance(e, OSError) and not isinstance(e, FileNotFoundError) and e.strerror:
+            return f"{e.filename or ''}{': ' if e.filename else ''}{e.strerror}"
+        return str(e)
+    import tempfile
+    import traceback
+
+    fd, log = tempfile.mkstemp(prefix="composer-error-", suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(traceback.format_exception(e)))
+    return f"internal error: {type(e).__name__}: {e} (traceback in {log}; please report it)"
 
 
 def _save_resolved(spec: str, overrides, folder: Path) -> None:
     """Keep the spec (with its overrides) in the run folder, so --resume needs nothing else."""
     import yaml
 
+    from composer import files
     from composer.loader import load_spec
 
     data = load_spec(spec, list(overrides)).data
     data.pop("extends", None)
-    (folder / "spec.yaml").write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+    files.write_text(folder / "spec.yaml", yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
 
 
 @main.command("toy-data")
 @click.option("--out", type=click.Path(file_okay=False), required=True, help="Folder for train.jsonl and eval_<tier>.jsonl.")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0, max=2**32 - 1), default=0, show_default=True)
 def toy_data(out, seed):
     """Write the toy testbed's data as jsonl, to go through the ordinary `data:` path."""
     from components.tasks.toy import write_jsonl
 
-    paths = write_jsonl(out, seed=seed)
-    click.echo(f"wrote {paths if isinstance(paths, (str, Path)) else ', '.join(map(str, paths))}")
+    taken = sorted(p.name for p in [*Path(out).glob("train.jsonl"), *Path(out).glob("eval_*.jsonl")]) \
+        if Path(out).is_dir() else []
+    if taken:
+        click.echo(f"{out}: error: the folder already holds {', '.join(taken)}; choose another --out", err=True)
+        sys.exit(EXIT_INVALID)
+    try:
+        paths = write_jsonl(out, {"seed": seed})
+    except (OSError, ValueError) as e:
+        click.echo(f"{out}: error: cannot write the toy data: {getattr(e, 'strerror', None) or e}", err=True)
+        sys.exit(EXIT_INVALID)
+    click.echo(f"wrote {', '.join(map(str, paths.values()))}")
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
@@ -87,6 +171,7 @@ def toy_data(out, seed):
 @click.option("--throughput", is_flag=True, help="Samples/s of this backend against TRL's trainers (GRPO, GKD, SFT).")
 @click.option("--readme", "readme_from", type=click.Path(file_okay=False, exists=True), default=None,
               help="Write the methods table and plot of this finished bench folder into ./README.md (docs/bench/).")
+@allow_plugins_option
 def bench(specs, seeds, budget_samples, out, sweep, suite, study, quick, throughput, readme_from):
     """Run SPECs (or a suite) on the toy testbed at an equal policy-sample budget; write results.csv,
     summary.md (mean and 95% interval) and plots. Arguments path.to.field=value override every SPEC."""

@@ -3,11 +3,18 @@
 The YAML is composed into nodes by PyYAML's SafeLoader (so Python object tags are refused, never
 executed) and turned into plain data by a walker that records where every key and item stood,
 refuses duplicate keys, and enforces size, node and depth limits before anything is built.
+
+Plain scalars resolve by the YAML 1.2 core schema, not PyYAML's YAML 1.1 default: `yes`/`no`/`on`/`off`
+stay strings, `1:30` is not the sexagesimal 90, `010` is ten, not octal 8, and `2001-12-14` is text, so
+that a careless value is refused by the schema instead of silently becoming another number.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +27,48 @@ MAX_FILE_BYTES = 1 << 20  # 1 MiB: specs are small; anything larger is a mistake
 MAX_NODES = 10_000  # after alias expansion: stops "billion laughs" alias bombs (a spec has a few hundred)
 MERGE_TAG = "tag:yaml.org,2002:merge"
 MAX_DEPTH = 64
+
+
+class SpecLoader(yaml.SafeLoader):
+    """SafeLoader with the YAML 1.2 core schema's implicit types (bool, int, float, null) and merge keys."""
+
+
+SpecLoader.yaml_implicit_resolvers = {}
+for _tag, _pattern, _first in (
+    ("bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+    ("int", r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$", "-+0123456789"),
+    ("float", r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$",
+     "-+0123456789."),
+    ("null", r"^(?:~|null|Null|NULL|)$", ["~", "n", "N", ""]),
+    ("merge", r"^(?:<<)$", "<"),
+):
+    SpecLoader.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(_pattern), list(_first))
+
+
+MAX_INT_DIGITS = 30  # far beyond any setting (int64 has 19 digits); longer ones cost time to even convert
+
+
+class _ValueError(yaml.constructor.ConstructorError):
+    """A plain value the spec cannot hold, with the hint to show."""
+
+    def __init__(self, problem: str, mark, hint: str):
+        super().__init__(None, None, problem, mark)
+        self.hint = hint
+
+
+def _construct_int(loader, node) -> int:
+    """Decimal (leading zeros allowed, still decimal), 0o octal or 0x hex: no YAML 1.1 octal or base 60."""
+    text = loader.construct_scalar(node)
+    sign = -1 if text.startswith("-") else 1
+    digits = text.lstrip("+-")
+    if len(digits) > MAX_INT_DIGITS:
+        raise _ValueError(f"an integer with {len(digits)} digits", node.start_mark,
+                          "no setting takes a number this large; quote it if it is meant as text")
+    base = 8 if digits.startswith("0o") else 16 if digits.startswith("0x") else 10
+    return sign * int(digits[2:] if base != 10 else digits, base)
+
+
+SpecLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 
 
 @dataclass
@@ -46,7 +95,7 @@ def _err(message: str, file: str, mark=None, path=(), hint="") -> SpecError:
 class _Walker:
     """Turns a composed node tree into plain data plus a path -> Location map."""
 
-    def __init__(self, loader: yaml.SafeLoader, file: str):
+    def __init__(self, loader: SpecLoader, file: str):
         self.loader = loader
         self.file = file
         self.count = 0
@@ -113,8 +162,8 @@ class _Walker:
         try:
             value = self.loader.construct_object(node, deep=True)
         except yaml.constructor.ConstructorError as e:
-            raise _err(f"{e.problem}", self.file, node.start_mark, path,
-                       "Python object tags are not allowed in specs; write plain values") from None
+            raise _err(f"{e.problem}", self.file, node.start_mark, path, getattr(e, "hint", "")
+                       or "Python object tags are not allowed in specs; write plain values") from None
         except Exception:  # an explicit tag the value does not fit (`!!int x`, `!!bool maybe`, `!!float nope`)
             raise _err(f"{node.value!r} cannot be read as {node.tag.rsplit(':', 1)[-1]}", self.file, node.start_mark,
                        path, "remove the explicit tag (or quote the value to make it a string)") from None
@@ -218,7 +267,7 @@ def parse_yaml(text: str, file: str) -> tuple[Any, dict]:
     if len(text.encode("utf-8", "surrogatepass")) > MAX_FILE_BYTES:
         raise _err(f"file larger than {MAX_FILE_BYTES} bytes", file, None, (), "specs are small YAML files")
     try:
-        loader = yaml.SafeLoader(text)
+        loader = SpecLoader(text)
     except yaml.reader.ReaderError as e:
         raise _reader_err(e, text, file) from None
     try:
@@ -262,7 +311,13 @@ def deep_merge(base: Any, over: Any) -> Any:
 
 def read_text(path: Path) -> str:
     try:
-        with open(path, "rb") as f:
+        mode = os.stat(path).st_mode
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):  # opening a FIFO waits for a writer: refuse it unopened
+            raise _err(f"is a {'named pipe (FIFO)' if stat.S_ISFIFO(mode) else 'socket'}, not a spec file", str(path),
+                       None, (), "name a .yaml spec file")
+        # O_NONBLOCK: a terminal or another device that has nothing to read fails instead of waiting
+        flags = os.O_RDONLY | (os.O_NONBLOCK if stat.S_ISCHR(mode) else 0)
+        with os.fdopen(os.open(path, flags), "rb") as f:
             raw = f.read(MAX_FILE_BYTES + 1)  # never more: /dev/zero or a huge file must not fill memory
     except FileNotFoundError:
         raise _err("no such file", str(path), None, (), "check the path (overrides are written path.to.field=value)") \

@@ -9,20 +9,94 @@ the `composer.components` entry-point group (each entry point names a module to 
 from __future__ import annotations
 
 import importlib
-from typing import Callable, ClassVar
+import os
+import types
+import typing
+from typing import Any, Callable, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 SECTIONS = ("sources", "guide", "signal", "objective")
 ENTRY_POINT_GROUP = "composer.components"
+ALLOW_PLUGINS_ENV = "COMPOSER_ALLOW_PLUGINS"
 
 _REGISTRY: dict[str, dict[str, type["Component"]]] = {s: {} for s in SECTIONS}
 VERIFIERS: dict[str, "VerifierInfo"] = {}
 _LOADED = {"builtins": False, "entry_points": False}
 PLUGIN_ERRORS: list[str] = []
+SPEC_PLUGIN_ERRORS: list[str] = []  # the subset a spec's `plugins:` caused (reported as that spec's warnings)
 
 
-class Component(BaseModel):
+def _scalar_types(annotation) -> set:
+    """The scalar types an annotation takes at its top level; {object} when it takes anything (Any)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _scalar_types(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return set().union(*(_scalar_types(a) for a in typing.get_args(annotation)))
+    if origin is typing.Literal:
+        return {type(a) for a in typing.get_args(annotation)}
+    if annotation in (int, float, bool, str, type(None)):
+        return {annotation}
+    if origin is not None or (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        return set()  # containers and models never take a bare true/false
+    return {object}
+
+
+def _items(annotation):
+    """The item annotation of a list / the value annotation of a dict (Optional unwrapped), else None."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _items(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _items(inner[0]) if len(inner) == 1 else None
+    if origin in (list, dict):
+        return typing.get_args(annotation)[-1]
+    return None
+
+
+class _Boolean:
+    """Stands in for a YAML true/false given where a number is meant: no number validator accepts it,
+    so pydantic reports the field itself ("Input should be a valid integer, got true")."""
+
+    def __init__(self, value: bool):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return "true" if self.value else "false"
+
+
+def refuse_bool_numbers(value: Any, annotation) -> Any:
+    """`value` with every true/false where `annotation` means a number replaced by a _Boolean (which fails).
+
+    pydantic's lax mode would read `steps: true` as 1 and `lr: false` as 0.0.
+    """
+    def fix(v, ann):
+        kinds = _scalar_types(ann)
+        return _Boolean(v) if isinstance(v, bool) and kinds & {int, float} and not kinds & {bool, object} else v
+
+    inner = _items(annotation)
+    if inner is not None and isinstance(value, list):
+        return [fix(v, inner) for v in value]
+    if inner is not None and isinstance(value, dict):
+        return {k: fix(v, inner) for k, v in value.items()}
+    return fix(value, annotation)
+
+
+class NumbersNotBooleans:
+    """Mixin for spec models: every field that takes numbers refuses booleans (YAML `true`, `false`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_not_booleans(cls, data):
+        if not isinstance(data, dict):
+            return data
+        fields = {f.alias or n: f for n, f in cls.model_fields.items()}
+        return {k: refuse_bool_numbers(v, fields[k].annotation) if k in fields else v for k, v in data.items()}
+
+
+class Component(NumbersNotBooleans, BaseModel):
     """Base of every component config.
 
     Class-level data (not spec fields):
@@ -117,6 +191,22 @@ def load_entry_points() -> None:
             ep.load()
         except Exception as e:  # a broken plugin must not break validation of every spec
             PLUGIN_ERRORS.append(f"plugin {ep.name} ({ep.value}) failed to load: {type(e).__name__}: {e}")
+
+
+_SPEC_PLUGINS = {"allowed": None}  # None: the environment decides
+
+
+def allow_spec_plugins(allowed: bool | None) -> None:
+    """Whether the modules a spec names in `plugins:` may be imported (the CLI's --allow-plugins)."""
+    _SPEC_PLUGINS["allowed"] = allowed
+
+
+def spec_plugins_allowed() -> bool:
+    """Importing a spec-named module runs its code, so it is the user's explicit choice: --allow-plugins or
+    COMPOSER_ALLOW_PLUGINS=1. Installed entry-point plugins are the user's own choice already."""
+    if _SPEC_PLUGINS["allowed"] is not None:
+        return _SPEC_PLUGINS["allowed"]
+    return os.environ.get(ALLOW_PLUGINS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def load_all() -> None:

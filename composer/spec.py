@@ -4,13 +4,37 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
+import re
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WithJsonSchema, create_model, field_validator
 from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
 
 from composer import registry
 
+# Bounds: far beyond any real run, but inside what the runtime can count and allocate (int64 step
+# counters, one batch in memory). A value past them is a typo or an attack, refused before anything runs.
+MAX_STEPS = 10**9
+MAX_BATCH = 1 << 16
+MAX_TOKENS = 1 << 20
+MAX_TOY_TIER = 32  # the toy testbed's chains of up to 32 steps fit its 512-token context
+NAME_PATTERN = r"^[a-z0-9_-]+$"
 
-class Strict(BaseModel):
+
+def _check_name(value: str) -> str:
+    """Names of sources and terms reach logs, metrics and explain's diagrams: plain [a-z0-9_-]+ only."""
+    if not re.fullmatch(NAME_PATTERN, value):
+        fixed = re.sub(r"[^a-z0-9_-]+", "_", value.lower()).strip("_") or "name"
+        raise PydanticCustomError("name_pattern", "the name {name} is not allowed: names are [a-z0-9_-]+ "
+                                  "(lower-case letters, digits, _ and -), e.g. '{fixed}'",
+                                  {"name": ascii(value), "fixed": fixed})
+    return value
+
+
+Name = Annotated[str, AfterValidator(_check_name), WithJsonSchema({"type": "string", "pattern": NAME_PATTERN})]
+
+
+class Strict(registry.NumbersNotBooleans, BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
@@ -18,6 +42,7 @@ class Policy(Strict):
     model: Optional[str] = Field(None, description="Model id or local directory loaded with `from_pretrained`; omitted -> the toy testbed's student.")
     tokenizer: Optional[str] = Field(None, description="Tokenizer directory, when it differs from `model`.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype of the trained policy.")
+    trust_remote_code: bool = Field(False, description="Run the Python code a model folder ships (transformers `trust_remote_code`); off: such a folder is refused instead of asking mid-run. Only for folders you trust.")
 
 
 class Data(Strict):
@@ -27,51 +52,69 @@ class Data(Strict):
     answer_field: str = Field("answer", description="Field holding the final answer the verifier checks.")
     solution_field: str = Field("solution", description="Field holding a step-by-step reference solution (for reference_solution sources).")
     on_bad_row: Literal["error", "skip"] = Field("error", description="A row with a missing or unusable field: stop with an error naming file, row and field, or skip and count it.")
-    tiers: list[int] = Field(default_factory=lambda: [1, 2, 4, 6, 8], description="Toy testbed only: chain lengths (steps) of the difficulty tiers.")
-    train_tiers: list[int] = Field(default_factory=lambda: [2, 4, 6], description="Toy testbed only: the chain lengths training prompts are drawn from.")
+    tiers: list[Annotated[int, Field(ge=1, le=MAX_TOY_TIER)]] = Field(default_factory=lambda: [1, 2, 4, 6, 8], min_length=1, description=f"Toy testbed only: chain lengths (steps, 1-{MAX_TOY_TIER}) of the difficulty tiers.")
+    train_tiers: list[Annotated[int, Field(ge=1, le=MAX_TOY_TIER)]] = Field(default_factory=lambda: [2, 4, 6], min_length=1, description=f"Toy testbed only: the chain lengths (1-{MAX_TOY_TIER}) training prompts are drawn from.")
 
 
 class Rollout(Strict):
-    samples_per_prompt: int = Field(8, ge=1, description="Responses sampled per prompt (the group size G).")
-    max_new_tokens: int = Field(1024, ge=1, description="Largest number of response tokens per rollout (the toy testbed caps it at what its task needs).")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    samples_per_prompt: int = Field(8, ge=1, le=MAX_BATCH, description="Responses sampled per prompt (the group size G).")
+    max_new_tokens: int = Field(1024, ge=1, le=MAX_TOKENS, description="Largest number of response tokens per rollout (the toy testbed caps it at what its task needs).")
+    temperature: float = Field(1.0, gt=0, allow_inf_nan=False, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
-    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables.")
+    top_k: int = Field(0, ge=0, le=MAX_TOKENS, description="Top-k sampling; 0 disables.")
     engine: Literal["auto", "hf", "vllm"] = Field("auto", description="Rollout engine: `hf` (transformers generate), `vllm`, or `auto` (vLLM when installed and a GPU is present, else hf).")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM only: fraction of GPU memory the engine may take.")
-    tensor_parallel_size: int = Field(1, ge=1, description="vLLM only: tensor-parallel degree of the rollout engine.")
+    tensor_parallel_size: int = Field(1, ge=1, le=1024, description="vLLM only: tensor-parallel degree of the rollout engine.")
     guide: Any = Field(None, description="Who else writes tokens into rollouts (none, prefix, intervention).")
 
 
 class Sync(Strict):
-    every: int = Field(1, ge=1, description="Refresh the rollout weights from the trainer every this many optimiser steps (1 = on-policy).")
+    every: int = Field(1, ge=1, le=MAX_STEPS, description="Refresh the rollout weights from the trainer every this many optimiser steps (1 = on-policy).")
     clear_buffer: bool = Field(True, description="With reuse: drop the stored rollouts of older weights at each sync (false: keep them next to the new ones).")
     reuse: bool = Field(False, description="Sample once per sync interval and train on the stored rollouts at every step until the next sync (offline rounds), instead of sampling fresh from the lagged weights each step.")
     off_policy_ok: bool = Field(False, description="Allow every > 1 with an objective that assumes on-policy data (to study the lag on purpose).")
 
 
 class Train(Strict):
-    steps: int = Field(100, ge=1, description="Optimiser steps.")
-    prompts_per_step: int = Field(8, ge=1, description="Prompts sampled per step (each gets samples_per_prompt rollouts).")
-    lr: float = Field(1.0e-6, gt=0, description="Peak learning rate (AdamW).")
-    betas: list[float] = Field(default_factory=lambda: [0.9, 0.999], min_length=2, max_length=2, description="AdamW betas.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    steps: int = Field(100, ge=1, le=MAX_STEPS, description="Optimiser steps.")
+    prompts_per_step: int = Field(8, ge=1, le=MAX_BATCH, description="Prompts sampled per step (each gets samples_per_prompt rollouts).")
+    lr: float = Field(1.0e-6, gt=0, allow_inf_nan=False, description="Peak learning rate (AdamW).")
+    betas: list[Annotated[float, Field(ge=0, lt=1)]] = Field(default_factory=lambda: [0.9, 0.999], min_length=2, max_length=2, description="AdamW betas, each in [0, 1).")
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False, description="AdamW (decoupled) weight decay: each step multiplies the weights by 1 - lr * weight_decay, so lr * weight_decay must stay below 1.")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Linear warm-up steps.")
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate schedule after warm-up.")
-    grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clip; 0 disables.")
-    entropy_coef: float = Field(0.0, description="Subtract this times the token-mean entropy from the loss.")
-    seed: int = Field(0, description="Random seed for data order, sampling and initialisation.")
+    grad_clip: float = Field(1.0, ge=0, allow_inf_nan=False, description="Gradient-norm clip; 0 disables.")
+    entropy_coef: float = Field(0.0, allow_inf_nan=False, description="Subtract this times the token-mean entropy from the loss.")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Random seed for data order, sampling and initialisation.")
     backend: Literal["lightning", "openrlhf"] = Field("lightning", description="Which backend compiles the run.")
-    micro_batch_size: int = Field(64, ge=1, description="Sequences per forward pass when computing log-probs and loss.")
-    eval_every: int = Field(20, ge=0, description="Evaluate pass@1 on each tier every this many steps (0: only at the end).")
-    eval_samples: int = Field(64, ge=1, description="Evaluation prompts per tier.")
-    checkpoint_every: int = Field(50, ge=1, description="Write a checkpoint every this many steps.")
-    devices: Any = Field("auto", description="Lightning `devices` (a count, a list, or auto).")
-    accelerator: str = Field("auto", description="Lightning accelerator: cpu, gpu, auto.")
-    strategy: str = Field("auto", description="Lightning strategy: auto, ddp, fsdp.")
-    precision: str = Field("32-true", description="Lightning precision, e.g. 32-true or bf16-mixed.")
-    num_nodes: int = Field(1, ge=1, description="Nodes for multi-node Lightning runs.")
+    micro_batch_size: int = Field(64, ge=1, le=MAX_BATCH, description="Sequences per forward pass when computing log-probs and loss.")
+    eval_every: int = Field(20, ge=0, le=MAX_STEPS, description="Evaluate pass@1 on each tier every this many steps (0: only at the end).")
+    eval_samples: int = Field(64, ge=1, le=MAX_BATCH, description="Evaluation prompts per tier.")
+    checkpoint_every: int = Field(50, ge=1, le=MAX_STEPS, description="Write a checkpoint every this many steps.")
+    devices: Union[Literal["auto"], Annotated[int, Field(ge=1, le=1024)],
+                   Annotated[list[Annotated[int, Field(ge=0, le=1023)]], Field(min_length=1, max_length=1024)]] = Field(
+        "auto", description="Lightning `devices`: auto, a count (>= 1), or a list of device indices.")
+    accelerator: Literal["auto", "cpu", "gpu", "cuda", "mps"] = Field("auto", description="Lightning accelerator.")
+    strategy: Literal["auto", "ddp", "fsdp"] = Field("auto", description="Lightning strategy.")
+    precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"] = Field("32-true", description="Lightning precision.")
+    num_nodes: int = Field(1, ge=1, le=1024, description="Nodes for multi-node Lightning runs (more than 1 needs a multi-node launcher: SLURM, torchrun, or NODE_RANK/MASTER_ADDR set).")
     compile: bool = Field(False, description="torch.compile (inductor, dynamic shapes) the training and initial-policy forward passes; the first steps pay the compile time. Lightning backend.")
+
+    @field_validator("weight_decay")
+    @classmethod
+    def _decay_below_one(cls, value: float, info: ValidationInfo) -> float:
+        lr = info.data.get("lr")
+        if lr is not None and lr * value >= 1:
+            raise ValueError(f"lr * weight_decay = {lr * value:g}: AdamW multiplies the weights by 1 - lr * weight_decay "
+                             "each step, which must stay above 0")
+        return value
+
+    @field_validator("devices")
+    @classmethod
+    def _distinct_devices(cls, value):
+        if isinstance(value, list) and len(set(value)) != len(value):
+            raise ValueError("a device index is listed twice")
+        return value
 
 
 def _component_union(section: str, builtins_only: bool):
@@ -191,19 +234,20 @@ def spec_model(builtins_only: bool = False) -> type[BaseModel]:
         "Term", __base__=Strict,
         signal=(signal_u, Field(..., description="Where the learning signal comes from.")),
         objective=(objective_u, Field(..., description="How the signal becomes a loss.")),
-        weight=(float, Field(1.0, description="Weight of this term in the summed loss.")),
-        name=(Optional[str], Field(None, description="Name used when logging this term (default: term<i>).")),
+        weight=(float, Field(1.0, allow_inf_nan=False, description="Weight of this term in the summed loss.")),
+        name=(Optional[Name], Field(None, description="Name used when logging this term, [a-z0-9_-]+ (default: term<i>).")),
     )
     phase, stage = _segment_models(term, builtins_only)
     model = create_model(
         "Spec", __base__=Strict,
-        name=(str, Field(..., pattern=r"^[a-z0-9_-]+$", description="Method name, [a-z0-9_-]+.")),
+        name=(str, Field(..., pattern=NAME_PATTERN, description="Method name, [a-z0-9_-]+.")),
         summary=(str, Field("", description="One line saying what the method does.")),
         extends=(Optional[str], Field(None, description="Path (relative to this file) of a spec to deep-merge over.")),
-        plugins=(list[str], Field(default_factory=list, description="Modules to import for third-party components, named explicitly.")),
+        plugins=(list[str], Field(default_factory=list, description="Modules to import for third-party components, named explicitly; imported only when the person running the command allows it (--allow-plugins or COMPOSER_ALLOW_PLUGINS=1).")),
         policy=(Policy, Field(default_factory=Policy, description="The trained model.")),
         data=(Data, Field(default_factory=Data, description="Training and evaluation data.")),
-        sources=(dict[str, source_u], Field(default_factory=dict, description="Privileged-information sources, by name.")),
+        sources=(dict[Name, source_u], Field(default_factory=dict, json_schema_extra={"additionalProperties": False},
+                                             description="Privileged-information sources, by name ([a-z0-9_-]+, like `name`: names reach logs and diagrams).")),
         rollout=(rollout, Field(default_factory=rollout, description="How responses are sampled.")),
         signal=(Optional[signal_u], Field(None, description="Where the learning signal comes from.")),
         objective=(Optional[objective_u], Field(None, description="How the signal becomes a loss.")),

@@ -7,6 +7,8 @@ Nothing here imports torch, transformers or lightning.
 from __future__ import annotations
 
 import importlib
+import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,22 +104,49 @@ def _nan_paths(value, path: tuple):
             yield from _nan_paths(v, path + (i,))
 
 
-def load_plugins(loaded: LoadedSpec) -> list[Diagnostic]:
-    """Import the modules the spec names in `plugins:` (and nothing else)."""
+PLUGIN_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+TRUST_HINT = (f"importing a module runs its code: if you trust this spec and the module, rerun with --allow-plugins "
+              f"(or {registry.ALLOW_PLUGINS_ENV}=1); an installed plugin package (entry point "
+              f"`{registry.ENTRY_POINT_GROUP}`) loads without it")
+
+
+def load_plugins(loaded: LoadedSpec) -> tuple[list[Diagnostic], list[Diagnostic]]:
+    """Import the modules the spec names in `plugins:` (and nothing else): (errors, warnings).
+
+    A module that is not imported yet is imported only when the person running the command allows it
+    (validating a spec someone sent must never run code); one already imported (an installed
+    entry-point plugin, a library) runs nothing new and is accepted. A plugin's refusal to register a
+    kind (one that would replace a built-in) is a warning at its `plugins:` entry.
+    """
     names = loaded.data.get("plugins") or []
     if not isinstance(names, list):
-        return []  # the schema layer reports the type
-    out = []
+        return [], []  # the schema layer reports the type
+    errors, warnings = [], []
     for i, name in enumerate(names):
         if not isinstance(name, str):
             continue
+        where = loaded.locate(("plugins", i))
+        if not PLUGIN_NAME.match(name):
+            errors.append(Diagnostic("schema", f"{name!r} is not a module name", ("plugins", i), where,
+                                     "write a dotted module name, e.g. my_package.components"))
+            continue
+        if name in sys.modules:
+            continue
+        if not registry.spec_plugins_allowed():
+            errors.append(Diagnostic("schema", f"the spec asks to import module '{name}'; not imported", ("plugins", i),
+                                     where, TRUST_HINT))
+            continue
+        before = len(registry.PLUGIN_ERRORS)
         try:
             importlib.import_module(name)
         except Exception as e:  # a plugin's own errors must become a diagnostic, not a traceback
-            out.append(Diagnostic("schema", f"plugin module '{name}' cannot be imported: {type(e).__name__}: {e}",
-                                  ("plugins", i), loaded.locate(("plugins", i)),
-                                  "install the package that provides it, or fix the module name"))
-    return out
+            errors.append(Diagnostic("schema", f"plugin module '{name}' cannot be imported: {type(e).__name__}: {e}",
+                                     ("plugins", i), where, "install the package that provides it, or fix the module name"))
+        registry.SPEC_PLUGIN_ERRORS.extend(registry.PLUGIN_ERRORS[before:])
+        warnings += [Diagnostic("schema", f"plugin module '{name}': {msg}", ("plugins", i), where,
+                                "the built-in kind stays in use", severity="warning")
+                     for msg in registry.PLUGIN_ERRORS[before:]]
+    return errors, warnings
 
 
 def _segment_data(base: dict, part: dict) -> dict:
@@ -149,9 +178,9 @@ def _validate_segment(model, data: dict, loaded: LoadedSpec, origin: tuple) -> t
 def validate_loaded(loaded: LoadedSpec) -> Validated:
     """Run layers 2-4 on loaded YAML. Raises SpecError with every diagnostic of the failing layer."""
     registry.load_all()
-    diags = load_plugins(loaded)
+    diags, plugin_warnings = load_plugins(loaded)
     if diags:
-        raise SpecError(diags)
+        raise SpecError(diags + plugin_warnings)
     model = spec_model()
     nans = [Diagnostic("schema", "not a number (.nan)", p, loaded.locate(p) or Location(loaded.file, 1, 1),
                        "write a number: no setting takes .nan") for p in _nan_paths(loaded.data, ())]
@@ -207,7 +236,7 @@ def validate_loaded(loaded: LoadedSpec) -> Validated:
         diags += _locate(graph.check(spec)[1], loaded)
     if diags:
         raise SpecError(_dedupe(diags))
-    warnings = [Diagnostic("graph", f"source '{n}' is declared but nothing reads it", ("sources", n),
+    warnings = plugin_warnings + [Diagnostic("graph", f"source '{n}' is declared but nothing reads it", ("sources", n),
                            loaded.locate(("sources", n)), "remove it, or refer to it from a signal, guide or "
                            "another source", severity="warning")
                 for n in spec.sources if n not in used]

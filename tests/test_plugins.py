@@ -77,15 +77,15 @@ def test_without_the_plugin_the_kind_is_unknown(tmp_path):
 
 
 def test_plugins_list_route():
-    r = composer("validate", SPEC, path=[SRC])
+    r = composer("validate", "--allow-plugins", SPEC, path=[SRC])
     assert r.returncode == 0, r.stderr
-    r = composer("explain", SPEC, path=[SRC])
+    r = composer("explain", "--allow-plugins", SPEC, path=[SRC])
     assert r.returncode == 0, r.stderr
     assert "length_penalized_grpo loss" in r.stdout
 
 
 def test_missing_plugin_module_is_a_located_error():
-    r = composer("validate", SPEC)  # length_penalty is not importable without its src/
+    r = composer("validate", "--allow-plugins", SPEC)  # length_penalty is not importable without its src/
     assert r.returncode == 2
     line = next(i for i, x in enumerate(SPEC.read_text().splitlines(), 1) if x.startswith("plugins:"))
     assert f"{SPEC}:{line}:" in r.stderr and "plugins[0]: plugin module 'length_penalty' cannot be imported" in r.stderr
@@ -98,14 +98,14 @@ def test_nonexistent_and_broken_plugin_modules(tmp_path, cli):
     spec.write_text("name: p\nplugins:\n  - no_such_plugin_module_anywhere\n  - broken_plugin_mod\n"
                     "sources: {verifier: {kind: outcome_reward}}\n"
                     "signal: {kind: reward, source: verifier}\nobjective: {kind: grpo}\n")
-    r = composer("validate", spec, path=[tmp_path])
+    r = composer("validate", "--allow-plugins", spec, path=[tmp_path])
     assert r.returncode == 2
     assert f"{spec}:3:5: error: plugins[0]: plugin module 'no_such_plugin_module_anywhere' cannot be imported" \
         in r.stderr
     assert f"{spec}:4:5: error: plugins[1]:" in r.stderr and "RuntimeError: boom at import" in r.stderr
     assert "Traceback" not in r.stderr
     # in-process too (nothing gets registered by a module that does not exist)
-    r = cli("validate", spec)
+    r = cli("validate", "--allow-plugins", spec)
     assert r.exit_code == 2 and f"{spec}:3:5:" in r.stderr
 
 
@@ -121,7 +121,7 @@ def test_broken_entry_point_does_not_break_validation(tmp_path):
 def test_unknown_key_in_a_plugin_component(tmp_path):
     spec = tmp_path / "spec.yaml"
     spec.write_text(SPEC.read_text().replace("penalty: 0.01", "penalti: 0.01"))
-    r = composer("validate", spec, path=[SRC])
+    r = composer("validate", "--allow-plugins", spec, path=[SRC])
     assert r.returncode == 2
     assert "objective.penalti: unknown key 'penalti' in the length_penalized_grpo objective" in r.stderr
     assert "did you mean 'penalty'?" in r.stderr
@@ -130,7 +130,7 @@ def test_unknown_key_in_a_plugin_component(tmp_path):
 def test_plugin_kinds_follow_the_builtin_rules(tmp_path):
     spec = tmp_path / "spec.yaml"
     spec.write_text(SPEC.read_text().replace("train:", "sync: {every: 4}\ntrain:"))
-    r = composer("validate", spec, path=[SRC])
+    r = composer("validate", "--allow-plugins", spec, path=[SRC])
     assert r.returncode == 2 and "length_penalized_grpo assumes on-policy data" in r.stderr
 
 

@@ -54,7 +54,7 @@ def test_fields_have_type_allowed_values_and_default():
     assert fields["loss_tokens"].type == "list of string" and fields["loss_tokens"].default == '["policy"]'
     assert "policy" in fields["loss_tokens"].allowed
     train = {f.name: f for f in reference.section_entry("train").fields}
-    assert train["betas"].type == "list of number exactly 2 items" and train["betas"].default == "[0.9, 0.999]"
+    assert train["betas"].type == "list of number >= 0, < 1 exactly 2 items" and train["betas"].default == "[0.9, 0.999]"
     stage = {f.name: f for f in reference.section_entry("stages").fields}
     assert stage["objective"].type == "partial objective (`kind` optional)"
     assert "grpo" in stage["objective"].allowed

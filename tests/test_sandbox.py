@@ -298,3 +298,110 @@ def test_refuses_without_unshare(monkeypatch):
     monkeypatch.setattr(cv, "_unshare", missing)
     with pytest.raises(cv.SandboxUnavailable):
         score("print('hello')")
+
+
+# ------------------------------------------------------------------------------ forged rewards (issue 17)
+# A wrong solution must never score 1 by ending the process "successfully" before or around its tests:
+# a pass is the harness's own nonce line, written after the last test, on a pipe the program never holds.
+
+WRONG = "def f(x):\n    return 0\n"
+FORGERIES = {
+    "system_exit_0": WRONG + "raise SystemExit(0)\n",
+    "os_exit_0": WRONG + "import os\nos._exit(0)\n",
+    "excepthook": WRONG + "import os, sys\nsys.excepthook = lambda *a: os._exit(0)\n",
+    "atexit": WRONG + "import atexit, os\natexit.register(lambda: os._exit(0))\n",
+    "reexec_without_asserts": WRONG + ("import os, sys\nif not sys.flags.optimize:\n"
+                                       "    os.execv(sys.executable, [sys.executable, '-O', '-I', 'main.py'])\n"),
+    "always_equal": "class E:\n    def __eq__(self, other):\n        return True\n    __hash__ = None\n"
+                    "def f(x):\n    return E()\n",
+    "int_subclass_equal": "class E(int):\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return E(0)\n",
+    "patch_assertion_error": WRONG + "import builtins\nbuiltins.AssertionError = type('X', (BaseException,), {})\n",
+    "write_a_pass_to_every_fd": WRONG + ("import os\nfor fd in range(64):\n    try:\n"
+                                         "        os.write(fd, b'{\"result\": \"pass\", \"nonce\": \"0\"}\\n')\n"
+                                         "    except OSError:\n        pass\n"),
+    "fake_the_server": ("import json, os, struct, sys\nresp = int(sys.argv[2])\n"
+                        "d = json.dumps({'ready': {}}).encode()\nos.write(resp, struct.pack('>I', len(d)) + d)\n"
+                        "os._exit(0)\n"),
+    "answer_every_request_with_true": ("import json, os, struct, sys\nreq, resp = int(sys.argv[1]), int(sys.argv[2])\n"
+                                       "def send(o):\n    d = json.dumps(o).encode()\n"
+                                       "    os.write(resp, struct.pack('>I', len(d)) + d)\n"
+                                       "send({'ready': {'f': {'h': 0}}})\nwhile True:\n"
+                                       "    n = struct.unpack('>I', os.read(req, 4))[0]\n    os.read(req, n)\n"
+                                       "    send({'ok': True})\n"),
+    "read_the_harness": WRONG + ("import os\nfor p in ['/proc/1/environ', '/proc/1/mem'] + "
+                                 "['/proc/1/fd/' + n for n in os.listdir('/proc/1/fd')]:\n    try:\n"
+                                 "        open(p, 'rb').read(1)\n        raise SystemExit('read ' + p)\n"
+                                 "    except OSError:\n        pass\n"),
+}
+
+
+@needs_sandbox
+@pytest.mark.parametrize("program", sorted(FORGERIES))
+def test_a_wrong_program_cannot_forge_a_pass(clean_machine, program):
+    tests = "assert f(1) == 2\nassert f(5) == 6\n"
+    ex = Example(prompt="p", answer=tests, meta={"timeout": 10})
+    assert cv.code_verifier(f"```python\n{FORGERIES[program]}```", ex).reward == 0.0
+    right = cv.code_verifier("```python\ndef f(x):\n    return x + 1\n```", ex)
+    assert right.reward == 1.0, right.detail  # the same tests do pass a right program
+
+
+@needs_sandbox
+def test_the_program_has_no_capabilities_and_cannot_read_the_harness(clean_machine):
+    r = cv.run_sandboxed("import os\nprint(open('/proc/self/status').read())\n"
+                         "for p in ('/proc/1/environ', '/proc/1/mem', '/proc/1/maps'):\n    try:\n"
+                         "        open(p, 'rb').read(1)\n        print('READ', p)\n    except OSError:\n        pass\n",
+                         SURE, tests="pass")
+    caps = {line.split(":")[0]: line.split()[1] for line in r.stdout.splitlines() if line.startswith("Cap")}
+    assert caps and set(caps.values()) == {"0000000000000000"}, r.stdout
+    assert "NoNewPrivs:\t1" in r.stdout and "READ" not in r.stdout
+
+
+@needs_sandbox
+def test_tests_reach_the_program_through_plain_data_and_handles(clean_machine):
+    program = ("class Solution:\n    def two_sum(self, xs, t):\n        seen = {}\n        for i, x in enumerate(xs):\n"
+               "            if t - x in seen:\n                return [seen[t - x], i]\n            seen[x] = i\n"
+               "def gen(n):\n    yield from range(n)\n"
+               "def root(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x ** 0.5\n"
+               "TABLE = {'a': (1, 2.5, None, b'x', {3})}\n")
+    tests = ("assert Solution().two_sum([2, 7, 11], 9) == [0, 1]\nassert list(gen(3)) == [0, 1, 2]\n"
+             "assert root(9) == 3.0\ntry:\n    root(-1)\nexcept ValueError as e:\n    assert 'negative' in str(e)\n"
+             "else:\n    assert False\nassert TABLE == {'a': (1, 2.5, None, b'x', {3})}\n"
+             "assert isinstance(Solution(), Solution) and len(TABLE) == 1 and 'a' in TABLE\n")
+    r = cv.run_sandboxed(program, SURE, tests=tests)
+    assert r.passed, r.detail + r.stderr
+
+
+# ------------------------------------------------------------------------------ the filesystem view (issue 17)
+
+
+@needs_sandbox
+def test_the_sandbox_sees_only_what_the_interpreter_needs_read_only(clean_machine):
+    secret = REPO / f"secret-{uuid.uuid4().hex}"
+    secret.write_text("host data")
+    secret.chmod(0o644)
+    try:
+        probes = ["/etc/passwd", "/etc", str(REPO), str(REPO / ".git"), str(secret), "/home", "/root", "/work"]
+        program = ("import json, os\nseen = [p for p in %r if os.path.exists(p)]\n" % probes
+                   + "writable = []\nfor d in ('/', '/usr', '/usr/lib', '/bin', '/dev', '/proc/sys'):\n    try:\n"
+                     "        open(os.path.join(d, 'pwned'), 'w').close()\n        writable.append(d)\n"
+                     "    except OSError:\n        pass\nopen('/tmp/ok', 'w').write('x')\n"
+                     "print(json.dumps({'seen': seen, 'writable': writable, 'root': sorted(os.listdir('/'))}))\n")
+        r = cv.run_sandboxed(program, SURE)
+        assert r.ok, r.stderr
+        got = __import__("json").loads(r.stdout)
+        assert got["seen"] == [] and got["writable"] == []
+        assert set(got["root"]) <= {"usr", "lib", "lib64", "lib32", "libx32", "bin", "sbin", "dev", "proc", "tmp",
+                                    *[p.split("/")[1] for p in (sys.base_prefix, sys.exec_prefix)]}
+    finally:
+        secret.unlink()
+
+
+@pytest.mark.parametrize("timeout, ok", [(3, True), (0.5, True), (cv.MAX_CODE_TIMEOUT, True), (0, False),
+                                         (-1, False), (1e9, False), (float("nan"), False), (float("inf"), False),
+                                         ("10", False), (True, False), ([1], False)])
+def test_per_row_timeouts_are_checked(timeout, ok):
+    assert (cv.timeout_problem(timeout) is None) is ok
+    if not ok:  # the verifier refuses the row (never a huge sandbox limit or a crash)
+        v = cv.code_verifier("```python\nx = 1\n```", Example(prompt="p", answer="assert x == 1",
+                                                              meta={"timeout": timeout}))
+        assert v.reward == 0 and not v.parsed and "timeout" in v.detail

@@ -54,7 +54,7 @@ def test_every_spec_validates(path, cli):
     data = yaml.safe_load(path.read_text())
     if data.get("plugins"):  # third-party kinds: import them in a fresh process, not into this one's registry
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(PLUGIN_SRC + [os.environ.get("PYTHONPATH", "")])}
-        r = subprocess.run([sys.executable, "-m", "composer.cli", "validate", str(path)], capture_output=True,
+        r = subprocess.run([sys.executable, "-m", "composer.cli", "validate", str(path), "--allow-plugins"], capture_output=True,
                            text=True, env=env, cwd=REPO)
         assert r.returncode == 0, r.stderr
         assert "error" not in r.stderr
@@ -158,7 +158,7 @@ CASES = [
     Case("stage_wrong_type", HEAD + GRPO + "stages:\n  - {name: a, train: {steps: lots}}\n",
          "stages[0].train.steps", 7, "valid integer"),
     Case("plugin_missing", HEAD + GRPO + "plugins: [no_such_composer_plugin]\n", "plugins[0]", 6,
-         "cannot be imported"),
+         "--allow-plugins"),  # not imported unless allowed; with the flag: "cannot be imported" (test_plugins)
     # ---- layer 3: graph
     Case("unknown_source_did_you_mean", HEAD + "signal: {kind: reward, source: verifer}\nobjective: {kind: grpo}\n",
          "signal.source", 4, "did you mean 'verifier'?"),

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from composer.registry import Component, register
 
@@ -19,6 +20,18 @@ class OutcomeReward(Component):
 
     provides: ClassVar = ("sequence_reward",)
     pi: ClassVar[str] = "posterior"
+
+    @field_validator("verifier")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        """An unknown name would only fail when the first reward is computed (or inside a cluster bundle)."""
+        from composer.errors import did_you_mean
+        from composer.registry import VERIFIERS
+
+        if value != "auto" and value not in VERIFIERS:
+            raise PydanticCustomError("unknown_verifier", "unknown verifier {name} ({hint})",
+                                      {"name": ascii(value), "hint": did_you_mean(value, ["auto", *VERIFIERS])})
+        return value
 
     def build(self, ctx, name: str):
         return RewardScorer(self, ctx.verifier(self.verifier))

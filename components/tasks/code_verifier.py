@@ -5,41 +5,62 @@ Convention for the data
     last unlabelled ``` block, else the whole response when it compiles as Python. A response with
     no code (empty, or prose that is not Python) gives `Verdict(0, parsed=False)`.
   * the tests: `example.meta["tests"]` (a string, or a list of strings joined by newlines) when
-    present, else `example.answer`. Tests are Python source run after the program in the same
-    module (asserts, or a `def check(candidate)`; with `example.meta["entry_point"]` set and a
-    `check` defined, `check(<entry_point>)` is appended, as in HumanEval). An example without tests
-    gives `Verdict(0, parsed=False)`: a program with nothing to check is never rewarded.
-  * `example.meta["timeout"]` (seconds) overrides the wall-clock limit for one example.
-  Reward 1.0 iff program + tests exit with status 0 within the limits.
+    present, else `example.answer`. Tests are Python source (asserts, or a `def check(candidate)`;
+    with `example.meta["entry_point"]` set and a `check` defined, `check(<entry_point>)` is
+    appended, as in HumanEval). An example without tests gives `Verdict(0, parsed=False)`: a
+    program with nothing to check is never rewarded.
+  * `example.meta["timeout"]` (seconds, a number in (0, MAX_CODE_TIMEOUT]) overrides the wall-clock
+    limit for one example; anything else is refused when the data loads.
 
-Isolation (Linux): the code runs as `nobody` (uid 65534) inside `unshare --user --map-root-user
---net --pid --fork --kill-child --mount --mount-proc --ipc --uts`:
-  * new network namespace (only a downed loopback): no traffic leaves, not even to 127.0.0.1;
-  * new PID namespace: the program cannot see or signal processes outside it; when its init dies
-    the kernel kills everything left in it; its getppid() is 0;
-  * new user namespace mapped onto uid 65534, so RLIMIT_NPROC is enforced (it is not for root) and
-    the sandbox has no privilege over the host's files or processes;
-  * new mount namespace: fresh size-limited tmpfs over /tmp (the working directory lives there),
-    /var/tmp, /dev/shm and /run (filesystem sockets), every other mount remounted read-only (best
-    effort; the uid drop already denies writes to root-owned files);
+A pass is something the program cannot produce. The program and the tests run in two processes:
+  * the program process imports the program (as module `solution`, so `if __name__ == "__main__"`
+    blocks do not run) and then only answers requests: call this function, get this attribute,
+    iterate this object;
+  * the test harness (the sandbox's PID 1) runs the tests in its own interpreter, with every
+    top-level name of the program bound to a proxy of it. Values cross between the two as plain
+    data (numbers, strings, bytes, lists, tuples, dicts, sets, None) rebuilt by the harness, or as
+    handles to the program's other objects, so a program's `__eq__` never decides a comparison.
+    The tests are compiled with asserts on whatever the interpreter's flags. A test that hands the
+    program a function or object of its own fails (it cannot cross).
+  * success is one line the harness writes after the last test, carrying a secret nonce, on a pipe
+    only the harness holds. The program never sees the tests, the nonce or that pipe: it runs
+    without any capability, and the harness is not dumpable, so the program cannot read its memory
+    or file descriptors (ptrace, /proc/1/mem, /proc/1/fd). Exit statuses are not trusted at all:
+    `raise SystemExit(0)`, `os._exit(0)`, an excepthook, atexit, or re-executing with `python -O`
+    before the tests all score 0.
+
+Isolation (Linux): inside `unshare --user --map-root-user --net --pid --fork --kill-child --mount
+--mount-proc --ipc --uts` (as `nobody`, uid 65534, when started by root):
+  * a new network namespace (only a downed loopback): no traffic leaves, not even to 127.0.0.1;
+  * a new PID namespace: the program cannot see or signal processes outside it; when its init dies
+    the kernel kills everything left in it;
+  * a user namespace mapped onto one unprivileged uid, so RLIMIT_NPROC is enforced, and the
+    program's process drops every capability (bounding set, securebits locked, no_new_privs);
+  * a filesystem view with only what the interpreter needs, read-only: a new root (tmpfs) holding
+    read-only binds of /usr, /lib*, /bin, /sbin and the interpreter's own prefix, /dev/null, zero,
+    full, random and urandom, a fresh /proc, and a size-limited tmpfs /tmp holding the working
+    directory. The host's /etc, /home, /root, /work, the project checkout and datasets are not in it;
   * rlimits: CPU seconds, address space, file size, processes, open files, no core dumps;
   * an empty environment, stdin /dev/null, its own session; on timeout the session and the
     namespace's init are SIGKILLed.
-Fail closed: when `unshare`, user/net/pid namespaces, or the in-sandbox checks (outer uid not 0,
-no network interface but `lo`, PID 1 in a new namespace) are not available, the verifier raises
-`SandboxUnavailable` rather than run the code.
+Fail closed: when `unshare`, user/net/pid/mount namespaces, the new root, or the in-sandbox checks
+(outer uid not 0, no network interface but `lo`, PID 1 in a new namespace, no capability left in the
+program's process) are not available, the verifier raises `SandboxUnavailable` rather than run code.
 
-Host side: a fresh temporary directory holds the program and the captured output (bounded by
-RLIMIT_FSIZE); it is removed afterwards. Not bounded: total memory across the sandbox's processes
-is at most nproc x memory (no cgroup is used).
+Host side: a fresh temporary directory holds the program and tests and the captured output (bounded
+by RLIMIT_FSIZE); it is removed afterwards. Not bounded: total memory across the sandbox's
+processes is at most nproc x memory (no cgroup is used).
 
 Imports are light: the registration is read during validation; nothing runs until called.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
+import secrets
 import shutil
 import signal
 import stat
@@ -56,6 +77,7 @@ from composer.registry import register_verifier
 SANDBOX_PREFIX = "composer-sbx-"
 NOBODY = 65534
 _SETUP_FAILED = 97
+MAX_CODE_TIMEOUT = 300.0  # seconds: a per-row `timeout` above this is a data error
 
 
 class SandboxUnavailable(RuntimeError):
@@ -79,30 +101,154 @@ DEFAULT_LIMITS = SandboxLimits()
 
 @dataclass
 class SandboxResult:
-    returncode: int
+    returncode: int  # without tests: the program's exit status; with tests: the harness's (not trusted)
     stdout: str
     stderr: str
     timed_out: bool
     wall: float
     workdir: str  # the working directory's name (unique per run; appears in the program's argv)
+    passed: bool = False  # with tests: the harness reported, with the nonce, that every test ran through
+    detail: str = ""  # with tests: the harness's reason when they did not
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0 and not self.timed_out
 
 
-# --------------------------------------------------------------------------- the in-sandbox bootstrap
+# --------------------------------------------------------------------------- inside the sandbox
 
-# Runs as PID 1 of the new namespaces (uid 0 there, 65534 outside), before the program: checks the
-# isolation, builds the private filesystem view, sets the limits, reports on the status fd, execs.
+# The program's process after exec (tests mode): imports the program, says which names it defines,
+# then answers the harness's requests. Everything here runs next to the program and is untrusted:
+# the harness rebuilds every value itself and trusts nothing this process says beyond plain data.
+_SERVER = r"""
+import base64, builtins, json, os, struct, sys, traceback
+req, resp = int(sys.argv[1]), int(sys.argv[2])
+objects = []
+DATA = (type(None), bool, int, float, str)
+def enc(v, depth=0):
+    t = type(v)
+    if t in DATA:
+        if t is int and abs(v).bit_length() > 14000:
+            return {"h": keep(v)}
+        return v
+    if depth < 100:
+        if t is list: return {"l": [enc(x, depth + 1) for x in v]}
+        if t is tuple: return {"t": [enc(x, depth + 1) for x in v]}
+        if t is dict: return {"d": [[enc(k, depth + 1), enc(x, depth + 1)] for k, x in v.items()]}
+        if t is set: return {"s": [enc(x, depth + 1) for x in v]}
+        if t is frozenset: return {"f": [enc(x, depth + 1) for x in v]}
+        if t is bytes: return {"b": base64.b64encode(v).decode()}
+        if t is complex: return {"c": [v.real, v.imag]}
+    return {"h": keep(v)}
+def keep(v):
+    objects.append(v)
+    return len(objects) - 1
+def dec(v):
+    if not isinstance(v, dict): return v
+    (k, x), = v.items()
+    if k == "h": return objects[x]
+    if k == "l": return [dec(i) for i in x]
+    if k == "t": return tuple(dec(i) for i in x)
+    if k == "d": return {dec(a): dec(b) for a, b in x}
+    if k == "s": return {dec(i) for i in x}
+    if k == "f": return frozenset(dec(i) for i in x)
+    if k == "b": return base64.b64decode(x)
+    if k == "c": return complex(*x)
+    raise ValueError(k)
+def send(obj):
+    data = json.dumps(obj).encode()
+    data = struct.pack(">I", len(data)) + data
+    while data:
+        data = data[os.write(resp, data):]
+def recv():
+    head = b""
+    while len(head) < 4:
+        c = os.read(req, 4 - len(head))
+        if not c: os._exit(0)
+        head += c
+    n, body = struct.unpack(">I", head)[0], b""
+    while len(body) < n:
+        c = os.read(req, n - len(body))
+        if not c: os._exit(0)
+        body += c
+    return json.loads(body)
+ns = {"__name__": "solution", "__builtins__": builtins}
+try:
+    with open("main.py", "rb") as f:
+        exec(compile(f.read(), "main.py", "exec", dont_inherit=True), ns)
+    send({"ready": {k: enc(v) for k, v in list(ns.items()) if not (k.startswith("__") and k.endswith("__"))}})
+except BaseException as e:
+    traceback.print_exc()
+    send({"failed": type(e).__name__ + ": " + str(e)[:500]})
+    os._exit(1)
+OPS = {
+    "call": lambda o, a, k: o(*a, **k), "getattr": getattr, "setattr": setattr, "getitem": lambda o, k: o[k],
+    "setitem": lambda o, k, v: o.__setitem__(k, v), "len": len, "iter": iter, "next": next, "bool": bool,
+    "repr": repr, "str": str, "contains": lambda o, x: x in o, "isinstance": isinstance,
+}
+while True:
+    msg = recv()
+    try:
+        op, args = msg["op"], [dec(a) for a in msg["args"]]
+        if op == "call":
+            args = [args[0], args[1], dict(args[2])]
+        value = OPS[op](*args)
+        try:
+            out = {"ok": enc(value)}
+            json.dumps(out)
+        except (ValueError, TypeError, RecursionError):
+            out = {"ok": {"h": keep(value)}}
+        send(out)
+    except StopIteration:
+        send({"stop": True})
+    except BaseException as e:
+        send({"exc": [type(e).__name__, str(e)[:2000]]})
+"""
+
+# The sandbox's PID 1 (uid 0 in its namespaces, 65534 outside): checks the isolation, builds the
+# read-only filesystem view, sets the limits, starts the program's process without capabilities,
+# and then (with tests) runs them as the harness, or (without) reports the program's exit status.
 _BOOTSTRAP = r"""
-import ctypes, os, resource, sys
+import base64, builtins, ctypes, json, os, platform, resource, signal, struct, sys, time, traceback
+IN_CHILD = False
 src_fd, status_fd = int(sys.argv[1]), int(sys.argv[2])
 name = sys.argv[3]
 cpu, mem, fsize, nproc, nofile, tmpfs = map(int, sys.argv[4:10])
+SERVER = sys.argv[10]
+def report(obj):
+    os.write(status_fd, (json.dumps(obj) + "\n").encode())
 def fail(msg):
-    os.write(status_fd, ("error: " + msg).encode())
+    if IN_CHILD:
+        raise RuntimeError(msg)
+    report({"setup": "error: " + msg})
     os._exit(97)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
+def mount(src, dst, fstype, flags, data=None):
+    enc = lambda s: s.encode() if isinstance(s, str) else s
+    if libc.mount(enc(src), enc(dst), enc(fstype), flags, enc(data)) != 0:
+        fail("mount %s: errno %d" % (dst, ctypes.get_errno()))
+def keep_flags(path):
+    f = os.statvfs(path).f_flag
+    return (f & (MS_NOSUID | MS_NODEV | MS_NOEXEC | 1024 | 2048)) | ((1 << 21) if f & 4096 else 0)
+def drop_capabilities():
+    PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_CAP_AMBIENT, PR_SET_NO_NEW_PRIVS = 24, 28, 47, 38
+    for cap in range(64):
+        libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
+    libc.prctl(PR_CAP_AMBIENT, 4, 0, 0, 0)  # clear all ambient capabilities
+    if libc.prctl(PR_SET_SECUREBITS, 0xEF, 0, 0, 0) != 0:  # no root magic on exec, locked
+        fail("cannot lock the securebits (errno %d)" % ctypes.get_errno())
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+    if libc.capset(ctypes.byref(Header(0x20080522, 0)), (Data * 2)()) != 0:
+        fail("cannot drop capabilities (errno %d)" % ctypes.get_errno())
+    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    caps = {l.split(":")[0]: int(l.split()[1], 16) for l in open("/proc/self/status") if l.startswith("Cap")}
+    if any(caps.get(k, 1) for k in ("CapEff", "CapPrm", "CapBnd", "CapAmb")):
+        fail("capabilities left after dropping them: %r" % caps)
 try:
     if os.getpid() != 1:
         fail("not PID 1 of a new PID namespace")
@@ -112,36 +258,69 @@ try:
     ifaces = {l.split(":")[0].strip() for l in open("/proc/self/net/dev").read().splitlines()[2:] if ":" in l}
     if ifaces - {"lo"}:
         fail("network interfaces visible in the sandbox: %s" % ", ".join(sorted(ifaces)))
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-    MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
-    FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024,
-             "nodiratime": 2048, "relatime": 1 << 21}
+    payload = b""
+    while True:
+        chunk = os.read(src_fd, 1 << 16)
+        if not chunk:
+            break
+        payload += chunk
+    os.close(src_fd)
+    job = json.loads(payload)
+    # every mount read-only first (binds copy that), then a new root with only what the interpreter needs
     for line in open("/proc/self/mountinfo").read().splitlines():
         f = line.split()
         mp = f[4].encode().decode("unicode_escape")
         if mp in ("/proc", "/sys", "/dev") or mp.startswith(("/proc/", "/sys/", "/dev/")):
             continue
+        FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024,
+                 "nodiratime": 2048, "relatime": 1 << 21}
         keep = sum(FLAGS.get(o, 0) for o in f[5].split(","))
         libc.mount(None, mp.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep, None)  # best effort
-    for d in ("/tmp", "/var/tmp", "/dev/shm", "/run"):
-        if os.path.isdir(d) and not os.path.islink(d):
-            size = tmpfs if d == "/tmp" else 1 << 20
-            opts = ("size=%d,nr_inodes=4096,mode=1777" % size).encode()
-            if libc.mount(b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts) != 0:
-                fail("cannot mount a private tmpfs on %s (errno %d)" % (d, ctypes.get_errno()))
-    src = b""
-    while True:
-        chunk = os.read(src_fd, 1 << 16)
-        if not chunk:
-            break
-        src += chunk
-    os.close(src_fd)
+    root = "/tmp"
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
+    wanted = ["/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin", sys.base_prefix, sys.base_exec_prefix,
+              os.path.dirname(os.path.realpath(sys.executable))]
+    done = []
+    while wanted:
+        p = os.path.normpath(wanted.pop(0))
+        if not os.path.lexists(p) or any(p == d or p.startswith(d.rstrip("/") + "/") for d in done):
+            continue
+        done.append(p)
+        target = root + p
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if os.path.islink(p):
+            os.symlink(os.readlink(p), target)
+            wanted.append(os.path.realpath(p))
+            continue
+        os.makedirs(target, exist_ok=True)
+        mount(p, target, None, MS_BIND | MS_REC)
+        libc.mount(None, target.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep_flags(target), None)
+        if not os.statvfs(target).f_flag & 1:
+            fail("cannot bind %s read-only" % p)
+    os.makedirs(root + "/dev")
+    for dev in ("null", "zero", "full", "random", "urandom"):
+        open(root + "/dev/" + dev, "w").close()
+        mount("/dev/" + dev, root + "/dev/" + dev, None, MS_BIND)
+    os.makedirs(root + "/proc")
+    mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.makedirs(root + "/tmp")
+    mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=%d,nr_inodes=4096,mode=1777" % tmpfs)
+    SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}.get(platform.machine())
+    if SYS_PIVOT_ROOT is None:
+        fail("pivot_root: unknown architecture %s" % platform.machine())
+    os.chdir(root)
+    if libc.syscall(SYS_PIVOT_ROOT, b".", b".") != 0:
+        fail("pivot_root: errno %d" % ctypes.get_errno())
+    if libc.umount2(b".", 2) != 0:  # MNT_DETACH the old root stacked on the new one
+        fail("cannot detach the host's filesystem (errno %d)" % ctypes.get_errno())
+    os.chdir("/")
+    mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    if os.path.exists("/etc/passwd"):
+        fail("the host's filesystem is still visible")
     work = "/tmp/" + name
     os.mkdir(work, 0o700)
-    os.chdir(work)
-    with open("main.py", "wb") as fh:
-        fh.write(src)
+    with open(work + "/main.py", "wb") as fh:
+        fh.write(job["program"].encode("utf-8", "surrogatepass"))
     R = resource
     R.setrlimit(R.RLIMIT_CORE, (0, 0))
     R.setrlimit(R.RLIMIT_CPU, (cpu, cpu + 1))
@@ -149,13 +328,211 @@ try:
     R.setrlimit(R.RLIMIT_FSIZE, (fsize, fsize))
     R.setrlimit(R.RLIMIT_NPROC, (nproc, nproc))
     R.setrlimit(R.RLIMIT_NOFILE, (nofile, nofile))
+    libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the program cannot read this process (memory, fds)
+    req_r, req_w = os.pipe()
+    resp_r, resp_w = os.pipe()
+    check_r, check_w = os.pipe()  # O_CLOEXEC: closes unread when the program's exec succeeds
+    pid = os.fork()
+    if pid == 0:
+        IN_CHILD = True
+        try:
+            for fd in (status_fd, req_w, resp_r, check_r):
+                os.close(fd)
+            os.setsid()
+            drop_capabilities()
+            os.chdir(work)
+            if job["tests"] is None:
+                argv = [sys.executable, "-I", work + "/main.py"]
+            else:
+                os.set_inheritable(req_r, True)
+                os.set_inheritable(resp_w, True)
+                argv = [sys.executable, "-I", "-u", "-c", SERVER, str(req_r), str(resp_w)]  # -u: prints survive the kill
+            os.execve(sys.executable, argv, {})
+        except SystemExit:
+            pass
+        except BaseException as e:
+            os.write(check_w, ("%s: %s" % (type(e).__name__, e)).encode())
+        os._exit(97)
+    os.close(req_r)
+    os.close(resp_w)
+    os.close(check_w)
+    why = b""
+    while chunk := os.read(check_r, 4096):
+        why += chunk
+    if why:
+        os.kill(pid, 9)
+        fail("the program's process could not be started: " + why.decode("utf-8", "replace"))
+    drop_capabilities()
+    libc.prctl(4, 0, 0, 0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 except SystemExit:
     raise
 except BaseException as e:
     fail("%s: %s" % (type(e).__name__, e))
-os.write(status_fd, b"ok")
-os.close(status_fd)
-os.execve(sys.executable, [sys.executable, "-I", work + "/main.py"], {})
+report({"setup": "ok"})
+def status_of(wait_status):
+    return os.waitstatus_to_exitcode(wait_status)
+if job["tests"] is None:
+    _, st = os.waitpid(pid, 0)
+    report({"exit": status_of(st)})
+    os._exit(0)
+
+# ---- the test harness: the tests run here; the program is reached only through requests ----
+class ProgramError(Exception):
+    pass
+class ProgramGone(BaseException):
+    pass
+def send(obj):
+    data = json.dumps(obj).encode()
+    data = struct.pack(">I", len(data)) + data
+    while data:
+        data = data[os.write(req_w, data):]
+def read_exact(n):
+    out = b""
+    while len(out) < n:
+        c = os.read(resp_r, min(n - len(out), 1 << 20))
+        if not c:
+            raise ProgramGone("the program's process ended")
+        out += c
+    return out
+def recv():
+    n = struct.unpack(">I", read_exact(4))[0]
+    if n > (64 << 20):
+        raise ProgramGone("the program's process sent %d bytes at once" % n)
+    return json.loads(read_exact(n))
+class Remote:
+    __slots__ = ("_h",)
+    def __init__(self, h):
+        object.__setattr__(self, "_h", h)
+    def __getattr__(self, name):
+        return rpc("getattr", self, name)
+    def __setattr__(self, name, value):
+        rpc("setattr", self, name, value)
+    def __call__(self, *args, **kwargs):
+        return rpc("call", self, list(args), kwargs)
+    def __getitem__(self, key):
+        return rpc("getitem", self, key)
+    def __setitem__(self, key, value):
+        rpc("setitem", self, key, value)
+    def __len__(self):
+        n = rpc("len", self)
+        if type(n) is not int:
+            raise TypeError("len() of a program object is not an int")
+        return n
+    def __iter__(self):
+        it = rpc("iter", self)
+        return it if isinstance(it, Remote) else iter(it)
+    def __next__(self):
+        return rpc("next", self)
+    def __contains__(self, item):
+        return rpc("contains", self, item) is True
+    def __bool__(self):
+        return rpc("bool", self) is True
+    def __repr__(self):
+        r = rpc("repr", self)
+        return r if type(r) is str else "<program object>"
+    def __str__(self):
+        r = rpc("str", self)
+        return r if type(r) is str else "<program object>"
+    def __eq__(self, other):  # identity only: a program's __eq__ never decides a comparison
+        return isinstance(other, Remote) and other._h == self._h
+    def __ne__(self, other):
+        return not self.__eq__(other)
+    def __hash__(self):
+        return hash(("remote", self._h))
+    def __instancecheck__(self, instance):
+        return rpc("isinstance", instance, self) is True
+def enc(v, depth=0):
+    t = type(v)
+    if isinstance(v, Remote):
+        return {"h": v._h}
+    if depth > 100:
+        raise TypeError("a value nested too deeply to pass to the program")
+    if t in (type(None), bool, int, float, str):
+        return v
+    if t is list: return {"l": [enc(x, depth + 1) for x in v]}
+    if t is tuple: return {"t": [enc(x, depth + 1) for x in v]}
+    if t is dict: return {"d": [[enc(k, depth + 1), enc(x, depth + 1)] for k, x in v.items()]}
+    if t is set: return {"s": [enc(x, depth + 1) for x in v]}
+    if t is frozenset: return {"f": [enc(x, depth + 1) for x in v]}
+    if t is bytes: return {"b": base64.b64encode(v).decode()}
+    if t is complex: return {"c": [v.real, v.imag]}
+    raise TypeError("a test cannot pass %s to the program (plain data and the program's own objects only)"
+                    % t.__name__)
+def dec(v, depth=0):
+    if depth > 200:
+        raise ProgramGone("the program sent a value nested too deeply")
+    t = type(v)
+    if t in (type(None), bool, int, float, str):
+        return v
+    if t is not dict or len(v) != 1:
+        raise ProgramGone("the program sent a malformed value")
+    (k, x), = v.items()
+    if k == "h" and type(x) is int: return Remote(x)
+    if k == "l" and type(x) is list: return [dec(i, depth + 1) for i in x]
+    if k == "t" and type(x) is list: return tuple(dec(i, depth + 1) for i in x)
+    if k == "d" and type(x) is list: return {dec(a, depth + 1): dec(b, depth + 1) for a, b in x}
+    if k == "s" and type(x) is list: return {dec(i, depth + 1) for i in x}
+    if k == "f" and type(x) is list: return frozenset(dec(i, depth + 1) for i in x)
+    if k == "b" and type(x) is str: return base64.b64decode(x)
+    if k == "c" and type(x) is list and len(x) == 2: return complex(float(x[0]), float(x[1]))
+    raise ProgramGone("the program sent a malformed value")
+def rpc(op, *args):
+    send({"op": op, "args": [enc(a) for a in args]})
+    msg = recv()
+    if type(msg) is not dict:
+        raise ProgramGone("the program sent a malformed answer")
+    if "ok" in msg:
+        return dec(msg["ok"])
+    if "stop" in msg:
+        raise StopIteration
+    exc = msg.get("exc")
+    if type(exc) is list and len(exc) == 2 and type(exc[0]) is str and type(exc[1]) is str:
+        cls = getattr(builtins, exc[0], None)
+        error = None
+        if isinstance(cls, type) and issubclass(cls, Exception) and not issubclass(cls, StopIteration):
+            try:
+                error = cls(exc[1])
+            except Exception:  # a builtin exception that wants other arguments
+                pass
+        raise error if error is not None else ProgramError("%s: %s" % (exc[0], exc[1]))
+    raise ProgramGone("the program sent a malformed answer")
+def program_status():
+    for _ in range(50):  # the pipe closes a moment before the process is reaped
+        try:
+            done, st = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return None
+        if done:
+            return status_of(st)
+        time.sleep(0.01)
+    return None
+result = {"result": "fail"}
+try:
+    first = recv()
+    if type(first) is dict and "failed" in first:
+        result["why"] = "the program failed before the tests ran: %s" % str(first["failed"])[:500]
+    elif type(first) is not dict or type(first.get("ready")) is not dict:
+        result["why"] = "the program's process did not start the tests"
+    else:
+        names = {str(k): dec(v) for k, v in first["ready"].items() if type(k) is str and k.isidentifier()}
+        tests = compile(job["tests"], "tests.py", "exec", dont_inherit=True, optimize=0)  # asserts always on
+        scope = dict(names, __name__="__tests__", __builtins__=builtins)
+        exec(tests, scope)
+        result = {"result": "pass", "nonce": job["nonce"]}
+except ProgramGone as e:
+    st = program_status()
+    result["why"] = "%s before the tests finished%s" % (e, "" if st is None else " (status %d)" % st)
+    result["program_status"] = st
+except BaseException as e:
+    traceback.print_exc()
+    result["why"] = "the tests failed: %s: %s" % (type(e).__name__, str(e)[:500])
+try:
+    os.kill(pid, 9)
+except OSError:
+    pass
+report(result)
+os._exit(0)
 """
 
 
@@ -222,27 +599,34 @@ def _read_head(path: str, n: int) -> str:
         return ""
 
 
-def run_sandboxed(source: str, limits: SandboxLimits = DEFAULT_LIMITS, python: Optional[str] = None) -> SandboxResult:
-    """Run Python `source` in the sandbox; raises SandboxUnavailable when isolation cannot be set up."""
+def run_sandboxed(source: str, limits: SandboxLimits = DEFAULT_LIMITS, python: Optional[str] = None,
+                  tests: Optional[str] = None) -> SandboxResult:
+    """Run Python `source` in the sandbox; raises SandboxUnavailable when isolation cannot be set up.
+
+    Without `tests`: the program runs as `__main__` and `returncode` is its exit status. With `tests`:
+    the program is imported in its own process and the tests run in the harness against it; `passed`
+    is True only when the harness reported, with this run's nonce, that the last test ran through.
+    """
     if not sys.platform.startswith("linux"):
         raise SandboxUnavailable(f"the code sandbox needs Linux namespaces; this is {sys.platform}: "
                                  "refusing to run code")
     unshare = _unshare()
-    python = python or sandbox_python()
+    python = os.path.realpath(python or sandbox_python())
+    nonce = secrets.token_hex(16)
     host = tempfile.mkdtemp(prefix=SANDBOX_PREFIX)  # 0700, root's: the sandbox never sees it
     name = os.path.basename(host)
     try:
-        src_path = os.path.join(host, "main.py")
-        with open(src_path, "w", encoding="utf-8", errors="surrogatepass") as f:
-            f.write(source)
+        job_path = os.path.join(host, "job.json")
+        with open(job_path, "w", encoding="utf-8", errors="surrogatepass") as f:
+            json.dump({"program": source, "tests": tests, "nonce": nonce}, f)
         status_r, status_w = os.pipe()
-        src_fd = os.open(src_path, os.O_RDONLY)
+        src_fd = os.open(job_path, os.O_RDONLY)
         out = open(os.path.join(host, "stdout"), "wb")
         err = open(os.path.join(host, "stderr"), "wb")
         cmd = [unshare, "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount",
                "--mount-proc", "--ipc", "--uts", python, "-I", "-S", "-c", _BOOTSTRAP, str(src_fd), str(status_w),
                name, str(int(limits.cpu)), str(int(limits.memory)), str(int(limits.fsize)), str(int(limits.nproc)),
-               str(int(limits.nofile)), str(int(limits.tmpfs))]
+               str(int(limits.nofile)), str(int(limits.tmpfs)), _SERVER]
         drop = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
         start = time.monotonic()
         try:
@@ -267,18 +651,42 @@ def run_sandboxed(source: str, limits: SandboxLimits = DEFAULT_LIMITS, python: O
         while chunk := os.read(status_r, 4096):
             status += chunk
         os.close(status_r)
+        reports = _reports(status)
         stderr = _read_head(os.path.join(host, "stderr"), limits.output)
-        if status != b"ok":
-            if not status and timed_out:
+        setup = next((r["setup"] for r in reports if "setup" in r), None)
+        if setup != "ok":
+            if setup is None and timed_out:
                 raise SandboxUnavailable(f"code sandbox setup did not finish within {limits.timeout:g}s: "
                                          f"{stderr.strip()}")
-            why = (status.decode("utf-8", "replace").removeprefix("error: ") or stderr.strip()
-                   or f"exit {proc.returncode}")
+            why = (str(setup or "").removeprefix("error: ") or stderr.strip() or f"exit {proc.returncode}")
             raise SandboxUnavailable(f"code sandbox setup failed, refusing to run code: {why}")
-        return SandboxResult(returncode=proc.returncode, stdout=_read_head(os.path.join(host, "stdout"), limits.output),
-                             stderr=stderr, timed_out=timed_out, wall=wall, workdir=name)
+        final = next((r for r in reports if "result" in r or "exit" in r), {})
+        if tests is None:
+            code = final.get("exit")
+            returncode = code if isinstance(code, int) and not isinstance(code, bool) else (proc.returncode or -9)
+        else:
+            returncode = proc.returncode
+        passed = tests is not None and not timed_out and final.get("result") == "pass" and \
+            secrets.compare_digest(str(final.get("nonce", "")), nonce)
+        detail = str(final.get("why", "")) if tests is not None and not passed else ""
+        return SandboxResult(returncode=returncode, stdout=_read_head(os.path.join(host, "stdout"), limits.output),
+                             stderr=stderr, timed_out=timed_out, wall=wall, workdir=name, passed=passed,
+                             detail=detail)
     finally:
         shutil.rmtree(host, ignore_errors=True)
+
+
+def _reports(status: bytes) -> list[dict]:
+    """The JSON lines the sandbox's PID 1 wrote on its status pipe (only it holds that pipe)."""
+    out = []
+    for line in status.decode("utf-8", "replace").splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -305,11 +713,23 @@ def _kill(proc: subprocess.Popen) -> None:
             time.sleep(0.01)
 
 
+
 def ensure_sandbox() -> None:
-    """Raise SandboxUnavailable (with the reason) unless the sandbox works here; call before a run."""
-    r = run_sandboxed("print('ok')", replace(DEFAULT_LIMITS, timeout=30.0))
+    """Raise SandboxUnavailable (with the reason) unless the sandbox works here; call before a run.
+
+    Three checks: a plain program runs; a right program passes its tests; a program that exits 0
+    before its tests (the simplest forgery) does not pass."""
+    sure = replace(DEFAULT_LIMITS, timeout=30.0)
+    r = run_sandboxed("print('ok')", sure)
     if not r.ok or r.stdout.strip() != "ok":
         raise SandboxUnavailable(f"code sandbox self-test failed (exit {r.returncode}): {r.stderr.strip()[-500:]}")
+    r = run_sandboxed("def f(x):\n    return x + 1\n", sure, tests="assert f(41) == 42\n")
+    if not r.passed:
+        raise SandboxUnavailable(f"code sandbox self-test failed: a right program did not pass its tests "
+                                 f"({r.detail}): {r.stderr.strip()[-500:]}")
+    r = run_sandboxed("import os\nos._exit(0)\n", sure, tests="assert False\n")
+    if r.passed:
+        raise SandboxUnavailable("code sandbox self-test failed: a program that exits before its tests passed")
 
 
 # --------------------------------------------------------------------------- the verifier
@@ -351,8 +771,23 @@ def example_tests(example: Example) -> str:
     return tests
 
 
+
+def timeout_problem(value) -> Optional[str]:
+    """Why a per-row `timeout` is not usable (None when it is absent or fine)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"timeout must be a number of seconds, got {type(value).__name__} {value!r:.40}"
+    if not math.isfinite(value) or not 0 < value <= MAX_CODE_TIMEOUT:
+        return f"timeout must be in (0, {MAX_CODE_TIMEOUT:g}] seconds, got {value!r}"
+    return None
+
+
 def _limits_for(example: Example) -> SandboxLimits:
     t = example.meta.get("timeout") if example.meta else None
+    why = timeout_problem(t)
+    if why:
+        raise ValueError(why)
     if t is None:
         return DEFAULT_LIMITS
     t = float(t)
@@ -364,27 +799,34 @@ def _tail(text: str, n: int = 800) -> str:
     return text if len(text) <= n else "..." + text[-n:]
 
 
-@register_verifier("code", "Runs the response's last ```python block plus the example's tests (answer or "
-                           "meta['tests']) in a sandbox (no network, rlimits, PID/user/mount namespaces); "
-                           "reward 1 iff exit 0.")
+STOPPED = {"SIGXCPU": "CPU time limit", "SIGKILL": "killed (CPU or time limit)", "SIGXFSZ": "file size limit"}
+
+
+@register_verifier("code", "Imports the response's last ```python block in a sandbox (no network, read-only "
+                           "filesystem view, rlimits, PID/user/mount namespaces, no capabilities) and runs the "
+                           "example's tests (answer or meta['tests']) against it from a separate harness; reward "
+                           "1 iff the harness reports every test passed.")
 def code_verifier(response: str, example: Example) -> Verdict:
-    """Reward 1.0 iff the extracted program followed by the example's tests exits 0 in the sandbox."""
+    """Reward 1.0 iff the harness, running the example's tests against the imported program, reports a pass."""
     program = extract_program(response)
     if program is None:
         return Verdict(0.0, parsed=False, detail="no code found: expected a ```python fenced block")
     tests = example_tests(example)
     if not tests.strip():
         return Verdict(0.0, parsed=False, detail="the example has no tests (answer or meta['tests'])")
-    limits = _limits_for(example)
-    r = run_sandboxed(program.rstrip() + "\n\n# ---- tests ----\n" + tests.rstrip() + "\n", limits)
-    if r.ok:
+    try:
+        limits = _limits_for(example)
+    except ValueError as e:
+        return Verdict(0.0, parsed=False, detail=f"the example's {e}")
+    r = run_sandboxed(program, limits, tests=tests)
+    if r.passed:
         return Verdict(1.0)
     if r.timed_out:
         return Verdict(0.0, detail=f"timed out after {limits.timeout:g}s")
-    if r.returncode < 0:
-        sig = -r.returncode
+    status = next((int(x) for x in re.findall(r"status (-?\d+)", r.detail)), None)
+    if status is not None and status < 0:
+        sig = -status
         name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
-        why = {"SIGXCPU": "CPU time limit", "SIGKILL": "killed (CPU or time limit)",
-               "SIGXFSZ": "file size limit"}.get(name, f"signal {name}")
+        why = STOPPED.get(name, f"signal {name}")
         return Verdict(0.0, detail=f"the program was stopped: {why}. {_tail(r.stderr, 400)}".strip())
-    return Verdict(0.0, detail=f"the tests failed (exit {r.returncode}):\n{_tail(r.stderr)}")
+    return Verdict(0.0, detail=f"{r.detail or 'the tests did not pass'}:\n{_tail(r.stderr)}")

@@ -15,6 +15,7 @@ import os
 import random
 
 from composer.data import Example, Task
+from composer.files import atomic_path
 
 EVAL_BUCKETS = 5  # 1 in 5 problems (by hash) belongs to the eval split
 
@@ -226,6 +227,6 @@ def write_jsonl(out_dir: str, task_or_params=None) -> dict:
     paths = {}
     for name, exs in files.items():
         paths[name] = os.path.join(out_dir, f"{name}.jsonl")
-        with open(paths[name], "w") as f:
+        with atomic_path(paths[name]) as tmp, open(tmp, "w") as f:  # whole files only, even on a full disk
             f.writelines(json.dumps(_record(ex)) + "\n" for ex in exs)
     return paths

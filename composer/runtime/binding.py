@@ -6,9 +6,11 @@ counted by reason. The counts live on the task: `task.skipped_rows` (total) and
 `task.skipped_by_reason` ({reason: count}); the run logs them (`skipped_rows`).
 
 Checks, in order:
-  load time (`load_examples`, called by `bind_task`): invalid JSON, non-UTF-8 bytes (or lone
-    surrogates), a row that is not an object, missing / null fields, a prompt that is not text or
-    is empty, an answer that is not text or a number;
+  load time (`load_examples`, called by `bind_task`): a data path that is not a regular file or a
+    folder (a FIFO, /dev/zero: refused unread), invalid JSON (including NaN / Infinity, integers
+    longer than Python converts, rows nested deeper than the parser's recursion), non-UTF-8 bytes (or
+    lone surrogates), a row that is not an object, missing / null fields, a prompt that is not text or
+    is empty, an answer that is not text or a finite number;
   load time (`validate_answers`, called by `bind_task` for each verifier the spec names): dataset
     answers the verifier cannot read (math: math_verify finds no expression; exact: empty; code:
     no tests or tests that do not compile);
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 from collections import Counter
 from pathlib import Path
@@ -126,8 +129,27 @@ def spec_verifiers(spec, task: Task) -> list[str]:
 # ------------------------------------------------------------------------------------------ reading
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _json_row(path: Path, i: int, text: str):
+    """One jsonl row, or a DataError: NaN / Infinity are not JSON (Python's parser accepts them), nor are
+    integers past Python's conversion limit (4300 digits) or rows nested past its recursion limit."""
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        return _error(path, i, None, f"not valid JSON ({e.msg} at column {e.colno})", BAD_JSON)
+    except ValueError as e:
+        return _error(path, i, None, f"not valid JSON ({str(e).splitlines()[0][:120]})", BAD_JSON)
+    except RecursionError:
+        return _error(path, i, None, "not valid JSON (nested too deeply to read)", BAD_JSON)
+
+
 def _rows(path: Path) -> Iterator[tuple[int, Any]]:
     """(1-based row number, row dict or DataError) for every row of a jsonl / parquet / datasets dir."""
+    if not path.is_dir() and not path.is_file():  # a FIFO would block, /dev/zero would fill memory
+        raise DataError(f"{path}: not a regular file or a `datasets` folder", file=str(path))
     if path.is_dir():
         try:
             from datasets import load_from_disk
@@ -167,10 +189,7 @@ def _rows(path: Path) -> Iterator[tuple[int, Any]]:
                     yield i, _error(path, i, None, f"not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})",
                                     NOT_UTF8)
                     continue
-                try:
-                    yield i, json.loads(text.lstrip("\ufeff") if i == 1 else text)
-                except json.JSONDecodeError as e:
-                    yield i, _error(path, i, None, f"not valid JSON ({e.msg} at column {e.colno})", BAD_JSON)
+                yield i, _json_row(path, i, text.lstrip("\ufeff") if i == 1 else text)
 
 
 def load_examples_counted(file: str, d) -> tuple[list[Example], Counter]:
@@ -208,6 +227,8 @@ def _text(path, i, fld, value, numbers_ok: bool) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int, float) if numbers_ok else str):
         want = "text or a number" if numbers_ok else "text"
         raise _error(path, i, fld, f"expected {want}, got {type(value).__name__}", BAD_TYPE)
+    if isinstance(value, float) and not math.isfinite(value):  # parquet can hold NaN; it is no answer
+        raise _error(path, i, fld, f"expected a finite number, got {value}", BAD_TYPE)
     value = str(value)
     try:
         value.encode("utf-8")
@@ -252,8 +273,11 @@ def _exact_reason(answer: str) -> Optional[str]:
 
 
 def _code_reason(ex: Example) -> Optional[str]:
-    from components.tasks.code_verifier import _compiles, example_tests
+    from components.tasks.code_verifier import _compiles, example_tests, timeout_problem
 
+    why = timeout_problem((ex.meta or {}).get("timeout"))
+    if why:
+        return why
     tests = example_tests(ex)
     if not tests.strip():
         return "no tests (the answer or meta['tests'] holds the test code)"
@@ -290,6 +314,7 @@ def validate_answers(examples: Iterable[Example], verifier_name: str, on_bad_row
             continue
         src = (ex.meta or {}).get("file") or file or "<data>"
         fld = "tests" if verifier_name == "code" and "tests" in (ex.meta or {}) else field
+        fld = "timeout" if verifier_name == "code" and why.startswith("timeout") else fld
         skips.bad(_error(src, ex.row, fld, f"verifier '{verifier_name}': {why}", UNPARSABLE_ANSWER))
     skips.report(file or "data")
     if not out and skips.total:

@@ -25,25 +25,40 @@ def resolve(name: str) -> str:
     return name
 
 
-def load_tokenizer(name: str):
+REMOTE_CODE_HINT = ("the folder ships its own Python code (config.json `auto_map`), which is not run unless the spec "
+                    "says `policy.trust_remote_code: true`: set that only for a folder you trust")
+
+
+def _load_error(what: str, path: str, e: Exception) -> ModelLoadError:
+    text = (str(e).strip().splitlines() or [""])[0]
+    if "trust_remote_code" in str(e) or "custom code" in str(e):
+        return ModelLoadError(f"{what} at {path} does not load: {REMOTE_CODE_HINT}")
+    return ModelLoadError(f"{what} at {path} does not load: {type(e).__name__}: {text}")
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False):
+    """A tokenizer; `trust_remote_code` is always passed (transformers would otherwise ask on the terminal)."""
     path = resolve(name)
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=bool(trust_remote_code))
     except Exception as e:
-        raise ModelLoadError(f"tokenizer at {path} does not load: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        raise _load_error("tokenizer", path, e) from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
 
 
-def load_model(name: str, dtype: str = "float32"):
+def load_model(name: str, dtype: str = "float32", trust_remote_code: bool = False):
+    """A causal LM; `trust_remote_code` is always passed: a folder with custom code is refused (off) instead of
+    transformers asking "run custom code? [y/N]" in the middle of a run."""
     path = resolve(name)
     if not Path(path).exists() and "/" not in path:
         raise ModelLoadError(f"model {path}: no such directory (no model hub is reachable; give a local path)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
+                                                     trust_remote_code=bool(trust_remote_code))
     except Exception as e:
-        raise ModelLoadError(f"model at {path} does not load: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        raise _load_error("model", path, e) from None
     return model
 
 

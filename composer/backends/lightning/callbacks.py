@@ -1,9 +1,11 @@
-"""Callbacks and plugins that make runs keep what they did: post-step hooks, atomic checkpoints,
-clean stops on SIGINT/SIGTERM, and a CSV log that survives --resume."""
+"""Callbacks and plugins that make runs keep what they did: post-step hooks, atomic checkpoints
+(checked for non-finite weights, read back with weights_only=True), clean stops on SIGINT/SIGTERM
+from the first moment of a run, and a CSV log that survives --resume and a full disk."""
 
 from __future__ import annotations
 
 import csv
+import io
 import os
 import signal
 from pathlib import Path
@@ -24,45 +26,86 @@ class AfterStep(L.Callback):
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Write to a temporary file, then rename: a half-written checkpoint is never taken for a good one."""
+    """Write to a temporary file, then rename: a half-written checkpoint is never taken for a good one.
+
+    Before writing, every weight must be finite (a checkpoint called "the last good one" must be good);
+    a failed write (a full disk) removes its temporary file and keeps the previous checkpoint. Reading
+    goes through `checkpoint.load`: weights_only=True, and a damaged file is a CheckpointError.
+    """
 
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        from composer.backends.lightning.checkpoint import CheckpointError, first_non_finite
+        from composer.backends.lightning.module import NonFiniteError
+
+        bad = first_non_finite(checkpoint.get("state_dict", {}))
+        if bad is not None:
+            raise NonFiniteError(f"the weight {bad} is not finite after step {checkpoint.get('global_step')}; "
+                                 "no checkpoint was written")
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        torch.save(checkpoint, tmp)
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException as e:
+            tmp.unlink(missing_ok=True)  # a partial file would keep filling the disk
+            if isinstance(e, OSError):
+                raise CheckpointError(f"cannot write the checkpoint {path}: {e.strerror or e}; the previous "
+                                      "checkpoint is kept") from None
+            raise
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
+        from composer.backends.lightning.checkpoint import load
+
+        return load(path, map_location=map_location if map_location is not None else "cpu")
+
+
+class StopRequested(Exception):
+    """A signal arrived while the run was being set up inside trainer.fit: leave fit before any step."""
 
 
 class GracefulStop(L.Callback):
-    """SIGINT/SIGTERM: finish the current step, write a checkpoint, stop."""
+    """SIGINT/SIGTERM: before training, stop at once; during training, finish the current step, write a
+    checkpoint, stop. `install()` at the start of a run, `uninstall()` at its end."""
 
     def __init__(self, ckpt_path: Path):
         self.ckpt_path = Path(ckpt_path)
         self.requested: str | None = None
+        self.deferred = False  # inside trainer.fit: only record the signal (Lightning turns a
+        self.finishing = False  # KeyboardInterrupt there into exit status 1); after it: final evaluation
         self._old = {}
 
     def _handler(self, signum, frame):
-        if self.requested:  # a second signal: stop now
+        if self.requested or not self.deferred:  # a second signal, or not training yet: stop now
+            self.requested = self.requested or signal.Signals(signum).name
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
-                self._old[sig] = signal.signal(sig, self._handler)
+                self._old.setdefault(sig, signal.signal(sig, self._handler))
             except ValueError:  # not the main thread
                 pass
+
+    def uninstall(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.install()
+        if self.requested:  # signalled while the run was being set up: no step is taken
+            raise StopRequested(self.requested)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.requested:
             trainer.save_checkpoint(self.ckpt_path)
             trainer.should_stop = True
             pl_module.stopped_by = self.requested
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
 
 
 class _KeepingWriter(_ExperimentWriter):
@@ -81,13 +124,52 @@ class _KeepingWriter(_ExperimentWriter):
                     reader = csv.DictReader(f)
                     keys = list(reader.fieldnames or [])
                     rows = [r for r in reader if r.get("step") not in (None, "") and int(r["step"]) < keep_before]
-            os.remove(self.metrics_file_path)
-            if rows:
-                self.metrics_keys = keys
-                with open(self.metrics_file_path, "w", newline="") as f:
-                    w = csv.DictWriter(f, fieldnames=keys)
-                    w.writeheader()
-                    w.writerows(rows)
+            self.metrics_keys = keys if rows else []
+            self._write_all(rows)
+
+    def _write_all(self, rows: list[dict]) -> None:
+        """Replace metrics.csv atomically (temp file, then rename); no rows: remove it."""
+        if not rows:
+            if os.path.isfile(self.metrics_file_path):
+                os.remove(self.metrics_file_path)
+            return
+        tmp = self.metrics_file_path + ".tmp"
+        try:
+            with open(tmp, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=self.metrics_keys)
+                w.writeheader()
+                w.writerows(rows)
+            os.replace(tmp, self.metrics_file_path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+
+    def save(self) -> None:
+        """Append the new rows; with new columns rewrite the file atomically. A failed append (a full disk)
+        truncates the file back to its last whole row, so metrics.csv never ends in half a row."""
+        if not self.metrics:
+            return
+        new_keys = self._record_new_keys()
+        if new_keys or not os.path.isfile(self.metrics_file_path):
+            rows = []
+            if os.path.isfile(self.metrics_file_path):
+                with open(self.metrics_file_path, newline="") as f:
+                    rows = list(csv.DictReader(f))
+            self._write_all(rows + self.metrics)
+        else:
+            buf = io.StringIO()
+            csv.DictWriter(buf, fieldnames=self.metrics_keys).writerows(self.metrics)
+            data = buf.getvalue().encode()
+            with open(self.metrics_file_path, "ab") as f:
+                size = f.tell()
+                try:
+                    f.write(data)
+                    f.flush()
+                except BaseException:
+                    f.truncate(size)
+                    raise
+        self.metrics = []
 
 
 class RunCSVLogger(CSVLogger):

@@ -166,6 +166,10 @@ class ComposerModule(L.LightningModule):
 
     # ---- checkpoints hold what continuing exactly needs ----
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Tensors and plain data only (the file is read back with weights_only=True); the rollout buffer's
+        batches become tagged dicts, and the resolved spec is recorded so --resume can refuse another one."""
+        from composer.backends.lightning.checkpoint import spec_record, to_plain
+
         ctx = self.ctx
         state = {
             "rollout_weights": ctx.engine.model.state_dict() if hasattr(ctx.engine, "model") else None,
@@ -178,10 +182,13 @@ class ComposerModule(L.LightningModule):
             "buffer": to_device(ctx.buffer, "cpu") if ctx.buffer else None,
             "buffer_version": ctx.buffer_version,
         }
-        checkpoint["composer"] = state
+        checkpoint["composer"] = to_plain(state, "composer")
+        checkpoint["composer"]["spec"] = spec_record(self.validated)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self._pending = checkpoint.get("composer")
+        from composer.backends.lightning.checkpoint import from_plain
+
+        self._pending = from_plain(checkpoint.get("composer"))
 
     def on_train_start(self) -> None:
         state = getattr(self, "_pending", None)
@@ -191,7 +198,8 @@ class ComposerModule(L.LightningModule):
         if state["rollout_weights"] is not None and hasattr(ctx.engine, "model"):
             ctx.engine.model.load_state_dict(state["rollout_weights"])
         ctx.engine.last_sync = state["last_sync"]
-        ctx.rng.setstate(state["rng"])
+        rng = state["rng"]  # random.setstate wants (version, tuple of ints, gauss)
+        ctx.rng.setstate((rng[0], tuple(rng[1]), rng[2]))
         torch.set_rng_state(state["torch_rng"])
         ctx.data_pos = state["data_pos"]
         if state["initial"] is not None:

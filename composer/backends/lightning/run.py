@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -12,8 +15,11 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from composer.backends.lightning.callbacks import AfterStep, AtomicCheckpointIO, GracefulStop, RunCSVLogger
-
+from composer import files
+from composer.backends.lightning import checkpoint as ckpt_format
+from composer.backends.lightning.callbacks import (AfterStep, AtomicCheckpointIO, GracefulStop, RunCSVLogger,
+                                                   StopRequested)
+from composer.backends.lightning.checkpoint import CheckpointError
 from composer.backends.lightning.module import ComposerModule, NonFiniteError
 from composer.plan import compile_plan
 from composer.runtime.binding import bind_task, check_task_lengths, context_length
@@ -26,34 +32,159 @@ class Interrupted(RuntimeError):
     pass
 
 
+class RunError(RuntimeError):
+    """A run that cannot start or continue as asked: the message says why and what to do."""
+
+
 def default_out(name: str) -> Path:
-    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    base = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, n = base, 1
+    while out.exists():  # two runs started in the same second get folders of their own
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    return out
 
 
 def last_checkpoint(out: Path) -> Path | None:
-    """The last complete checkpoint: Lightning writes to a temp file and renames, so a file here is whole."""
+    """The last complete checkpoint: checkpoints are written to a temp file and renamed, so a file here is whole."""
     ckpt = out / "checkpoints" / "last.ckpt"
-    return ckpt if ckpt.exists() else None
+    return ckpt if ckpt.exists() or ckpt.is_symlink() else None
+
+
+LOCK = ".lock"
+
+
+@contextlib.contextmanager
+def claim_folder(out: Path, resume: bool):
+    """Own the run folder for the run's duration: created if needed, locked against a second run, and
+    refused when it already holds files and this is not a resume (a finished run's files are never
+    replaced). A fresh folder that a failed run leaves without a checkpoint is emptied again."""
+    out = Path(out)
+    try:
+        existed = out.exists()
+        out.mkdir(parents=True, exist_ok=True)
+        if not out.is_dir():
+            raise NotADirectoryError(20, "not a directory")
+        lock = open(out / LOCK, "a+")
+    except (OSError, ValueError) as e:  # /proc, /sys, a file, a name too long, a NUL byte
+        raise RunError(f"{out}: cannot use it as the run folder: {getattr(e, 'strerror', None) or e}\n"
+                       "    hint: give --out a writable folder path") from None
+    try:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.seek(0)
+            owner = lock.read().strip() or "?"
+            raise RunError(f"{out}: another run (pid {owner}) is using this folder; wait for it to finish, or "
+                           "choose another --out") from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(str(os.getpid()))
+        lock.flush()
+        held = sorted(p.name for p in out.iterdir() if p.name != LOCK)
+        if held and not resume:
+            shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+            raise RunError(f"{out}: the folder already holds files ({shown}); a new run would replace them\n"
+                           f"    hint: continue that run with `composer run --resume {out}`, or choose another --out")
+        fresh = not held
+        try:
+            yield out
+        except BaseException:
+            if fresh and last_checkpoint(out) is None:  # nothing to resume: leave no half-made run behind
+                for p in out.iterdir():
+                    if p.name != LOCK:
+                        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                if not existed:
+                    shutil.rmtree(out, ignore_errors=True)
+            raise
+    finally:
+        lock.close()
+
+
+def check_resume(validated, out: Path) -> tuple[dict, list]:
+    """The checkpoint to resume from, read safely, and the resumable settings that change (path, old, new).
+
+    Another spec, or an override of anything but `checkpoint.RESUMABLE`, is refused with what differs:
+    resuming would silently continue another experiment from this one's weights.
+    """
+    ckpt = last_checkpoint(out)
+    if ckpt is None:
+        raise RunError(f"{out}: no checkpoint to resume from (looked for checkpoints/last.ckpt)")
+    state = ckpt_format.load(ckpt, mmap=True)
+    record = (state.get("composer") or {}).get("spec") if isinstance(state.get("composer"), dict) else None
+    if not isinstance(record, dict) or "json" not in record:
+        raise RunError(f"{ckpt}: the checkpoint does not record its spec (written by an older version); it "
+                       "cannot be checked against this one, so it is not resumed")
+    changes = ckpt_format.spec_changes(record, validated)
+    fixed = [c for c in changes if c[0] not in ckpt_format.RESUMABLE]
+    if fixed:
+        raise RunError(f"{out}: the checkpoint was trained with another spec; resuming it with this one would "
+                       f"continue a different experiment. What differs (checkpoint -> now):\n"
+                       f"{ckpt_format.describe_changes(fixed)}\n"
+                       f"    hint: resume with the run's own spec (`composer run --resume {out}`); only "
+                       f"{', '.join(ckpt_format.RESUMABLE)} may change on resume. For another spec, start a new run.")
+    return state, changes
+
+
+def check_launcher(num_nodes: int) -> None:
+    """More than one node needs a launcher that starts the other nodes; without one Lightning waits forever."""
+    if num_nodes <= 1:
+        return
+    from lightning.fabric.plugins import environments as envs
+
+    detected = []
+    for name in ("SLURMEnvironment", "TorchElasticEnvironment", "KubeflowEnvironment", "LSFEnvironment",
+                 "MPIEnvironment"):
+        env = getattr(envs, name, None)
+        try:
+            detected += [name] if env is not None and env.detect() else []
+        except Exception:  # an environment whose optional package is missing (mpi4py)
+            pass
+    if detected or ("NODE_RANK" in os.environ and "MASTER_ADDR" in os.environ):
+        return
+    raise RunError(f"train.num_nodes is {num_nodes}, but no multi-node launcher started this process (no SLURM, "
+                   "torchrun/torchelastic, Kubeflow, LSF or MPI environment, and NODE_RANK/MASTER_ADDR unset); "
+                   "the run would wait forever for the other nodes.\n    hint: launch it on each node with one of "
+                   "those, or set train.num_nodes=1 on one machine")
 
 
 def train(validated, out: Path, resume: bool = False, progress: bool = True, final_eval=None) -> dict:
     """Run a validated spec on the Lightning backend. Returns the final metrics.
 
     `final_eval(ctx, policy)`, when given, runs on the trained policy before the report is written.
+    SIGINT/SIGTERM stop the run from its first moment: before training with `Interrupted` at once, during
+    training after the current step and a checkpoint.
     """
+    stop = GracefulStop(out / "checkpoints" / "last.ckpt")
+    stop.install()
+    try:
+        return _train(validated, out, resume, progress, final_eval, stop)
+    except KeyboardInterrupt:
+        where = "during the final evaluation" if stop.finishing else "before training"
+        raise Interrupted(f"{stop.requested or 'SIGINT'}: stopped {where}; "
+                          + (f"continue with --resume {out}" if last_checkpoint(out) else "nothing was trained")) from None
+    finally:
+        stop.uninstall()
+
+
+def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop: GracefulStop) -> dict:
     spec = validated.spec
     quiet_libraries()
+    check_launcher(spec.train.num_nodes)
     torch.manual_seed(spec.train.seed)
     # tiny models are bound by per-op overhead: on a small machine extra threads only contend
     cores = os.cpu_count() or 1
     torch.set_num_threads(int(os.environ.get("COMPOSER_THREADS", 1 if cores <= 2 else min(cores, 8))))
     out.mkdir(parents=True, exist_ok=True)
+    (out / "checkpoints" / "last.ckpt.tmp").unlink(missing_ok=True)  # a write a kill cut short: garbage
+    state = check_resume(validated, out)[0] if resume else None
     plan = compile_plan(validated, "lightning")
-    (out / "plan.json").write_text(json.dumps(plan, indent=2, default=str))
+    files.write_text(out / "plan.json", json.dumps(plan, indent=2, default=str))
     task = bind_task(spec)
     policy_name = spec.policy.model or "toy:student"
-    tokenizer = load_tokenizer(spec.policy.tokenizer or policy_name)
-    policy = load_model(policy_name, spec.policy.dtype)
+    trust = spec.policy.trust_remote_code
+    tokenizer = load_tokenizer(spec.policy.tokenizer or policy_name, trust_remote_code=trust)
+    policy = load_model(policy_name, spec.policy.dtype, trust_remote_code=trust)
     check_task_lengths(task, tokenizer, context_length(policy), spec.data.on_bad_row, spec.data.prompt_field)
     if any(getattr(s, "verifier", "") == "code" for seg in validated.segments for s in seg.spec.sources.values()):
         from components.tasks.code_verifier import ensure_sandbox
@@ -63,13 +194,15 @@ def train(validated, out: Path, resume: bool = False, progress: bool = True, fin
     module.start_metrics = {"skipped_rows": float(getattr(task, "skipped_rows", 0))}
     t = spec.train
     ckpt = last_checkpoint(out) if resume else None
-    if resume and ckpt is None:
-        raise FileNotFoundError(f"{out}: no checkpoint to resume from (looked for checkpoints/last.ckpt)")
-    resumed_at = torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"] if ckpt else None
-    stop = GracefulStop(out / "checkpoints" / "last.ckpt")
+    resumed_at = None
+    if state is not None:
+        ckpt_format.check_fits(state["state_dict"], module, ckpt)
+        resumed_at = int(state["global_step"])
+        del state
     callbacks = [AfterStep(), stop,
                  ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=t.checkpoint_every,
-                                 save_last=True, save_top_k=0, save_on_train_epoch_end=False)]
+                                 save_last=True, save_top_k=0, save_on_train_epoch_end=False,
+                                 enable_version_counter=False)]
     if progress:
         callbacks.append(_progress_bar())
     loggers = [RunCSVLogger(out, keep_before=resumed_at)]
@@ -88,15 +221,22 @@ def train(validated, out: Path, resume: bool = False, progress: bool = True, fin
         enable_checkpointing=True, default_root_dir=str(out), limit_val_batches=0,
         plugins=[AtomicCheckpointIO()],
     )
+    stop.deferred = True  # inside fit a signal stops the run after the current step
     try:
         trainer.fit(module, ckpt_path=str(ckpt) if ckpt else None)
-    except NonFiniteError as e:
+    except StopRequested as e:
+        raise Interrupted(f"{e}: stopped before the first step; "
+                          + (f"continue with --resume {out}" if ckpt else "nothing was trained")) from None
+    except (NonFiniteError, CheckpointError) as e:
         last = last_checkpoint(out)
-        raise NonFiniteError(f"{e}; the run stopped, the last good checkpoint is "
-                             f"{last if last else '(none yet)'}; fix the spec and continue with --resume {out}") from None
+        raise type(e)(f"{e}; the run stopped, the last good checkpoint is "
+                      f"{last if last else '(none yet)'}; fix the spec and continue with --resume {out}") from None
     if getattr(module, "stopped_by", None):
-        raise Interrupted(f"{module.stopped_by}: stopped after step {module.global_step}, checkpoint written; "
+        if last_checkpoint(out) is None:
+            raise Interrupted(f"{stop.requested}: stopped before the first step; nothing was trained")
+        raise Interrupted(f"{stop.requested}: stopped after step {module.global_step}, checkpoint written; "
                           f"continue with --resume {out}")
+    stop.deferred, stop.finishing = False, True
     if module.ctx is None:  # resumed from the last step's checkpoint: Lightning ran nothing
         module.setup("fit")
     module.final_evaluation(loggers)
@@ -136,11 +276,15 @@ def write_report(out: Path, plan: dict, final: dict) -> None:
     from composer.report import plot_metrics
 
     metrics = out / "metrics.csv"
-    png = plot_metrics(metrics, out / "curves.png", plan["name"]) if metrics.exists() else None
+    png = None
+    if metrics.exists():
+        with files.atomic_path(out / "curves.png") as tmp:
+            plot_metrics(metrics, tmp, plan["name"])
+        png = out / "curves.png"
     lines = [f"# {plan['name']}", "", plan.get("summary", ""), "",
              f"Steps: {plan['total_steps']}, backend: lightning, testbed: {plan['testbed']}.", "",
              "## Final evaluation (greedy pass@1 per tier)", "", "| tier | pass@1 |", "| --- | --- |"]
     lines += [f"| {k.split('/', 1)[-1]} | {v:.3f} |" for k, v in sorted(final.items())]
     if png:
         lines += ["", f"![reward and pass@1]({png.name})"]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    files.write_text(out / "report.md", "\n".join(lines) + "\n")

@@ -1,0 +1,125 @@
+"""The backend-neutral component contract (DESIGN.md section 8): one base class per section, every
+optional hook declared here with its default, so backends call hooks and never probe with getattr.
+
+  Source     preflight(ctx, name)      checks before any training (tokenizers, paths)
+             build(ctx, name)          the runtime a run uses (default: the config itself)
+             text(ctx, batch, i)       privileged text for row i (text sources), None when it has none
+  Runtime    after_optimizer_step(ctx), on_sync(ctx), state_dict(), load_state_dict(state)
+  Guide      writes                    the token origins it writes into rollouts
+             prepare(ctx, examples)    a program run once per step before the rollouts (searches, caches)
+             row(ctx, example, i, n)   the program of one rollout (composer/runtime/protocol.py)
+             on_sync(ctx)              after the rollout weights were refreshed
+             preflight(ctx), metrics(traces)
+  Signal     origins(guide)            the token origins of the batch this signal's term trains on
+             makes_batch / make_batch  a signal whose batch is not a rollout (SFT on references)
+             apply(ctx, batch)         fill rewards / teacher log-probs / targets
+  Objective  components/objectives/base.py: advantages(batch) over whole groups, then
+             loss(batch, view, advantages) per micro-batch
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from composer.registry import Component
+from composer.runtime.protocol import done
+
+
+class Runtime:
+    """What a source's `build` returns when it holds state through a run (weights, caches)."""
+
+    def after_optimizer_step(self, ctx) -> None:
+        """After every optimiser step (EMA teachers)."""
+
+    def on_sync(self, ctx) -> None:
+        """After the rollout weights were refreshed from the trainer."""
+
+    def state_dict(self) -> dict:
+        """What a checkpoint must keep to continue exactly (tensors and plain data)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned."""
+
+
+class Source(Component):
+    """Base of every privileged-information source."""
+
+    pi: ClassVar[str] = "prior"  # prior: usable without the environment; posterior: needs it
+    example_level: ClassVar[bool] = False  # its text depends on the problem only (usable mid-rollout)
+
+    def preflight(self, ctx, name: str) -> None:
+        """Checks that must fail before any training (nothing by default)."""
+
+    def build(self, ctx, name: str):
+        """The runtime object of this source in a run (the config itself by default)."""
+        return self
+
+    def text(self, ctx, batch, i: int) -> str | None:
+        """Privileged text for row i of `batch` (text sources only)."""
+        raise TypeError(f"a {self.kind_name()} source has no text")
+
+    def example_text(self, example) -> str | None:
+        """Privileged text of a problem (sources with example_level = True)."""
+        raise TypeError(f"a {self.kind_name()} source has no per-problem text")
+
+
+class Guide(Component):
+    """Base of every rollout guide: rollouts are programs of requests (composer/runtime/protocol.py)."""
+
+    writes: ClassVar[tuple[str, ...]] = ()  # token origins besides the policy's that it writes
+
+    def writes_now(self) -> tuple[str, ...]:
+        """The origins this configuration writes (a guide may write fewer than its kind can)."""
+        return type(self).writes
+
+    def prepare(self, ctx, examples):
+        """A program run once per step, before the rollouts of `examples` (nothing by default)."""
+        return done()
+
+    def row(self, ctx, example, index: int, n: int):
+        """The program of rollout `index` (of n) of `example`; returns a protocol.Trace."""
+        raise NotImplementedError
+
+    def on_sync(self, ctx) -> None:
+        """After the rollout weights were refreshed (nothing by default)."""
+
+    def preflight(self, ctx) -> None:
+        """Checks that must fail before any training, e.g. a judge prompt that drops declared context."""
+
+    def metrics(self, traces) -> dict[str, float]:
+        """Per-step facts of the finished traces, logged as guide/<name> (nothing by default)."""
+        return {}
+
+    def rollout(self, ctx, examples, n: int):
+        """n rollouts per example as a TrajectoryBatch, driven by the run's batching driver."""
+        from composer.runtime.rollout import rollout
+
+        return rollout(ctx, self, examples, n)
+
+
+class Signal(Component):
+    """Base of every signal: where a term's learning signal comes from."""
+
+    usage: ClassVar[str] = ""  # how it spends privileged information: target, teacher, reward
+
+    @property
+    def makes_batch(self) -> bool:
+        """True when the term trains on a batch this signal builds itself instead of a rollout."""
+        return False
+
+    def origins(self, guide: Guide) -> set[str]:
+        """Token origins present in this term's batch: the prompt, the policy's tokens and the guide's."""
+        return {"prompt", "policy", *guide.writes_now()}
+
+    def make_batch(self, ctx, examples):
+        raise NotImplementedError
+
+    def preflight(self, ctx) -> None:
+        """Checks that must fail before any training (nothing by default)."""
+
+    def apply(self, ctx, batch):
+        """Fill what this signal provides into the batch (a term's own view of the rollout)."""
+        return batch
