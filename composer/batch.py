@@ -19,7 +19,7 @@ from composer.origins import CODE, ON_POLICY
 class TrajectoryBatch:
     tokens: "torch.Tensor"  # [B, T] long
     origin: "torch.Tensor"  # [B, T] uint8, codes of composer.origins.ORIGINS (0 = pad)
-    behavior_logprobs: "torch.Tensor"  # [B, T] float: log-prob under the rollout weights, every non-pad token
+    behavior_logprobs: "torch.Tensor"  # [B, T] float: log-prob under the weights that wrote the token
     group: "torch.Tensor"  # [B] long: advantage group id (prompt x guided/unguided)
     control: "torch.Tensor"  # [B] bool: never touched by the guide
     rewards: Optional["torch.Tensor"] = None  # [B] float
@@ -31,6 +31,9 @@ class TrajectoryBatch:
     prompt_index: Optional["torch.Tensor"] = None  # [B] long: which prompt of the step
     guided: Optional["torch.Tensor"] = None  # [B] bool: a guide wrote tokens into it
     info: dict[str, Any] = field(default_factory=dict)  # per-batch scalars for metrics
+    behavior_known: Optional["torch.Tensor"] = None  # [B, T] bool: behavior_logprobs holds a real value (None: all)
+    notes: list = field(default_factory=list)  # [B] dict: what the guide saw and did for each row
+    advantages: Optional["torch.Tensor"] = None  # [B]: the term's per-trajectory advantage (objectives that use one)
 
     @property
     def size(self) -> int:
@@ -52,6 +55,11 @@ class TrajectoryBatch:
         return self.attention_mask & (self.origin != CODE["prompt"])
 
     @property
+    def known_mask(self) -> "torch.Tensor":
+        """[B, T] bool: tokens whose behaviour log-prob is known (every non-pad token when not recorded)."""
+        return self.attention_mask if self.behavior_known is None else self.behavior_known & self.attention_mask
+
+    @property
     def policy_mask(self) -> "torch.Tensor":
         return self.mask(ON_POLICY)
 
@@ -65,7 +73,7 @@ class TrajectoryBatch:
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name == "examples":
+            if f.name in ("examples", "notes"):
                 v = [v[i] for i in idx.tolist()] if v else v
             elif f.name == "info":
                 v = dict(v)
@@ -99,20 +107,6 @@ def to_device(batches: list[TrajectoryBatch], device) -> list[TrajectoryBatch]:
     return [b.to(device, moved) for b in batches]
 
 
-def pad_and_stack(rows: list[list[int]], origins: list[list[int]], logprobs: list[list[float]], pad_id: int):
-    """Right-pad per-row token lists into [B, T] tensors (tokens, origin codes, logprobs)."""
-    T = max(len(r) for r in rows)
-    B = len(rows)
-    tokens = torch.full((B, T), pad_id, dtype=torch.long)
-    origin = torch.zeros((B, T), dtype=torch.uint8)
-    lp = torch.zeros((B, T), dtype=torch.float32)
-    for i, (r, o, l) in enumerate(zip(rows, origins, logprobs)):
-        tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        origin[i, : len(o)] = torch.tensor(o, dtype=torch.uint8)
-        lp[i, : len(l)] = torch.tensor(l, dtype=torch.float32)
-    return tokens, origin, lp
-
-
 @dataclass
 class PolicyView:
     """The current policy on a batch: what objectives differentiate through."""
@@ -136,13 +130,14 @@ def concat(batches: list[TrajectoryBatch], pad_id: int) -> TrajectoryBatch:
             return torch.cat([x, x.new_full(shape, value)], dim=1)
 
         parts.append(replace(b, tokens=pad(b.tokens, pad_id), origin=pad(b.origin), group=b.group + offset,
-                             behavior_logprobs=pad(b.behavior_logprobs), teacher_logprobs=pad(b.teacher_logprobs),
+                             behavior_logprobs=pad(b.behavior_logprobs), behavior_known=pad(b.behavior_known, False),
+                             teacher_logprobs=pad(b.teacher_logprobs),
                              teacher_logits=pad(b.teacher_logits), initial_logprobs=pad(b.initial_logprobs)))
         offset += int(b.group.max()) + 1 if b.size else 0
     out = {}
     for f in fields(TrajectoryBatch):
         vals = [getattr(p, f.name) for p in parts]
-        if f.name == "examples":
+        if f.name in ("examples", "notes"):
             out[f.name] = [e for v in vals for e in v]
         elif f.name == "info":
             out[f.name] = dict(vals[-1])

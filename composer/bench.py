@@ -68,7 +68,7 @@ def variants_from(specs: list[str], sweep: str | None, overrides: list[str] = ()
 def samples_per_step(seg) -> int:
     """Policy samples a step of this segment consumes (demonstrations for a no-rollout SFT step)."""
     spec = seg.spec
-    from composer.runtime.step import terms
+    from composer.terms import terms
 
     if all(getattr(sig, "makes_batch", False) for _n, sig, _o, _w in terms(spec)):
         return spec.train.prompts_per_step

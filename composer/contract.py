@@ -13,6 +13,8 @@ optional hook declared here with its default, so backends call hooks and never p
   Signal     origins(guide)            the token origins of the batch this signal's term trains on
              makes_batch / make_batch  a signal whose batch is not a rollout (SFT on references)
              apply(ctx, batch)         fill rewards / teacher log-probs / targets
+             row_target(ctx, ex, trace) the same for one row (OpenRLHF), as a program
+             teacher_source            the policy_model source it reads log-probs from
   Objective  components/objectives/base.py: advantages(batch) over whole groups, then
              loss(batch, view, advantages) per micro-batch
 
@@ -24,7 +26,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 from composer.registry import Component
-from composer.runtime.protocol import done
 
 
 class Runtime:
@@ -75,9 +76,10 @@ class Guide(Component):
         """The origins this configuration writes (a guide may write fewer than its kind can)."""
         return type(self).writes
 
-    def prepare(self, ctx, examples):
-        """A program run once per step, before the rollouts of `examples` (nothing by default)."""
-        return done()
+    def prepare(self, ctx, examples) -> list:
+        """Programs run before the rollouts of `examples` (e.g. a search per problem not searched yet);
+        none by default."""
+        return []
 
     def row(self, ctx, example, index: int, n: int):
         """The program of rollout `index` (of n) of `example`; returns a protocol.Trace."""
@@ -116,6 +118,21 @@ class Signal(Component):
 
     def make_batch(self, ctx, examples):
         raise NotImplementedError
+
+    def describe(self, spec) -> str:
+        """One line of the step's dataflow for `explain` and plan.json."""
+        return f"{self.kind_name()} signal"
+
+    @property
+    def teacher_source(self) -> str | None:
+        """The policy_model source whose log-probs this signal reads (None: none)."""
+        return None
+
+    def row_target(self, ctx, example, trace):
+        """For backends that build the batch row by row (OpenRLHF's agent): a program returning (trace,
+        weight) of the part of a finished rollout this term trains on, or None to train on it as written.
+        `apply` does the same over a whole batch (Lightning)."""
+        return None
 
     def preflight(self, ctx) -> None:
         """Checks that must fail before any training (nothing by default)."""

@@ -5,8 +5,24 @@ from __future__ import annotations
 import json
 
 
+def story(plan: dict) -> list[str]:
+    """What will happen, in a few sentences, before the details."""
+    out = []
+    for seg in plan["segments"]:
+        span = f"steps {seg['start']}-{seg['end'] - 1}" if seg["end"] - seg["start"] > 1 else f"step {seg['start']}"
+        where = f"stage '{seg['stage']}'" if seg.get("stage") else (f"phase '{seg['name']}'" if seg["name"] != "main" else "")
+        head = f"{span}" + (f" ({where})" if where else "")
+        trained = sorted({o for t in seg["token_origins"] for o, v in t["origins"].items() if v["loss"]})
+        terms = ", ".join(f"{t['objective']} on {t['signal']}" + (f" x{t['weight']:g}" if t["weight"] != 1 else "")
+                          for t in seg["token_origins"])
+        out.append(f"{head}: {' -> '.join(seg['dataflow'][1:-1] or seg['dataflow'])}; "
+                   f"loss {terms} on {', '.join(trained) or 'no'} tokens.")
+    return out
+
+
 def text(plan: dict) -> str:
     lines = [f"{plan['name']}: {plan['summary']}".rstrip(": "), ""]
+    lines += ["what will happen:"] + [f"  {s}" for s in story(plan)] + [""]
     lines.append(f"policy: {plan['policy']}   data: {'toy testbed' if plan['testbed'] == 'toy' else plan['data']['train']}"
                  f"   backend: {plan['backend']}   steps: {plan['total_steps']}")
     lines.append(f"rollout engine: {plan['rollout']['engine']}; behaviour log-probs {plan.get('rollout_engine', '')}")
@@ -21,7 +37,8 @@ def text(plan: dict) -> str:
             lines.append(f"  {name:<12} {s['kind']:<18} PI: {s['pi']} ({s['pi_time']}); usage: {used}")
             lines.append(f"  {'':<12} read by: {', '.join(readers.get(name, [])) or 'nothing'}")
     for seg in plan["segments"]:
-        lines += ["", f"segment '{seg['name']}': steps {seg['start']}-{seg['end']}"]
+        stage = f" (stage '{seg['stage']}')" if seg.get("stage") and seg["stage"] != seg["name"] else ""
+        lines += ["", f"segment '{seg['name']}'{stage}: steps {seg['start']}-{seg['end']}"]
         lines.append("  dataflow: " + " -> ".join(seg["dataflow"]))
         lines.append("  models:")
         for m in seg["models"]:
@@ -33,8 +50,10 @@ def text(plan: dict) -> str:
                 if o["loss"]:
                     anchor = f", anchor: {o['anchor']}" if o["anchor"] else ""
                     lines.append(f"    {origin:<19} loss{anchor}")
-            masked = [o for o, v in t["origins"].items() if not v["loss"]]
-            lines.append(f"    no loss: {', '.join(masked)}")
+                    if o.get("behaviour"):
+                        lines.append(f"    {'':<19} behaviour log-probs: {o['behaviour']}")
+            masked = [o for o, v in t["origins"].items() if v.get("present", True) and not v["loss"]]
+            lines.append(f"    no loss: {', '.join(masked) or '-'}")
     return "\n".join(lines)
 
 

@@ -387,6 +387,8 @@ def apply_overrides(spec: LoadedSpec, overrides: list[str]) -> LoadedSpec:
         if "=" not in item:
             raise SpecError([Diagnostic("yaml", "an override is `path.to.field=value`", (), loc,
                                         "for example train.steps=20")])
+        path, value = item.split("=", 1)
+        item = re.sub(r"\[(\d+)\]", r".\1", path) + "=" + value  # stages[0].train.steps == stages.0.train.steps
         try:
             conf = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=True)
         except Exception as e:  # OmegaConf raises several grammar error types

@@ -10,6 +10,7 @@ from __future__ import annotations
 from composer import graph
 from composer.origins import ORIGINS
 from composer.runtime.vllm_engine import engine_note
+from composer.terms import rolls_out, scored_origins, terms
 from composer.validate import Segment, Validated
 
 PI_TYPE = {
@@ -49,80 +50,80 @@ def _usage(spec) -> dict[str, set[str]]:
     return use
 
 
-def _models(spec, data_is_toy: bool) -> list[dict]:
+def _models(spec) -> list[dict]:
+    """The models a segment loads: the policy, its rollout copy (only when the segment samples), every
+    policy_model source the segment reads, and the frozen initial policy when something reads it."""
     policy = spec.policy.model or "toy:student"
-    models = [{"role": "policy", "model": policy, "trainable": True, "placement": "trainer"},
-              {"role": "rollout", "model": policy, "trainable": False, "placement": "rollout engine",
-               "note": f"copy of the policy, refreshed every {spec.sync.every} step(s)"}]
-    needs_initial = False
-    for _, obj in graph.signal_objective_pairs(spec):
-        if obj is None:
-            continue
-        if getattr(obj, "wants_initial", False):
-            needs_initial = True
+    models = [{"role": "policy", "model": policy, "trainable": True, "placement": "trainer"}]
+    if rolls_out(spec):
+        models.append({"role": "rollout", "model": policy, "trainable": False, "placement": "rollout engine",
+                       "note": f"copy of the policy, refreshed every {spec.sync.every} step(s)"})
+    used = _usage(spec)
+    needs_initial = any(obj is not None and obj.wants_initial for _n, _s, obj, _w in terms(spec))
     for name, src in spec.sources.items():
-        if src.kind_name() != "policy_model":
+        if src.kind_name() != "policy_model" or not used.get(name):
             continue
+        how = "read as " + " and ".join(sorted(used[name]))
         if src.is_self:
             weights = {"current": "shares the policy's live weights", "initial": "frozen copy of the initial weights",
                        "ema": f"EMA of the policy weights, rate {src.ema_rate}"}[src.weights]
+            needs_initial |= src.weights == "initial"
             models.append({"role": f"source:{name}", "model": "self", "trainable": False, "placement": "trainer",
-                           "note": weights + (f"; context: {', '.join(src.context)}" if src.context else "")})
+                           "note": f"{weights}; {how}" + (f"; context: {', '.join(src.context)}" if src.context else "")})
         else:
             models.append({"role": f"source:{name}", "model": src.model, "trainable": False,
-                           "placement": "own device when several", "note": "frozen"})
+                           "placement": "own device when several", "note": f"frozen; {how}"})
     if needs_initial:
         models.append({"role": "initial", "model": policy, "trainable": False, "placement": "trainer",
-                       "note": "frozen initial policy (KL / reference anchor)"})
+                       "note": "frozen policy weights of the run's (or stage's, train.reference) start"})
     return models
 
 
+def _behaviour(origin: str, spec) -> str | None:
+    """Where the behaviour log-probs of `origin` tokens come from, as the run computes them."""
+    if origin == "prompt":
+        return None
+    if origin == "policy":
+        return "exact: the sampling log-probs of the rollout weights that wrote them"
+    if origin in scored_origins(spec):
+        return "exact: scored by the rollout weights at rollout time (one forward pass per step)"
+    return "not recorded: no objective of this segment reads them"
+
+
 def _origins(spec) -> list[dict]:
-    """Per signal/objective pair: which token origins get loss, and against which anchor."""
+    """Per term: the token origins its batch holds, which get loss and against which anchor, and where
+    each origin's behaviour log-probs come from."""
     out = []
-    for i, (sig, obj) in enumerate(graph.signal_objective_pairs(spec)):
-        if obj is None:
+    guide = spec.rollout.guide
+    for name, sig, obj, weight in terms(spec):
+        if obj is None or sig is None:
             continue
-        table = {}
-        for origin in ORIGINS[1:]:
-            loss = origin in obj.loss_tokens
-            anchor = None
-            if loss and obj.kind_name() == "advantage_regression":
-                if origin == "policy":
-                    anchor = "initial policy log-prob" if obj.reference == "initial" else "behaviour log-prob"
-                else:
-                    a = obj.anchor_for(origin)
-                    anchor = f"constant kappa={a} per token" if isinstance(a, float) else "policy log-prob at rollout time (Proxy)"
-            elif loss and type(obj).policy_gradient:
-                anchor = "importance ratio to behaviour log-prob"
-            table[origin] = {"loss": loss, "anchor": anchor}
-        weight = spec.terms[i].weight if spec.terms else 1.0
-        out.append({"term": (spec.terms[i].name if spec.terms and spec.terms[i].name else f"term{i}"),
-                    "signal": sig.kind_name() if sig else None, "objective": obj.kind_name(),
-                    "weight": weight, "origins": table})
+        anchors = obj.anchors()
+        present = sig.origins(guide)
+        table = {o: {"present": o in present, "loss": o in obj.loss_tokens and o in present,
+                     "anchor": anchors.get(o) if o in present else None,
+                     "behaviour": _behaviour(o, spec) if o in present else None}
+                 for o in ORIGINS[1:]}
+        out.append({"term": name, "signal": sig.kind_name(), "objective": obj.kind_name(), "weight": weight,
+                    "batch": "built by the signal" if sig.makes_batch else "rollout", "origins": table})
     return out
 
 
 def _dataflow(spec) -> list[str]:
-    guide = spec.rollout.guide
     flow = [f"sample {spec.train.prompts_per_step} prompts"]
-    g = guide.kind_name()
-    flow.append(f"rollout: {spec.rollout.samples_per_prompt} samples per prompt" +
-                ("" if g == "none" else f", guide {g}"))
-    for sig, obj in graph.signal_objective_pairs(spec):
-        if sig is None:
+    if rolls_out(spec):
+        g = spec.rollout.guide.kind_name()
+        flow.append(f"rollout: {spec.rollout.samples_per_prompt} samples per prompt" +
+                    ("" if g == "none" else f", guide {g}"))
+    for _n, sig, obj, _w in terms(spec):
+        if sig is None or obj is None:
             continue
-        k = sig.kind_name()
-        if k == "reward":
-            flow.append(f"score with '{sig.source}' ({spec.sources[sig.source].verifier} verifier)")
-        elif k == "distillation":
-            flow.append(f"teacher log-probs from '{sig.teacher}' (one forward pass, no generation)")
-        elif k == "sft":
-            flow.append("build SFT targets from " + ("guided rollouts" if sig.target == "guided" else f"'{sig.target}'"))
+        flow.append(sig.describe(spec))
         flow.append(f"{obj.kind_name()} loss")
     flow.append("optimizer step")
-    flow.append(f"sync rollout weights every {spec.sync.every} step(s)" +
-                (", clearing the buffer" if spec.sync.clear_buffer and spec.sync.every > 1 else ""))
+    if rolls_out(spec):
+        flow.append(f"sync rollout weights every {spec.sync.every} step(s)" +
+                    (", clearing the buffer" if spec.sync.clear_buffer and spec.sync.every > 1 else ""))
     return flow
 
 
@@ -133,14 +134,15 @@ def _component(c) -> dict:
 def _segment(seg: Segment) -> dict:
     spec = seg.spec
     return {
-        "name": seg.name, "start": seg.start, "end": seg.end,
-        "guide": _component(spec.rollout.guide),
-        "terms": [{"signal": _component(s) if s else None, "objective": _component(o) if o else None}
-                  for s, o in graph.signal_objective_pairs(spec)],
+        "name": seg.name, "start": seg.start, "end": seg.end, "stage": seg.stage,
+        "guide": _component(spec.rollout.guide) if rolls_out(spec) else None,
+        "terms": [{"name": n, "weight": w, "signal": _component(s) if s else None,
+                   "objective": _component(o) if o else None} for n, s, o, w in terms(spec)],
+        "reference": spec.train.reference,
         "sync": spec.sync.model_dump(mode="json"),
         "dataflow": _dataflow(spec),
         "token_origins": _origins(spec),
-        "models": _models(spec, spec.data.train is None),
+        "models": _models(spec),
         "spec": seg.data,
     }
 
@@ -158,7 +160,13 @@ def compile_plan(v: Validated, backend: str | None = None) -> dict:
         if kind == "policy_model" and src.is_self:
             what = "the policy itself" + (" with privileged context" if src.context else "")
         sources[name] = {"kind": kind, "pi": what, "pi_time": when, "usage": sorted(use.get(name, ()))}
-    g, _ = graph.build(spec)
+    edges = []
+    for seg in v.segments:  # every segment's graph: a staged spec's sources are read by its stages
+        g, _ = graph.build(seg.spec)
+        for a, b, d in g.edges(data=True):
+            e = {"from": a, "to": b, "field": d.get("field")}
+            if e not in edges:
+                edges.append(e)
     return {
         "name": spec.name,
         "summary": spec.summary,
@@ -169,7 +177,7 @@ def compile_plan(v: Validated, backend: str | None = None) -> dict:
         "policy": spec.policy.model or "toy:student",
         "sources": sources,
         "segments": [_segment(s) for s in v.segments],
-        "edges": [{"from": a, "to": b, "field": d.get("field")} for a, b, d in g.edges(data=True)],
+        "edges": edges,
         "train": spec.train.model_dump(mode="json"),
         "rollout": {k: v for k, v in spec.rollout.model_dump(mode="json").items() if k != "guide"},
         "rollout_engine": engine_note(spec.rollout),

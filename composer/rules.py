@@ -191,9 +191,6 @@ def phases_cover_steps(spec, segment):
             out.append(_d("phases_cover_steps", f"phase {i} ends at step {ph.until}, not after the previous phase "
                           f"({prev})", ("phases", i, "until"), "list phases in increasing `until`"))
         prev = ph.until
-        if ph.train and "steps" in ph.train:
-            out.append(_d("phases_cover_steps", "a phase cannot change train.steps", ("phases", i, "train", "steps"),
-                          "set train.steps at the top level; phases split it with `until`"))
     if prev < spec.train.steps and not out:
         out.append(_d("phases_cover_steps", f"the last phase ends at step {prev} but train.steps is {spec.train.steps}",
                       ("phases", len(spec.phases) - 1, "until"),
@@ -227,6 +224,95 @@ def sampled_divergence_is_reverse_kl(spec, segment):
                           f"estimator: sampled estimates reverse KL only (a single sample of the student's own "
                           f"token); measure is {obj.measure}", base + ("objective", "estimator"),
                           "use estimator: full or top_k for forward_kl and jsd"))
+    return out
+
+
+def _judge_names(spec) -> set[str]:
+    return {n for names in spec.rollout.guide.ref_names().values() for n in names}
+
+
+@rule("template_fields")
+def template_fields(spec, segment):
+    """A policy_model `template` names only fields the composer fills, and places every declared context."""
+    import difflib
+
+    out = []
+    judges = _judge_names(spec)
+    for name, src in spec.sources.items():
+        if src.kind_name() != "policy_model" or src.template is None:
+            continue
+        allowed = ["problem", "prompt", *src.context] + (["accepted", "steps"] if name in judges else [])
+        fields = src.template_fields()
+        for f in sorted(fields - set(allowed)):
+            close = difflib.get_close_matches(f, allowed, 1)
+            out.append(_d("template_fields", f"template field {{{f}}} is not filled for source '{name}' (it fills "
+                          f"{', '.join('{' + a + '}' for a in allowed)})", ("sources", name, "template"),
+                          (f"did you mean {{{close[0]}}}? " if close else "")
+                          + "a context source's text is {its name}, after adding it to `context`"))
+        for c in src.context:
+            if c not in fields:
+                out.append(_d("template_fields", f"source '{name}' declares context '{c}' but its template has no "
+                              f"{{{c}}}: the context would never reach the prompt", ("sources", name, "template"),
+                              f"place {{{c}}} in the template, or remove '{c}' from `context`"))
+    return out
+
+
+@rule("self_teacher_sees_something_else")
+def self_teacher_sees_something_else(spec, segment):
+    """A self-teacher on the live weights without context is the student itself: zero signal."""
+    out = []
+    for base, sig, _obj in _pairs_with_paths(spec):
+        name = getattr(sig, "teacher", None) if sig is not None and type(sig).usage == "teacher" else None
+        src = spec.sources.get(name) if name else None
+        if src is not None and src.kind_name() == "policy_model" and src.is_self and src.weights == "current" \
+                and not src.context:
+            out.append(_d("self_teacher_sees_something_else", f"teacher '{name}' is the policy itself (model: self, "
+                          "weights: current) with no context: it scores every token exactly as the student does, so "
+                          "the signal is zero", ("sources", name),
+                          "give it privileged context (context: [reference]) or other weights (weights: initial or ema)"))
+    return out
+
+
+@rule("loss_tokens_written")
+def loss_tokens_written(spec, segment):
+    """An objective's loss_tokens name origins the term's batch holds; one nothing writes does nothing."""
+    if segment.startswith("phase"):
+        return []  # a phase may switch the guide off while the objective keeps its loss_tokens
+    out = []
+    guide = spec.rollout.guide
+    for base, sig, obj in _pairs_with_paths(spec):
+        if sig is None or obj is None or not hasattr(obj, "loss_tokens"):
+            continue
+        missing = [o for o in obj.loss_tokens if o not in sig.origins(guide) and o != "prompt"]
+        if missing:
+            have = sorted(set(sig.origins(guide)) - {"prompt"})
+            out.append(_d("loss_tokens_written", f"loss_tokens {missing} never occur in this term's batch (it holds "
+                          f"{', '.join(have)})", base + ("objective", "loss_tokens"),
+                          f"train on tokens that are there ({', '.join(have)}), or add the guide that writes "
+                          f"{', '.join(missing)}"))
+    return out
+
+
+@rule("term_weight_positive")
+def term_weight_positive(spec, segment):
+    return [_d("term_weight_positive", f"term {i} has weight {t.weight}: its loss is "
+               + ("ignored" if t.weight == 0 else "maximised, not minimised"), ("terms", i, "weight"),
+               "use a positive weight, or remove the term", severity="warning")
+            for i, t in enumerate(spec.terms or []) if t.weight <= 0]
+
+
+@rule("phases_run")
+def phases_run(spec, segment):
+    """A phase that starts at or after train.steps never runs (a quick `train.steps=3` override)."""
+    if segment != "base" or not spec.phases:
+        return []
+    out, start = [], 0
+    for i, ph in enumerate(spec.phases):
+        if start >= spec.train.steps:
+            out.append(_d("phases_run", f"phase {i} starts at step {start}, but the run has train.steps = "
+                          f"{spec.train.steps}: it never runs", ("phases", i),
+                          "raise train.steps, or move the phase's `until`", severity="warning"))
+        start = max(start, ph.until)
     return out
 
 

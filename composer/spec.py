@@ -99,6 +99,7 @@ class Train(Strict):
     precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"] = Field("32-true", description="Lightning precision.")
     num_nodes: int = Field(1, ge=1, le=1024, description="Nodes for multi-node Lightning runs (more than 1 needs a multi-node launcher: SLURM, torchrun, or NODE_RANK/MASTER_ADDR set).")
     compile: bool = Field(False, description="torch.compile (inductor, dynamic shapes) the training and initial-policy forward passes; the first steps pay the compile time. Lightning backend.")
+    reference: Literal["stage_start", "run_start"] = Field("stage_start", description="The frozen reference weights (`initial`: KL terms, A*PO's anchor, `weights: initial` teachers and judges): the policy at the start of each stage (as OpenRLHF starts a stage from the previous stage's checkpoint), or at the start of the run. Without stages both are the start of the run.")
 
     @field_validator("weight_decay")
     @classmethod

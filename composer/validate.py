@@ -19,7 +19,7 @@ from composer import graph, registry, rules
 from composer.errors import Diagnostic, Location, SpecError
 from composer.loader import LoadedSpec, deep_merge, load_spec
 from composer.schema_errors import diagnostics_from
-from composer.spec import PARTIAL_KEYS, spec_model
+from composer.spec import PARTIAL_KEYS, Train, spec_model
 
 
 @dataclass
@@ -32,6 +32,10 @@ class Segment:
     spec: Any
     data: dict
     origin: tuple = ()  # ("phases", i) or ("stages", i): where its overrides stand
+
+    @property
+    def stage(self) -> str | None:
+        return self.name if self.origin[:1] == ("stages",) else None
 
 
 @dataclass
@@ -149,6 +153,54 @@ def load_plugins(loaded: LoadedSpec) -> tuple[list[Diagnostic], list[Diagnostic]
     return errors, warnings
 
 
+# What a phase or stage may set under `train:` and `rollout:`: everything the step reads from the segment
+# in force. The rest is fixed for the run (the engine, devices, the seed, checkpointing).
+SEGMENT_TRAIN = ("prompts_per_step", "lr", "betas", "weight_decay", "warmup_steps", "lr_schedule", "grad_clip",
+                 "entropy_coef", "eval_every", "reference")
+RUN_ROLLOUT = ("engine", "gpu_memory_utilization", "tensor_parallel_size")
+
+
+def _segment_settings(loaded: LoadedSpec, origin: tuple, staged: bool) -> list[Diagnostic]:
+    """Run-level settings a phase or stage cannot change, and a stage's own step count."""
+    part = loaded.data[origin[0]][origin[1]]
+    out = []
+    if not isinstance(part, dict):
+        return out
+    train = part.get("train") if isinstance(part.get("train"), dict) else {}
+    rollout = part.get("rollout") if isinstance(part.get("rollout"), dict) else {}
+    what = "stage" if staged else "phase"
+    allowed = SEGMENT_TRAIN + (("steps",) if staged else ())
+    for key in train:
+        if key not in allowed and key in Train.model_fields:
+            out.append(Diagnostic("semantics", f"train.{key} is a setting of the whole run; a {what} cannot change it",
+                                  origin + ("train", key), None,
+                                  f"set train.{key} at the top level; a {what} may set train."
+                                  + ", train.".join(allowed), rule="segment_settings"))
+    for key in rollout:
+        if key in RUN_ROLLOUT:
+            out.append(Diagnostic("semantics", f"rollout.{key} is fixed for the run (the engine is built once); a "
+                                  f"{what} cannot change it", origin + ("rollout", key), None,
+                                  f"set rollout.{key} at the top level", rule="segment_settings"))
+    if staged and "steps" not in train:
+        out.append(Diagnostic("semantics", f"stage '{part.get('name', origin[1])}' does not say how many steps it "
+                              "runs", origin, None, "give every stage its own `train: {steps: N}` (in a staged "
+                              "spec each stage counts its own steps; the run is their sum)", rule="staged_steps"))
+    return out
+
+
+def _staged_top_steps(loaded: LoadedSpec) -> list[Diagnostic]:
+    """train.steps at the top level of a staged spec would be ignored: refused, with the way to say it."""
+    train = loaded.data.get("train")
+    if not isinstance(train, dict) or "steps" not in train:
+        return []
+    n = len(loaded.data.get("stages") or [])
+    return [Diagnostic("semantics", "train.steps at the top level does not apply to a staged spec: each stage runs "
+                       "its own train.steps", ("train", "steps"), None,
+                       "remove it, and set each stage's steps (in the file: `train: {steps: N}` under the stage; "
+                       f"as overrides: {' '.join(f'stages.{i}.train.steps=N' for i in range(n))})",
+                       rule="staged_steps")]
+
+
 def _segment_data(base: dict, part: dict) -> dict:
     over = {k: v for k, v in part.items() if k in PARTIAL_KEYS}
     merged = deep_merge(base, over)
@@ -196,6 +248,11 @@ def validate_loaded(loaded: LoadedSpec) -> Validated:
     base = {k: v for k, v in loaded.data.items() if k not in ("phases", "stages", "extends")}
     segments, diags = [], []
     if spec.stages:
+        settings = _staged_top_steps(loaded)
+        for i in range(len(spec.stages)):
+            settings += _segment_settings(loaded, ("stages", i), True)
+        if settings:
+            raise SpecError(_locate(settings, loaded))
         start = 0
         for i, st in enumerate(spec.stages):
             data = _segment_data(base, loaded.data["stages"][i])
@@ -207,6 +264,9 @@ def validate_loaded(loaded: LoadedSpec) -> Validated:
                 segments.append(Segment(st.name, start, start + seg_spec.train.steps, seg_spec, data, ("stages", i)))
                 start += seg_spec.train.steps
     elif spec.phases:
+        settings = [d for i in range(len(spec.phases)) for d in _segment_settings(loaded, ("phases", i), False)]
+        if settings:
+            raise SpecError(_locate(settings, loaded))
         start = 0
         for i, ph in enumerate(spec.phases):
             data = _segment_data(base, loaded.data["phases"][i])

@@ -29,7 +29,10 @@ COOKBOOK = {
                              lambda rows: all(_nonempty(r, "distill/loss") and _nonempty(r, "reward/loss")
                                               for r in rows)),
     "oapl-pope.yaml": (["train.steps=3", "sync.every=2"],
-                       lambda rows: all(float(r["guide/guided_frac"]) > 0 for r in rows)),
+                       # prompts drawn for guidance (a hash of prompt and step) get the searched prefix, never
+                       # longer than max_fraction (1/4) of the reference
+                       lambda rows: any(float(r["guide/guided_frac"]) > 0 for r in rows)
+                       and all(float(r["guide/prefix_fraction_max"]) <= 0.25 for r in rows)),
     "judge-proxy-half.yaml": (["train.steps=2", "phases.0.until=1", "phases.1.until=2",
                                "rollout.guide.control_samples=1"],
                               # the judge reviews in the first phase only
@@ -40,9 +43,9 @@ COOKBOOK = {
     "sft-opd-grpo.yaml": (["stages.0.train.steps=1", "stages.1.train.steps=1", "stages.2.train.steps=1",
                            "stages.2.rollout.samples_per_prompt=2"],
                           # one step of each stage, in order: SFT targets, teacher scores, verifier reward
-                          lambda rows: _nonempty(rows[0], "tokens") and not _nonempty(rows[0], "teacher_kl")
-                          and _nonempty(rows[1], "teacher_kl") and not _nonempty(rows[1], "reward_mean")
-                          and _nonempty(rows[2], "reward_mean") and not _nonempty(rows[2], "teacher_kl")),
+                          lambda rows: _nonempty(rows[0], "tokens") and not _nonempty(rows[0], "teacher_kl_estimate")
+                          and _nonempty(rows[1], "teacher_kl_estimate") and not _nonempty(rows[1], "reward_mean")
+                          and _nonempty(rows[2], "reward_mean") and not _nonempty(rows[2], "teacher_kl_estimate")),
     "fkl-plus-sft.yaml": (["train.steps=2"],
                           lambda rows: all(_nonempty(r, "distill/loss") and _nonempty(r, "sft/loss") for r in rows)),
 }

@@ -71,13 +71,15 @@ class FakeEngine:
 
     def generate(self, prompts, max_new_tokens, sampling: Sampling) -> list[Generation]:
         self.generated_at.append(len(self.syncs))
+        caps = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
         out = []
-        for i, p in enumerate(prompts):
-            n = 1 + (sum(p) + i) % max_new_tokens
+        for i, (p, cap) in enumerate(zip(prompts, caps)):
+            n = 1 + (sum(p) + i) % cap
             toks = [self.digits[(sum(p) + 3 * i + j) % len(self.digits)] for j in range(n)]
-            if n < max_new_tokens:
+            if n < cap:
                 toks[-1] = self.tok.eos_token_id
-            out.append(Generation(toks, toks[-1] == self.tok.eos_token_id))
+            # a sampler reports each token's log-prob with it
+            out.append(Generation(toks, toks[-1] == self.tok.eos_token_id, fake_logprobs(list(p) + toks)[len(p):]))
         return out
 
     def score(self, sequences, temperature: float = 1.0):
@@ -118,9 +120,10 @@ def test_fake_engine_sync_schedule_and_behaviour_logprobs(tiny, tmp_path, monkey
     for b in seen:  # the engine's reported log-probs arrive unchanged in batch.behavior_logprobs
         for r in range(b.size):
             real = b.origin[r] != 0
+            resp = b.response_mask[r].cpu()
             seq = b.tokens[r][real].tolist()
             expect = torch.tensor(fake_logprobs(seq), dtype=b.behavior_logprobs.dtype)
-            assert torch.equal(b.behavior_logprobs[r][real].cpu(), expect)
+            assert torch.equal(b.behavior_logprobs[r].cpu()[resp], expect[resp[real.cpu()]])
 
 
 # ---------------------------------------------------------------- the hf engine's weights lag the policy
@@ -260,9 +263,10 @@ class FakeLLM:
         FakeLLM.instances.append(self)
 
     def generate(self, inputs, params, use_tqdm=True):
-        self.calls.append(params)
+        per_row = params if isinstance(params, list) else [params] * len(inputs)  # vLLM takes either
+        self.calls.append(per_row[0])
         out = []
-        for i, inp in enumerate(inputs):
+        for i, (inp, params) in enumerate(zip(inputs, per_row)):
             p = list(inp["prompt_token_ids"])
             if params.prompt_logprobs is not None:
                 plp = [None]

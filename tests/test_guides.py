@@ -2,7 +2,9 @@
 
 The fake policy writes toy chains (components/tasks/toy.py) one line at a time from whatever lines
 are already there (prompt prefix + response), getting the steps in `err` wrong (result + 1): after a
-correction of step j it continues correctly. Judge prompts ('J:...') are answered by `judge`.
+correction of step j it continues correctly. Prompts that show the reference ('R:...') are answered
+without errors. Judge prompts ('J:...') are answered by `judge`. Every token it writes gets the
+log-prob `lp_of(token)`.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import textwrap
 import pytest
 import torch
 
-from components.guides.intervention import sft_targets_from_guided
-from components.guides.judges import parse_decision
+from components.guides.judges import parse_correction, parse_verdict
+from components.objectives.base import whole_batch_loss
+from components.signals.sft import guided_targets
 from components.objectives.advantage_regression import AdvantageRegression
 from components.objectives.cross_entropy import CrossEntropy
 from components.objectives.grpo import Grpo
@@ -25,6 +28,7 @@ from composer.batch import PolicyView
 from composer.origins import CODE
 from composer.runtime.context import RunContext
 from composer.runtime.engine import Generation
+from composer.runtime.protocol import INITIAL
 from composer.validate import validate_file
 
 TOK = char_tokenizer()
@@ -43,8 +47,12 @@ class FakeEngine:
         self.err = err if callable(err) else (lambda problem, _err=frozenset(err): _err)
         self.judge = judge
         self.calls = []  # (rows, max_new_tokens) of every generate call
+        self.seen = []  # every prompt text, in order
 
     def respond(self, text: str) -> str:
+        informed = text.startswith("R:")
+        if informed:  # the reference's lines, then the question
+            text = text[text.index("Q:"):]
         head, so_far = text.split("A:", 1)
         problem = head.split("\n")[0][2:]
         given = [ln[2:] if i == 0 else ln for i, ln in enumerate(head.split("\n")[1:]) if ln][: 99] \
@@ -60,7 +68,7 @@ class FakeEngine:
         for j in range(len(lines), len(steps)):
             op, b = problem[2 * j + 1], int(problem[2 * j + 2])
             new = ((acc + b) if op == "+" else (acc - b)) % 10
-            new = (new + 1) % 10 if j in self.err(problem) else new
+            new = (new + 1) % 10 if j in self.err(problem) and not informed else new
             out.append(f"{acc}{op}{b}={new}")
             acc = new
         if len(lines) <= len(steps) and not any(ln.startswith("#") for ln in lines):
@@ -69,13 +77,16 @@ class FakeEngine:
         return rest[len(partial):] if rest.startswith(partial) else rest
 
     def generate(self, prompts, max_new_tokens, sampling):
-        self.calls.append((len(prompts), max_new_tokens))
+        budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+        self.calls.append((len(prompts), max(budgets)))
         out = []
-        for p in prompts:
+        for p, cap in zip(prompts, budgets):
             text = TOK.decode(p, skip_special_tokens=True)
-            reply = self.judge(text) if text.startswith("J:") else self.respond(text)
-            ids = TOK.encode(reply, add_special_tokens=False) + [EOS]
-            out.append(Generation(ids[:max_new_tokens], len(ids) <= max_new_tokens))
+            self.seen.append(text)
+            judged = "\nJ:" in text or text.startswith("J:")
+            reply = self.judge(text) if judged else self.respond(text)
+            ids = (TOK.encode(reply, add_special_tokens=False) + [EOS])[:cap]
+            out.append(Generation(ids, len(ids) < cap or ids[-1:] == [EOS], [lp_of(t) for t in ids]))
         return out
 
     def score(self, sequences, temperature=1.0):
@@ -83,12 +94,13 @@ class FakeEngine:
 
 
 def oracle_reply(text: str) -> str:
-    """A perfect model judge: parses the toy judge prompt and answers toy.judge_target."""
+    """A perfect model judge: parses the toy judge prompt and answers toy.judge_target's verdict line."""
+    text = text[text.index("J:"):]  # after any context lines
     head, rest = text.split("\nC:", 1)
     accepted, steps = rest.split("\nN:\n", 1)
     new = [ln.split(":", 1)[1] for ln in steps.removesuffix("\nV:").split("\n") if ln]
     acc = [a for a in accepted.split("\n") if a]
-    return toy.judge_target(toy.make_example(head[2:]), acc, new)
+    return toy.judge_target(toy.make_example(head[2:]), acc, new).split("\n")[0]
 
 
 SPEC = """
@@ -102,16 +114,21 @@ rollout:
   max_new_tokens: {cap}
   guide: {guide}
 signal: {{kind: reward, source: verifier}}
-objective: {{kind: advantage_regression, beta1: .inf, baseline: {baseline}, loss_tokens: [policy, guide_intervention]}}
+objective: {{kind: advantage_regression, beta1: .inf, baseline: {baseline}, loss_tokens: {loss}{extra}}}
 """
 
 
-def make_ctx(tmp_path, guide: str, engine, n=4, cap=64, judge="{kind: oracle}", baseline="control"):
+def make_ctx(tmp_path, guide: str, engine, n=4, cap=64, judge="{kind: oracle}", baseline="control", extra="",
+             loss="[policy, guide_intervention]"):
     path = tmp_path / "spec.yaml"
-    path.write_text(textwrap.dedent(SPEC.format(judge=judge, n=n, cap=cap, guide=guide, baseline=baseline)))
+    path.write_text(textwrap.dedent(SPEC.format(judge=judge, n=n, cap=cap, guide=guide, baseline=baseline,
+                                                extra=extra, loss=loss)))
     spec = validate_file(path).segments[0].spec
-    return RunContext(task=toy.toy_task(), tokenizer=TOK, policy=torch.nn.Linear(1, 1), engine=engine, spec=spec,
-                      rng=random.Random(0))
+    ctx = RunContext(task=toy.toy_task(), tokenizer=TOK, policy=torch.nn.Linear(1, 1), engine=engine, spec=spec,
+                     rng=random.Random(0))
+    # the frozen initial policy (POPE's search, `weights: initial` judges) is the same fake
+    ctx.model_server = lambda model, _own=ctx.model_server: engine if model == INITIAL else _own(model)
+    return ctx
 
 
 def pieces(batch, b):
@@ -147,10 +164,18 @@ def test_chunk_provenance_exact(tmp_path):
     assert batch.control.tolist() == [True, True, False, False]
     assert batch.guided.tolist() == [False, False, True, True]
     assert batch.group.tolist() == [0, 0, 0, 0]
-    # behaviour log-probs of every token, guide tokens included (the Proxy anchor)
-    for b in range(4):
-        n = int(batch.attention_mask[b].sum())
-        assert batch.behavior_logprobs[b, 1:n].tolist() == pytest.approx([lp_of(t) for t in batch.tokens[b, 1:n].tolist()])
+    # behaviour log-probs: the policy's tokens carry the sampler's, and the guide's tokens, which the
+    # default `behavior` anchor reads, are scored by the rollout weights
+    resp = batch.response_mask
+    assert bool(batch.known_mask[resp].all()) and (batch.origin == CODE["guide_intervention"]).any()
+    assert torch.allclose(batch.behavior_logprobs[resp].double(), batch.tokens.double().apply_(lp_of)[resp])
+    # a Const anchor reads none of the guide's: they are not scored, and marked unknown
+    ctx = make_ctx(tmp_path, CHUNK, FakeEngine(err={1}), extra=", anchor: {guide_intervention: -0.2}")
+    const = ctx.spec.rollout.guide.rollout(ctx, [EX], 4)
+    pol, inter = const.origin == CODE["policy"], const.origin == CODE["guide_intervention"]
+    assert bool(const.known_mask[pol].all()) and inter.any() and not const.known_mask[inter].any()
+    proxy, resp = batch, resp
+    assert torch.allclose(proxy.behavior_logprobs[resp].double(), proxy.tokens.double().apply_(lp_of)[resp])
     # loss masks: advantage regression trains policy + intervention tokens, GRPO only the policy's
     ar, gr = ctx.spec.objective, Grpo(kl_coef=0)
     assert torch.equal(ar.loss_mask(batch), batch.response_mask)
@@ -204,12 +229,13 @@ def test_control_rows_never_guided(tmp_path):
 # --------------------------------------------------------------------------------- judges
 
 
-def test_parse_decision_is_strict():
-    assert parse_decision("KEEP", 2, "\n").kind == "keep"
-    d = parse_decision("REVISE 2\n3+3=6\nmore", 2, "\n")
-    assert (d.kind, d.index, d.correction) == ("revise", 1, "3+3=6")
-    for bad in ("", "keep", "KEEP KEEP", "REVISE 3\n1+1=2", "REVISE 0\nx", "REVISE 1", "REVISE x\n1", "REVISE 1\n"):
-        assert parse_decision(bad, 2, "\n").kind == "malformed", bad
+def test_parse_verdict_and_correction_are_strict():
+    assert parse_verdict("KEEP", 2).kind == "keep"
+    d = parse_verdict("REVISE 2\nanything after the first line is ignored", 2)
+    assert (d.kind, d.index) == ("revise", 1)
+    for bad in ("", "keep", "KEEP KEEP", "REVISE 3\n1+1=2", "REVISE 0\nx", "REVISE x\n1", "REVISE -1", "REVISE 1 2"):
+        assert parse_verdict(bad, 2).kind == "malformed", bad
+    assert parse_correction(" 3+3=6\n6+4=0", "\n") == "3+3=6" and parse_correction("\n3+3=6", "\n") == ""
 
 
 def test_malformed_model_judge_counts_as_keep(tmp_path):
@@ -228,11 +254,18 @@ def test_model_judge_sees_the_judge_template_and_revises(tmp_path):
     ctx = make_ctx(tmp_path, CHUNK, eng, judge="{kind: policy_model, model: self, context: [reference]}")
     batch = ctx.spec.rollout.guide.rollout(ctx, [EX], 4)
     assert pieces(batch, 2)[2] == ("3+3=6\n", "guide_intervention")
-    assert prompts[0] == "J:1+2+3+4\nC:\nN:\n1:1+2=3\n2:3+3=7\nV:"
-    assert prompts[2] == "J:1+2+3+4\nC:1+2=3\n3+3=6\nN:\n1:6+4=0\n2:#0\nV:"
+    ref = "R:1+2=3\n3+3=6\n6+4=0\n#0\n"  # the declared context, on the toy's context line
+    assert prompts[0] == ref + "J:1+2+3+4\nC:\nN:\n1:1+2=3\n2:3+3=7\nV:"
+    assert prompts[2] == ref + "J:1+2+3+4\nC:1+2=3\n3+3=6\nN:\n1:6+4=0\n2:#0\nV:"
     assert ctx.costs["judge_tokens"] > 0
-    # one judge call per round (batched over the guided rows)
-    assert [rows for rows, _ in eng.calls] == [4, 2, 4, 2]
+    # every call batched over the rows that ask the same model the same way: the first chunk of all 4
+    # rows; the control rows' rest; the 2 verdicts; the 2 corrections (from the kept prefix); the guided
+    # rows' next chunk; its 2 verdicts
+    assert [rows for rows, _ in eng.calls] == [4, 2, 2, 2, 2, 2]
+    # the correction continues the judge's context prompt and the kept step only: the rejected step
+    # ("3+3=7") and what followed it are never shown
+    corrections = [t for t in eng.seen if t.startswith("R:") and "J:" not in t]
+    assert corrections == [ref + "Q:1+2+3+4\nA:1+2=3\n"] * 2
 
 
 # --------------------------------------------------------------------------------- InT
@@ -260,21 +293,21 @@ def test_sft_targets_truncate_after_intervention_and_filter(tmp_path):
     ctx = make_ctx(tmp_path, END, eng, n=3, baseline="all")
     batch = ctx.spec.rollout.guide.rollout(ctx, [ex], 3)
     batch.info["temperature"] = 1.0
-    out = sft_targets_from_guided(ctx, batch, 2)
+    out = guided_targets(ctx, batch, 2)
     assert out.size == 2 and ctx.metrics["sft_kept"] == 2
     for b in range(2):
         assert pieces(out, b) == [("Q:5-1+2+3\nA:", "prompt"), ("5-1=4\n", "policy"), ("4+2=6\n", "guide_intervention")]
     assert eng.calls[-1] == (4, ctx.max_new_tokens - 12)  # 2 candidates x 2 filter samples, one call
-    loss, m = CrossEntropy(loss_tokens=["policy", "guide_intervention"]).loss(out, PolicyView(torch.full(out.tokens.shape, -0.5)))
+    loss, m = whole_batch_loss(CrossEntropy(loss_tokens=["policy", "guide_intervention"]), out, PolicyView(torch.full(out.tokens.shape, -0.5)))
     assert m["tokens"] == 24 and float(loss) == pytest.approx(0.5)
     # no continuation from the intervention succeeds: nothing kept, zero loss, no crash
     eng.err = lambda p: {1, 2}
     batch = ctx.spec.rollout.guide.rollout(ctx, [ex], 3)
-    out = sft_targets_from_guided(ctx, batch, 2)
+    out = guided_targets(ctx, batch, 2)
     assert ctx.metrics["sft_kept"] == 0
     logits = torch.randn(*out.tokens.shape, len(TOK), requires_grad=True)
     lp = torch.log_softmax(logits, -1).gather(-1, out.tokens[..., None]).squeeze(-1)
-    loss, _ = CrossEntropy(loss_tokens=["policy", "guide_intervention"]).loss(out, PolicyView(lp))
+    loss, _ = whole_batch_loss(CrossEntropy(loss_tokens=["policy", "guide_intervention"]), out, PolicyView(lp))
     loss.backward()
     assert float(loss.detach()) == 0 and float(logits.grad.abs().sum()) == 0
 
@@ -290,38 +323,39 @@ def pope(placement: str, search: str, frac=1.0, max_fraction=0.5):
 def test_minimal_prefix_search_picks_the_shortest_solvable_prefix(tmp_path):
     ex = toy.make_example("1+2+3+4+5+6")  # 7 reference lines -> k in 0..3
     eng = FakeEngine(err={1})  # solved only when the prefix already holds step 1 (k >= 2)
-    ctx = make_ctx(tmp_path, pope("prompt", "minimal"), eng, baseline="all")
+    ctx = make_ctx(tmp_path, pope("prompt", "minimal"), eng, baseline="all", loss="[policy]")
     batch = ctx.spec.rollout.guide.rollout(ctx, [ex], 4)
     assert eng.calls[0] == (4 * 2, ctx.max_new_tokens)  # k = 0..3 x 2 samples in one call
     assert TOK.decode(batch.tokens[0][batch.origin[0] == CODE["prompt"]].tolist()) == "Q:1+2+3+4+5+6\nP:1+2=3\n3+3=6\nA:"
     assert pieces(batch, 0)[1] == ("6+4=0\n0+5=5\n5+6=1\n#1<eos>", "policy")
-    assert ctx.metrics["guide/prefix_steps"] == 2 and ctx.metrics["guide/search_solved"] == 1
-    assert batch.guided.all() and not batch.control.any() and (batch.group == 1).all()
+    assert ctx.metrics["guide/prefix_steps"] == 2 and ctx.metrics["guide/prefix_k2_frac"] == 1
+    assert batch.guided.all() and not batch.control.any() and (batch.group == batch.group[0]).all()
     ctx.spec.rollout.guide.rollout(ctx, [ex], 4)  # cached: no new search
     assert len(eng.calls) == 3
 
 
 def test_pope_groups_and_fixed_prefix(tmp_path):
     exs = [toy.make_example(p) for p in ("1+2+3+4+5+6", "2+2+2+2", "3-1-1-1", "4+4+4+4")]
-    ctx = make_ctx(tmp_path, pope("prompt", "fixed", frac=0.5), FakeEngine(), baseline="all")
+    ctx = make_ctx(tmp_path, pope("prompt", "fixed", frac=0.5), FakeEngine(), baseline="all", loss="[policy]")
     batch = ctx.spec.rollout.guide.rollout(ctx, exs, 2)
     g = batch.guided.view(4, 2)[:, 0]
     assert 0 < int(g.sum()) < 4  # ctx.rng picked some prompts
-    assert batch.group.view(4, 2)[:, 0].tolist() == [2 * i + int(x) for i, x in enumerate(g.tolist())]
+    groups = batch.group.view(4, 2)
+    assert (groups[:, 0] == groups[:, 1]).all() and len(set(groups[:, 0].tolist())) == 4  # one group per prompt
     assert torch.equal(batch.control, ~batch.guided)
     assert not batch.mask(("guide_prefix",)).any()  # placement prompt: all prefix tokens are prompt tokens
 
 
 def test_pope_response_prefix_gets_no_gradient(tmp_path):
     ex = toy.make_example("1+2+3+4+5+6")
-    ctx = make_ctx(tmp_path, pope("response", "fixed"), FakeEngine(err={4}), baseline="all")
+    ctx = make_ctx(tmp_path, pope("response", "fixed"), FakeEngine(err={4}), baseline="all", loss="[policy]")
     batch = ctx.spec.rollout.guide.rollout(ctx, [ex], 4)
     assert pieces(batch, 0)[1:] == [("1+2=3\n3+3=6\n6+4=0\n", "guide_prefix"), ("0+5=5\n5+6=2\n#2<eos>", "policy")]
     logits = torch.randn(*batch.tokens.shape, len(TOK), requires_grad=True)  # [B, T, V]
     lp = torch.log_softmax(logits, -1).gather(-1, batch.tokens[..., None]).squeeze(-1)  # [B, T]
     batch.behavior_logprobs = lp.detach()  # ratio 1: nothing clipped
     batch.rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
-    loss, _ = Grpo(kl_coef=0).loss(batch, PolicyView(lp))
+    loss, _ = whole_batch_loss(Grpo(kl_coef=0), batch, PolicyView(lp))
     loss.backward()
     gnorm = logits.grad.abs().sum(-1)  # [B, T]
     assert float(gnorm[batch.mask(("guide_prefix",))].sum()) == 0
@@ -343,7 +377,7 @@ def test_mintrl_anchor_losses_by_hand(tmp_path, anchor):
     beta2 = 0.1
     obj = AdvantageRegression(beta1=math.inf, beta2=beta2, baseline="control", anchor={"guide_intervention": anchor},
                               loss_tokens=["policy", "guide_intervention"])
-    loss, _ = obj.loss(batch, PolicyView(cur))
+    loss, _ = whole_batch_loss(obj, batch, PolicyView(cur))
     want = 0.0
     for b in range(4):
         s = 0.0

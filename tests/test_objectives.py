@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from components.objectives.advantage_regression import AdvantageRegression, soft_value
-from components.objectives.base import aggregate, group_advantages, group_stats, zero_advantage_fraction
+from components.objectives.base import whole_batch_loss, aggregate, group_advantages, group_stats, zero_advantage_fraction
 from components.objectives.cross_entropy import CrossEntropy
 from components.objectives.divergence import Divergence, add_tail, token_divergence
 from components.objectives.grpo import Grpo, kl_estimate
@@ -153,7 +153,7 @@ A_G0 = 0.5 / (math.sqrt(0.5) + 1e-6)
 
 def test_grpo_clipped_loss_by_hand():
     b, lp = grpo_batch(), grpo_logp()
-    loss, m = Grpo(kl_coef=0).loss(b, PolicyView(logprobs=lp))
+    loss, m = whole_batch_loss(Grpo(kl_coef=0), b, PolicyView(logprobs=lp))
     a = A_G0
     # row 0 (A = +a): min(1.5a, 1.2a) = 1.2a (clipped); min(0.5a, 0.8a) = 0.5a
     # row 1 (A = -a): min(-1.5a, -1.2a) = -1.5a;        min(-0.5a, -0.8a) = -0.8a (clipped)
@@ -163,13 +163,13 @@ def test_grpo_clipped_loss_by_hand():
     assert approx(m["clip_frac"], 2 / 8) and m["kl"] == 0.0
     assert approx(m["adv_mean"], 0.0) and approx(m["zero_advantage_frac"], 0.5)
     # seq-mean-token-sum: row sums of -surrogate: -1.7a, 2.3a, 0, 0 -> 0.6a / 4
-    loss, _ = Grpo(kl_coef=0, loss_agg="seq-mean-token-sum").loss(b, PolicyView(logprobs=lp))
+    loss, _ = whole_batch_loss(Grpo(kl_coef=0, loss_agg="seq-mean-token-sum"), b, PolicyView(logprobs=lp))
     assert approx(loss, 0.6 * a / 4)
     # Dr. GRPO: seq-mean-token-sum-norm with C = 3 (= T) and std_norm off -> A = +-0.5
-    loss, _ = Grpo(kl_coef=0, loss_agg="seq-mean-token-sum-norm", std_norm=False).loss(b, PolicyView(logprobs=lp))
+    loss, _ = whole_batch_loss(Grpo(kl_coef=0, loss_agg="seq-mean-token-sum-norm", std_norm=False), b, PolicyView(logprobs=lp))
     assert approx(loss, 0.6 * 0.5 / 3)
     # clip-higher 0.6: 1.5 is inside [0.8, 1.6] -> row 0 token 1 gives 1.5a: -(1.5 + 0.5 - 1.5 - 0.8) a / 8
-    loss, m = Grpo(kl_coef=0, clip_high=0.6).loss(b, PolicyView(logprobs=lp))
+    loss, m = whole_batch_loss(Grpo(kl_coef=0, clip_high=0.6), b, PolicyView(logprobs=lp))
     assert approx(loss, 0.3 * a / 8) and approx(m["clip_frac"], 1 / 8)
 
 
@@ -180,11 +180,11 @@ def test_grpo_kl_term_by_hand():
     k1 = (math.log(1.5) + math.log(0.5)) / 2          # token-mean of k1
     k3 = ((1 / 1.5 + math.log(1.5) - 1) + (2 + math.log(0.5) - 1)) / 2  # (0.0721318 + 0.3068528) / 2
     for est, kl in (("k1", k1), ("k3", k3)):
-        loss, m = Grpo(kl_coef=0.1, kl_estimator=est).loss(b, PolicyView(logprobs=grpo_logp()))
+        loss, m = whole_batch_loss(Grpo(kl_coef=0.1, kl_estimator=est), b, PolicyView(logprobs=grpo_logp()))
         assert approx(m["kl"], kl)
         assert approx(loss, 0.6 * A_G0 / 8 + 0.1 * kl)
     with pytest.raises(ValueError, match="initial_logprobs"):
-        Grpo(kl_coef=0.1).loss(grpo_batch(), PolicyView(logprobs=grpo_logp()))
+        whole_batch_loss(Grpo(kl_coef=0.1), grpo_batch(), PolicyView(logprobs=grpo_logp()))
 
 
 @pytest.mark.parametrize("std_norm", [True, False])
@@ -196,7 +196,7 @@ def test_grpo_zero_gradient_when_group_rewards_equal(std_norm, agg):
     b = make_batch(origin, torch.randn(B, T) - 2, group=[0, 0, 1, 1, 2, 2, 2],
                    rewards=[1.0, 1.0, 0.0, 0.0, 0.1, 0.1, 0.1])  # 0.1 is not exact in binary
     lp = (torch.randn(B, T) - 2).requires_grad_()  # ratios far from 1, some clipped
-    loss, m = Grpo(kl_coef=0, std_norm=std_norm, loss_agg=agg).loss(b, PolicyView(logprobs=lp))
+    loss, m = whole_batch_loss(Grpo(kl_coef=0, std_norm=std_norm, loss_agg=agg), b, PolicyView(logprobs=lp))
     (g,) = torch.autograd.grad(loss, lp)
     assert torch.equal(g, torch.zeros_like(g)) and float(loss.detach()) == 0.0
     assert m["zero_advantage_frac"] == 1.0
@@ -260,7 +260,7 @@ ADV = [0.0, 1.0, 0.5, -0.5]
 def test_advantage_regression_const_anchor_by_hand():
     obj = AdvantageRegression(beta1=math.inf, beta2=0.1, baseline="control",
                               loss_tokens=["policy", "guide_intervention"], anchor={"guide_intervention": -0.2})
-    loss, m = obj.loss(mintrl_batch(), PolicyView(logprobs=mintrl_logp()))
+    loss, m = whole_batch_loss(obj, mintrl_batch(), PolicyView(logprobs=mintrl_logp()))
     # policy token: ln 0.5 - ln 0.25 = ln 2; intervention token: ln 0.5 - (-0.2) = -ln 2 + 0.2
     lr = [3 * L2, 2 * L2 + (-L2 + 0.2), 2 * L2 + (-L2 + 0.2), 2 * L2]  # [2.0794, 0.8931, 0.8931, 1.3863]
     expected = sum((0.1 * x - a) ** 2 for x, a in zip(lr, ADV)) / 4  # (0.04324 + 0.82935 + 0.16866 + 0.40785)/4
@@ -273,18 +273,18 @@ def test_advantage_regression_const_anchor_by_hand():
 def test_advantage_regression_proxy_anchor_by_hand():
     obj = AdvantageRegression(beta1=math.inf, beta2=0.1, baseline="control",
                               loss_tokens=["policy", "guide_intervention"], anchor={"guide_intervention": "policy"})
-    loss, _ = obj.loss(mintrl_batch(), PolicyView(logprobs=mintrl_logp()))
+    loss, _ = whole_batch_loss(obj, mintrl_batch(), PolicyView(logprobs=mintrl_logp()))
     # Proxy: intervention token anchored at the rollout weights' log-prob 0.25 -> ln 2 like policy tokens
     lr = [3 * L2, 3 * L2, 3 * L2, 2 * L2]
     assert approx(loss, sum((0.1 * x - a) ** 2 for x, a in zip(lr, ADV)) / 4)
     # seq weights [1, 1, 2, 0]: sum w (.)^2 / sum w
     b = mintrl_batch(seq_weight=torch.tensor([1.0, 1.0, 2.0, 0.0]))
-    loss, _ = obj.loss(b, PolicyView(logprobs=mintrl_logp()))
+    loss, _ = whole_batch_loss(obj, b, PolicyView(logprobs=mintrl_logp()))
     w = [1, 1, 2, 0]
     assert approx(loss, sum(wi * (0.1 * x - a) ** 2 for wi, x, a in zip(w, lr, ADV)) / 4)
     # intervention tokens out of loss_tokens: row 1/2 log-ratio is 2 ln 2
     obj = AdvantageRegression(beta1=math.inf, beta2=0.1, baseline="control")
-    loss, _ = obj.loss(mintrl_batch(), PolicyView(logprobs=mintrl_logp()))
+    loss, _ = whole_batch_loss(obj, mintrl_batch(), PolicyView(logprobs=mintrl_logp()))
     lr = [3 * L2, 2 * L2, 2 * L2, 2 * L2]
     assert approx(loss, sum((0.1 * x - a) ** 2 for x, a in zip(lr, ADV)) / 4)
 
@@ -296,7 +296,7 @@ def test_advantage_regression_softmax_baseline_and_initial_reference():
     b = mintrl_batch(initial_logprobs=init)
     obj = AdvantageRegression(beta1=1.0, beta2=0.1, reference="initial", anchor={"guide_intervention": -0.2},
                               loss_tokens=["policy", "guide_intervention"])
-    loss, m = obj.loss(b, PolicyView(logprobs=mintrl_logp()))
+    loss, m = whole_batch_loss(obj, b, PolicyView(logprobs=mintrl_logp()))
     v = math.log((1 + math.e) / 2)  # both groups have rewards {0, 1}
     adv = [0 - v, 1 - v, 1 - v, 0 - v]
     # policy token: ln 0.5 - ln 0.125 = 2 ln 2; intervention: -ln 2 + 0.2 (kappa, not the initial policy)
@@ -304,7 +304,7 @@ def test_advantage_regression_softmax_baseline_and_initial_reference():
     assert approx(loss, sum((0.1 * x - a) ** 2 for x, a in zip(lr, adv)) / 4)
     assert approx(m["v_hat_mean"], v)
     with pytest.raises(ValueError, match="initial_logprobs"):
-        obj.loss(mintrl_batch(), PolicyView(logprobs=mintrl_logp()))
+        whole_batch_loss(obj, mintrl_batch(), PolicyView(logprobs=mintrl_logp()))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -316,10 +316,10 @@ def test_cross_entropy_by_hand():
     lp = torch.tensor([[0.0, math.log(0.5), math.log(0.25), float("nan")],
                        [0.0, math.log(0.5), math.log(0.5), math.log(0.1)]], requires_grad=True)
     # default loss tokens: demonstration, policy, guide_intervention -> -[ln .5, ln .25, ln .5, ln .5]
-    loss, m = CrossEntropy().loss(b, PolicyView(logprobs=lp))
+    loss, m = whole_batch_loss(CrossEntropy(), b, PolicyView(logprobs=lp))
     assert approx(loss, (L2 + 2 * L2 + L2 + L2) / 4) and m["tokens"] == 4.0  # 5 ln2 / 4 = 0.866434
     # seq-mean-token-sum: (3 ln2 + 2 ln2) / 2
-    loss, _ = CrossEntropy(aggregation="seq-mean-token-sum").loss(b, PolicyView(logprobs=lp))
+    loss, _ = whole_batch_loss(CrossEntropy(aggregation="seq-mean-token-sum"), b, PolicyView(logprobs=lp))
     assert approx(loss, 2.5 * L2)
     (g,) = torch.autograd.grad(loss, lp)
     assert torch.isfinite(g).all()
@@ -391,7 +391,7 @@ def test_divergence_full_by_hand(measure, beta, value):
     cur_logits = logits_for(S, T).requires_grad_()
     h = math.log(0.5)
     lp = torch.tensor([[0.0, h, h]])
-    loss, m = Divergence(estimator="full", measure=measure, beta=beta).loss(b, PolicyView(logprobs=lp, logits=cur_logits))
+    loss, m = whole_batch_loss(Divergence(estimator="full", measure=measure, beta=beta), b, PolicyView(logprobs=lp, logits=cur_logits))
     assert approx(loss, value / 2) and approx(m["divergence"], value / 2)
 
 
@@ -400,7 +400,7 @@ def test_divergence_is_weight_clip():
     b = div_batch(teacher_logits=logits_for(T, S))
     h = math.log(0.5)
     lp = torch.tensor([[0.0, h + math.log(3.0), h + math.log(0.5)]])
-    loss, _ = Divergence(estimator="full").loss(b, PolicyView(logprobs=lp, logits=logits_for(S, T)))
+    loss, _ = whole_batch_loss(Divergence(estimator="full"), b, PolicyView(logprobs=lp, logits=logits_for(S, T)))
     assert approx(loss, (2 * REV + 0.5 * FWD) / 2)
 
 
@@ -428,12 +428,12 @@ def test_divergence_top_k_with_tail_by_hand(measure, value):
     b = div_batch(teacher_logits=logits_for(TK, TK))
     h = math.log(0.5)
     lp = torch.tensor([[0.0, h, h]])
-    loss, _ = Divergence(estimator="top_k", k=2, measure=measure).loss(b, PolicyView(logprobs=lp, logits=logits_for(SK, TK)))
+    loss, _ = whole_batch_loss(Divergence(estimator="top_k", k=2, measure=measure), b, PolicyView(logprobs=lp, logits=logits_for(SK, TK)))
     assert approx(loss, value / 2)
     if measure == "reverse_kl":
         # the full-vocabulary reverse KL differs: it also counts .1 ln(.1/.05) twice and .1 ln(.1/.2)
         full_rev = 0.4 * L2 + 0.3 * math.log(0.6) + 0.1 * math.log(0.5) + 0.2 * L2  # 0.193325
-        loss_full, _ = Divergence(estimator="full").loss(b, PolicyView(logprobs=lp, logits=logits_for(SK, TK)))
+        loss_full, _ = whole_batch_loss(Divergence(estimator="full"), b, PolicyView(logprobs=lp, logits=logits_for(SK, TK)))
         assert approx(loss_full, full_rev / 2) and not approx(value, full_rev, 1e-2)
 
 
@@ -444,7 +444,7 @@ def test_teacher_logits_get_no_gradient(estimator, measure):
     s_logits = logits_for(S, SK).requires_grad_()
     b = div_batch(teacher_logits=t_logits)
     h = math.log(0.5)
-    loss, _ = Divergence(estimator=estimator, measure=measure, k=3).loss(
+    loss, _ = whole_batch_loss(Divergence(estimator=estimator, measure=measure, k=3), 
         b, PolicyView(logprobs=torch.tensor([[0.0, h, h]]), logits=s_logits))
     loss.backward()
     assert t_logits.grad is None
@@ -463,7 +463,7 @@ def test_seq_weight_zero_rows_contribute_nothing(estimator):
     b = make_batch(origin, [[0.0, h, h]] * 2, teacher_logits=t_logits, teacher_logprobs=t_lp,
                    seq_weight=torch.tensor([1.0, 0.0]))
     obj = Divergence(estimator=estimator, k=2)
-    loss, m = obj.loss(b, PolicyView(logprobs=lp, logits=s_logits))
+    loss, m = whole_batch_loss(obj, b, PolicyView(logprobs=lp, logits=s_logits))
     if estimator == "full":
         assert approx(loss, (REV + FWD) / 2)
     elif estimator == "sampled":
@@ -475,7 +475,7 @@ def test_seq_weight_zero_rows_contribute_nothing(estimator):
     assert m["no_signal_frac"] == 0.5
     # a group where nobody has signal: zero loss, no NaN
     b.seq_weight = torch.zeros(2)
-    loss0, m0 = obj.loss(b, PolicyView(logprobs=lp, logits=s_logits))
+    loss0, m0 = whole_batch_loss(obj, b, PolicyView(logprobs=lp, logits=s_logits))
     assert float(loss0.detach()) == 0.0 and m0["no_signal_frac"] == 1.0
 
 
@@ -484,7 +484,7 @@ def test_sampled_reverse_kl_by_hand():
     b = div_batch(teacher_logprobs=torch.tensor([[0.0, math.log(0.25), math.log(0.5)]]))
     b.behavior_logprobs = torch.tensor([[0.0, math.log(0.5), math.log(0.25)]])
     lp = torch.tensor([[0.0, math.log(0.75), math.log(0.25)]], requires_grad=True)
-    loss, m = Divergence(kl_coef=2.0).loss(b, PolicyView(logprobs=lp))
+    loss, m = whole_batch_loss(Divergence(kl_coef=2.0), b, PolicyView(logprobs=lp))
     # A_1 = -2 (ln .5 - ln .25) = -2 ln2; A_2 = -2 (ln .25 - ln .5) = 2 ln2
     # l = -rho A: [1.5 * 2 ln2, -2 ln2] -> token-mean (3 ln2 - 2 ln2) / 2 = 0.5 ln2
     assert approx(loss, 0.5 * L2)
@@ -493,9 +493,9 @@ def test_sampled_reverse_kl_by_hand():
     # per-token estimate log pi_beh - log pi_T = [ln2, -ln2] -> mean 0
     assert approx(m["reverse_kl_to_teacher"], 0.0) and approx(m["divergence"], 0.0)
     with pytest.raises(ValueError, match="reverse KL only"):
-        Divergence(measure="jsd").loss(b, PolicyView(logprobs=lp))
+        whole_batch_loss(Divergence(measure="jsd"), b, PolicyView(logprobs=lp))
     with pytest.raises(ValueError, match="logits"):
-        Divergence(estimator="full").loss(b, PolicyView(logprobs=lp))
+        whole_batch_loss(Divergence(estimator="full"), b, PolicyView(logprobs=lp))
 
 
 def test_sampled_gradient_matches_exact_reverse_kl_gradient():
@@ -511,7 +511,7 @@ def test_sampled_gradient_matches_exact_reverse_kl_gradient():
     y = torch.multinomial(logp_all.detach().exp(), N, replacement=True, generator=gen)  # [N]
     lp = torch.stack([torch.zeros(N, dtype=torch.float64), logp_all[y]], 1)  # [N, 2]: prompt, sampled token
     b = make_batch([[PR, POL]] * N, lp.detach(), teacher_logprobs=torch.stack([torch.zeros(N, dtype=torch.float64), log_t[y]], 1))
-    loss, _ = Divergence().loss(b, PolicyView(logprobs=lp))  # token-mean = average over the N samples
+    loss, _ = whole_batch_loss(Divergence(), b, PolicyView(logprobs=lp))  # token-mean = average over the N samples
     (mc,) = torch.autograd.grad(loss, theta)
     assert exact.abs().max() > 0.1  # a non-trivial target
     assert torch.allclose(mc, exact, atol=0.01), (mc, exact)
@@ -534,7 +534,7 @@ def test_tokens_outside_loss_tokens_get_no_gradient(obj):
                    teacher_logprobs=torch.randn(B, T) - 1, teacher_logits=torch.randn(B, T, V))
     lp = (torch.randn(B, T) - 1).requires_grad_()
     logits = torch.randn(B, T, V, requires_grad=True)
-    loss, _ = obj.loss(b, PolicyView(logprobs=lp, logits=logits))
+    loss, _ = whole_batch_loss(obj, b, PolicyView(logprobs=lp, logits=logits))
     loss.backward()
     for g in (lp.grad, None if logits.grad is None else logits.grad.abs().sum(-1)):
         if g is None:

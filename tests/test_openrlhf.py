@@ -23,7 +23,8 @@ import torch
 
 from composer.backends.openrlhf import batch as ob
 from composer.backends.openrlhf import hooks
-from composer.backends.openrlhf.loss import ComposerLoss, Segments, context_scores, prepare_step
+from components.sources.policy_model import score_responses as context_scores
+from composer.backends.openrlhf.loss import ComposerLoss, Segments, prepare_step
 from composer.origins import CODE
 from composer.validate import validate_file
 
@@ -601,11 +602,17 @@ def test_agent_runs_mintrl_judge_interventions_with_a_fake_engine():
         assert out["action_ranges"] == [tuple(x[:2]) for x in s]  # mintrl trains intervention tokens too
         lps = out["rollout_log_probs"]
         assert len(lps) == len(out["observation_tokens"])
-        assert set(lps[s[1][0]:s[1][1]]) == {-1.0} and set(lps[s[0][0]:s[0][1]]) == {-0.5}  # scored vs sampled
+        # sampled tokens carry the sampler's log-probs; the Const anchor reads none of the intervention's,
+        # so they are not scored (a Proxy anchor's are: below)
+        assert set(lps[s[1][0]:s[1][1]]) == {0.0} and set(lps[s[0][0]:s[0][1]]) == {-0.5}
         b = ob.to_batch(*[getattr(as_experience(out), k) for k in ("sequences", "attention_mask", "action_mask")],
                         [out["prompt"]], [out["label"]])
         assert b.origin[0, s[1][0]:s[1][1]].tolist() == [GI] * 6
     assert 0 < guided[0]["extra_logs"]["composer_offpolicy_frac"] < 1
+    proxy = agent_for("specs/mintrl.yaml", ["objective.anchor.guide_intervention=policy"])
+    out = run_agent(proxy, engine, tok, ex.prompt, label, 16)[-1]
+    s = ob.decode_label(out["label"])["spans"]
+    assert set(out["rollout_log_probs"][s[1][0]:s[1][1]]) == {-1.0}  # scored by the rollout weights
     # the phase after step 200 switches the guide off: every rollout is a plain control rollout
     late = run_agent(agent, engine, tok, ex.prompt, ob.encode_label(ob.label_of(ex, step=300)), 16)
     assert all(ob.decode_label(o["label"])["control"] and o["reward"] == 0.0 for o in late)
@@ -630,12 +637,14 @@ def test_agent_pope_prefix_in_the_prompt_with_minimal_search():
         assert meta["guided"] and meta["tag"] == "guided" and out["reward"] == 1.0
         assert tok.decode(out["observation_tokens"][: len(guided_prompt)]) == guided_prompt
         assert out["prompt"] == ex.prompt  # grouping and the label keep the original prompt
-    assert agent.prefix_k[ex.prompt] == 1  # k = 0 (the plain prompt) failed, one reference line suffices
+    # k = 0 (the plain prompt) failed, one reference line suffices: searched once, with the initial weights
+    assert next(iter(agent.contexts.values())).cache[("guide", "prefix-search", agent.segments.at(0).rollout.guide.model_dump_json())][ex.prompt] == 1
 
 
 def test_agent_int_stage_one_self_judge_and_sft_filter():
     """InT's first stage: a failed rollout gets one review by the policy itself (greedy, the toy judge
-    template), the target is prefix + intervention, kept because a continuation from it succeeds."""
+    template; the verdict, then the correction from the reference and the kept steps only), the target is
+    prefix + intervention, kept because a continuation from it succeeds."""
     from components.tasks import toy
     from components.tasks.tokenizer import char_tokenizer
 
@@ -643,15 +652,15 @@ def test_agent_int_stage_one_self_judge_and_sft_filter():
     ex = toy.make_example("7+3-5")
     bad, good = "7+3=0\n0-5=1\n#1", ex.solution
 
-    def scripts(text):
-        return ["REVISE 2\n0-5=5"] if text.endswith("V:") else [bad, good]
+    def scripts(text):  # the verdict; the correction from the reference-conditioned prompt; the policy
+        return ["REVISE 2"] if text.endswith("V:") else [good] if text.startswith("R:") else [bad, good]
 
     agent = agent_for("specs/int.yaml", segments=[0])  # the sft stage
     outs = run_agent(agent, FakeEngine(tok, scripts), tok, ex.prompt, ob.encode_label(ob.label_of(ex, step=0)), 4)
     P = len(tok.encode(ex.prompt, add_special_tokens=False))
     for out in outs:
         meta = ob.decode_label(out["label"])
-        assert meta["guided"] and meta["weight"] == 1.0 and out["reward"] == 1.0  # 8 of 8 continuations succeed
+        assert meta["guided"] and meta["weight"] == 1.0  # a continuation from the target succeeds
         assert tok.decode(out["observation_tokens"][P:]) == "7+3=0\n0-5=5\n"  # cut right after the intervention
         assert [o for _, _, o in meta["spans"]] == ["policy", "guide_intervention"]
         assert out["action_ranges"] == [(P, P + 6), (P + 6, P + 12)]

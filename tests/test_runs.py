@@ -83,8 +83,8 @@ def test_non_finite_loss_stops_with_step_and_keeps_checkpoint(tiny, tmp_path, mo
     good = (tmp_path / "checkpoints" / "last.ckpt").read_bytes()
     real = grpo.Grpo.loss
 
-    def poisoned(self, batch, cur):
-        value, m = real(self, batch, cur)
+    def poisoned(self, batch, cur, adv):
+        value, m = real(self, batch, cur, adv)
         return value * float("nan"), m
 
     monkeypatch.setattr(grpo.Grpo, "loss", poisoned)

@@ -36,7 +36,7 @@ def test_teacher_method_runs_end_to_end(spec, extra, tmp_path):
     got = rows(tmp_path)
     assert [r["step"] for r in got] == ["0", "1", "2"]  # two updates, then the final evaluation row
     steps = got[:-1]
-    for column in ("loss", "teacher_kl", "teacher_student_gap", "no_signal_frac"):
+    for column in ("loss", "teacher_kl_estimate", "teacher_student_gap", "no_signal_frac"):
         assert steps[-1][column] != "", column
     assert all(float(r["loss"]) == float(r["loss"]) for r in steps)  # finite, not NaN
     assert set(final) == {f"pass@1/tier{t}" for t in (1, 2, 4, 6, 8)}

@@ -16,7 +16,9 @@ from composer.loader import load_text
 from composer.runtime.context import RunContext
 from composer.runtime.models import load_model, load_tokenizer
 from composer.runtime.step import policy_view
-from composer.runtime.trajectory import Row, assemble
+from components.objectives.base import whole_batch_loss
+from composer.runtime.protocol import Trace
+from composer.runtime.trajectory import assemble
 from composer.validate import validate_loaded
 
 OPSD = """
@@ -60,12 +62,15 @@ def make_ctx(tiny: str, spec_text: str) -> RunContext:
 
 def make_batch(ctx, items, group=None):
     """items: (problem, response text) pairs; one row each, response tokens are 'policy' + eos."""
-    rows = []
-    for i, (problem, response) in enumerate(items):
+    traces, exs = [], []
+    for problem, response in items:
         ex = toy.make_example(problem)
-        rows.append(Row(ex, ctx.encode(ex.prompt), [(ctx.encode(response) + [ctx.eos_id], "policy")],
-                        group=group[i] if group else i, prompt_index=i))
-    return assemble(rows, ctx.pad_id)
+        trace = Trace(ctx.encode(ex.prompt))
+        trace.add(ctx.encode(response) + [ctx.eos_id], "policy")
+        traces.append(trace)
+        exs.append(ex)
+    # one advantage group per prompt index: rows given the same group share a prompt index
+    return assemble(traces, exs, list(group) if group else list(range(len(items))), ctx.pad_id)
 
 
 def wrong(problem: str) -> str:
@@ -104,7 +109,7 @@ def test_teacher_logprobs_align_with_the_student_response(tiny):
         assert torch.all(batch.teacher_logprobs[i, :P] == 0)
         assert torch.all(batch.teacher_logprobs[i, P + len(response):] == 0)
     assert torch.all(batch.seq_weight == 1)
-    assert {"teacher_kl", "teacher_student_gap", "no_signal_frac"} <= set(ctx.metrics)
+    assert {"teacher_kl_estimate", "teacher_student_gap", "no_signal_frac"} <= set(ctx.metrics)
     tiers = [e.tier for e in batch.examples]
     assert len(set(tiers)) == 2  # one row per tier: each tier's gap is its row's mean |log pi_beh - log pi_T|
     for i, tier in enumerate(tiers):
@@ -200,7 +205,7 @@ def test_sdpo_sibling_never_self_then_feedback_then_nothing(tiny):
     batch2 = make_batch(ctx, [(p, wrong(p)), (p, wrong(p))], group=[0, 0])
     fb = teacher.context_texts(ctx, batch2, 0)
     assert fb == {"sibling": None, "feedback": "the final answer is wrong; step 1 is wrong"}
-    assert teacher.prompt_text(ctx, batch2.examples[0], fb) == f"F:{fb['feedback']}\nQ:{p}\nA:"
+    assert teacher.render(ctx, batch2.examples[0])(fb) == f"F:{fb['feedback']}\nQ:{p}\nA:"
     batch = ctx.spec.signal.apply(ctx, batch)
     assert batch.seq_weight.tolist() == [0.0, 1.0, 1.0, 1.0, 1.0]
     assert ctx.metrics["no_signal_frac"] == pytest.approx(0.2)
@@ -216,18 +221,18 @@ def test_sdpo_group_without_success_or_feedback_gets_zero_weight_and_zero_loss(t
     assert batch.seq_weight.tolist() == [0.0, 0.0, 0.0, 1.0]  # failed group: nothing; row 2: no other success
     obj: Divergence = ctx.spec.objective
     view = policy_view(ctx.policy, batch, want_logits=True)
-    loss, m = obj.loss(batch, view)
+    loss, m = whole_batch_loss(obj, batch, view)
     assert m["no_signal_frac"] == 0.75
     loss.backward()
     # zero loss from the failed group: the loss of the weighted row alone is the same number
     only = batch.select([3])
-    loss_only, _ = obj.loss(only, policy_view(ctx.policy, only, want_logits=True))
+    loss_only, _ = whole_batch_loss(obj, only, policy_view(ctx.policy, only, want_logits=True))
     assert torch.allclose(loss, loss_only, atol=1e-6)
     # and an all-failed batch without feedback gives exactly zero loss and zero gradient
     ctx.policy.zero_grad()
     dead = batch.select([0, 1])
     view = policy_view(ctx.policy, dead, want_logits=True)
-    loss_dead, _ = obj.loss(dead, PolicyView(view.logprobs, view.logits, view.entropy))
+    loss_dead, _ = whole_batch_loss(obj, dead, PolicyView(view.logprobs, view.logits, view.entropy))
     assert float(loss_dead.detach()) == 0.0
     loss_dead.backward()
     assert all(p.grad is None or float(p.grad.abs().max()) == 0.0 for p in ctx.policy.parameters())
@@ -267,7 +272,7 @@ def test_terms_sharing_a_rollout_keep_their_own_weights_and_share_one_forward(ti
     total, m = step.loss(ctx, ctx.policy, [distill, reward])
     assert len(forwards) == 1
     assert m["distill/loss"] == 0.0 and m["reward/loss"] > 0.0
-    alone, _ = ctx.spec.terms[1].objective.loss(reward, real_view(ctx.policy, reward, False))
+    alone, _ = whole_batch_loss(ctx.spec.terms[1].objective, reward, real_view(ctx.policy, reward, False))
     assert m["reward/loss"] == pytest.approx(float(alone.detach()), rel=1e-6)
     assert float(total.detach()) == pytest.approx(m["reward/loss"], rel=1e-6)
 
@@ -302,14 +307,14 @@ def test_non_toy_templates_follow_opsd_and_sdpo(tiny):
     ctx.task = Task(name="m", train=[], eval={}, verifier="exact")
     teacher = ctx.source("teacher")
     ex = Example(prompt="What is 2+2?", answer="4")
-    got = teacher.prompt_text(ctx, ex, {"sibling": "It is \\boxed{4}", "feedback": None})
+    got = teacher.render(ctx, ex)({"sibling": "It is \\boxed{4}", "feedback": None})
     assert got == "What is 2+2?\nCorrect solution:\n\nIt is \\boxed{4}\n\n\nCorrectly solve the original question."
-    got = teacher.prompt_text(ctx, ex, {"sibling": None, "feedback": "wrong answer"})
+    got = teacher.render(ctx, ex)({"sibling": None, "feedback": "wrong answer"})
     assert got == ("What is 2+2?\nThe following is feedback from your unsuccessful earlier attempt:\n\nwrong answer\n"
                    "\n\nCorrectly solve the original question.")
     ctx2 = make_ctx(tiny, OPSD.replace("WEIGHTS", "initial"))
     ctx2.task = ctx.task
-    got = ctx2.source("teacher").prompt_text(ctx2, ex, {"reference": "2+2=4"})
+    got = ctx2.source("teacher").render(ctx2, ex)({"reference": "2+2=4"})
     assert got.startswith("What is 2+2?\n\nHere is a reference solution to this problem:\n2+2=4\n\n\nAfter")
     assert got.endswith("put your final answer within \\boxed{}.")
 
@@ -345,4 +350,4 @@ train: {{steps: 2, prompts_per_step: 2, eval_every: 0, eval_samples: 2}}
     assert other in str(e.value) and tiny in str(e.value)
     assert not (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()
     metrics = tmp_path / "run" / "metrics.csv"
-    assert not metrics.exists() or "teacher_kl" not in metrics.read_text()
+    assert not metrics.exists() or "teacher_kl_estimate" not in metrics.read_text()

@@ -1,9 +1,10 @@
 """Judge interventions inside rollouts (MInTRL chunk reviews, InT end-of-rollout rewrites).
 
-A trajectory is built as pieces with provenance: the policy's accepted steps (origin `policy`) and
-the judge's corrections (origin `guide_intervention`). Policy tokens a REVISE discards never enter
-the stored sequence. All generation is batched: one policy `generate` per round over every live
-row, one judge call per round over every row under review.
+A rollout is a protocol program (composer/runtime/protocol.py): the policy writes, the judge reviews,
+and the trajectory is built as pieces with provenance: the policy's accepted steps (origin `policy`,
+with the sampler's log-probs) and the judge's corrections (origin `guide_intervention`). Policy tokens
+a REVISE discards never enter the stored sequence. The same program runs batched on the Lightning
+backend and one row at a time inside the OpenRLHF agent.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from components.guides.judges import MALFORMED, REVISE, make_judge
-from composer.registry import Component, register
+from components.guides.judges import MALFORMED, REVISE, check_judge_placement, make_judge
+from composer.contract import Guide
+from composer.registry import register
+from composer.runtime.protocol import Sample, Trace
 
 
 @register("guide")
-class InterventionGuide(Component):
+class InterventionGuide(Guide):
     """A judge reviews the policy's steps and replaces the first wrong one with a short correction.
 
     `review: chunk` is MInTRL's Algorithm 1 (Chen et al. 2026): review every `chunk_tokens` of new text.
@@ -37,107 +40,108 @@ class InterventionGuide(Component):
 
     refs: ClassVar = {"judge": ("policy_model", "oracle")}
     provides: ClassVar = ("guided_tokens",)
+    writes: ClassVar = ("guide_intervention",)
 
-    def rollout(self, ctx, examples, n: int):
-        """n rollouts per prompt, one advantage group per prompt; the first `control_samples` are controls.
+    def writes_now(self) -> tuple[str, ...]:
+        return () if self.max_reviews == 0 else ("guide_intervention",)
+
+    def preflight(self, ctx) -> None:
+        check_judge_placement(ctx, self.judge, self)
+
+    def metrics(self, traces) -> dict[str, float]:
+        return intervention_metrics(traces)
+
+    def row(self, ctx, example, index: int, n: int):
+        """Rollout `index` of n; the first `control_samples` of each prompt are controls (never reviewed).
 
         chunk (MInTRL Algorithm 1): accepted prefix p = empty; repeat: the policy writes `chunk_tokens`
-        more; the new complete steps (split on `step_split`) go to the judge with (x, p); KEEP appends
-        them to p; REVISE k keeps the steps before k and appends the judge's correction h (at most
+        more; its new complete steps (split on `step_split`) go to the judge with (x, p); KEEP appends them
+        to p; REVISE k keeps the steps before k and appends the judge's correction h (at most
         `max_correction_tokens`); at most `max_reviews` reviews; until EOS or max_new_tokens.
-        end (InT): sample to the end; a failed rollout gets one review; on REVISE the policy continues
+        end (InT): sample to the end; a failed rollout gets one review; after a REVISE the policy continues
         from the kept steps + correction, without the reference.
         """
-        from composer.runtime.trajectory import Row, assemble
+        s = Live(Trace(ctx.prompt_ids(example), control=index < self.control_samples), ctx.max_new_tokens)
+        judge = make_judge(ctx, self.judge, self)
+        if self.review == "chunk":
+            while not s.done:
+                reviewable = not s.trace.control and s.reviews < self.max_reviews
+                yield from s.extend(ctx, self.chunk_tokens if reviewable or s.trace.control else s.room)
+                if reviewable:
+                    yield from self.review_pending(ctx, judge, example, s)
+        else:
+            yield from s.extend(ctx, s.room)
+            if not s.trace.control and self.max_reviews >= 1 and not success(ctx, example, ctx.decode(s.pending)):
+                s.done = True  # the whole response is final: its last partial step is a step too
+                yield from self.review_pending(ctx, judge, example, s)
+                if not s.done:
+                    yield from s.extend(ctx, s.room)
+        s.accept(len(s.pending), [])  # whatever is left unreviewed is the policy's
+        s.trace.notes["reviews"] = s.reviews
+        return s.trace
 
-        lives = []
-        for i, ex in enumerate(examples):
-            prompt = ctx.encode(ex.prompt)
-            lives += [Live(Row(ex, prompt, group=i, prompt_index=i, control=j < self.control_samples))
-                      for j in range(n)]
-        judge = make_judge(ctx, self.judge, self.max_correction_tokens)
-        stats = Stats()
-        (chunk_loop if self.review == "chunk" else end_review)(ctx, self, judge, lives, stats)
-        for s in lives:  # whatever is left unreviewed is the policy's
-            s.accept(len(s.pending), [])
-        rows = [s.row for s in lives]
-        for r in rows:
-            r.pieces = merge_pieces(r.pieces)
-        logprobs = ctx.engine.score([r.tokens for r in rows], ctx.sampling.temperature)
-        eligible = sum(not r.control for r in rows)
-        ctx.log(**{
-            "guide/guided_frac": sum(r.guided for r in rows) / len(rows),
-            "guide/reviews_per_traj": stats.reviews / max(eligible, 1),
-            "guide/revise_rate": stats.revises / max(stats.reviews, 1),
-            "guide/correction_len": stats.correction_tokens / max(stats.revises, 1),
-            "guide/malformed": stats.malformed,
-            "guide/dropped_tokens": stats.dropped_tokens / len(rows),
-        })
-        return assemble(rows, ctx.pad_id, logprobs)
+    def review_pending(self, ctx, judge, example, s: "Live"):
+        """Review the complete new steps of `s`; apply KEEP / REVISE."""
+        steps = split_steps(ctx, s.pending, self.step_split, final=s.done)
+        if not steps:
+            return
+        texts = [t for t, _ in steps]
+        if not any(t.strip() for t in texts):  # nothing to judge (e.g. a lone EOS)
+            s.accept(steps[-1][1], texts)
+            return
+        d = yield from judge.decide(ctx, example, list(s.steps), texts, s.trace)
+        s.reviews += 1
+        s.trace.notes["malformed"] = s.trace.notes.get("malformed", 0) + (d.kind == MALFORMED)
+        if d.kind != REVISE:  # KEEP, or an unreadable answer acted on as KEEP
+            s.accept(steps[-1][1], texts)
+            return
+        keep = steps[d.index - 1][1] if d.index else 0
+        s.trace.notes["dropped_tokens"] = s.trace.notes.get("dropped_tokens", 0) + len(s.pending) - keep
+        s.accept(keep, texts[: d.index])
+        s.pending, s.pending_lp = [], []  # the wrong step and everything after it are dropped
+        h = correction_tokens(ctx, self, s, d.correction)
+        s.trace.add(h, "guide_intervention")
+        s.trace.note("corrections", d.correction)
+        s.steps.append(d.correction)
+        s.trace.guided = True
+        s.done = (bool(h) and h[-1] == ctx.eos_id) or s.length >= s.cap
 
 
 # ------------------------------------------------------------------------------------ row state
 
 
 @dataclass
-class Stats:
-    reviews: int = 0
-    revises: int = 0
-    malformed: int = 0
-    correction_tokens: int = 0
-    dropped_tokens: int = 0
-
-
-@dataclass
 class Live:
-    """A row under construction: accepted pieces live in row.pieces; `pending` is unreviewed policy text."""
+    """A row under construction: accepted pieces live in the trace; `pending` is unreviewed policy text."""
 
-    row: object  # composer.runtime.trajectory.Row
+    trace: Trace
+    cap: int  # max_new_tokens
     steps: list[str] = field(default_factory=list)  # accepted step texts (policy steps and corrections)
     pending: list[int] = field(default_factory=list)  # policy tokens generated since the last review
+    pending_lp: list[float] = field(default_factory=list)  # their behaviour log-probs
     reviews: int = 0
     done: bool = False  # stopped: EOS generated, or the response is at max_new_tokens
 
     @property
     def length(self) -> int:
-        return len(self.row.response) + len(self.pending)
+        return len(self.trace.response) + len(self.pending)
 
     @property
-    def context(self) -> list[int]:
-        return self.row.tokens + self.pending
+    def room(self) -> int:
+        return self.cap - self.length
+
+    def extend(self, ctx, budget: int):
+        """The policy writes up to `budget` more tokens (never past the cap)."""
+        [g] = yield Sample(self.trace.tokens + self.pending, min(budget, self.room))
+        self.pending += g.tokens
+        self.pending_lp += g.logprobs
+        self.done = not g.tokens or g.finished or self.length >= self.cap
 
     def accept(self, end: int, texts: list[str]) -> None:
         """Move pending[:end] into the accepted prefix as policy tokens (with its step texts)."""
-        if end:
-            self.row.pieces.append((self.pending[:end], "policy"))
-        self.pending = self.pending[end:]
+        self.trace.add(self.pending[:end], "policy", self.pending_lp[:end])
+        self.pending, self.pending_lp = self.pending[end:], self.pending_lp[end:]
         self.steps += texts
-
-
-def merge_pieces(pieces: list[tuple[list[int], str]]) -> list[tuple[list[int], str]]:
-    """Adjacent pieces of one origin joined, empty ones dropped."""
-    out: list[tuple[list[int], str]] = []
-    for ids, origin in pieces:
-        if not ids:
-            continue
-        if out and out[-1][1] == origin:
-            out[-1] = (out[-1][0] + ids, origin)
-        else:
-            out.append((list(ids), origin))
-    return out
-
-
-def extend(ctx, lives: list[Live], budget: int) -> None:
-    """One batched generate: each live row writes up to `budget` more tokens (never past max_new_tokens)."""
-    if not lives:
-        return
-    cap, eos = ctx.max_new_tokens, ctx.eos_id
-    gens = ctx.engine.generate([s.context for s in lives], budget, ctx.sampling)
-    for s, g in zip(lives, gens):
-        toks = g.tokens[: cap - s.length]
-        ctx.costs["policy_tokens"] += len(g.tokens)
-        s.pending += toks
-        s.done = not toks or toks[-1] == eos or s.length >= cap
 
 
 def split_steps(ctx, ids: list[int], sep: str, final: bool) -> list[tuple[str, int]]:
@@ -147,7 +151,7 @@ def split_steps(ctx, ids: list[int], sep: str, final: bool) -> list[tuple[str, i
     that token (exact for the toy's character tokenizer). With `final` (EOS or cap) the rest after the
     last separator is a step too (an empty rest, e.g. a lone EOS, joins the step before it).
     """
-    memo = ctx.runtimes.setdefault(("guide", "token-text"), {})  # token id -> its text alone
+    memo = ctx.cache.setdefault(("guide", "token-text"), {})  # token id -> its text alone
     for t in set(ids) - memo.keys():
         memo[t] = ctx.decode([t])
     parts = [memo[t] for t in ids]
@@ -177,133 +181,36 @@ def correction_tokens(ctx, guide: InterventionGuide, s: Live, text: str) -> list
     An empty correction (the oracle's "the response should have ended here") is EOS.
     """
     ids = ctx.encode(text + guide.step_split) if text else [ctx.eos_id]
-    return ids[: min(guide.max_correction_tokens, ctx.max_new_tokens - s.length)]
+    return ids[: min(guide.max_correction_tokens, s.room)]
 
 
-def review_round(ctx, guide: InterventionGuide, judge, lives: list[Live], stats: Stats) -> None:
-    """One batched judge call over every reviewable row with complete new steps; apply KEEP / REVISE."""
-    items, who = [], []
-    for s in lives:
-        if s.row.control or s.reviews >= guide.max_reviews:
-            continue
-        steps = split_steps(ctx, s.pending, guide.step_split, final=s.done)
-        if not steps:
-            continue
-        if not any(t.strip() for t, _ in steps):  # nothing to judge (e.g. a lone EOS)
-            s.accept(steps[-1][1], [t for t, _ in steps])
-            continue
-        items.append((s.row.example, list(s.steps), [t for t, _ in steps]))
-        who.append((s, steps))
-    for (s, steps), d in zip(who, judge.review(ctx, items, guide.step_split)):
-        s.reviews += 1
-        stats.reviews += 1
-        stats.malformed += d.kind == MALFORMED
-        if d.kind != REVISE:  # KEEP, or an unreadable answer acted on as KEEP
-            s.accept(steps[-1][1], [t for t, _ in steps])
-            continue
-        keep = steps[d.index - 1][1] if d.index else 0
-        stats.dropped_tokens += len(s.pending) - keep
-        s.accept(keep, [t for t, _ in steps[: d.index]])
-        s.pending = []  # the wrong step and everything after it are dropped
-        h = correction_tokens(ctx, guide, s, d.correction)
-        s.row.pieces.append((h, "guide_intervention"))
-        s.steps.append(d.correction)
-        s.row.guided = True
-        s.done = (bool(h) and h[-1] == ctx.eos_id) or s.length >= ctx.max_new_tokens
-        stats.revises += 1
-        stats.correction_tokens += len(h)
-
-
-def chunk_loop(ctx, guide: InterventionGuide, judge, lives: list[Live], stats: Stats) -> None:
-    """MInTRL Algorithm 1 over all rows at once: generate a chunk, review, until every row stops.
-
-    Control rows ride along in the same generate calls (never reviewed); once no live row can be
-    reviewed any more, the rest is written in one call with the remaining budget.
-    """
-    cap = ctx.max_new_tokens
-    while True:
-        live = [s for s in lives if not s.done]
-        if not live:
-            break
-        reviewable = any(not s.row.control and s.reviews < guide.max_reviews for s in live)
-        extend(ctx, live, guide.chunk_tokens if reviewable else max(cap - s.length for s in live))
-        review_round(ctx, guide, judge, lives, stats)
-
-
-def end_review(ctx, guide: InterventionGuide, judge, lives: list[Live], stats: Stats) -> None:
-    """InT: sample to the end; one review of every failed non-control rollout; continue the revised ones."""
-    cap = ctx.max_new_tokens
-    extend(ctx, lives, cap)
-    if guide.max_reviews < 1:
-        return
-    ok = successes(ctx, [s.row.example for s in lives], [ctx.decode(s.pending) for s in lives])
-    failed = [s for s, good in zip(lives, ok) if not good and not s.row.control]
-    for s in failed:
-        s.done = True  # the whole response is final: its last partial step is a step too
-    review_round(ctx, guide, judge, failed, stats)
-    revised = [s for s in failed if not s.done]
-    extend(ctx, revised, max([cap - s.length for s in revised], default=0))
+def success(ctx, example, text: str) -> bool:
+    """Whether `text` solves `example` under the spec's outcome_reward source (else the task's verifier)."""
+    return successes(ctx, [example], [text])[0]
 
 
 def successes(ctx, examples, texts: list[str]) -> list[bool]:
     """The task verifier's success per response: the spec's outcome_reward source, else the task's own."""
     verify, threshold = ctx.verifier("auto"), 0.5
     for cfg in ctx.spec.sources.values():
-        if getattr(cfg, "kind", "") == "outcome_reward":
+        if cfg.kind == "outcome_reward":
             verify, threshold = ctx.verifier(cfg.verifier), cfg.success_threshold
             break
     return [verify(t, ex).reward >= threshold for t, ex in zip(texts, examples)]
 
 
-# ------------------------------------------------------------------------------- InT SFT targets
-
-
-def sft_targets_from_guided(ctx, batch, filter_samples: int):
-    """InT's SFT targets (Yang et al. 2026, arXiv 2601.14209, pipeline steps 4-5).
-
-    From each guided row: prompt + policy prefix + intervention, cut right after the last intervention
-    token (the continuation is dropped; no EOS is trained). Kept only if at least one of
-    `filter_samples` continuations sampled from it (without the reference) succeeds; 0 keeps all.
-    Returns a new TrajectoryBatch of the kept rows (origins policy + guide_intervention). With none
-    kept, the rows are cut to their prompts and weighted 0: the loss is exactly zero.
-    """
-    from composer.lazy import torch
-    from composer.origins import CODE, ORIGINS
-    from composer.runtime.trajectory import Row, assemble
-
-    inter = batch.origin == CODE["guide_intervention"]  # [B, T]
-    guided = batch.guided if batch.guided is not None else torch.zeros(batch.size, dtype=torch.bool)  # [B]
-    cands = [(i, int(inter[i].nonzero().max()) + 1)  # (row, one past its last intervention token)
-             for i in range(batch.size) if bool(guided[i]) and bool(inter[i].any())]
-    if cands and filter_samples > 0:
-        prompts = [batch.tokens[i, :cut].tolist() for i, cut in cands for _ in range(filter_samples)]
-        plens = [int((batch.origin[i] == CODE["prompt"]).sum()) for i, _ in cands]
-        room = [ctx.max_new_tokens - (cut - p) for (_i, cut), p in zip(cands, plens)]
-        gens = ctx.engine.generate(prompts, max(max(room), 1), ctx.sampling)
-        ctx.costs["policy_tokens"] += sum(len(g.tokens) for g in gens)
-        texts, exs = [], []
-        for k, g in enumerate(gens):
-            c = k // filter_samples
-            i, cut = cands[c]
-            texts.append(ctx.decode(batch.tokens[i, plens[c]:cut].tolist() + g.tokens[: max(room[c], 0)]))
-            exs.append(batch.examples[i])
-        ok = successes(ctx, exs, texts)
-        cands = [c for k, c in enumerate(cands) if any(ok[k * filter_samples: (k + 1) * filter_samples])]
-    ctx.log(sft_kept=len(cands), sft_candidates=int(guided.sum()))
-    empty = not cands
-    if empty:  # zero loss without crashing: prompt-only rows, weight 0
-        cands = [(i, int((batch.origin[i] == CODE["prompt"]).sum())) for i in range(min(batch.size, 1))]
-    rows, lps = [], []
-    for i, cut in cands:
-        ids, org = batch.tokens[i, :cut].tolist(), batch.origin[i, :cut].tolist()
-        plen = sum(o == CODE["prompt"] for o in org)
-        pieces = merge_pieces([([t], ORIGINS[o]) for t, o in zip(ids[plen:], org[plen:])])
-        rows.append(Row(batch.examples[i], ids[:plen], pieces, group=int(batch.group[i]),
-                        prompt_index=int(batch.prompt_index[i]) if batch.prompt_index is not None else 0,
-                        control=False, guided=True))
-        lps.append(batch.behavior_logprobs[i, :cut].tolist())
-    out = assemble(rows, ctx.pad_id, lps)
-    out.info["temperature"] = batch.info.get("temperature", 1.0)
-    if empty:
-        out.seq_weight = torch.zeros(out.size)
-    return out
+def intervention_metrics(traces: list[Trace]) -> dict[str, float]:
+    """Per-step facts of the reviews: guided fraction, reviews per reviewable rollout, REVISE rate,
+    mean correction length, malformed answers, policy tokens dropped by REVISEs per rollout."""
+    eligible = sum(not t.control for t in traces)
+    reviews = sum(t.notes.get("reviews", 0) for t in traces)
+    revises = sum(len(t.notes.get("corrections", [])) for t in traces)
+    written = sum(len(p.tokens) for t in traces for p in t.pieces if p.origin == "guide_intervention")
+    return {
+        "guided_frac": sum(t.guided for t in traces) / max(len(traces), 1),
+        "reviews_per_traj": reviews / max(eligible, 1),
+        "revise_rate": revises / max(reviews, 1),
+        "correction_len": written / max(revises, 1),
+        "malformed": float(sum(t.notes.get("malformed", 0) for t in traces)),
+        "dropped_tokens": sum(t.notes.get("dropped_tokens", 0) for t in traces) / max(len(traces), 1),
+    }

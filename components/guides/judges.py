@@ -1,15 +1,19 @@
 """Judges for the intervention guide: who reviews a policy's steps and writes the correction.
 
-A judge reviews a batch of items at once. Each item is (example, accepted steps, new steps); the
-answer per item is a `Decision`: KEEP, or REVISE at index j (0-based within the new steps) with a
-correction text (one step), or MALFORMED (an unreadable model answer, acted on as KEEP and counted).
+A judge decides about one row at a time as a protocol program (composer/runtime/protocol.py):
+`decide(ctx, example, accepted, new, trace)` returns a `Decision`: KEEP, REVISE at index j (0-based
+within the new steps) with a correction (one step), or MALFORMED (an unreadable answer, acted on as
+KEEP and counted).
 
   oracle         the task's step checker (toy: ToyStepChecker): the first wrong step and its right
-                 text; interventions are correct by construction.
-  policy_model   a language model prompted with the task's 'judge' template (or the source's own
-                 `template`): "KEEP" or "REVISE <k>\\n<correction>", k 1-based within the new steps.
-                 `model: self` generates with the rollout engine (weights: current) or the frozen
-                 initial policy (weights: initial); another model is loaded once from its directory.
+                 text; no model, no request.
+  policy_model   two greedy calls, as MInTRL's notes describe (Chen et al. 2026, Algorithm 1): a verdict
+                 on the judge prompt (problem, accepted steps, the new steps numbered, declared context)
+                 whose first line is exactly "KEEP" or "REVISE k"; after REVISE k, the correction,
+                 generated from the judge's context prompt followed by the kept steps only (the wrong step
+                 and what came after it are never shown), cut at the first step separator. `model: self`
+                 runs on the rollout weights (weights: current) or the frozen initial policy (initial); an
+                 external model on its own weights.
 
 No torch at import: validation imports the guides.
 """
@@ -19,7 +23,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from composer.runtime.protocol import Sample
+
 KEEP, REVISE, MALFORMED = "keep", "revise", "malformed"
+VERDICT_TOKENS = 16  # "REVISE 12" and an end of line, with room to spare
 
 
 @dataclass
@@ -29,21 +36,20 @@ class Decision:
     correction: str = ""  # revise: the right text of that step (without separator)
 
 
-def parse_decision(text: str, n_new: int, step_split: str) -> Decision:
-    """Strict parse of a judge answer: exactly 'KEEP', or 'REVISE k' (1 <= k <= n_new) then the correction.
-
-    The correction is the text after the first line up to the first `step_split` (one step).
-    Anything else is MALFORMED.
-    """
-    text = text.strip()
-    if text == "KEEP":
+def parse_verdict(text: str, n_new: int) -> Decision:
+    """Strict parse of a verdict's first line: exactly 'KEEP', or 'REVISE k' with 1 <= k <= n_new."""
+    head = text.strip().split("\n", 1)[0].strip()
+    if head == "KEEP":
         return Decision(KEEP)
-    head, _, rest = text.partition("\n")
-    m = re.fullmatch(r"REVISE (\d+)", head.strip())
-    correction = rest.split(step_split)[0]
-    if m and 1 <= int(m.group(1)) <= n_new and correction.strip():
-        return Decision(REVISE, int(m.group(1)) - 1, correction.strip())
+    m = re.fullmatch(r"REVISE (\d+)", head)
+    if m and 1 <= int(m.group(1)) <= n_new:
+        return Decision(REVISE, int(m.group(1)) - 1)
     return Decision(MALFORMED)
+
+
+def parse_correction(text: str, step_split: str) -> str:
+    """The correction: the text up to the first step separator, stripped ('' when there is none)."""
+    return text.split(step_split)[0].strip()
 
 
 class OracleJudge:
@@ -52,83 +58,87 @@ class OracleJudge:
     def __init__(self, checker):
         self.checker = checker
 
-    def review(self, ctx, items: list[tuple], step_split: str) -> list[Decision]:
-        out = []
-        for ex, accepted, new in items:
-            steps = accepted + new
-            bad = self.checker.first_wrong_step(ex, steps)
-            if bad is None or not len(accepted) <= bad < len(steps):
-                out.append(Decision(KEEP))
-                continue
-            out.append(Decision(REVISE, bad - len(accepted), self.checker.correct_step(ex, steps[:bad], bad)))
-        return out
+    def decide(self, ctx, example, accepted: list[str], new: list[str], trace):
+        steps = accepted + new
+        bad = self.checker.first_wrong_step(example, steps)
+        if bad is None or not len(accepted) <= bad < len(steps):
+            return Decision(KEEP)
+        return Decision(REVISE, bad - len(accepted), self.checker.correct_step(example, steps[:bad], bad))
+        yield  # noqa: unreachable - a program that asks for nothing
 
 
 class ModelJudge:
-    """A policy_model source as a judge: one batched greedy generate call per review round."""
+    """A policy_model source as a judge: a verdict call, then a correction call on the kept prefix."""
 
-    def __init__(self, ctx, name: str, cfg, max_correction_tokens: int):
-        self.name, self.cfg = name, cfg
-        self.template = cfg.template or ctx.task.templates.get("judge")
-        if not self.template:
-            raise ValueError(f"judge '{name}': the task has no 'judge' template; give the source a `template` "
-                             "with {problem}, {accepted}, {steps}")
-        self.max_tokens = 16 + 2 * max_correction_tokens  # "REVISE k" head + the correction (+ slack for EOS)
-        self.model, self.tok = None, ctx.tokenizer
-        if cfg.model != "self":
-            from composer.runtime.models import load_model, load_tokenizer, resolve
+    def __init__(self, ctx, name: str, guide):
+        from composer.runtime.protocol import INITIAL, POLICY
 
-            self.model = load_model(resolve(cfg.model)).eval().requires_grad_(False)
-            if not cfg.shares_tokenizer:
-                self.tok = load_tokenizer(resolve(cfg.model))
+        self.name, self.cfg, self.guide = name, ctx.spec.sources[name], guide
+        self.model = (POLICY if self.cfg.weights == "current" else INITIAL) if self.cfg.is_self else name
+        self.tok = ctx.tokenizer if self.cfg.is_self or self.cfg.shares_tokenizer else ctx.source(name).tokenizer
+        self.kinds = {c: ctx.spec.sources[c].kind for c in self.cfg.context}
 
-    def prompt(self, ctx, ex, accepted: list[str], new: list[str], step_split: str) -> str:
-        """The judge template filled with the problem, the accepted steps, the numbered new steps and context."""
-        fields = {"problem": ex.problem, "accepted": step_split.join(accepted),
-                  "steps": "\n".join(f"{i + 1}:{s}" for i, s in enumerate(new))}
-        for src in self.cfg.context:  # privileged context the template may show ({reference}, ...)
-            rt = ctx.source(src)
-            if hasattr(rt, "text"):
-                fields[src] = rt.text(ex)
-        return self.template.format_map(_Blank(fields))
+    def texts(self, ctx, example) -> dict[str, str | None]:
+        """The judge's context texts for a problem (judges read per-problem sources only)."""
+        return {c: ctx.source(c).example_text(example) for c in self.cfg.context}
 
-    def generate(self, ctx, prompts: list[list[int]]):
-        from composer.runtime.engine import Sampling, hf_generate
+    def renders(self, ctx, example, accepted: list[str], new: list[str], kept: list[str]):
+        """(verdict, correction) prompt functions of the context texts (placement checks use them too)."""
+        from composer.runtime.prompts import Render, correction_prompt, judge_prompt, which_template
 
-        greedy = Sampling(greedy=True)
-        if self.model is not None:
-            return hf_generate(self.model, self.tok, prompts, self.max_tokens, greedy)
-        if self.cfg.weights == "initial":
-            return hf_generate(ctx.initial_policy(), self.tok, prompts, self.max_tokens, greedy)
-        return ctx.engine.generate(prompts, self.max_tokens, greedy)  # the rollout weights
+        task, cfg, split = ctx.task, self.cfg, self.guide.step_split
+        verdict = Render(lambda t: judge_prompt(task, cfg, self.kinds, example, accepted, new, split, t),
+                         list(cfg.context), which_template(task, cfg, "judge", self.kinds))
+        correction = Render(lambda t: correction_prompt(task, cfg, self.kinds, example, kept, split, t),
+                            list(cfg.context), which_template(task, cfg, "correction", self.kinds))
+        return verdict, correction
 
-    def review(self, ctx, items: list[tuple], step_split: str) -> list[Decision]:
-        if not items:
-            return []
-        prompts = [self.tok.encode(self.prompt(ctx, ex, acc, new, step_split), add_special_tokens=False)
-                   for ex, acc, new in items]
-        gens = self.generate(ctx, prompts)
-        ctx.costs["judge_tokens"] += sum(len(p) for p in prompts) + sum(len(g.tokens) for g in gens)
-        texts = [self.tok.decode(g.tokens, skip_special_tokens=True) for g in gens]
-        return [parse_decision(t, len(new), step_split) for t, (_ex, _acc, new) in zip(texts, items)]
+    def ask(self, ctx, text: str, max_tokens: int, trace, usage: str, texts):
+        """One greedy call of the judge model; the prompt it saw is recorded on the trace."""
+        ids = self.tok.encode(text, add_special_tokens=False)
+        trace.note(f"judge_{usage}_prompt", text)
+        ctx.record("prompt", source=self.name, usage=f"judge_{usage}", text=text, context=texts)
+        [gen] = yield Sample(ids, max_tokens, model=self.model, greedy=True, purpose="judge")
+        return self.tok.decode(gen.tokens, skip_special_tokens=True)
 
-
-class _Blank(dict):
-    """format_map dict that leaves unknown {fields} empty instead of raising."""
-
-    def __missing__(self, key):
-        return ""
+    def decide(self, ctx, example, accepted: list[str], new: list[str], trace):
+        texts = self.texts(ctx, example)
+        verdict_of, _ = self.renders(ctx, example, accepted, new, [])
+        answer = yield from self.ask(ctx, verdict_of(texts), VERDICT_TOKENS, trace, "verdict", texts)
+        d = parse_verdict(answer, len(new))
+        trace.note("verdicts", answer.strip().split("\n", 1)[0])
+        if d.kind != REVISE:
+            return d
+        _, correction_of = self.renders(ctx, example, accepted, new, accepted + new[: d.index])
+        text = yield from self.ask(ctx, correction_of(texts), self.guide.max_correction_tokens, trace, "correction",
+                                   texts)
+        d.correction = parse_correction(text, self.guide.step_split)
+        return d if d.correction else Decision(MALFORMED)
 
 
-def make_judge(ctx, name: str, max_correction_tokens: int):
-    """The judge runtime for source `name`, built once per run and config."""
+def make_judge(ctx, name: str, guide):
+    """The judge of source `name` for `guide`, built once per run and configuration."""
     cfg = ctx.spec.sources[name]
-    key = ("judge", name, cfg.model_dump_json(), max_correction_tokens)
-    if key not in ctx.runtimes:
+    key = ("judge", name, cfg.model_dump_json(), guide.model_dump_json())
+    if key not in ctx.cache:
         if cfg.kind == "oracle":
             if ctx.task.step_checker is None:
                 raise ValueError(f"judge '{name}' is an oracle, but the task '{ctx.task.name}' has no step checker")
-            ctx.runtimes[key] = OracleJudge(ctx.task.step_checker)
+            ctx.cache[key] = OracleJudge(ctx.task.step_checker)
         else:
-            ctx.runtimes[key] = ModelJudge(ctx, name, cfg, max_correction_tokens)
-    return ctx.runtimes[key]
+            ctx.cache[key] = ModelJudge(ctx, name, guide)
+    return ctx.cache[key]
+
+
+def check_judge_placement(ctx, name: str, guide) -> None:
+    """Before training: the judge's verdict and correction prompts place every declared context."""
+    from composer.data import Example
+    from composer.runtime.prompts import check_placement
+
+    if ctx.spec.sources[name].kind == "oracle":
+        return
+    judge = make_judge(ctx, name, guide)
+    ex = ctx.task.train[0] if ctx.task.train else Example(prompt="?", answer="?")
+    verdict, correction = judge.renders(ctx, ex, ["a"], ["b"], ["a"])
+    check_placement(name, "judge verdict", verdict)
+    check_placement(name, "judge correction", correction)

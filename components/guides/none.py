@@ -6,31 +6,26 @@ from typing import Literal
 
 from pydantic import Field
 
-from composer.registry import Component, register
+from composer.contract import Guide
+from composer.registry import register
 
 
 @register("guide")
-class NoGuide(Component):
+class NoGuide(Guide):
     """Plain sampling: the policy writes every response token; every rollout is a control rollout."""
 
     kind: Literal["none"] = Field("none", description="Component kind.")
 
-    def rollout(self, ctx, examples, n: int):
-        """Sample n responses per prompt; every token is the policy's and every rollout a control."""
-        return sample_plain(ctx, examples, n)
+    def row(self, ctx, example, index: int, n: int):
+        """One sample of the policy to the end of its budget."""
+        return plain_row(ctx, example)
 
 
-def sample_plain(ctx, examples, n: int, group_offset: int = 0, control: bool = True):
-    """n plain samples per example as one batch: groups by prompt, behaviour log-probs from the engine."""
-    from composer.runtime.trajectory import Row, assemble
+def plain_row(ctx, example):
+    """The program of one unguided rollout: the policy continues the prompt up to max_new_tokens."""
+    from composer.runtime.protocol import Sample, Trace
 
-    rows = []
-    for i, ex in enumerate(examples):
-        prompt = ctx.encode(ex.prompt)
-        rows += [Row(ex, prompt, group=group_offset + i, prompt_index=i, control=control) for _ in range(n)]
-    gens = ctx.engine.generate([r.prompt for r in rows], ctx.max_new_tokens, ctx.sampling)
-    for r, g in zip(rows, gens):
-        r.pieces = [(g.tokens, "policy")]
-    ctx.costs["policy_tokens"] += sum(len(g.tokens) for g in gens)
-    logprobs = ctx.engine.score([r.tokens for r in rows], ctx.sampling.temperature)
-    return assemble(rows, ctx.pad_id, logprobs)
+    trace = Trace(ctx.prompt_ids(example))
+    [gen] = yield Sample(trace.prompt, ctx.max_new_tokens)
+    trace.add(gen.tokens, "policy", gen.logprobs)
+    return trace

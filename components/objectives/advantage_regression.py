@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal, Union
 
 from pydantic import Field
 
-from components.objectives.base import Objective, group_index, zero_advantage_fraction
+from components.objectives.base import Objective, group_index
 from composer.lazy import torch
 from composer.origins import CODE
 from composer.registry import register
@@ -129,21 +129,48 @@ class AdvantageRegression(Objective):
                 anchor = torch.where(batch.origin == CODE[name], torch.full_like(anchor, float(a)), anchor)
         return anchor
 
-    def loss(self, batch: TrajectoryBatch, cur: PolicyView) -> tuple[Tensor, dict[str, float]]:
+    def behavior_origins(self) -> set[str]:
+        """Policy tokens (unless anchored at the initial policy) and origins anchored at `policy`/`behavior`."""
+        out = {o for o in self.loss_tokens if o != "policy" and isinstance(self.anchor_for(o), str)}
+        return out | ({"policy"} if "policy" in self.loss_tokens and self.reference == "behavior" else set())
+
+    def anchors(self) -> dict[str, str]:
+        out = {}
+        for o in self.loss_tokens:
+            a = self.anchor_for(o)
+            if o == "policy":
+                out[o] = "initial policy log-prob" if self.reference == "initial" else "behaviour log-prob"
+            elif isinstance(a, str):
+                out[o] = "rollout weights' log-prob of these tokens at rollout time (Proxy)"
+            else:
+                out[o] = f"constant kappa={a:g} per token (Const)"
+        return out
+
+    def advantages(self, batch: TrajectoryBatch) -> Tensor:
+        """A_i = r_i - V_hat(x_i), V_hat over each whole group's baseline rows (see `soft_value`)."""
         if batch.rewards is None:
             raise ValueError("advantage_regression: the batch has no rewards (a reward signal must fill batch.rewards)")
-        mask = self.loss_mask(batch)  # [B, T]
         base = batch.control if self.baseline == "control" else None
-        v_hat, n_fallback = soft_value(batch.rewards, batch.group, self.beta1, base)  # [B]
-        adv = batch.rewards.detach() - v_hat  # [B]
+        v_hat, _ = soft_value(batch.rewards, batch.group, self.beta1, base)  # [B]
+        return batch.rewards.detach() - v_hat  # [B]
+
+    def advantage_metrics(self, batch: TrajectoryBatch) -> dict[str, float]:
+        """V_hat's mean and the groups without baseline rows (their V_hat falls back to all rows)."""
+        out = super().advantage_metrics(batch)
+        if batch.rewards is not None:
+            base = batch.control if self.baseline == "control" else None
+            v_hat, fallback = soft_value(batch.rewards, batch.group, self.beta1, base)
+            out.update(v_hat_mean=float(v_hat.float().mean()), baseline_fallback_groups=float(fallback))
+        return out
+
+    def loss(self, batch: TrajectoryBatch, cur: PolicyView, adv: Tensor) -> tuple[Tensor, dict[str, float]]:
+        mask = self.loss_mask(batch)  # [B, T]
         log_ratio = sequence_log_ratio(cur.logprobs, self.anchor_logprobs(batch), mask)  # [B]
+        adv = adv.to(log_ratio.device)
         loss = regression_loss(log_ratio, adv, self.beta2, batch.weights())
         metrics = {
             "loss": float(loss.detach()),
-            "v_hat_mean": float(v_hat.float().mean()),
             "adv_mean": float(adv.float().mean()),
             "logratio_mean": float(log_ratio.detach().float().mean()),
-            "zero_advantage_frac": float(zero_advantage_fraction(batch.rewards, batch.group)),
-            "baseline_fallback_groups": float(n_fallback),
         }
         return loss, metrics

@@ -22,16 +22,65 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-
 
 
 class Objective(Component):
+    """Base of every objective. The contract both backends drive (DESIGN.md section 8):
+
+      advantages(batch) -> Tensor [B] or None   over whole groups (every row of each group present),
+                                                where the rollouts are gathered; None: no advantage
+      loss(batch, view, adv) -> (loss, metrics) per micro-batch, where gradients are; `adv` holds the
+                                                rows' advantages from `advantages` (None if it has none)
+    A backend calls both, never looks at the kind, and never calls `loss` without the advantages of
+    whole groups. Class-level flags and hooks below are read by validation rules and the backends.
+    """
+
     loss_tokens: list[Origin] = Field(default_factory=lambda: ["policy"], description="Token origins that get loss: prompt, policy, guide_prefix, guide_intervention, demonstration.")
 
-    wants_logits: ClassVar[bool] = False  # needs full-vocabulary logits, not only sampled-token log-probs
     on_policy_only: ClassVar[bool] = False  # assumes rollouts come from the current weights, no correction
     policy_gradient: ClassVar[bool] = False  # importance-ratio policy gradient: off-policy tokens must be masked
     uses_group_baseline: ClassVar[bool] = False
 
+    @property
+    def wants_logits(self) -> bool:
+        """Needs full-vocabulary logits of the policy (PolicyView.logits) and of the teacher."""
+        return False
+
+    @property
+    def wants_initial(self) -> bool:
+        """Reads batch.initial_logprobs (the frozen reference policy: a KL term, A*PO's anchor)."""
+        return False
+
+    def behavior_origins(self) -> set[str]:
+        """Token origins whose behaviour log-probs `loss` reads (the rollout weights score guide tokens of
+        these origins). Default: the loss tokens of a policy-gradient objective."""
+        return set(self.loss_tokens) if type(self).policy_gradient else set()
+
+    def anchors(self) -> dict[str, str]:
+        """What each loss origin is anchored to, in words, for `explain` and plan.json."""
+        ratio = "importance ratio to the behaviour log-prob" if type(self).policy_gradient else None
+        return {o: ratio for o in self.loss_tokens}
+
+    def advantages(self, batch) -> Tensor | None:
+        """[B] per-row advantages over whole groups, or None (the default: no advantage)."""
+        return None
+
+    def advantage_metrics(self, batch) -> dict[str, float]:
+        """Facts of the advantages over the whole batch (its groups), logged with the term's loss."""
+        if batch.rewards is None or batch.advantages is None:
+            return {}
+        return {"zero_advantage_frac": float(zero_advantage_fraction(batch.rewards, batch.group))}
+
+    def loss(self, batch, view, adv) -> tuple[Tensor, dict[str, float]]:
+        raise NotImplementedError
+
     def loss_mask(self, batch) -> Tensor:
         """[B, T] bool: tokens of `loss_tokens` origins that are not padding."""
         return batch.mask(self.loss_tokens) & batch.attention_mask
+
+
+def whole_batch_loss(obj: Objective, batch, view):
+    """`loss` on a batch that holds whole groups: its own advantages first (tests, single-batch callers)."""
+    batch.advantages = obj.advantages(batch)
+    value, metrics = obj.loss(batch, view, batch.advantages)
+    return value, {**obj.advantage_metrics(batch), **metrics}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -35,7 +35,10 @@ class CrossEntropy(Objective):
 
     needs: ClassVar = ("sft_target",)
 
-    def loss(self, batch: TrajectoryBatch, cur: PolicyView) -> tuple[Tensor, dict[str, float]]:
+    def anchors(self) -> dict[str, str]:
+        return {o: "target token (teacher-forced)" for o in self.loss_tokens}
+
+    def loss(self, batch: TrajectoryBatch, cur: PolicyView, adv=None) -> tuple[Tensor, dict[str, float]]:
         mask = self.loss_mask(batch)  # [B, T]
         loss = cross_entropy_loss(cur.logprobs, mask, self.aggregation)
         return loss, {"loss": float(loss.detach()), "tokens": float(mask.sum())}

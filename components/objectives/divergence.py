@@ -106,10 +106,15 @@ class Divergence(Objective):
     policy_gradient: ClassVar = True
 
     @property
-    def wants_logits(self) -> bool:  # type: ignore[override]
+    def wants_logits(self) -> bool:
         return self.estimator != "sampled"
 
-    def loss(self, batch: TrajectoryBatch, cur: PolicyView) -> tuple[Tensor, dict[str, float]]:
+    def anchors(self) -> dict[str, str]:
+        what = {"sampled": "teacher log-prob of the sampled token (importance-weighted)",
+                "full": "teacher distribution over the vocabulary", "top_k": "teacher distribution on the top-k + tail"}
+        return {o: what[self.estimator] for o in self.loss_tokens}
+
+    def loss(self, batch: TrajectoryBatch, cur: PolicyView, adv=None) -> tuple[Tensor, dict[str, float]]:
         """Per-token divergence, weighted by SDPO's s_i (and w_t for full/top_k), aggregated:
         token-mean is sum m s w l / sum m s (SDPO `compute_self_distillation_loss`)."""
         mask = self.loss_mask(batch)  # [B, T]

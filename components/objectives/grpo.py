@@ -12,7 +12,6 @@ from components.objectives.base import (
     aggregate,
     group_advantages,
     masked_mean,
-    zero_advantage_fraction,
 )
 from composer.lazy import torch
 from composer.registry import register
@@ -81,13 +80,16 @@ class Grpo(Objective):
         """The KL loss reads the frozen initial policy's log-probs."""
         return self.kl_coef > 0
 
-    def loss(self, batch: TrajectoryBatch, cur: PolicyView) -> tuple[Tensor, dict[str, float]]:
-        """-agg(min(rho A, clip(rho) A)) + kl_coef * agg(k(log pi_theta - log pi_init)) over the loss tokens."""
+    def advantages(self, batch: TrajectoryBatch) -> Tensor:
+        """A_i = (r_i - mean_g r) / (std_g r + eps) over each whole group (Dr. GRPO: no std)."""
         if batch.rewards is None:
             raise ValueError("grpo: the batch has no rewards (a reward signal must fill batch.rewards)")
+        return group_advantages(batch.rewards, batch.group, self.std_norm, self.std_eps)  # [B]
+
+    def loss(self, batch: TrajectoryBatch, cur: PolicyView, adv: Tensor) -> tuple[Tensor, dict[str, float]]:
+        """-agg(min(rho A, clip(rho) A)) + kl_coef * agg(k(log pi_theta - log pi_init)) over the loss tokens."""
         mask = self.loss_mask(batch)  # [B, T]
-        adv = group_advantages(batch.rewards, batch.group, self.std_norm, self.std_eps)  # [B]
-        adv = adv.to(cur.logprobs.dtype)
+        adv = adv.to(cur.logprobs.device, cur.logprobs.dtype)  # [B]
         lo = self.clip if self.clip_low is None else self.clip_low
         hi = self.clip if self.clip_high is None else self.clip_high
         surr, clipped, _ = clipped_surrogate(cur.logprobs, batch.behavior_logprobs, adv[:, None], lo, hi)
@@ -107,6 +109,5 @@ class Grpo(Objective):
             "kl": kl_val,
             "clip_frac": float(masked_mean(clipped.float(), mask)),
             "adv_mean": float(adv.mean()),
-            "zero_advantage_frac": float(zero_advantage_fraction(batch.rewards, batch.group)),
         }
         return total, metrics

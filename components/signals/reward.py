@@ -6,11 +6,12 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from composer.registry import Component, register
+from composer.contract import Signal
+from composer.registry import register
 
 
 @register("signal")
-class RewardSignal(Component):
+class RewardSignal(Signal):
     """The outcome reward of every rollout, from an outcome_reward source."""
 
     kind: Literal["reward"] = Field("reward", description="Component kind.")
@@ -20,6 +21,9 @@ class RewardSignal(Component):
     needs: ClassVar = ("sequence_reward",)
     provides: ClassVar = ("reward",)
     usage: ClassVar[str] = "reward"
+
+    def describe(self, spec) -> str:
+        return f"score with '{self.source}' ({spec.sources[self.source].verifier} verifier)"
 
     def apply(self, ctx, batch):
         """Fill batch.rewards from the outcome_reward source."""

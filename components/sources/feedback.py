@@ -6,11 +6,12 @@ from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field
 
-from composer.registry import Component, register
+from composer.contract import Source
+from composer.registry import register
 
 
 @register("sources")
-class Feedback(Component):
+class Feedback(Source):
     """Text about a failed rollout, as an environment would give it (SDPO's feedback context)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -24,8 +25,6 @@ class Feedback(Component):
     refs: ClassVar = {"from_": ("outcome_reward",)}
     pi: ClassVar[str] = "posterior"
 
-    def build(self, ctx, name: str):
-        return self
 
     def text(self, ctx, batch, i: int):
         """Feedback on row i if it failed (per the `from` source), else None. Toy: the step checker's

@@ -6,11 +6,12 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from composer.registry import Component, register
+from composer.contract import Source
+from composer.registry import register
 
 
 @register("sources")
-class Oracle(Component):
+class Oracle(Source):
     """The task's programmatic step checker acting as a judge (toy testbed): finds the first wrong step and writes the right one."""
 
     kind: Literal["oracle"] = Field("oracle", description="Component kind.")

@@ -7,11 +7,12 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from composer.registry import Component, register
+from composer.contract import Source
+from composer.registry import register
 
 
 @register("sources")
-class OutcomeReward(Component):
+class OutcomeReward(Source):
     """A verifier's sequence-level reward for each rollout (1 correct, 0 wrong)."""
 
     kind: Literal["outcome_reward"] = Field("outcome_reward", description="Component kind.")

@@ -6,11 +6,12 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from composer.registry import Component, register
+from composer.contract import Source
+from composer.registry import register
 
 
 @register("sources")
-class ReferenceSolution(Component):
+class ReferenceSolution(Source):
     """The dataset's reference solution for each prompt (POPE prefixes, OPSD/InT teacher context, SFT targets)."""
 
     kind: Literal["reference_solution"] = Field("reference_solution", description="Component kind.")
@@ -18,13 +19,13 @@ class ReferenceSolution(Component):
 
     provides: ClassVar = ("reference_text",)
     pi: ClassVar[str] = "prior"
+    example_level: ClassVar[bool] = True
 
-    def text(self, example_or_ctx, batch=None, i: int | None = None) -> str | None:
-        """The solution of an example: `text(example)`, or `text(ctx, batch, i)` for row i of a batch."""
-        ex = example_or_ctx if batch is None else batch.examples[i]
-        if self.field and self.field in ex.meta and ex.meta[self.field] is not None:
-            return str(ex.meta[self.field])
-        return ex.solution
+    def example_text(self, example) -> str | None:
+        """The solution of a problem: the `field` of its data row when set, else its solution."""
+        if self.field and self.field in example.meta and example.meta[self.field] is not None:
+            return str(example.meta[self.field])
+        return example.solution
 
-    def build(self, ctx, name: str):
-        return self
+    def text(self, ctx, batch, i: int) -> str | None:
+        return self.example_text(batch.examples[i])

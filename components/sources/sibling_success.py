@@ -7,11 +7,12 @@ from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field
 
-from composer.registry import Component, register
+from composer.contract import Source
+from composer.registry import register
 
 
 @register("sources")
-class SiblingSuccess(Component):
+class SiblingSuccess(Source):
     """A successful sibling rollout of the same prompt, never the rollout itself (Hübotter et al. 2026, SDPO)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -24,8 +25,6 @@ class SiblingSuccess(Component):
     refs: ClassVar = {"from_": ("outcome_reward",)}
     pi: ClassVar[str] = "posterior"
 
-    def build(self, ctx, name: str):
-        return self
 
     def text(self, ctx, batch, i: int):
         """The response text of the first successful rollout j != i with batch.group[j] == batch.group[i]

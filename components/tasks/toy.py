@@ -23,9 +23,16 @@ EVAL_BUCKETS = 5  # 1 in 5 problems (by hash) belongs to the eval split
 # is the solution lines (for `prefix`: the lines after the prefix), then "#N".
 TEMPLATES = {
     "prompt": "Q:{problem}\nA:",
-    "reference": "R:{solution}\nQ:{problem}\nA:",  # OPSD-style self-teacher sees the reference
-    "feedback": "F:{feedback}\nQ:{problem}\nA:",  # verifier feedback on a failed attempt
-    "sibling": "S:{sibling}\nQ:{problem}\nA:",  # a successful sibling rollout (SDPO)
+    # Privileged context: one line per kind before the question (composer/runtime/prompts.py places
+    # every context a source declares; teachers and judges see the same lines).
+    "context:reference_solution": "R:{text}\n",  # OPSD-style self-teacher sees the reference
+    "context:feedback": "F:{text}\n",  # verifier feedback on a failed attempt
+    "context:sibling_success": "S:{text}\n",  # a successful sibling rollout (SDPO)
+    "question": "Q:{problem}\nA:",
+    # The bootstrap's teacher formats, which the lines above compose to.
+    "reference": "R:{solution}\nQ:{problem}\nA:",
+    "feedback": "F:{feedback}\nQ:{problem}\nA:",
+    "sibling": "S:{sibling}\nQ:{problem}\nA:",
     "prefix": "Q:{problem}\nP:{prefix}\nA:",  # POPE: first k reference lines; response = the rest
     # judge: {accepted} = accepted lines ("\n"-joined), {steps} = new lines numbered "1:..\n2:.."
     # from 1; the judge answers "KEEP" or "REVISE <k>\n<right line k>" (k = number within {steps}).

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from composer.contract import Runtime
 from composer.data import Example, Task
 from composer.runtime.engine import RolloutEngine, Sampling
 
@@ -25,15 +26,22 @@ class RunContext:
     seed: int = 0
     rng: random.Random = field(default_factory=random.Random)  # data order and guide decisions
     data_pos: int = 0
-    runtimes: dict = field(default_factory=dict)  # (kind, name) -> built runtime of a component
+    runtimes: dict = field(default_factory=dict)  # (kind, name, config) -> built runtime of a component
+    cache: dict = field(default_factory=dict)  # per-run memo of components (prefix search, token texts)
+    recorder: Any = None  # receives events of what ran (tests, conformance checks): recorder(kind, **data)
     metrics: dict = field(default_factory=dict)  # scalars of the current step
     costs: dict = field(default_factory=lambda: {"policy_tokens": 0, "judge_tokens": 0, "teacher_tokens": 0})
     buffer: list | None = None  # stored batches of the current sync interval (sync.reuse)
     buffer_version: int = -1  # the sync step the buffer was sampled after
+    pending_runtime_state: dict = field(default_factory=dict)  # resumed run: runtime states by key
     _initial: torch.nn.Module | None = None
     _compiled: dict = field(default_factory=dict)  # id(model) -> its torch.compile wrapper
 
     # ---- text ----
+    def prompt_ids(self, example: Example) -> list[int]:
+        """The token ids of the policy's prompt for `example`."""
+        return self.encode(example.prompt)
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -78,9 +86,9 @@ class RunContext:
         cfg = self.spec.sources[name]
         key = ("source", name, cfg.model_dump_json())
         if key not in self.runtimes:
-            rt = cfg.build(self, name) if hasattr(cfg, "build") else cfg
-            state = getattr(self, "pending_runtime_state", {}).get(repr(key))
-            if state and hasattr(rt, "load_state_dict"):  # resumed run: the checkpointed runtime state
+            rt = cfg.build(self, name)
+            state = self.pending_runtime_state.get(repr(key))
+            if state and isinstance(rt, Runtime):  # resumed run: the checkpointed runtime state
                 rt.load_state_dict(state)
             self.runtimes[key] = rt
         return self.runtimes[key]
@@ -94,10 +102,16 @@ class RunContext:
         return VERIFIERS[name].load()
 
     def initial_policy(self) -> torch.nn.Module:
-        """A frozen copy of the policy's weights at the start of the run."""
+        """The frozen reference weights ("initial"): a copy of the policy at the start of the run, refreshed
+        at each stage's start unless train.reference is run_start (`refresh_initial`)."""
         if self._initial is None:
             self._initial = copy.deepcopy(self.policy).eval().requires_grad_(False)
         return self._initial
+
+    def refresh_initial(self) -> None:
+        """The reference weights become the policy's current weights (the start of a stage)."""
+        if self._initial is not None:
+            self._initial.load_state_dict(self.policy.state_dict())
 
     def forward_model(self, model: torch.nn.Module):
         """`model` for log-prob forward passes: compiled once when train.compile is set (the wrapper
@@ -107,6 +121,26 @@ class RunContext:
         if id(model) not in self._compiled:
             self._compiled[id(model)] = torch.compile(model, dynamic=True)
         return self._compiled[id(model)]
+
+    def model_server(self, model: str):
+        """What serves protocol requests for `model`: "policy" (the rollout engine), "initial" (the frozen
+        initial policy) or the name of a policy_model source (its own weights, or the engine/initial for `self`)."""
+        from composer.runtime.engine import LocalModel
+        from composer.runtime.protocol import INITIAL, POLICY
+
+        if model == POLICY:
+            return self.engine
+        if model == INITIAL:
+            key = ("server", INITIAL, id(self.initial_policy()))
+            if key not in self.cache:
+                self.cache[key] = LocalModel(self.initial_policy(), self.tokenizer)
+            return self.cache[key]
+        return self.source(model).server(self)
+
+    def record(self, kind: str, **data) -> None:
+        """Report an event of what ran to the recorder, when one is installed (tests, conformance checks)."""
+        if self.recorder is not None:
+            self.recorder(kind, step=self.step, segment=self.segment, **data)
 
     def log(self, **values: float) -> None:
         self.metrics.update({k: float(v) for k, v in values.items()})

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from composer.runtime.models import token_logprobs
+from composer.runtime.protocol import Generation
 
 log = logging.getLogger("composer")
 
@@ -28,43 +29,97 @@ class Sampling:
     greedy: bool = False
 
 
-@dataclass
-class Generation:
-    tokens: list[int]  # generated tokens, EOS included when the model stopped
-    finished: bool  # stopped at EOS (not at the token limit)
-
-
 class RolloutEngine(Protocol):
+    """Samples with the rollout weights. `generate` reports, for sampled (non-greedy) continuations, the
+    log-prob of every token under the distribution it was drawn from (the behaviour log-probs);
+    `score` gives log-probs of given tokens under the rollout weights (tokens a guide wrote)."""
+
     name: str
     exact_logprobs: bool  # behaviour log-probs are those of the weights that sampled
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling) -> list[Generation]: ...
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], sampling: Sampling) -> list[Generation]: ...
 
     def score(self, sequences: list[list[int]], temperature: float) -> list[list[float]]: ...
 
     def sync(self, policy: torch.nn.Module, step: int) -> None: ...
 
 
-class HFEngine:
-    """`transformers` generate with KV cache, batched over all prompts; log-probs from one forward pass."""
+def budgets(max_new_tokens: int | list[int], n: int) -> list[int]:
+    """Per-row token budgets from one number or a list."""
+    return [int(max_new_tokens)] * n if isinstance(max_new_tokens, int) else [int(b) for b in max_new_tokens]
+
+
+def cut(gen: Generation, budget: int) -> Generation:
+    """A generation stopped at `budget` tokens (truncating a sample is stopping it: the kept tokens and their
+    log-probs are unchanged)."""
+    if len(gen.tokens) <= budget:
+        return gen
+    return Generation(gen.tokens[:budget], False, None if gen.logprobs is None else gen.logprobs[:budget])
+
+
+class LocalModel:
+    """Generation and scoring with one in-process `transformers` model (rollout copy, initial policy, judge).
+
+    `generate` uses the KV-cache sampler (composer/runtime/fast_sampler.py) and keeps its log-probs; when
+    the model is not one it covers (plain `generate` is used), the log-probs of sampled tokens come from one
+    forward pass of the same weights.
+    """
 
     name = "hf"
     exact_logprobs = True
 
-    def __init__(self, policy: torch.nn.Module, tokenizer, batch_size: int = 256):
-        self.model = copy.deepcopy(policy).eval().requires_grad_(False)
-        self.tok = tokenizer
-        self.batch_size = batch_size
-        self.last_sync = 0
+    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 256):
+        self.model, self.tok, self.batch_size = model, tokenizer, batch_size
         self.generated_tokens = 0
-        # The engine is built in LightningModule.setup, before the Trainer moves the policy to its
-        # device; the rollout copy follows the policy's device (never its weights) when it samples.
-        self._policy = policy
-        self._sampled: dict[tuple, tuple] = {}  # prompt + response -> (prompt length, log-probs, temperature)
 
     @property
     def device(self):
         return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], sampling: Sampling) -> list[Generation]:
+        from composer.runtime.fast_sampler import fast_generate_with_logprobs
+
+        if not prompts:
+            return []
+        limits = budgets(max_new_tokens, len(prompts))
+        out, logprobs = fast_generate_with_logprobs(self.model, self.tok, prompts, max(max(limits), 1), sampling,
+                                                    self.batch_size)
+        out = [cut(g, b) for g, b in zip(out, limits)]
+        if not sampling.greedy:
+            if logprobs is None:  # plain `generate` ran: score what it sampled with the same weights
+                scored = self.score([p + g.tokens for p, g in zip(prompts, out)], sampling.temperature)
+                logprobs = [s[len(p):] for p, s in zip(prompts, scored)]
+            out = [Generation(g.tokens, g.finished, list(lp[: len(g.tokens)])) for g, lp in zip(out, logprobs)]
+        self.generated_tokens += sum(len(g.tokens) for g in out)
+        return out
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """Log-prob of every token of every sequence under these weights (0 for the first)."""
+        out = []
+        for i in range(0, len(sequences), self.batch_size):
+            chunk = sequences[i: i + self.batch_size]
+            T = max(len(s) for s in chunk)
+            ids = torch.full((len(chunk), T), self.tok.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), T), dtype=torch.bool)
+            for r, s in enumerate(chunk):
+                ids[r, : len(s)] = torch.tensor(s)
+                mask[r, : len(s)] = True
+            lp, _, _ = token_logprobs(self.model, ids.to(self.device), mask.to(self.device), temperature)
+            out += [lp[r, : len(s)].tolist() for r, s in enumerate(chunk)]
+        return out
+
+
+class HFEngine(LocalModel):
+    """The rollout engine on any device: a separate copy of the policy, refreshed only by `sync`."""
+
+    def __init__(self, policy: torch.nn.Module, tokenizer, batch_size: int = 256):
+        super().__init__(copy.deepcopy(policy).eval().requires_grad_(False), tokenizer, batch_size)
+        self.last_sync = 0
+        # The engine is built in LightningModule.setup, before the Trainer moves the policy to its
+        # device; the rollout copy follows the policy's device (never its weights) when it samples.
+        self._policy = policy
 
     def _follow_device(self) -> None:
         try:
@@ -78,49 +133,13 @@ class HFEngine:
         self.model.load_state_dict(policy.state_dict())
         self.last_sync = step
 
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling) -> list[Generation]:
-        from composer.runtime.fast_sampler import fast_generate_with_logprobs
-
+    def generate(self, prompts, max_new_tokens, sampling):
         self._follow_device()
-        out, logprobs = fast_generate_with_logprobs(self.model, self.tok, prompts, max_new_tokens, sampling,
-                                                    self.batch_size)
-        if logprobs is not None and not sampling.greedy:
-            # the sampler's own log-probs of what it sampled: score() then needs no second forward pass
-            for p, g, lp in zip(prompts, out, logprobs):
-                self._sampled[tuple(p) + tuple(g.tokens)] = (len(p), lp, sampling.temperature)
-        self.generated_tokens += sum(len(g.tokens) for g in out)
-        return out
+        return super().generate(prompts, max_new_tokens, sampling)
 
-    @torch.no_grad()
-    def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
-        """Log-prob of every response token of every sequence under the rollout weights.
-
-        Sequences the engine sampled itself reuse the sampler's log-probs (prompt positions hold 0);
-        anything with tokens from elsewhere (a guide's) is scored in one forward pass.
-        """
-        recorded = [self._sampled.get(tuple(s)) for s in sequences]
-        self._sampled = {}
-        if all(r is not None and r[2] == temperature for r in recorded):
-            return [[0.0] * n + list(lp) for n, lp, _t in recorded]
-        return self.forward_logprobs(sequences, temperature)
-
-    @torch.no_grad()
-    def forward_logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
-        """Log-prob of every token of every sequence under the rollout weights (0 for the first)."""
+    def score(self, sequences, temperature: float = 1.0):
         self._follow_device()
-        out = []
-        for i in range(0, len(sequences), self.batch_size):
-            chunk = sequences[i: i + self.batch_size]
-            T = max(len(s) for s in chunk)
-            ids = torch.full((len(chunk), T), self.tok.pad_token_id, dtype=torch.long)
-            mask = torch.zeros((len(chunk), T), dtype=torch.bool)
-            for r, s in enumerate(chunk):
-                ids[r, : len(s)] = torch.tensor(s)
-                mask[r, : len(s)] = True
-            lp, _, _ = token_logprobs(self.model, ids.to(self.device), mask.to(self.device), temperature)
-            out += [lp[r, : len(s)].tolist() for r, s in enumerate(chunk)]
-        return out
+        return super().score(sequences, temperature)
 
 
 @torch.no_grad()

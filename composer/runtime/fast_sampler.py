@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from composer.runtime.engine import Generation, Sampling, hf_generate
+from composer.runtime.engine import Generation, Sampling, budgets, cut, hf_generate
 
 _FAMILIES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
 
@@ -151,8 +151,11 @@ def _next_token(logits: torch.Tensor, sampling: Sampling, block_eos: bool, eos: 
 
 
 @torch.no_grad()
-def _generate_chunk(W: _Weights, model, chunk, max_new_tokens, sampling, pad, eos, min_new, want_logprobs):
+def _generate_chunk(W: _Weights, model, chunk, limits, sampling, pad, eos, min_new, want_logprobs):
+    """Sample every prompt of `chunk` up to its own limit (the loop ends when every row has stopped)."""
     device = W.embed.device
+    max_new_tokens = max(max(limits), 1)
+    limit = torch.tensor(limits, device=device)  # [B] per-row token budget
     B, P = len(chunk), max(len(p) for p in chunk)
     S = P + max_new_tokens
     ids = torch.full((B, P), pad, dtype=torch.long)
@@ -188,14 +191,15 @@ def _generate_chunk(W: _Weights, model, chunk, max_new_tokens, sampling, pad, eo
             temp = 1.0 if sampling.greedy else sampling.temperature
             lp = torch.log_softmax(logits.float() / temp, dim=-1).gather(1, tok[:, None]).squeeze(1)
             lps[:, t] = lp.masked_fill(done, 0.0)
-        done = done | (tok == eos)
+        done = done | (tok == eos) | (limit <= t + 1)
         n = t + 1
         if t == max_new_tokens - 1 or bool(done.all()):
             break
         p = (lens + t)[:, None]  # [B, 1] position of the token just sampled
         hidden = _forward(W, tok[:, None], cos_t[p], sin_t[p], valid[:, None, None, : P + t + 1],
                           cache_k, cache_v, P + t)
-    return out[:, :n].tolist(), (lps[:, :n].tolist() if want_logprobs else None)
+    rows = [r[: max(b, 0)] for r, b in zip(out[:, :n].tolist(), limits)]
+    return rows, ([lp[: len(r)] for lp, r in zip(lps[:, :n].tolist(), rows)] if want_logprobs else None)
 
 
 def _post(row: list[int], eos: int, pad: int, greedy: bool) -> Generation:
@@ -206,20 +210,24 @@ def _post(row: list[int], eos: int, pad: int, greedy: bool) -> Generation:
 
 
 @torch.no_grad()
-def fast_generate_with_logprobs(model, tok, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
-                                batch_size: int = 256) -> tuple[list[Generation], list[list[float]] | None]:
-    """`fast_generate`, plus each generated token's log-prob under the sampling temperature (None on fallback)."""
+def fast_generate_with_logprobs(model, tok, prompts: list[list[int]], max_new_tokens: int | list[int],
+                                sampling: Sampling, batch_size: int = 256
+                                ) -> tuple[list[Generation], list[list[float]] | None]:
+    """`fast_generate`, plus each generated token's log-prob under the sampling temperature (None on fallback).
+    `max_new_tokens` is one budget or one per prompt."""
+    limits = budgets(max_new_tokens, len(prompts))
     ok, _why = supported(model)
     if not ok:
-        return hf_generate(model, tok, prompts, max_new_tokens, sampling, batch_size), None
+        gens = hf_generate(model, tok, prompts, max(limits, default=1), sampling, batch_size)
+        return [cut(g, b) for g, b in zip(gens, limits)], None
     W = _Weights(model)
     pad, eos = tok.pad_token_id, tok.eos_token_id
     min_new = model.generation_config.min_new_tokens or 0
     gens: list[Generation] = []
     logprobs: list[list[float]] = []
     for i in range(0, len(prompts), batch_size):
-        rows, lps = _generate_chunk(W, model, prompts[i: i + batch_size], max_new_tokens, sampling, pad, eos,
-                                    min_new, True)
+        rows, lps = _generate_chunk(W, model, prompts[i: i + batch_size], limits[i: i + batch_size], sampling,
+                                    pad, eos, min_new, True)
         for row, lp in zip(rows, lps):
             g = _post(row, eos, pad, sampling.greedy)
             gens.append(g)
@@ -239,7 +247,7 @@ def fast_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, sam
     min_new = model.generation_config.min_new_tokens or 0
     gens: list[Generation] = []
     for i in range(0, len(prompts), batch_size):
-        rows, _ = _generate_chunk(W, model, prompts[i: i + batch_size], max_new_tokens, sampling, pad, eos,
-                                  min_new, False)
+        rows, _ = _generate_chunk(W, model, prompts[i: i + batch_size], [max_new_tokens] * len(prompts[i: i + batch_size]),
+                                  sampling, pad, eos, min_new, False)
         gens += [_post(row, eos, pad, sampling.greedy) for row in rows]
     return gens

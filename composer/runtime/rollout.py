@@ -74,13 +74,17 @@ def score_guide_pieces(ctx, traces: list[Trace], origins: set[str]) -> None:
     todo = [t for t in traces if any(p.logprobs is None and p.origin in origins for p in t.pieces)]
     if not todo:
         return
-    scores = run(ctx, [_score_program(t) for t in todo])
-    for t, lps in zip(todo, scores):
-        pos = 0
-        for p in t.pieces:
-            if p.logprobs is None and p.origin in origins:
-                p.logprobs = lps[pos: pos + len(p.tokens)]
-            pos += len(p.tokens)
+    for t, lps in zip(todo, run(ctx, [_score_program(t) for t in todo])):
+        fill_scores(t, lps, origins)
+
+
+def fill_scores(trace: Trace, lps: list[float], origins: set[str]) -> None:
+    """Give the unscored pieces of `origins` their log-probs from `lps`, the response's scores."""
+    pos = 0
+    for p in trace.pieces:
+        if p.logprobs is None and p.origin in origins:
+            p.logprobs = lps[pos: pos + len(p.tokens)]
+        pos += len(p.tokens)
 
 
 def _score_program(trace: Trace):

@@ -1,21 +1,18 @@
-"""One training step, composed from the registry: rollout -> signals -> objectives. No method names here."""
+"""One training step, composed from the registry: rollout -> signals -> advantages -> objectives.
+
+No method names here: every component does its part through the contract (composer/contract.py,
+components/objectives/base.py), as it does on the OpenRLHF backend.
+"""
 
 from __future__ import annotations
-
-import time
 
 import torch
 
 from composer.batch import PolicyView, TrajectoryBatch, concat
+from components.objectives.base import zero_advantage_fraction
 from composer.runtime.context import RunContext
 from composer.runtime.models import token_logprobs
-
-
-def terms(spec) -> list[tuple[str, object, object, float]]:
-    """(name, signal, objective, weight) of every term of a resolved spec."""
-    if spec.terms:
-        return [(t.name or f"term{i}", t.signal, t.objective, t.weight) for i, t in enumerate(spec.terms)]
-    return [("term0", spec.signal, spec.objective, 1.0)]
+from composer.terms import terms  # noqa: F401  (re-exported: components read terms through step)
 
 
 def collect(ctx: RunContext, examples) -> list[TrajectoryBatch]:
@@ -24,7 +21,7 @@ def collect(ctx: RunContext, examples) -> list[TrajectoryBatch]:
     sync = ctx.spec.sync
     if not sync.reuse:
         return sample(ctx, examples)
-    version = getattr(ctx.engine, "last_sync", 0)
+    version = ctx.engine.last_sync
     if ctx.buffer and ctx.buffer_version == version:
         ctx.log(buffer_reused=1.0)
         return ctx.buffer
@@ -37,35 +34,33 @@ def collect(ctx: RunContext, examples) -> list[TrajectoryBatch]:
 
 
 def sample(ctx: RunContext, examples) -> list[TrajectoryBatch]:
-    """Build one batch per term: one shared rollout for every term that needs rollouts."""
+    """Build one batch per term: one shared rollout for every term that needs rollouts; each term's signal
+    fills its own view of it. Advantages are computed here, over the whole step's groups."""
     rollout: TrajectoryBatch | None = None
     out = []
-    for _name, sig, _obj, _w in terms(ctx.spec):
-        if getattr(sig, "makes_batch", False):
+    for _name, sig, obj, _w in terms(ctx.spec):
+        if sig.makes_batch:
             batch = sig.make_batch(ctx, examples)
         else:
             if rollout is None:
-                t0 = time.perf_counter()
-                before = ctx.costs["policy_tokens"]
                 rollout = ctx.spec.rollout.guide.rollout(ctx, examples, ctx.spec.rollout.samples_per_prompt)
-                rollout.info.setdefault("temperature", ctx.spec.rollout.temperature)
-                dt = time.perf_counter() - t0
-                ctx.log(tokens_per_s=(ctx.costs["policy_tokens"] - before) / max(dt, 1e-9), rollout_s=dt)
             batch = rollout.term_view()
         batch = sig.apply(ctx, batch)
-        if getattr(_obj, "wants_initial", False) and batch.initial_logprobs is None:
+        if obj.wants_initial and batch.initial_logprobs is None:
             shared = rollout is not None and batch.tokens is rollout.tokens  # computed once per rollout
             owner = rollout if shared else batch
             if owner.initial_logprobs is None:
                 owner.initial_logprobs = initial_logprobs(ctx, owner)
             batch.initial_logprobs = owner.initial_logprobs
+        adv = obj.advantages(batch)
+        batch.advantages = None if adv is None else adv.detach()
         out.append(batch)
     return out
 
 
 @torch.no_grad()
 def initial_logprobs(ctx: RunContext, batch: TrajectoryBatch) -> torch.Tensor:
-    """Log-probs of the batch under the frozen initial policy (KL losses, A*PO's anchor)."""
+    """Log-probs of the batch under the frozen reference policy (KL losses, A*PO's anchor)."""
     model = ctx.forward_model(ctx.initial_policy())
     lp, _, _ = token_logprobs(model, batch.tokens.to(next(model.parameters()).device),
                               batch.attention_mask.to(next(model.parameters()).device),
@@ -84,14 +79,16 @@ def loss(ctx: RunContext, policy, batches: list[TrajectoryBatch]) -> tuple[torch
     views: dict[int, PolicyView] = {}  # one policy forward per rollout: terms' views share its tokens
     wants = {}
     for (_n, _s, obj, _w), b in zip(terms(ctx.spec), batches):
-        wants[id(b.tokens)] = wants.get(id(b.tokens), False) or bool(obj.wants_logits)
+        wants[id(b.tokens)] = wants.get(id(b.tokens), False) or obj.wants_logits
     total = 0.0
     metrics: dict[str, float] = {}
     many = len(batches) > 1
     for (name, _sig, obj, weight), b in zip(terms(ctx.spec), batches):
         if id(b.tokens) not in views:
             views[id(b.tokens)] = policy_view(policy, b, wants[id(b.tokens)])
-        value, m = obj.loss(b, views[id(b.tokens)])
+        value, m = obj.loss(b, views[id(b.tokens)], b.advantages)
+        m = {**obj.advantage_metrics(b), **m}
+        ctx.record("term_loss", term=name, objective=obj, batch=b, view=views[id(b.tokens)], loss=value, weight=weight)
         total = total + weight * value
         for k, v in m.items():
             metrics[f"{name}/{k}" if many else k] = v
@@ -121,12 +118,9 @@ def batch_metrics(batch: TrajectoryBatch) -> dict[str, float]:
     if batch.rewards is not None:
         r = batch.rewards
         out["reward_mean"] = float(r.mean())
-        same = 0
-        for g in batch.group.unique():
-            rg = r[batch.group == g]
-            if torch.all(rg == rg[0]):
-                same += len(rg)
-        out["zero_advantage_frac"] = same / batch.size
+        out["zero_advantage_frac"] = float(zero_advantage_fraction(r, batch.group))
+        if batch.advantages is not None:
+            out["adv_abs_mean"] = float(batch.advantages.abs().float().mean())
         if batch.guided is not None and batch.guided.any() and (~batch.guided).any():
             out["reward_guided"] = float(r[batch.guided].mean())
             out["reward_control"] = float(r[~batch.guided].mean())

@@ -1,55 +1,55 @@
-"""Assembling trajectory batches from per-row pieces with provenance."""
+"""Assembling trajectory batches from finished traces (composer/runtime/protocol.py) with provenance."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from composer.batch import TrajectoryBatch, pad_and_stack
+from composer.batch import TrajectoryBatch
 from composer.data import Example
 from composer.origins import CODE
+from composer.runtime.protocol import Trace
 
 
-@dataclass
-class Row:
-    """One trajectory before padding: the prompt and the response as pieces, each with its origin."""
+def assemble(traces: list[Trace], examples: list[Example], prompt_index: list[int], pad_id: int) -> TrajectoryBatch:
+    """Pad traces into a TrajectoryBatch.
 
-    example: Example
-    prompt: list[int]
-    pieces: list[tuple[list[int], str]] = field(default_factory=list)  # (token ids, origin name)
-    group: int = 0
-    prompt_index: int = 0
-    control: bool = True
-    guided: bool = False
-
-    @property
-    def response(self) -> list[int]:
-        return [t for ids, _ in self.pieces for t in ids]
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.response
-
-    def origins(self) -> list[int]:
-        out = [CODE["prompt"]] * len(self.prompt)
-        for ids, origin in self.pieces:
-            out += [CODE[origin]] * len(ids)
-        return out
-
-
-def assemble(rows: list[Row], pad_id: int, logprobs: list[list[float]] | None = None) -> TrajectoryBatch:
-    """Pad rows into a TrajectoryBatch; `logprobs` are the rollout weights' per-token log-probs."""
-    seqs = [r.tokens for r in rows]
-    lps = logprobs if logprobs is not None else [[0.0] * len(s) for s in seqs]
-    tokens, origin, lp = pad_and_stack(seqs, [r.origins() for r in rows], lps, pad_id)
+    Advantage groups: one per (prompt, trace tag), numbered in order of appearance. Behaviour log-probs
+    come from the pieces; a piece without them (guide tokens nobody scored) holds 0 and is marked
+    unknown in `behavior_known`.
+    """
+    B = len(traces)
+    T = max((len(t.tokens) for t in traces), default=1)
+    tokens = torch.full((B, T), pad_id, dtype=torch.long)
+    origin = torch.zeros((B, T), dtype=torch.uint8)
+    lp = torch.zeros((B, T), dtype=torch.float32)
+    known = torch.zeros((B, T), dtype=torch.bool)
+    groups: dict[tuple, int] = {}
+    group = []
+    for i, (tr, p) in enumerate(zip(traces, prompt_index)):
+        n = len(tr.prompt)
+        tokens[i, :n] = torch.tensor(tr.prompt, dtype=torch.long)
+        origin[i, :n] = CODE["prompt"]
+        pos = n
+        for piece in tr.pieces:
+            m = len(piece.tokens)
+            tokens[i, pos: pos + m] = torch.tensor(piece.tokens, dtype=torch.long)
+            origin[i, pos: pos + m] = CODE[piece.origin]
+            if piece.logprobs is not None:
+                lp[i, pos: pos + m] = torch.tensor(piece.logprobs, dtype=torch.float32)
+                known[i, pos: pos + m] = True
+            pos += m
+        group.append(groups.setdefault((p, tr.tag), len(groups)))
+    weights = [tr.weight for tr in traces]
     return TrajectoryBatch(
-        tokens=tokens, origin=origin, behavior_logprobs=lp,
-        group=torch.tensor([r.group for r in rows], dtype=torch.long),
-        control=torch.tensor([r.control for r in rows], dtype=torch.bool),
-        guided=torch.tensor([r.guided for r in rows], dtype=torch.bool),
-        prompt_index=torch.tensor([r.prompt_index for r in rows], dtype=torch.long),
-        examples=[r.example for r in rows],
+        tokens=tokens, origin=origin, behavior_logprobs=lp, behavior_known=known,
+        group=torch.tensor(group, dtype=torch.long),
+        control=torch.tensor([tr.control for tr in traces], dtype=torch.bool),
+        guided=torch.tensor([tr.guided for tr in traces], dtype=torch.bool),
+        prompt_index=torch.tensor(prompt_index, dtype=torch.long),
+        examples=list(examples),
+        seq_weight=None if all(w is None for w in weights) else torch.tensor(
+            [1.0 if w is None else float(w) for w in weights], dtype=torch.float32),
+        notes=[tr.notes for tr in traces],
     )
 
 

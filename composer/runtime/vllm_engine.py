@@ -355,15 +355,18 @@ class VLLMEngine:
         except TypeError:
             return self.llm.generate(inputs, params)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling) -> list[Generation]:
-        """One batched generate over all token-id prompts; records the sampler's log-probs for `score`."""
-        from composer.runtime.engine import Generation
+    def generate(self, prompts: list[list[int]], max_new_tokens, sampling: Sampling) -> list[Generation]:
+        """One batched generate over all token-id prompts (one budget, or one per prompt). Sampled (non-greedy)
+        continuations carry every token's behaviour log-prob: the sampler's own where it reports the processed
+        distribution, else one prefill of the rollout weights (`score`)."""
+        from composer.runtime.engine import Generation, budgets
 
         if not prompts:
             return []
         self.wake_up()
         record = self._sampler_exact(sampling)
-        outs = self._run(prompts, self._params(max_new_tokens, sampling, logprobs=record))
+        params = [self._params(max(b, 1), sampling, logprobs=record) for b in budgets(max_new_tokens, len(prompts))]
+        outs = self._run(prompts, params)
         gens = []
         for prompt, out in zip(prompts, outs):
             c = out.outputs[0]
@@ -377,7 +380,14 @@ class VLLMEngine:
                 lps.append(None)
             finished = bool(toks) and toks[-1] == self.eos_id
             self._records.add(list(prompt), toks, lps)
-            gens.append(Generation(toks, finished))
+            gens.append(Generation(toks, finished, lps))
+        if not sampling.greedy:  # a prefill only for rows with a token the sampler did not report
+            todo = [i for i, g in enumerate(gens) if any(v is None for v in g.logprobs)]
+            scored = self.score([list(prompts[i]) + gens[i].tokens for i in todo], sampling.temperature)
+            for i, s in zip(todo, scored):
+                gens[i] = Generation(gens[i].tokens, gens[i].finished, s[len(prompts[i]):])
+        else:
+            gens = [Generation(g.tokens, g.finished) for g in gens]
         self.generated_tokens += sum(len(g.tokens) for g in gens)
         return gens
 

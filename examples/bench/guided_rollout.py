@@ -31,7 +31,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from components.guides.none import sample_plain
+    from components.guides.none import NoGuide
     from composer.runtime.binding import bind_task
     from composer.runtime.context import RunContext
     from composer.runtime.engine import HFEngine
@@ -46,6 +46,7 @@ def main(argv=None) -> int:
     ctx = RunContext(task=task, tokenizer=tok, policy=policy, engine=HFEngine(policy, tok), spec=spec,
                      rng=random.Random(0))
     guide, n = spec.rollout.guide, spec.rollout.samples_per_prompt
+    sample_plain = NoGuide().rollout  # the same driver without a guide
 
     def timed(fn, examples):
         torch.manual_seed(0)

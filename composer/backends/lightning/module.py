@@ -16,6 +16,8 @@ from torch.utils.data import Dataset
 
 from composer.batch import to_device
 from composer.runtime import step as run_step
+from composer.segments import segment_at, segments_of, sync_due
+from composer.contract import Runtime
 from composer.runtime.context import RunContext
 from composer.runtime.engine import make_engine
 from composer.runtime.evaluate import evaluate
@@ -39,25 +41,26 @@ class _Steps(Dataset):
 
 
 class ComposerModule(L.LightningModule):
-    def __init__(self, validated, task, tokenizer, policy):
+    """Executes the compiled Plan (plan.json): its segments, each with its resolved spec."""
+
+    def __init__(self, plan: dict, task, tokenizer, policy, recorder=None, validated=None):
         super().__init__()
-        self.validated = validated
-        self.segments = validated.segments
+        self.plan = plan
+        self.validated = validated  # recorded in checkpoints, so --resume can refuse another spec
+        self.segments = segments_of(plan)
+        self.recorder = recorder
         self.task = task
         self.tokenizer = tokenizer
         self.policy = policy
         self.ctx: RunContext | None = None
         self.last_eval: dict[str, float] = {}
-        self.total_steps = validated.total_steps
+        self.total_steps = plan["total_steps"]
         self.stopped_by: str | None = None
         self.start_metrics: dict[str, float] = {}
 
     # ---- setup ----
     def segment_at(self, step: int):
-        for seg in self.segments:
-            if seg.start <= step < seg.end:
-                return seg
-        return self.segments[-1]
+        return segment_at(self.segments, step)
 
     def setup(self, stage: str) -> None:
         if self.ctx is not None:
@@ -68,13 +71,17 @@ class ComposerModule(L.LightningModule):
         engine = make_engine(spec.rollout.engine, self.policy, self.tokenizer, spec.rollout)
         seed = spec.train.seed + 1000 * self.global_rank
         self.ctx = RunContext(task=self.task, tokenizer=self.tokenizer, policy=self.policy, engine=engine, spec=spec,
-                              segment=seg.name, seed=seed, rng=random.Random(seed))
+                              segment="", seed=seed, rng=random.Random(seed), recorder=self.recorder)
         if any(_needs_initial(s.spec) for s in self.segments):
             self.ctx.initial_policy()
-        for s in self.segments:  # checks that must fail before any training (e.g. teacher tokenizers)
+        for s in self.segments:  # checks that must fail before any training (tokenizers, context placement)
+            self.ctx.spec = s.spec
             for name, cfg in s.spec.sources.items():
-                if hasattr(cfg, "preflight"):
-                    cfg.preflight(self.ctx, name)
+                cfg.preflight(self.ctx, name)
+            s.spec.rollout.guide.preflight(self.ctx)
+            for _n, sig, _o, _w in run_step.terms(s.spec):
+                sig.preflight(self.ctx)
+        self.ctx.spec = spec
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(_Steps(self.total_steps), batch_size=None, shuffle=False)
@@ -83,13 +90,26 @@ class ComposerModule(L.LightningModule):
         t = self.segments[0].spec.train
         return torch.optim.AdamW(self.policy.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """The gradient-norm clip of the segment in force (train.grad_clip; 0 disables)."""
+        clip = self.ctx.spec.train.grad_clip
+        if clip:
+            self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+
     # ---- the step ----
     def _enter(self, step: int) -> None:
+        """Make the segment of `step` the one in force: its spec, its optimiser settings from this step on,
+        and at a stage's first step the reference weights (train.reference: stage_start)."""
         seg = self.segment_at(step)
         ctx = self.ctx
         ctx.step = step
         if seg.name != ctx.segment:
+            first = ctx.segment == ""
+            new_stage = not first and seg.stage is not None and seg.stage != self.segment_at(step - 1).stage
             ctx.segment, ctx.spec = seg.name, seg.spec
+            if new_stage and seg.spec.train.reference == "stage_start":
+                ctx.refresh_initial()
+            ctx.record("segment", name=seg.name, start=seg.start, end=seg.end)
         t = ctx.spec.train
         local = step - seg.start
         factor = min(1.0, (local + 1) / t.warmup_steps) if t.warmup_steps else 1.0
@@ -98,7 +118,7 @@ class ComposerModule(L.LightningModule):
             frac = min(max(local - t.warmup_steps, 0) / span, 1.0)
             factor *= 0.5 * (1 + math.cos(math.pi * frac))
         for group in self.optimizers().param_groups:
-            group["lr"] = t.lr * factor
+            group.update(lr=t.lr * factor, betas=tuple(t.betas), weight_decay=t.weight_decay)
 
     def training_step(self, batch_idx, _):
         step = self.global_step
@@ -148,14 +168,15 @@ class ComposerModule(L.LightningModule):
         ctx = self.ctx
         done = self.global_step  # optimizer steps taken so far
         for rt in list(ctx.runtimes.values()):
-            hook = getattr(rt, "after_optimizer_step", None)
-            if hook is not None:
-                hook(ctx)
-        if done % ctx.spec.sync.every == 0:
+            if isinstance(rt, Runtime):
+                rt.after_optimizer_step(ctx)
+        if sync_due(self.segments, done):
             ctx.engine.sync(self.policy, done)
-            on_sync = getattr(ctx.spec.rollout.guide, "on_sync", None)
-            if on_sync:
-                on_sync(ctx)
+            ctx.record("sync", after=done)
+            ctx.spec.rollout.guide.on_sync(ctx)
+            for rt in list(ctx.runtimes.values()):
+                if isinstance(rt, Runtime):
+                    rt.on_sync(ctx)
 
     def final_evaluation(self, loggers) -> None:
         """The final evaluation gets a row of its own, at step = total steps, after every step's row."""
@@ -176,8 +197,8 @@ class ComposerModule(L.LightningModule):
             "last_sync": getattr(ctx.engine, "last_sync", 0),
             "rng": ctx.rng.getstate(), "torch_rng": torch.get_rng_state(), "data_pos": ctx.data_pos,
             "segment": ctx.segment, "initial": ctx._initial.state_dict() if ctx._initial is not None else None,
-            "runtimes": {repr(k): rt.state_dict() for k, rt in ctx.runtimes.items() if hasattr(rt, "state_dict")
-                         and not isinstance(rt, torch.nn.Module)},
+            "runtimes": {repr(k): rt.state_dict() for k, rt in ctx.runtimes.items() if isinstance(rt, Runtime)},
+            "memo": {repr(k): v for k, v in ctx.cache.items() if k[:2] == ("guide", "prefix-search")},
             "costs": dict(ctx.costs),
             "buffer": to_device(ctx.buffer, "cpu") if ctx.buffer else None,
             "buffer_version": ctx.buffer_version,
@@ -195,6 +216,9 @@ class ComposerModule(L.LightningModule):
         if not state:
             return
         ctx = self.ctx
+        # the segment of the last step trained: entering the next one behaves as in an uninterrupted run
+        ctx.segment = state["segment"]
+        ctx.spec = next((s.spec for s in self.segments if s.name == ctx.segment), ctx.spec)
         if state["rollout_weights"] is not None and hasattr(ctx.engine, "model"):
             ctx.engine.model.load_state_dict(state["rollout_weights"])
         ctx.engine.last_sync = state["last_sync"]
@@ -208,10 +232,19 @@ class ComposerModule(L.LightningModule):
         ctx.buffer = to_device(state["buffer"], self.device) if state.get("buffer") else None
         ctx.buffer_version = state.get("buffer_version", -1)
         ctx.pending_runtime_state = state.get("runtimes", {})
+        for k, v in state.get("memo", {}).items():  # searched prefixes (POPE): the same k after a resume
+            ctx.cache[eval_key(k)] = v
         self._pending = None
 
 
+def eval_key(text: str) -> tuple:
+    """A memo key back from its repr (tuples of strings), without eval."""
+    import ast
+
+    return ast.literal_eval(text)
+
+
 def _needs_initial(spec) -> bool:
-    if any(getattr(obj, "wants_initial", False) for _n, _s, obj, _w in run_step.terms(spec)):
+    if any(obj.wants_initial for _n, _s, obj, _w in run_step.terms(spec)):
         return True
-    return any(getattr(s, "weights", "") == "initial" for s in spec.sources.values())
+    return any(s.kind == "policy_model" and s.weights == "initial" for s in spec.sources.values())

@@ -148,17 +148,18 @@ def check_launcher(num_nodes: int) -> None:
                    "those, or set train.num_nodes=1 on one machine")
 
 
-def train(validated, out: Path, resume: bool = False, progress: bool = True, final_eval=None) -> dict:
-    """Run a validated spec on the Lightning backend. Returns the final metrics.
+def train(validated, out: Path, resume: bool = False, progress: bool = True, final_eval=None, recorder=None) -> dict:
+    """Run a validated spec on the Lightning backend: the compiled Plan's segments. Returns the final metrics.
 
-    `final_eval(ctx, policy)`, when given, runs on the trained policy before the report is written.
+    `final_eval(ctx, policy)`, when given, runs on the trained policy before the report is written;
+    `recorder(kind, **data)` receives events of what ran (composer/runtime/context.py `record`).
     SIGINT/SIGTERM stop the run from its first moment: before training with `Interrupted` at once, during
     training after the current step and a checkpoint.
     """
     stop = GracefulStop(out / "checkpoints" / "last.ckpt")
     stop.install()
     try:
-        return _train(validated, out, resume, progress, final_eval, stop)
+        return _train(validated, out, resume, progress, final_eval, stop, recorder)
     except KeyboardInterrupt:
         where = "during the final evaluation" if stop.finishing else "before training"
         raise Interrupted(f"{stop.requested or 'SIGINT'}: stopped {where}; "
@@ -167,7 +168,7 @@ def train(validated, out: Path, resume: bool = False, progress: bool = True, fin
         stop.uninstall()
 
 
-def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop: GracefulStop) -> dict:
+def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop: GracefulStop, recorder) -> dict:
     spec = validated.spec
     quiet_libraries()
     check_launcher(spec.train.num_nodes)
@@ -190,7 +191,7 @@ def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop:
         from components.tasks.code_verifier import ensure_sandbox
 
         ensure_sandbox()  # fail closed before any training: code never runs outside the sandbox
-    module = ComposerModule(validated, task, tokenizer, policy)
+    module = ComposerModule(plan, task, tokenizer, policy, recorder, validated)
     module.start_metrics = {"skipped_rows": float(getattr(task, "skipped_rows", 0))}
     t = spec.train
     ckpt = last_checkpoint(out) if resume else None
@@ -216,7 +217,7 @@ def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop:
     trainer = L.Trainer(
         max_steps=validated.total_steps, max_epochs=-1, accelerator=t.accelerator, devices=t.devices,
         strategy=t.strategy, num_nodes=t.num_nodes, precision=t.precision,
-        gradient_clip_val=t.grad_clip or None, logger=loggers, callbacks=callbacks, log_every_n_steps=1,
+        logger=loggers, callbacks=callbacks, log_every_n_steps=1,
         enable_progress_bar=progress, enable_model_summary=False, num_sanity_val_steps=0,
         enable_checkpointing=True, default_root_dir=str(out), limit_val_batches=0,
         plugins=[AtomicCheckpointIO()],
@@ -263,12 +264,22 @@ def quiet_libraries() -> None:
 
 
 def _progress_bar():
+    """Lightning's progress bar, labelled by step (a run is one pass of max_steps, not epochs)."""
     from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
+    class Steps(RichProgressBar):
+        def _get_train_description(self, current_epoch: int) -> str:
+            return "Training steps"
+
+    class StepsTQDM(TQDMProgressBar):
+        def on_train_epoch_start(self, trainer, *args) -> None:
+            super().on_train_epoch_start(trainer, *args)
+            self.train_progress_bar.set_description("Training steps")
+
     try:
-        return RichProgressBar(leave=True)
+        return Steps(leave=True)
     except Exception:
-        return TQDMProgressBar()
+        return StepsTQDM()
 
 
 def write_report(out: Path, plan: dict, final: dict) -> None:

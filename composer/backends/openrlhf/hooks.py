@@ -208,7 +208,8 @@ def _patch_actor(mod) -> None:
     import torch
 
     from composer.backends.openrlhf.batch import decode_label, to_batch
-    from composer.backends.openrlhf.loss import ComposerLoss, context_scores, prompt_lengths, step_of, terms
+    from components.sources.policy_model import score_responses
+    from composer.backends.openrlhf.loss import ComposerLoss, prompt_lengths, step_of, terms
 
     cls = mod.ActorPPOTrainer
     init, training_step = cls.__init__, cls.training_step
@@ -223,7 +224,7 @@ def _patch_actor(mod) -> None:
 
     def teacher_scores(self, exp, spec) -> dict:
         out = {}
-        wanted = {sig.teacher: obj.wants_logits for _, sig, obj, _ in terms(spec) if sig.kind_name() == "distillation"}
+        wanted = {sig.teacher_source: obj.wants_logits for _, sig, obj, _ in terms(spec) if sig.teacher_source}
         for name, want in wanted.items():
             info = plugin["teachers"].get(name)
             if not info or not info["self"]:
@@ -241,7 +242,7 @@ def _patch_actor(mod) -> None:
                 model.train(was)
                 return logits * getattr(model, "temperature", 1.0)
 
-            out[name] = context_scores(forward, exp.sequences, exp.attention_mask, prompt_lengths(full), prompts,
+            out[name] = score_responses(forward, exp.sequences, exp.attention_mask, prompt_lengths(full), prompts,
                                        info["temperature"], pad, want)
         return out
 
@@ -295,11 +296,13 @@ def start_judges(judges: dict[str, str]) -> list:
 
             self.llm = LLM(path, gpu_memory_utilization=0.85, enforce_eager=True)
 
-        def generate_text(self, prompt: str, max_tokens: int) -> str:
+        def generate_ids(self, ids: list, max_tokens: int, greedy: bool = True) -> tuple[list, bool]:
+            """(tokens, stopped at EOS) of one continuation of token ids (the guide protocol's Sample)."""
             from vllm import SamplingParams
 
-            out = self.llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
-            return out[0].outputs[0].text
+            p = SamplingParams(temperature=0.0 if greedy else 1.0, max_tokens=max(max_tokens, 1))
+            out = self.llm.generate([{"prompt_token_ids": list(ids)}], p, use_tqdm=False)[0].outputs[0]
+            return list(out.token_ids), out.finish_reason != "length"
 
     actors = [JudgeEngine.options(name=f"composer-judge-{name}").remote(path) for name, path in judges.items()]
     ray.get([a.__ray_ready__.remote() for a in actors])

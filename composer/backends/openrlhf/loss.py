@@ -1,58 +1,47 @@
 """The composer's objectives inside OpenRLHF: step advantages, privileged-context teacher scores, the loss.
 
-Everything here is torch over plain tensors (no OpenRLHF import), so it runs on CPU in the tests. The
-formulas are the composer's own functions (components/objectives), never re-derived:
-  - the advantage step sees the whole step's samples, so V-hat (`soft_value`) and GRPO's group
-    statistics (`group_advantages`) are computed over full groups, as in the Lightning backend;
+Everything here is torch over plain tensors (no OpenRLHF import), so it runs on CPU in the tests. Every
+formula is the component's own (DESIGN.md section 8), never re-derived and never chosen by kind:
+  - the advantage step sees the whole step's samples, so each objective's `advantages(batch)` runs over
+    full groups, as in the Lightning backend (an objective computes them once per rollout, before the
+    micro-batches: a plugin objective with its own advantages works the same on both backends);
   - the training step sees a micro-batch: `ComposerLoss` rebuilds a TrajectoryBatch from the Experience
-    and sums the terms (`sequence_log_ratio` + `regression_loss`, `clipped_surrogate` + `aggregate`,
-    `Divergence.loss`, `CrossEntropy.loss`), scaled so that micro-batches and DP ranks add up to the
-    step's mean over sequences (OpenRLHF's `global_batch_size` normaliser).
+    and sums the terms' `loss(batch, view, advantages)`, scaled so that micro-batches and DP ranks add up
+    to the step's mean over sequences (OpenRLHF's `global_batch_size` normaliser);
+  - teachers score with `score_responses` (components/sources/policy_model.py), prompts from the
+    source's own context rules (`teacher_prompts`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from components.objectives.advantage_regression import regression_loss, sequence_log_ratio, soft_value
-from components.objectives.base import aggregate, group_advantages, masked_mean
-from components.objectives.grpo import clipped_surrogate, kl_estimate
+from components.objectives.base import masked_mean
 from composer.backends.openrlhf.batch import decode_label, shift, to_batch
 from composer.batch import PolicyView, TrajectoryBatch
-from composer.graph import signal_objective_pairs
 from composer.lazy import F, torch
 from composer.origins import CODE
-
-
-def terms(spec) -> list[tuple[str, object, object, float]]:
-    """(name, signal, objective, weight) of every term of a resolved spec (as composer.runtime.step.terms)."""
-    if spec.terms:
-        return [(t.name or f"term{i}", t.signal, t.objective, t.weight) for i, t in enumerate(spec.terms)]
-    return [("term0", *signal_objective_pairs(spec)[0], 1.0)]
+from composer.terms import terms  # noqa: F401  (hooks and agent read terms here)
 
 
 class Segments:
-    """The resolved spec of each step range of a run (phases), from plan.json's segments."""
+    """The resolved spec of each step range of one OpenRLHF run (its plan segments); steps in labels count
+    from the run's start, which is the first segment's global start."""
 
     def __init__(self, plan: dict, indices: list[int]):
-        from composer import registry
-        from composer.spec import spec_model
+        from composer.segments import segments_of
 
-        registry.load_all()
-        for module in plan["segments"][indices[0]]["spec"].get("plugins") or []:
-            __import__(module)
-        model = spec_model()
-        self.items = [(plan["segments"][i]["start"], plan["segments"][i]["end"],
-                       model.model_validate(plan["segments"][i]["spec"])) for i in indices]
-        self.offset = self.items[0][0]  # a stage's steps count from its own start
+        self.items = segments_of(plan, indices)
+        self.offset = self.items[0].start
+
+    def segment(self, step: int):
+        """The segment in force at run step `step` (the last one past the end)."""
+        from composer.segments import segment_at
+
+        return segment_at(self.items, step + self.offset)
 
     def at(self, step: int):
-        """The spec in force at `step` (0-based within the run); the last one past the end."""
-        step += self.offset
-        for start, end, spec in self.items:
-            if start <= step < end:
-                return spec
-        return self.items[-1][2]
+        return self.segment(step).spec
 
 
 def step_of(labels) -> int:
@@ -63,20 +52,12 @@ def step_of(labels) -> int:
 # --------------------------------------------------------------------------------------- advantages
 
 def advantages(term_list, batch: TrajectoryBatch) -> dict[int, torch.Tensor]:
-    """Per-row advantage [B] of every term that has one, over the whole step (full groups).
-
-    advantage_regression: A = r - V_hat, V_hat = soft_value over the group's baseline rows;
-    grpo: A = group_advantages (std-normalised or not). Other objectives read no advantage.
-    """
+    """Per-row advantage [B] of every term whose objective has one, over the whole step (full groups)."""
     out = {}
     for i, (_name, _sig, obj, _w) in enumerate(term_list):
-        kind = obj.kind_name()
-        if kind == "advantage_regression":
-            base = batch.control if obj.baseline == "control" else None
-            v_hat, _ = soft_value(batch.rewards, batch.group, obj.beta1, base)
-            out[i] = batch.rewards - v_hat
-        elif kind == "grpo":
-            out[i] = group_advantages(batch.rewards, batch.group, obj.std_norm, obj.std_eps)
+        adv = obj.advantages(batch)
+        if adv is not None:
+            out[i] = adv.detach()
     return out
 
 
@@ -90,82 +71,14 @@ def prompt_lengths(batch_or_origin) -> list[int]:
     return first.tolist()
 
 
-def context_scores(forward_logits, tokens, attention_mask, prompt_len: list[int], teacher_prompts: list,
-                   temperature: float, pad_id: int, want_logits: bool):
-    """Teacher log-probs (and logits) of each row's response under its privileged-context prompt.
-
-    Row i of the teacher input is [teacher_prompts[i] (or the row's own prompt when None)][response_i];
-    `forward_logits(ids [B, T2], mask [B, T2]) -> [B, T2, V]` gives raw next-token logits. Student
-    position t maps to teacher position t + Q_i - P_i (Q_i, P_i: teacher / student prompt lengths), as in
-    the Lightning teacher (components/sources/policy_model.py). Returns lp [B, T] and logits [B, T, V]
-    or None, 0 off the response, logits divided by `temperature`.
-    """
-    B, T = tokens.shape
-    n_tok = attention_mask.long().sum(1).tolist()
-    seqs, q_len = [], []
-    for i in range(B):
-        row = tokens[i].tolist()
-        prompt = list(teacher_prompts[i]) if teacher_prompts[i] is not None else row[: prompt_len[i]]
-        seqs.append(prompt + row[prompt_len[i]: n_tok[i]])
-        q_len.append(len(prompt))
-    T2 = max(len(s) for s in seqs)
-    ids = torch.full((B, T2), pad_id, dtype=torch.long, device=tokens.device)
-    mask = torch.zeros((B, T2), dtype=torch.long, device=tokens.device)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, device=tokens.device)
-        mask[i, : len(s)] = 1
-    with torch.no_grad():
-        raw = forward_logits(ids, mask).float() / temperature  # [B, T2, V]: position j predicts j + 1
-    logits2 = shift(raw[:, :-1])  # [B, T2, V]: position t predicts token t
-    lp2 = F.log_softmax(logits2, -1).gather(-1, ids[..., None]).squeeze(-1)  # [B, T2]
-    lp2[:, 0] = 0.0
-    off = torch.tensor(q_len, device=tokens.device) - torch.tensor(prompt_len, device=tokens.device)  # [B]
-    pos = (torch.arange(T, device=tokens.device)[None, :] + off[:, None]).clamp(0, T2 - 1)  # [B, T]
-    resp = torch.zeros((B, T), dtype=torch.bool, device=tokens.device)
-    for i in range(B):
-        resp[i, prompt_len[i]: n_tok[i]] = True
-    lp = lp2.gather(1, pos) * resp
-    logits = None
-    if want_logits:
-        V = logits2.shape[-1]
-        logits = logits2.gather(1, pos[..., None].expand(B, T, V)) * resp[..., None]
-    return lp, logits
-
-
 # ----------------------------------------------------------------------------------------- the loss
-
-def term_loss(obj, batch: TrajectoryBatch, view: PolicyView, adv):
-    """One term's loss on a micro-batch, with the step-level advantage `adv` [B] where the objective has one."""
-    kind = obj.kind_name()
-    if kind == "advantage_regression":
-        mask = obj.loss_mask(batch)
-        log_ratio = sequence_log_ratio(view.logprobs, obj.anchor_logprobs(batch), mask)  # [B]
-        loss = regression_loss(log_ratio, adv, obj.beta2, batch.weights())
-        return loss, {"loss": float(loss.detach()), "adv_mean": float(adv.float().mean()),
-                      "logratio_mean": float(log_ratio.detach().float().mean())}
-    if kind == "grpo":
-        mask = obj.loss_mask(batch)
-        lo = obj.clip if obj.clip_low is None else obj.clip_low
-        hi = obj.clip if obj.clip_high is None else obj.clip_high
-        surr, clipped, _ = clipped_surrogate(view.logprobs, batch.behavior_logprobs, adv.to(view.logprobs.dtype)[:, None],
-                                             lo, hi)
-        loss = aggregate(-surr, mask, obj.loss_agg, obj.norm_const)
-        metrics = {"pg_loss": float(loss.detach()), "clip_frac": float(masked_mean(clipped.float(), mask))}
-        if obj.kl_coef > 0:
-            kl = aggregate(kl_estimate(view.logprobs - batch.initial_logprobs.detach(), obj.kl_estimator), mask,
-                           obj.loss_agg, obj.norm_const)
-            loss = loss + obj.kl_coef * kl
-            metrics["kl"] = float(kl.detach())
-        return loss, metrics
-    return obj.loss(batch, view)
-
 
 def total_loss(term_list, batches, view: PolicyView, advs: dict):
     """sum_k w_k L_k over the terms; `batches` holds one batch per term (teacher fields differ per term)."""
     total, metrics = 0.0, {}
     many = len(term_list) > 1
     for i, ((name, _sig, obj, weight), b) in enumerate(zip(term_list, batches)):
-        value, m = term_loss(obj, b, view, advs.get(i))
+        value, m = obj.loss(b, view, advs.get(i))
         total = total + weight * value
         metrics.update({(f"{name}/{k}" if many else k): v for k, v in m.items()})
     return total, metrics
@@ -192,13 +105,14 @@ class ComposerLoss:
         metas = [decode_label(x) for x in exp.labels]
         for _name, sig, _obj, _w in term_list:
             b = batch
-            if sig.kind_name() == "distillation":
-                t = self.ctx.get("teachers", {}).get(sig.teacher)
+            name = sig.teacher_source
+            if name is not None:
+                t = self.ctx.get("teachers", {}).get(name)
                 if t is not None:  # a self-teacher scored in the training step
                     b = dataclasses.replace(batch, teacher_logprobs=t[0], teacher_logits=t[1])
                 elif base is not None:  # an external teacher in the reference slot
                     b = dataclasses.replace(batch, teacher_logprobs=shift(base.float()))
-                tw = [m.get("teacher_weight", {}).get(sig.teacher) for m in metas]
+                tw = [m.get("teacher_weight", {}).get(name) for m in metas]
                 if any(w is not None for w in tw):  # SDPO's s_i weighs this term only
                     s_i = torch.tensor([1.0 if w is None else float(w) for w in tw], device=batch.tokens.device)
                     b = dataclasses.replace(b, seq_weight=b.weights() * s_i)
@@ -252,22 +166,14 @@ def step_batch(experiences, pad_id: int, trainable_only: bool = False) -> Trajec
 
 
 def teacher_prompts(spec, name: str, batch: TrajectoryBatch, tokenizer, task):
-    """(prompt token ids or None, weight) per row for the self-teacher `name`: the Lightning teacher's own
-    context rules and templates (components/sources/policy_model.py), over the whole step."""
-    from components.sources.policy_model import Teacher
+    """(prompt token ids or None, weight) per row for the self-teacher `name`: the source's own context rules
+    and templates (components/sources/policy_model.py `teacher_prompts`), over the whole step."""
+    from components.sources.policy_model import teacher_prompts as prompts_of
     from composer.runtime.context import RunContext
 
     ctx = RunContext(task=task, tokenizer=tokenizer, policy=None, engine=None, spec=spec)
     cfg = spec.sources[name]
-    teacher = Teacher.__new__(Teacher)  # the prompt rules only: no weights are loaded here
-    teacher.cfg, teacher.name, teacher.net = cfg, name, None
-    teacher.sources = {c: ctx.source(c) for c in cfg.context}
-    teacher.kinds = {c: spec.sources[c].kind for c in cfg.context}
-    out = []
-    for i in range(batch.size):
-        text = teacher.prompt_text(ctx, batch.examples[i], teacher.context_texts(ctx, batch, i))
-        out.append((None, 0.0) if text is None else (tokenizer.encode(text, add_special_tokens=False), 1.0))
-    return out
+    return prompts_of(ctx, cfg, {c: spec.sources[c].kind for c in cfg.context}, name, batch)
 
 
 def prepare_step(experiences, segments: Segments, plugin: dict, tokenizer, task) -> None:

@@ -39,13 +39,16 @@ class LengthPenalizedGrpo(Grpo):
     penalty: float = Field(0.001, ge=0, description="Reward subtracted per policy token beyond free_tokens.")
     free_tokens: int = Field(0, ge=0, description="Policy tokens per response that cost nothing.")
 
-    def loss(self, batch: "TrajectoryBatch", cur: "PolicyView"):
-        """The GRPO loss (clip, group advantages, KL) of the parent kind, on the shaped rewards."""
+    def advantages(self, batch: "TrajectoryBatch") -> "Tensor":
+        """GRPO's group advantages of the shaped rewards, over whole groups (both backends call this once
+        per rollout batch, before it is split into micro-batches)."""
         if batch.rewards is None:
             raise ValueError("length_penalized_grpo: the batch has no rewards (a reward signal must fill batch.rewards)")
         n = batch.policy_mask.sum(-1)  # [B] policy tokens per trajectory
-        loss, metrics = super().loss(replace(batch, rewards=shaped_rewards(batch.rewards, n, self.penalty,
-                                                                           self.free_tokens)), cur)
-        metrics = dict(metrics)
-        metrics["length_penalty/policy_tokens"] = float(n.float().mean())
-        return loss, metrics
+        return super().advantages(replace(batch, rewards=shaped_rewards(batch.rewards, n, self.penalty,
+                                                                         self.free_tokens)))
+
+    def loss(self, batch: "TrajectoryBatch", cur: "PolicyView", adv: "Tensor"):
+        """The GRPO loss (clip, KL) of the parent kind, with the advantages of the shaped rewards."""
+        loss, metrics = super().loss(batch, cur, adv)
+        return loss, {**metrics, "length_penalty/policy_tokens": float(batch.policy_mask.sum(-1).float().mean())}
