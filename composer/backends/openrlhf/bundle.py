@@ -108,7 +108,7 @@ def write_data(v, out: Path, eos: str | None) -> tuple[dict, Inputs]:
     inputs = Inputs(policy_path="", source_paths={}, train_file="data/train.jsonl", train_rows=need,
                     eval_file=eval_file, max_prompt_chars=max(len(e.prompt) for e in every),
                     max_solution_chars=max(len(e.solution or "") for e in every), sft_eos=eos,
-                    toy=spec.data.train is None)
+                    toy=spec.data.train is None, max_problem_chars=max(len(e.problem or e.prompt) for e in every))
     return {"train": len(rows), "eval": sum(len(x) for x in evals.values())}, inputs
 
 
