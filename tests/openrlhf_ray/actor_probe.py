@@ -66,20 +66,28 @@ def run_in_worker(cls, steps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--no-install", action="store_true", help="leave the driver unpatched (a control)")
+    ap.add_argument("--local", action="store_true", help="no Ray worker: the shipped class goes through Ray's "
+                    "pickling and back in this process, and train_step runs here (the fast variant)")
     ns = ap.parse_args()
-    import ray
-
     from composer.backends.openrlhf import hooks
 
     plan, run = hooks.load("plan.json", None)
-    if not ns.no_install:
-        hooks.install(plan, run, driver=True)
+    hooks.install(plan, run, driver=True)
     import openrlhf.trainer.ppo_trainer as mod
 
     shipped = mod.PPOTrainer.__ray_metadata__.modified_class
+    if ns.local:
+        from ray._common.serialization import pickle_dumps
+        from ray import cloudpickle
+
+        cls = cloudpickle.loads(pickle_dumps(shipped, "actor class"))  # as Ray exports actor classes
+        print("probe: " + json.dumps({"driver_train_step": shipped.train_step.__qualname__,
+                                      "worker": run_in_worker(cls, ns.steps)}))
+        return
+    import ray
+
     env = {"COMPOSER_PLAN": "plan.json", "COMPOSER_RUN": run["name"], "PYTHONPATH": os.environ["PYTHONPATH"]}
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, _temp_dir=os.environ.get("RAY_TMP"),
              runtime_env={"working_dir": ".", "worker_process_setup_hook": HOOK, "env_vars": env,
                           "excludes": ["__pycache__", "*.pyc"]})
     try:

@@ -146,6 +146,7 @@ def compile_bundle(v, out: Path, layout: Layout) -> dict:
 
     parser.require()
     plan = compile_plan(v, backend="openrlhf")
+    plan["file"] = spec_name(v.loaded.file)
     out.mkdir(parents=True, exist_ok=True)
     policy, sources = _models(v)
     counts, inputs = write_data(v, out, _eos(policy, v))
@@ -180,6 +181,16 @@ def compile_bundle(v, out: Path, layout: Layout) -> dict:
         (out / "agent.py").write_text(agent_file(v.spec.name))
     (out / "README.md").write_text(readme(v, plan, runs, layout, inputs, warnings, commands))
     return plan
+
+
+def spec_name(file) -> str:
+    """The spec's path as the bundle records it: relative to the current folder when under it, else its name
+    (no path of the compiling machine goes into a bundle)."""
+    p = Path(str(file))
+    try:
+        return str(p.resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return p.name
 
 
 def _launch_checks(run: Run, args) -> None:
@@ -291,7 +302,7 @@ AgentExecutor = executor_class("plan.json")
 def readme(v, plan, runs: list[Run], layout: Layout, inputs: Inputs, warnings: dict, commands: list[str]) -> str:
     spec = v.spec
     lines = [f"# OpenRLHF bundle: {spec.name}", "", spec.summary, "",
-             f"Compiled from `{v.loaded.file}` by `composer compile --backend openrlhf` for "
+             f"Compiled from `{plan['file']}` by `composer compile --backend openrlhf` for "
              f"{layout.nodes} node(s) x {layout.gpus_per_node} GPU(s). {plan['total_steps']} steps in "
              f"{len(runs)} OpenRLHF run(s): {', '.join(r.name for r in runs)}.", "",
              "## Launch", "", "```bash", "./launch.sh                      # head at $RAY_ADDRESS or http://127.0.0.1:8265",

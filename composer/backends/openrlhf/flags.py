@@ -326,7 +326,7 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
     a.add("train.num_episodes", max(1, math.ceil(t.steps * pps / rows)))
     max_new = r.max_new_tokens if not inputs.toy else min(r.max_new_tokens, _toy_cap(spec))
     extra = _guide_room(specs, inputs)
-    a.add("data.max_len", _max_len(run, specs, where, inputs, model, inputs.max_prompt_chars + extra + max_new,
+    a.add("data.max_len", _max_len(run, specs, [where] * len(specs), inputs, model, inputs.max_prompt_chars + extra + max_new,
                                    extra + max_new))
     a.add("rollout.max_new_tokens", max_new)
     a.add("rollout.temperature", r.temperature)
@@ -362,7 +362,7 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
     if guided:
         p["agent"] = True
         a.add("train.agent_func_path", "agent.py")
-        _check_guides(specs, where, inputs)
+        _check_guides(specs, [where] * len(specs), inputs)
         run.via_plugin.append("guides: agent.py (an OpenRLHF AgentExecutor generated from the spec) runs the "
                               "guide through llm_engine.generate, returns trainable spans and the reward, and "
                               "carries per-sample provenance in the label / extra_logs; the guide follows the "
