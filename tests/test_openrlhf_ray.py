@@ -58,6 +58,8 @@ def _plain_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env.update(extra)
+    if "RAY_TMP" in extra:  # every Ray process of the test (head, job driver, workers) keeps out of /tmp/ray
+        env["RAY_TMPDIR"] = extra["RAY_TMP"]
     return env
 
 
