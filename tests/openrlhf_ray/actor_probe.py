@@ -77,8 +77,8 @@ def main() -> None:
 
     shipped = mod.PPOTrainer.__ray_metadata__.modified_class
     if ns.local:
-        from ray._common.serialization import pickle_dumps
         from ray import cloudpickle
+        from ray._common.serialization import pickle_dumps
 
         cls = cloudpickle.loads(pickle_dumps(shipped, "actor class"))  # as Ray exports actor classes
         print("probe: " + json.dumps({"driver_train_step": shipped.train_step.__qualname__,

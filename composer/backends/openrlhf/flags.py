@@ -448,7 +448,8 @@ def _context_limit(path: str | None) -> int | None:
     import os
 
     try:
-        cfg = json.load(open(os.path.join(path, "config.json")))
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
     except (OSError, ValueError, TypeError):
         return None
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
