@@ -28,6 +28,7 @@ from composer.errors import SpecError
 @allow_plugins_option
 def compile_(spec, overrides, backend, out, nodes, gpus_per_node, colocate, vllm_engines, cluster_dir, wandb_project):
     """Compile SPEC into a launch bundle for BACKEND in --out. OVERRIDES: path.to.field=value."""
+    from composer.backends.openrlhf import parser
     from composer.backends.openrlhf.bundle import BundleError, compile_bundle
     from composer.backends.openrlhf.flags import Layout, Unsupported
     from composer.errors import dotted
@@ -37,6 +38,7 @@ def compile_(spec, overrides, backend, out, nodes, gpus_per_node, colocate, vllm
                     cluster_dir=f"{cluster_dir.rstrip('/')}/{v.spec.name}", wandb_project=wandb_project)
     folder = Path(out)
     try:
+        parser.require()  # before anything is written
         _check_out(folder)
         compile_bundle(v, folder, layout)
     except Unsupported as e:

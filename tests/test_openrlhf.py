@@ -90,7 +90,8 @@ def test_bundle_compiles_and_parses_with_openrlhf(spec, bundles):
     assert subprocess.run(["bash", "-n", str(d / "launch.sh")]).returncode == 0
     env = json.loads((d / "runtime_env.json").read_text())
     assert env["worker_process_setup_hook"] == hooks.__name__ + ".setup_worker"
-    assert {Path(p).name for p in env["py_modules"]} == {"composer", "components"}
+    assert env["working_dir"] == "." and "py_modules" not in env  # the bundle ships its own copy (D5)
+    assert (d / "composer" / "backends" / "openrlhf" / "hooks.py").exists() and (d / "components").is_dir()
     readme = (d / "README.md").read_text()
     assert "OpenRLHF 0.11.2" in readme and "vLLM, DeepSpeed, flash-attn" in readme and "Native OpenRLHF flags" in readme
     for f in ("reward.py", "agent.py"):

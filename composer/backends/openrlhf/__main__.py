@@ -25,6 +25,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m composer.backends.openrlhf", description=__doc__.splitlines()[0])
     ap.add_argument("--plan", required=True, help="the bundle's plan.json")
     ap.add_argument("--run", default=None, help="which run of the plan (a stage name, or main)")
+    ap.add_argument("--check", action="store_true", help="check instead of training: the plan, the arguments "
+                    "against OpenRLHF's parser, and (PPO runs) the worker setup hook and the shipped code in a Ray "
+                    "worker; prints one `composer-check` JSON line, exit 0 when everything holds")
     ns = ap.parse_args(own)
     plan_path = os.path.abspath(ns.plan)
     plan = json.load(open(plan_path))
@@ -33,6 +36,8 @@ def main(argv=None) -> None:
     if run is None:
         ap.error(f"--run: the plan has runs {', '.join(r['name'] for r in runs)}")
     args = [os.environ.get(a[4:], "") if a.startswith("env:") else a for a in (rest or run["argv"])]
+    if ns.check:
+        sys.exit(check(plan_path, plan, run, args))
     if run["trainer"] == "sft":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={run['nproc']}",
                "-m", "openrlhf.cli.train_sft", *args]
@@ -41,22 +46,66 @@ def main(argv=None) -> None:
 
     from composer.backends.openrlhf import hooks
 
-    env = {k: os.environ.get(k, v) for k, v in OPENRLHF_ENV.items()}
-    env["COMPOSER_RUN"] = run["name"]
-    runtime_env = {"env_vars": env}
-    if not os.environ.get("COMPOSER_JOB"):  # not under the bundle's `ray job submit`: ship it ourselves
-        import components
-        import composer
-
-        env["COMPOSER_PLAN"] = "plan.json"
-        runtime_env.update(working_dir=os.path.dirname(plan_path),
-                           py_modules=[os.path.dirname(composer.__file__), os.path.dirname(components.__file__)],
-                           worker_process_setup_hook="composer.backends.openrlhf.hooks.setup_worker")
-    ray.init(runtime_env=runtime_env)
+    ray.init(runtime_env=runtime_env(plan_path, run))
     hooks.install(plan, run, driver=True)
-    judges = hooks.start_judges(run["plugin"].get("judges") or {})  # noqa: F841  (kept alive with the driver)
+    judges = hooks.start_judges(run["plugin"].get("judges") or {},  # noqa: F841  (kept alive with the driver)
+                                run["plugin"].get("judge_max_len"))
     sys.argv = ["openrlhf.cli.train_ppo_ray", *args]
     runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
+
+
+def runtime_env(plan_path: str, run: dict) -> dict:
+    """The runtime env this driver adds. Under the bundle's `ray job submit` the job already ships the bundle
+    (working_dir) and names the setup hook; started by hand, it ships the plan's folder itself (relative to
+    nothing on this machine but the plan: the bundle holds the composer's packages)."""
+    env = {k: os.environ.get(k, v) for k, v in OPENRLHF_ENV.items()}
+    env["COMPOSER_RUN"] = run["name"]
+    out = {"env_vars": env}
+    if not os.environ.get("COMPOSER_JOB"):
+        env["COMPOSER_PLAN"] = "plan.json"
+        out.update(working_dir=os.path.dirname(plan_path), worker_process_setup_hook=HOOK)
+    return out
+
+
+HOOK = "composer.backends.openrlhf.hooks.setup_worker"
+
+
+def _probe() -> dict:
+    """Runs in a Ray worker: what the setup hook installed there and where the composer code came from."""
+    import composer
+    from composer.backends.openrlhf import hooks
+
+    return {"setup_hook_ran": bool(hooks._STATE.get("installed")), "run": (hooks._STATE.get("run") or {}).get("name"),
+            "composer": os.path.dirname(os.path.abspath(composer.__file__)), "cwd": os.getcwd()}
+
+
+def check(plan_path: str, plan: dict, run: dict, args: list[str]) -> int:
+    """--check: everything the run needs before a model loads, on the machine it runs on; 0 when all holds."""
+    import composer
+
+    report = {"run": run["name"], "trainer": run["trainer"], "argv": args, "python": sys.executable,
+              "cwd": os.getcwd(), "composer": os.path.dirname(os.path.abspath(composer.__file__))}
+    problems = []
+    try:
+        from composer.backends.openrlhf import parser
+
+        parser.check(run["trainer"], args)
+        report["openrlhf_parser"] = "accepted"
+    except ImportError as e:
+        report["openrlhf_parser"] = f"skipped: {e}"
+    except Exception as e:  # noqa: BLE001 - parser.ArgsError and whatever OpenRLHF's checks raise
+        problems.append(f"OpenRLHF rejects the arguments: {e}")
+    if run["trainer"] == "ppo":
+        import ray
+
+        ray.init(runtime_env=runtime_env(plan_path, run))
+        report["worker"] = w = ray.get(ray.remote(num_cpus=0)(_probe).remote())
+        if not w["setup_hook_ran"] or w["run"] != run["name"]:
+            problems.append(f"the worker setup hook did not install run '{run['name']}' in a Ray worker: {w}")
+        ray.shutdown()
+    report["problems"] = problems
+    print("composer-check: " + json.dumps(report), flush=True)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

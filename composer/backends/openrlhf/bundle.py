@@ -3,8 +3,9 @@
     plan.json      the resolved Plan plus the OpenRLHF runs (argument lists and what the plugin installs)
     args.json      {run: OpenRLHF argument list}, each checked against OpenRLHF's real parser
     command.txt    the full command of each run, in order
-    launch.sh      `ray job submit` with a runtime environment shipping composer/ + components/ and the bundle
-    runtime_env.json
+    launch.sh      `ray job submit` of the bundle folder (its working_dir) with one entry command per run
+    runtime_env.json  relative paths only: the bundle is self-contained and can be copied to any head node
+    composer/, components/  a copy of the composer code the entry point and the Ray workers import
     README.md      what the bundle does, what the cluster needs, native flags vs plugin
     reward.py      OpenRLHF reward function over the spec's verifier (runs without a guide)
     agent.py       OpenRLHF AgentExecutor for the spec's guide (runs with one)
@@ -19,6 +20,7 @@ import math
 import os
 import random
 import shlex
+import shutil
 from pathlib import Path
 
 from composer.backends.openrlhf import OPENRLHF_VERSION, parser
@@ -26,6 +28,7 @@ from composer.backends.openrlhf.batch import encode_label, label_of
 from composer.backends.openrlhf.flags import Inputs, Layout, Run, build_runs
 
 HOOK = "composer.backends.openrlhf.hooks.setup_worker"
+PACKAGES = ("composer", "components")  # copied into the bundle: the working_dir puts them on every worker's path
 
 
 class BundleError(Exception):
@@ -105,7 +108,7 @@ def write_data(v, out: Path, eos: str | None) -> tuple[dict, Inputs]:
     inputs = Inputs(policy_path="", source_paths={}, train_file="data/train.jsonl", train_rows=need,
                     eval_file=eval_file, max_prompt_chars=max(len(e.prompt) for e in every),
                     max_solution_chars=max(len(e.solution or "") for e in every), sft_eos=eos,
-                    toy=spec.data.train is None)
+                    toy=spec.data.train is None, max_problem_chars=max(len(e.problem or e.prompt) for e in every))
     return {"train": len(rows), "eval": sum(len(x) for x in evals.values())}, inputs
 
 
@@ -141,7 +144,9 @@ def compile_bundle(v, out: Path, layout: Layout) -> dict:
     """Write the bundle for validated spec `v` into `out`. Raises Unsupported, parser.ArgsError, BundleError."""
     from composer.plan import compile_plan
 
+    parser.require()
     plan = compile_plan(v, backend="openrlhf")
+    plan["file"] = spec_name(v.loaded.file)
     out.mkdir(parents=True, exist_ok=True)
     policy, sources = _models(v)
     counts, inputs = write_data(v, out, _eos(policy, v))
@@ -166,7 +171,8 @@ def compile_bundle(v, out: Path, layout: Layout) -> dict:
     (out / "command.txt").write_text("\n".join(commands) + "\n")
     env = runtime_env(layout)
     (out / "runtime_env.json").write_text(json.dumps(env, indent=1) + "\n")
-    (out / "launch.sh").write_text(launch_script(v.spec.name, commands, layout))
+    (out / "launch.sh").write_text(launch_script(v.spec.name, [entry_words(r) for r in runs], layout))
+    ship_code(out)
     os.chmod(out / "launch.sh", 0o755)
     if any(not r.plugin.get("agent") and r.trainer == "ppo" for r in runs):
         r = next(r for r in runs if not r.plugin.get("agent") and r.trainer == "ppo")
@@ -175,6 +181,16 @@ def compile_bundle(v, out: Path, layout: Layout) -> dict:
         (out / "agent.py").write_text(agent_file(v.spec.name))
     (out / "README.md").write_text(readme(v, plan, runs, layout, inputs, warnings, commands))
     return plan
+
+
+def spec_name(file) -> str:
+    """The spec's path as the bundle records it: relative to the current folder when under it, else its name
+    (no path of the compiling machine goes into a bundle)."""
+    p = Path(str(file))
+    try:
+        return str(p.resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return p.name
 
 
 def _launch_checks(run: Run, args) -> None:
@@ -190,38 +206,70 @@ def _launch_checks(run: Run, args) -> None:
 
 
 def command(run: Run) -> str:
-    return " ".join(["python", "-m", "composer.backends.openrlhf", "--plan", "plan.json", "--run", run.name, "--"]
-                    + [shlex.quote(a) for a in run.argv])
+    """The run's full command line, for people (command.txt); launch.sh starts the short form, `entry_words`."""
+    return " ".join(entry_words(run) + ["--"] + [shlex.quote(a) for a in run.argv])
 
 
-def runtime_env(layout: Layout) -> dict:
+def entry_words(run: Run) -> list[str]:
+    """The entry point of one run as separate words: the arguments come from plan.json (the same list as
+    command.txt), so nothing here needs quoting for the shell the Ray job supervisor runs it with."""
+    return ["python", "-m", "composer.backends.openrlhf", "--plan", "plan.json", "--run", run.name]
+
+
+def ship_code(out: Path) -> None:
+    """Copy the composer's packages into the bundle (replacing an earlier copy), so the bundle runs from any
+    folder of any machine: the job's working_dir is first on the path of the entry point and of every worker."""
     import components
     import composer
 
+    for pkg in (composer, components):
+        dest = out / pkg.__name__
+        if dest.is_dir() and not dest.is_symlink():
+            shutil.rmtree(dest)
+        shutil.copytree(os.path.dirname(os.path.abspath(pkg.__file__)), dest,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+
+
+def runtime_env(layout: Layout) -> dict:
+    """Relative paths only: `ray job submit` runs in the bundle folder and uploads it as the working_dir."""
     return {
         "working_dir": ".",
-        "py_modules": [os.path.dirname(os.path.abspath(composer.__file__)),
-                       os.path.dirname(os.path.abspath(components.__file__))],
         "worker_process_setup_hook": HOOK,
         "env_vars": {"COMPOSER_PLAN": "plan.json", "COMPOSER_JOB": "1"},
         "excludes": ["__pycache__", "*.pyc"],
     }
 
 
-def launch_script(name: str, commands: list[str], layout: Layout) -> str:
-    entry = " && ".join(commands)
+def entrypoint(runs_words: list[list[str]], extra: list[str] = ()) -> list[str]:
+    """The words after `ray job submit --`: Ray's CLI joins them with spaces (list2cmdline) and its job
+    supervisor runs the line with `sh`; runs are chained with a bare `&&` word, `extra` ends each run's words."""
+    out: list[str] = []
+    for words in runs_words:
+        out += (["&&"] if out else []) + words + list(extra)
+    return out
+
+
+def launch_script(name: str, runs_words: list[list[str]], layout: Layout) -> str:
+    # $CHECK is left unquoted on purpose: empty, it is no word at all
+    entry = " ".join(w if w == "$CHECK" else shlex.quote(w) for w in entrypoint(runs_words, ["$CHECK"]))
     wandb = ""
     if layout.wandb_project:
         wandb = ('if [ -n "${WANDB_API_KEY:-}" ]; then\n  ENV=$(python3 -c \'import json,os,sys; e=json.load(sys.stdin); '
                  'e["env_vars"]["WANDB_API_KEY"]=os.environ["WANDB_API_KEY"]; print(json.dumps(e))\' <<< "$ENV")\nfi\n')
     return f"""#!/usr/bin/env bash
 # Submit the composer bundle '{name}' to a Ray cluster running OpenRLHF {OPENRLHF_VERSION}.
-# usage: ./launch.sh [HEAD_ADDRESS]   (default: $RAY_ADDRESS, else the local head http://127.0.0.1:8265)
+# usage: ./launch.sh [--check] [HEAD_ADDRESS] [ray job submit options, e.g. --no-wait]
+#   HEAD_ADDRESS: default $RAY_ADDRESS, else the local head http://127.0.0.1:8265
+#   --check: start every run's entry point on the cluster in check mode (plan, OpenRLHF's parser, the worker
+#            setup hook, the shipped code) and exit without training
 set -euo pipefail
 cd "$(dirname "$0")"
+CHECK=""
+if [ "${{1:-}}" = "--check" ]; then CHECK="--check"; shift; fi
 ADDRESS="${{1:-${{RAY_ADDRESS:-http://127.0.0.1:8265}}}}"
+shift || true
 ENV=$(cat runtime_env.json)
-{wandb}exec ray job submit --address "$ADDRESS" --runtime-env-json "$ENV" -- {shlex.quote(entry)}
+{wandb}exec ray job submit --address "$ADDRESS" --runtime-env-json "$ENV" "$@" -- {entry}
 """
 
 
@@ -254,14 +302,18 @@ AgentExecutor = executor_class("plan.json")
 def readme(v, plan, runs: list[Run], layout: Layout, inputs: Inputs, warnings: dict, commands: list[str]) -> str:
     spec = v.spec
     lines = [f"# OpenRLHF bundle: {spec.name}", "", spec.summary, "",
-             f"Compiled from `{v.loaded.file}` by `composer compile --backend openrlhf` for "
+             f"Compiled from `{plan['file']}` by `composer compile --backend openrlhf` for "
              f"{layout.nodes} node(s) x {layout.gpus_per_node} GPU(s). {plan['total_steps']} steps in "
              f"{len(runs)} OpenRLHF run(s): {', '.join(r.name for r in runs)}.", "",
              "## Launch", "", "```bash", "./launch.sh                      # head at $RAY_ADDRESS or http://127.0.0.1:8265",
-             "./launch.sh http://HEAD:8265     # another head", "```", "",
-             "`ray job submit` ships this folder (working_dir) and the composer's `composer/` and `components/` "
-             "packages (py_modules, paths of the compiling machine; edit runtime_env.json to move them); every Ray "
-             f"worker runs `{HOOK}` at start, which installs the plugin. Runs, in order (command.txt):", ""]
+             "./launch.sh http://HEAD:8265     # another head",
+             "./launch.sh --check              # start the entry points on the cluster, check, exit (no training)",
+             "```", "", "The bundle is self-contained: copy the whole folder to the head node (any path) and run "
+             "`./launch.sh` there. `ray job submit` uploads this folder as the job's working_dir, with the copy of "
+             "the composer's `composer/` and `components/` packages it holds (runtime_env.json has relative paths "
+             f"only); every Ray worker runs `{HOOK}` at start, which installs the plugin. Runs, in order "
+             "(command.txt; launch.sh starts each as `python -m composer.backends.openrlhf --plan plan.json --run "
+             "NAME`, which reads the same arguments from plan.json):", ""]
     lines += ["```", *commands, "```", "",
               "## What the cluster needs", "",
               f"- OpenRLHF {OPENRLHF_VERSION} with its GPU stack: vLLM, DeepSpeed, flash-attn (and Ray on every node).",

@@ -51,6 +51,7 @@ class Inputs:
     max_solution_chars: int
     sft_eos: str | None = None  # eos text appended to SFT targets (None: OpenRLHF appends " " + eos)
     toy: bool = True
+    max_problem_chars: int = 0  # the {problem} a judge prompt shows (0: bounded by max_prompt_chars)
 
 
 @dataclass
@@ -325,7 +326,8 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
     a.add("train.num_episodes", max(1, math.ceil(t.steps * pps / rows)))
     max_new = r.max_new_tokens if not inputs.toy else min(r.max_new_tokens, _toy_cap(spec))
     extra = _guide_room(specs, inputs)
-    a.add("data.max_len", inputs.max_prompt_chars + extra + max_new)
+    a.add("data.max_len", _max_len(run, specs, [where] * len(specs), inputs, model, inputs.max_prompt_chars + extra + max_new,
+                                   extra + max_new))
     a.add("rollout.max_new_tokens", max_new)
     a.add("rollout.temperature", r.temperature)
     a.add("rollout.top_p", r.top_p)
@@ -360,7 +362,7 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
     if guided:
         p["agent"] = True
         a.add("train.agent_func_path", "agent.py")
-        _check_guides(specs, where, inputs)
+        _check_guides(specs, [where] * len(specs), inputs)
         run.via_plugin.append("guides: agent.py (an OpenRLHF AgentExecutor generated from the spec) runs the "
                               "guide through llm_engine.generate, returns trainable spans and the reward, and "
                               "carries per-sample provenance in the label / extra_logs; the guide follows the "
@@ -438,6 +440,94 @@ def _guide_room(specs, inputs: Inputs) -> int:
         elif g.kind_name() == "intervention":
             room = max(room, (g.max_reviews or 1) * (g.max_correction_tokens + 2))
     return room
+
+
+def _context_limit(path: str | None) -> int | None:
+    """The model's position limit from its config.json (None: not a readable local model)."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError, TypeError):
+        return None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(cfg.get(key), int) and cfg[key] > 0:
+            return cfg[key]
+    return None
+
+
+def _judge_lengths(spec, inputs: Inputs, response: int) -> tuple[str, int, int, int] | None:
+    """(judge source, shortest and longest judge prompt, answer budget) of a model judge, in characters
+    (an upper bound on tokens). The prompt is the judge template with the problem, the accepted steps
+    ({accepted}, joined with step_split) and the new steps ({steps}, numbered "i:" one per line), plus each
+    context source (a reference solution, or another response); accepted + new <= the response. The longest
+    prompt counts every step at its shortest (one separator each); the shortest counts no numbering."""
+    g = spec.rollout.guide
+    if g.kind_name() != "intervention":
+        return None
+    src = spec.sources[g.judge]
+    if src.kind_name() != "policy_model":
+        return None
+    if src.template:
+        template = src.template
+    elif inputs.toy:
+        from components.tasks.toy import TEMPLATES
+
+        template = TEMPLATES["judge"]
+    else:
+        return None  # refused by _check_guides
+    problem = inputs.max_problem_chars or inputs.max_prompt_chars
+    context = sum(max(inputs.max_solution_chars, response) for _ in src.context)
+    steps = response // max(1, len(g.step_split)) + 1
+    numbering = steps * (len(str(steps)) + 2)  # "i:" and the newline of each new step
+    shortest = len(template) + problem + response + context
+    answer = 16 + 2 * g.max_correction_tokens  # components/guides/judges.py ModelJudge.max_tokens
+    return g.judge, shortest, shortest + numbering, answer
+
+
+def _max_len(run: Run, specs, where, inputs: Inputs, model: str, rollout: int, response: int) -> int:
+    """--data.max_len, which OpenRLHF also passes to vLLM as max_model_len: room for the rollout and for the
+    longest call of a judge that generates on the policy engine (a `self` judge). External judges get their
+    own engine's max_model_len (plugin judge_max_len). Where the longest judge prompt passes the model's
+    position limit, the limit is used: the agent skips a review whose prompt does not fit (it must check the
+    length; see plugin lengths). Refused when even the shortest judge call cannot fit."""
+    limit = _context_limit(model)
+    self_need, ext_need, answer, longest = 0, 0, 0, 0
+    for spec, w in zip(specs, where):
+        j = _judge_lengths(spec, inputs, response)
+        if j is None:
+            continue
+        name, lo, hi, ans = j
+        src = spec.sources[name]
+        own = limit if src.is_self else _context_limit(inputs.source_paths.get(name))
+        if own is not None and lo + ans > own:
+            raise Unsupported(w + ("sources", name), f"the judge's prompt (up to {lo} tokens before step numbers: "
+                              f"template, problem, response, context) plus its answer ({ans}) exceed the "
+                              f"{'policy' if src.is_self else 'judge'} model's context of {own} tokens",
+                              "shorten rollout.max_new_tokens, max_reviews or max_correction_tokens, or the template")
+        need = hi + ans if own is None else min(hi + ans, own)
+        if src.is_self:
+            self_need = max(self_need, need)
+        else:
+            ext_need = max(ext_need, need)
+        answer, longest = max(answer, ans), max(longest, hi)
+    max_len = max(rollout, self_need)
+    if limit is not None and rollout > limit:
+        raise Unsupported(("rollout", "max_new_tokens"), f"prompt + guide room + response ({rollout} tokens) exceed "
+                          f"the policy model's context of {limit} tokens", "lower rollout.max_new_tokens")
+    run.plugin["lengths"] = {"rollout": rollout, "max_len": max_len, "judge_prompt_max": longest,
+                             "judge_answer": answer}
+    run.plugin["judge_max_len"] = ext_need or None
+    if self_need > rollout:
+        run.native.append(f"data.max_len {max_len} (vLLM's max_model_len): the rollout needs {rollout}, the longest "
+                          f"self-judge call {self_need}")
+        run.notes.append(f"the agent keeps rollouts within {rollout} tokens (plugin lengths.rollout), not data.max_len")
+    if longest + answer > max(max_len, ext_need or 0) and answer:
+        run.notes.append("a judge prompt longer than the model's context minus the answer budget is skipped (the "
+                         "review keeps the steps)")
+    return max_len
 
 
 def _check_guides(specs, where, inputs: Inputs) -> None:

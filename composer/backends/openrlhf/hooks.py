@@ -11,7 +11,8 @@ What is patched, and only when the run's plugin section asks for it:
   samples_generator  SamplesGenerator._dispatch_prompts_to_vllm: the trainer step into every label (phases),
                      top_k into vLLM's SamplingParams
   ppo_trainer        BasePPOTrainer.train_step / broadcast_to_vllm / init_checkpoint_states: weights reach
-                     vLLM every sync.every steps; the step counter
+                     vLLM every sync.every steps; the step counter. Also the copies Ray made of them on the
+                     actor classes built from it (PPOTrainer, TrainingActor): see reach_actor_classes
   experience_maker   RemoteExperienceMaker.make_experience_batch: step advantages and teacher prompts
   ppo_actor          ActorPPOTrainer.__init__ / training_step: the composer loss, self-teacher scores
   launcher           RayActorGroup.async_init_model_from_pretrained (driver): the teacher in the reference slot
@@ -26,6 +27,7 @@ import importlib.machinery
 import json
 import os
 import sys
+import types
 
 _STATE: dict = {}
 
@@ -172,7 +174,48 @@ def _patch_trainer(mod) -> None:
         self.samples_generator.composer_step = states.get("global_step", 0)
         return states
 
-    cls.train_step, cls.broadcast_to_vllm, cls.init_checkpoint_states = train_step_, broadcast_to_vllm_, init_checkpoint_states_
+    patched = {"train_step": train_step_, "broadcast_to_vllm": broadcast_to_vllm_,
+               "init_checkpoint_states": init_checkpoint_states_}
+    for name, fn in patched.items():
+        setattr(cls, name, fn)
+    reach_actor_classes(mod, cls, patched)  # PPOTrainer, built in this module before this hook ran
+    when_imported("openrlhf.trainer.ppo_trainer_async", lambda m: reach_actor_classes(m, cls, patched))
+
+
+def reach_actor_classes(mod, base: type, patched: dict) -> list[str]:
+    """Point the actor classes of `mod` built from subclasses of `base` at the patched methods.
+
+    `@ray.remote class PPOTrainer(BasePPOTrainer)` runs while the module executes, before any post-import
+    hook: Ray subclasses it (`__ray_metadata__.modified_class`, the class it pickles by value and
+    instantiates in the actor's worker) and sets a tracing wrapper of every method, inherited ones
+    included, on that subclass (ray/actor.py `_make_actor` -> `_inject_tracing_into_class`). Those
+    wrappers hold the original functions, so patching `base` alone never reaches the actor; the copies
+    on the shipped class are replaced here (unless the user class overrides the method). Returns the
+    patched "Class.method" names."""
+    done = []
+    for obj in list(vars(mod).values()):
+        meta = getattr(obj, "__ray_metadata__", None) if not isinstance(obj, types.ModuleType) else None
+        shipped = getattr(meta, "modified_class", None)
+        if not (isinstance(shipped, type) and issubclass(shipped, base)):
+            continue
+        user = getattr(shipped, "__ray_actor_class__", shipped)
+        for name, fn in patched.items():
+            if getattr(user, name, None) is fn:  # inherited from base, not overridden
+                setattr(shipped, name, _actor_method(fn))
+                done.append(f"{user.__name__}.{name}")
+    return done
+
+
+def _actor_method(fn):
+    """`fn` with the `_ray_trace_ctx` keyword Ray's tracing wrappers accept (Ray passes it to actor methods
+    when tracing is on)."""
+
+    @functools.wraps(fn)
+    def method(self, *args, _ray_trace_ctx=None, **kwargs):
+        return fn(self, *args, **kwargs)
+
+    method.__composer_patch__ = fn
+    return method
 
 
 def _patch_experience_maker(mod) -> None:
@@ -285,8 +328,9 @@ def _patch_reference_slot(mod) -> None:
     cls.async_init_model_from_pretrained = async_init_model_from_pretrained
 
 
-def start_judges(judges: dict[str, str]) -> list:
-    """Driver side: one named vLLM actor per external judge model (`composer-judge-<source>`), one GPU each."""
+def start_judges(judges: dict[str, str], max_model_len: int | None = None) -> list:
+    """Driver side: one named vLLM actor per external judge model (`composer-judge-<source>`), one GPU each,
+    with the context the compiler computed for the longest judge prompt plus its answer (plugin judge_max_len)."""
     import ray
 
     @ray.remote(num_gpus=1)
@@ -294,7 +338,8 @@ def start_judges(judges: dict[str, str]) -> list:
         def __init__(self, path: str):
             from vllm import LLM
 
-            self.llm = LLM(path, gpu_memory_utilization=0.85, enforce_eager=True)
+            extra = {"max_model_len": max_model_len} if max_model_len else {}
+            self.llm = LLM(path, gpu_memory_utilization=0.85, enforce_eager=True, **extra)
 
         def generate_ids(self, ids: list, max_tokens: int, greedy: bool = True) -> tuple[list, bool]:
             """(tokens, stopped at EOS) of one continuation of token ids (the guide protocol's Sample)."""

@@ -43,11 +43,29 @@ def hierarchize(args):
     return build(root)
 
 
+MISSING = ("OpenRLHF {version} is not installed here: `compile` checks every command line against its argument "
+           "parser\n    hint: pip install --no-deps openrlhf=={version}   (--no-deps is enough for compiling; "
+           "the cluster needs OpenRLHF with its GPU stack)")
+
+
+def require() -> None:
+    """ImportError with what to install when OpenRLHF's CLI modules are not importable (checked before any
+    file is written). find_spec of a dotted name raises when the parent package is missing, hence `openrlhf` first."""
+    from composer.backends.openrlhf import OPENRLHF_VERSION
+
+    try:
+        ok = importlib.util.find_spec("openrlhf") is not None and all(
+            importlib.util.find_spec(m) is not None for m in MODULES.values())
+    except (ImportError, ValueError):
+        ok = False
+    if not ok:
+        raise ImportError(MISSING.format(version=OPENRLHF_VERSION))
+
+
 def source_path(kind: str) -> str:
     """Path of the installed OpenRLHF CLI module ('ppo' or 'sft'); ImportError when OpenRLHF is missing."""
+    require()
     spec = importlib.util.find_spec(MODULES[kind])
-    if spec is None or not spec.origin:
-        raise ImportError(f"{MODULES[kind]} is not installed (pip install --no-deps openrlhf==0.11.2)")
     return spec.origin
 
 

@@ -1,0 +1,1 @@
+"""Stand-in for pylatexenc (OpenRLHF math grading only)."""
