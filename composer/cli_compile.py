@@ -40,7 +40,7 @@ def compile_(spec, overrides, backend, out, nodes, gpus_per_node, colocate, vllm
     try:
         parser.require()  # before anything is written
         _check_out(folder)
-        compile_bundle(v, folder, layout)
+        _compile_into(folder, lambda tmp: compile_bundle(v, tmp, layout))
     except Unsupported as e:
         where = v.loaded.locate(e.path) if e.path else None
         click.echo(f"{where or spec}: error: {dotted(e.path) or 'spec'}: OpenRLHF cannot express this: {e.reason}"
@@ -64,6 +64,24 @@ def compile_(spec, overrides, backend, out, nodes, gpus_per_node, colocate, vllm
 
 
 BUNDLE_MARKS = ("plan.json", "launch.sh", "args.json")
+
+
+def _compile_into(folder: Path, write) -> None:
+    """Write the bundle into a staging folder beside --out and move it into place only when it is whole: a
+    refused or failed compile leaves --out as it was (absent, empty, or the earlier bundle)."""
+    import os
+    import shutil
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".{folder.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+        if folder.exists():
+            shutil.rmtree(folder)  # empty, or an earlier bundle (_check_out refused anything else)
+        os.rename(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _check_out(folder: Path) -> None:

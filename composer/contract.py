@@ -76,6 +76,10 @@ class Guide(Component):
         """The origins this configuration writes (a guide may write fewer than its kind can)."""
         return type(self).writes
 
+    def describe(self, spec) -> str:
+        """Who writes which tokens besides the policy, in a few words (explain's "what will happen")."""
+        return f"the {self.kind_name()} guide writes {', '.join(self.writes_now()) or 'no'} tokens"
+
     def prepare(self, ctx, examples) -> list:
         """Programs run before the rollouts of `examples` (e.g. a search per problem not searched yet);
         none by default."""

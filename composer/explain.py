@@ -6,18 +6,30 @@ import json
 
 
 def story(plan: dict) -> list[str]:
-    """What will happen, in a few sentences, before the details."""
+    """What will happen, in a few sentences per segment, before the details: who writes which tokens,
+    which tokens get which loss, and what loads."""
     out = []
     for seg in plan["segments"]:
         span = f"steps {seg['start']}-{seg['end'] - 1}" if seg["end"] - seg["start"] > 1 else f"step {seg['start']}"
         where = f"stage '{seg['stage']}'" if seg.get("stage") else (f"phase '{seg['name']}'" if seg["name"] != "main" else "")
-        head = f"{span}" + (f" ({where})" if where else "")
-        trained = sorted({o for t in seg["token_origins"] for o, v in t["origins"].items() if v["loss"]})
-        terms = ", ".join(f"{t['objective']} on {t['signal']}" + (f" x{t['weight']:g}" if t["weight"] != 1 else "")
-                          for t in seg["token_origins"])
-        out.append(f"{head}: {' -> '.join(seg['dataflow'][1:-1] or seg['dataflow'])}; "
-                   f"loss {terms} on {', '.join(trained) or 'no'} tokens.")
+        out.append(f"{span}" + (f" ({where})" if where else "") + ":")
+        out += [f"  writes: {w}" for w in seg.get("writers", [])]
+        for t in seg["token_origins"]:
+            trained = [o for o, v in t["origins"].items() if v["loss"]]
+            weight = f" (weight {t['weight']:g})" if t["weight"] != 1 else ""
+            out.append(f"  learns: {t['objective']} on the {t['signal']} signal{weight}, on "
+                       f"{', '.join(trained) or 'no'} tokens")
+        out.append("  loads: " + ", ".join(_load(m) for m in seg["models"]))
     return out
+
+
+def _load(m: dict) -> str:
+    if m["role"] == "policy":
+        return f"the policy {m['model']} (trained)"
+    if m["role"] == "rollout":
+        return "its rollout copy"
+    role = m["role"].split(":", 1)[-1]
+    return f"'{role}' ({m['model']})" if m["role"].startswith("source:") else f"the {role} policy (frozen)"
 
 
 def text(plan: dict) -> str:
@@ -57,24 +69,51 @@ def text(plan: dict) -> str:
     return "\n".join(lines)
 
 
+def _groups(plan: dict) -> list[tuple[str | None, list[dict]]]:
+    """(segment label, its edges): one group per segment when the spec has phases or stages, else the graph."""
+    segs = plan["segments"]
+    if len(segs) <= 1:
+        return [(None, plan["edges"])]
+    return [(f"{'stage' if s.get('stage') else 'phase'} {s.get('stage') or s['name']}: steps {s['start']}-{s['end'] - 1}",
+             s["edges"]) for s in segs]
+
+
 def mermaid(plan: dict) -> str:
+    """Mermaid flowchart; a phased or staged spec draws each segment's graph in a subgraph of its own."""
     lines = ["graph LR"]
     ids = {}
 
-    def nid(name):
-        return ids.setdefault(name, f"n{len(ids)}")
+    def nid(k, name):
+        return ids.setdefault((k, name), f"n{len(ids)}")
 
-    for e in plan["edges"]:
-        label = f"|{e['field'].rstrip('_')}|" if e["field"] else ""
-        lines.append(f"  {nid(e['from'])}[\"{e['from']}\"] -->{label} {nid(e['to'])}[\"{e['to']}\"]")
+    for k, (label, edges) in enumerate(_groups(plan)):
+        pad = "  "
+        if label:
+            lines.append(f"  subgraph s{k}[\"{label}\"]")
+            pad = "    "
+        for e in edges:
+            arrow = f"|{e['field'].rstrip('_')}|" if e["field"] else ""
+            lines.append(f"{pad}{nid(k, e['from'])}[\"{e['from']}\"] -->{arrow} {nid(k, e['to'])}[\"{e['to']}\"]")
+        if label:
+            lines.append("  end")
     return "\n".join(lines)
 
 
 def dot(plan: dict) -> str:
+    """Graphviz; a phased or staged spec draws each segment as a cluster."""
     lines = [f"digraph \"{plan['name']}\" {{", "  rankdir=LR;"]
-    for e in plan["edges"]:
-        label = f" [label=\"{e['field'].rstrip('_')}\"]" if e["field"] else ""
-        lines.append(f"  \"{e['from']}\" -> \"{e['to']}\"{label};")
+    for k, (label, edges) in enumerate(_groups(plan)):
+        pad, pre = "  ", ""
+        if label:
+            lines += [f"  subgraph cluster_{k} {{", f"    label=\"{label}\";"]
+            pad, pre = "    ", f"s{k}:"
+            names = {n for e in edges for n in (e["from"], e["to"])}
+            lines += [f"{pad}\"{pre}{n}\" [label=\"{n}\"];" for n in sorted(names)]
+        for e in edges:
+            attr = f" [label=\"{e['field'].rstrip('_')}\"]" if e["field"] else ""
+            lines.append(f"{pad}\"{pre}{e['from']}\" -> \"{pre}{e['to']}\"{attr};")
+        if label:
+            lines.append("  }")
     lines.append("}")
     return "\n".join(lines)
 

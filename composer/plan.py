@@ -83,6 +83,8 @@ def _behaviour(origin: str, spec) -> str | None:
     """Where the behaviour log-probs of `origin` tokens come from, as the run computes them."""
     if origin == "prompt":
         return None
+    if origin == "demonstration":
+        return "none needed: reference text, teacher-forced"
     if origin == "policy":
         return "exact: the sampling log-probs of the rollout weights that wrote them"
     if origin in scored_origins(spec):
@@ -127,8 +129,34 @@ def _dataflow(spec) -> list[str]:
     return flow
 
 
+def _writers(spec) -> list[str]:
+    """Who writes the tokens of this segment's batches, in words (explain's "what will happen")."""
+    out = []
+    for name, sig, _obj, _w in terms(spec):
+        if sig is not None and sig.makes_batch:
+            out.append(f"{name}: no rollout, {sig.describe(spec)}")
+    if rolls_out(spec):
+        lag = "synced every step" if spec.sync.every == 1 else f"a lagged sampler, synced every {spec.sync.every} steps"
+        out.append(f"the policy's rollout copy ({lag}) samples {spec.rollout.samples_per_prompt} response(s) per "
+                   f"prompt at temperature {spec.rollout.temperature:g}")
+        guide = spec.rollout.guide.describe(spec)
+        if guide:
+            out.append(guide)
+    return out
+
+
 def _component(c) -> dict:
     return {"kind": c.kind_name(), **c.model_dump(mode="json", by_alias=True, exclude={"kind"})}
+
+
+def _edges(spec) -> list[dict]:
+    g, _ = graph.build(spec)
+    out = []
+    for a, b, d in g.edges(data=True):
+        e = {"from": a, "to": b, "field": d.get("field")}
+        if e not in out:
+            out.append(e)
+    return out
 
 
 def _segment(seg: Segment) -> dict:
@@ -141,8 +169,10 @@ def _segment(seg: Segment) -> dict:
         "reference": spec.train.reference,
         "sync": spec.sync.model_dump(mode="json"),
         "dataflow": _dataflow(spec),
+        "writers": _writers(spec),
         "token_origins": _origins(spec),
         "models": _models(spec),
+        "edges": _edges(spec),
         "spec": seg.data,
     }
 
@@ -162,11 +192,9 @@ def compile_plan(v: Validated, backend: str | None = None) -> dict:
         sources[name] = {"kind": kind, "pi": what, "pi_time": when, "usage": sorted(use.get(name, ()))}
     edges = []
     for seg in v.segments:  # every segment's graph: a staged spec's sources are read by its stages
-        g, _ = graph.build(seg.spec)
-        for a, b, d in g.edges(data=True):
-            e = {"from": a, "to": b, "field": d.get("field")}
-            if e not in edges:
-                edges.append(e)
+        edges += [e for e in _edges(seg.spec) if e not in edges]
+    train = spec.train.model_dump(mode="json")
+    train["steps"] = v.total_steps  # a staged run's steps are its stages' sum (each segment has its own)
     return {
         "name": spec.name,
         "summary": spec.summary,
@@ -178,7 +206,7 @@ def compile_plan(v: Validated, backend: str | None = None) -> dict:
         "sources": sources,
         "segments": [_segment(s) for s in v.segments],
         "edges": edges,
-        "train": spec.train.model_dump(mode="json"),
+        "train": train,
         "rollout": {k: v for k, v in spec.rollout.model_dump(mode="json").items() if k != "guide"},
         "rollout_engine": engine_note(spec.rollout),
         "data": spec.data.model_dump(mode="json"),

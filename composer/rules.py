@@ -303,15 +303,21 @@ def term_weight_positive(spec, segment):
 
 @rule("phases_run")
 def phases_run(spec, segment):
-    """A phase that starts at or after train.steps never runs (a quick `train.steps=3` override)."""
+    """A phase that starts at or after train.steps never runs, and one whose `until` lies beyond it is cut
+    short (a guide meant to switch off never does). Warnings here; `validate_loaded` makes them errors
+    unless train.steps came from a command-line override (a quick `train.steps=3` run)."""
     if segment != "base" or not spec.phases:
         return []
-    out, start = [], 0
+    out, start, steps = [], 0, spec.train.steps
     for i, ph in enumerate(spec.phases):
-        if start >= spec.train.steps:
+        if start >= steps:
             out.append(_d("phases_run", f"phase {i} starts at step {start}, but the run has train.steps = "
-                          f"{spec.train.steps}: it never runs", ("phases", i),
+                          f"{steps}: it never runs", ("phases", i),
                           "raise train.steps, or move the phase's `until`", severity="warning"))
+        elif ph.until > steps:
+            out.append(_d("phases_run", f"phase {i} runs until step {ph.until}, beyond the run's last step "
+                          f"(train.steps = {steps}): it is cut at step {steps}", ("phases", i, "until"),
+                          f"set its `until` to at most {steps}, or raise train.steps", severity="warning"))
         start = max(start, ph.until)
     return out
 

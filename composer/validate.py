@@ -303,6 +303,11 @@ def validate_loaded(loaded: LoadedSpec) -> Validated:
 
     # layer 4: method semantics, on the base spec and each segment
     diags = _locate(rules.check(spec, "base"), loaded)
+    steps_at = loaded.locate(("train", "steps"))
+    if not (steps_at and steps_at.file.startswith("<override")):  # phases the file itself does not run
+        for d in diags:
+            if d.rule == "phases_run":
+                d.severity = "error"
     for seg in segments:
         d = rules.check(seg.spec, seg.name)
         for x in d:

@@ -234,8 +234,13 @@ CASES = [
     Case("staged_top_level_steps_override", HEAD + GRPO + "stages:\n  - {name: a, train: {steps: 5}}\n",
          "train.steps", 1, "does not apply to a staged spec", rule="staged_steps", overrides=["train.steps=3"],
          where="<override 'train.steps=3'>"),
-    Case("phase_never_runs_is_a_warning", HEAD + GRPO + "train: {steps: 10}\nphases:\n  - {until: 10}\n"
-         "  - {until: 20}\n", "phases[1]", 9, "never runs", rule="phases_run", exit=0),
+    Case("phase_never_runs_in_the_file", HEAD + GRPO + "train: {steps: 10}\nphases:\n  - {until: 10}\n"
+         "  - {until: 20}\n", "phases[1]", 9, "never runs", rule="phases_run"),
+    Case("phase_cut_short_in_the_file", HEAD + GRPO + "train: {steps: 15}\nphases:\n  - {until: 10}\n"
+         "  - {until: 20}\n", "phases[1].until", 9, "beyond the run's last step", rule="phases_run"),
+    Case("phase_never_runs_after_a_quick_override_is_a_warning", HEAD + GRPO + "train: {steps: 20}\nphases:\n"
+         "  - {until: 10}\n  - {until: 20}\n", "phases[1]", 9, "never runs", rule="phases_run",
+         overrides=["train.steps=5"], exit=0),
     Case("template_unknown_field", HEAD + "  reference: {kind: reference_solution}\n  teacher: {kind: policy_model, "
          "model: self, weights: initial, context: [reference], template: \"{reference} {problem} {solution}\"}\n"
          "signal: {kind: distillation, teacher: teacher}\nobjective: {kind: divergence}\n",

@@ -45,6 +45,18 @@ class InterventionGuide(Guide):
     def writes_now(self) -> tuple[str, ...]:
         return () if self.max_reviews == 0 else ("guide_intervention",)
 
+    def describe(self, spec) -> str:
+        src = spec.sources[self.judge]
+        who = f"'{self.judge}' ({getattr(src, 'model', None) or src.kind_name()})"
+        which = (f"{spec.rollout.samples_per_prompt - self.control_samples} of every "
+                 f"{spec.rollout.samples_per_prompt} rollouts") if self.control_samples else "every rollout"
+        when = (f"every {self.chunk_tokens} policy tokens" if self.review == "chunk" else "once, when a rollout "
+                "ends wrong")
+        if self.max_reviews == 0:
+            return f"judge {who} never reviews (max_reviews 0)"
+        return (f"judge {who} reviews {which} {when} (at most {self.max_reviews} review{'s' if self.max_reviews > 1 else ''}) and replaces the first "
+                f"wrong step with up to {self.max_correction_tokens} guide_intervention tokens")
+
     def preflight(self, ctx) -> None:
         check_judge_placement(ctx, self.judge, self)
 

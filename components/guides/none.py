@@ -16,6 +16,9 @@ class NoGuide(Guide):
 
     kind: Literal["none"] = Field("none", description="Component kind.")
 
+    def describe(self, spec) -> str:
+        return ""
+
     def row(self, ctx, example, index: int, n: int):
         """One sample of the policy to the end of its budget."""
         return plain_row(ctx, example)

@@ -45,6 +45,12 @@ class PrefixGuide(Guide):
     def writes_now(self) -> tuple[str, ...]:
         return ("guide_prefix",) if self.placement == "response" else ()
 
+    def describe(self, spec) -> str:
+        k = "the shortest prefix the initial policy can finish" if self.search == "minimal" else "a fixed prefix"
+        where = "in the prompt" if self.placement == "prompt" else "as guide_prefix tokens at the start of the response"
+        return (f"{self.guided_fraction:.0%} of prompts carry {k} of '{self.reference}' (at most "
+                f"{self.max_fraction:g} of its steps) {where}")
+
     # ---- the protocol ----
     def prepare(self, ctx, examples):
         """The minimal search for every guided problem not searched before (one program per problem)."""

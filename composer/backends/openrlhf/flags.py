@@ -245,6 +245,12 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
     terms = [tt for s in specs for tt in _terms(s)]
     native = all(_native_grpo(s) for s in specs) and len({repr(_terms(s)[0][2]) for s in specs}) == 1
     kinds = {o.kind_name() for _, _, o, _ in terms}
+    frozen = any(o is not None and o.wants_initial for _, _, o, _ in terms) or any(
+        src.kind_name() == "policy_model" and src.is_self and src.weights == "initial" for src in spec.sources.values())
+    if frozen and t.reference == "run_start" and model != inputs.policy_path:
+        raise Unsupported(where + ("train", "reference"), "OpenRLHF loads the frozen reference from the stage's starting "
+                          "model (the previous stage's output), so it cannot hold the weights of the run's start",
+                          "use train.reference: stage_start (the default, the same on both backends)")
     p = run.plugin
     p.update(loss=not native, agent=False, reward_source=None, verifier="none", teachers={}, ref="initial",
              ema_beta=None, sync=any(s.sync.every > 1 for s in specs), top_k=r.top_k)
