@@ -23,9 +23,21 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 from composer.registry import Component
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """A generation a guide asks of a model other than the rollout itself (a model judge): what backends size
+    engine contexts by. `weights` is the source's weights (`current`, `initial`, `ema`)."""
+
+    source: str
+    answer_tokens: int
+    step_split: str
+    weights: str = "current"
 
 
 class Runtime:
@@ -54,6 +66,16 @@ class Source(Component):
     def preflight(self, ctx, name: str) -> None:
         """Checks that must fail before any training (nothing by default)."""
 
+    @property
+    def wants_initial(self) -> bool:
+        """Reads the frozen initial policy (a `weights: initial` self-teacher or judge); False by default."""
+        return False
+
+    @property
+    def needs_step_checker(self) -> bool:
+        """Works only on a task with a programmatic step checker (the toy testbed's oracle); False by default."""
+        return False
+
     def build(self, ctx, name: str):
         """The runtime object of this source in a run (the config itself by default)."""
         return self
@@ -71,10 +93,20 @@ class Guide(Component):
     """Base of every rollout guide: rollouts are programs of requests (composer/runtime/protocol.py)."""
 
     writes: ClassVar[tuple[str, ...]] = ()  # token origins besides the policy's that it writes
+    plain: ClassVar[bool] = False  # True only for plain sampling (no program beyond one continuation)
 
     def writes_now(self) -> tuple[str, ...]:
         """The origins this configuration writes (a guide may write fewer than its kind can)."""
         return type(self).writes
+
+    def extra_tokens(self, spec, max_solution_tokens: int) -> int:
+        """Tokens this guide may add to a rollout beyond prompt + rollout.max_new_tokens (a prefix placed in
+        the prompt, judge corrections): backends size contexts with it. 0 by default."""
+        return 0
+
+    def model_calls(self, spec) -> list[ModelCall]:
+        """Generations this guide asks of models other than the rollout (a model judge); none by default."""
+        return []
 
     def describe(self, spec) -> str:
         """Who writes which tokens besides the policy, in a few words (explain's "what will happen")."""
@@ -131,6 +163,11 @@ class Signal(Component):
     def teacher_source(self) -> str | None:
         """The policy_model source whose log-probs this signal reads (None: none)."""
         return None
+
+    @property
+    def targets_rows(self) -> bool:
+        """Trains on part of each rollout, chosen after it finished (`row_target` returns programs)."""
+        return False
 
     def row_target(self, ctx, example, trace):
         """For backends that build the batch row by row (OpenRLHF's agent): a program returning (trace,

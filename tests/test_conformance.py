@@ -25,7 +25,7 @@ import pytest
 import torch
 import yaml
 
-from composer.origins import CODE, ORIGINS
+from composer.origins import ORIGINS
 from composer.plan import compile_plan
 from composer.validate import validate_file
 

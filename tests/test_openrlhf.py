@@ -24,7 +24,7 @@ import torch
 from composer.backends.openrlhf import batch as ob
 from composer.backends.openrlhf import hooks
 from components.sources.policy_model import score_responses as context_scores
-from composer.backends.openrlhf.loss import ComposerLoss, Segments, prepare_step
+from composer.backends.openrlhf.loss import ComposerLoss, Segments, prepare_step, step_batch, take_step_inputs
 from composer.origins import CODE
 from composer.validate import validate_file
 
@@ -259,8 +259,8 @@ def loss_over(plan: dict, plugin: dict, micro: list[Exp], cur_logp, global_rows:
     total = 0.0
     for e in micro:
         lp = cur_logp(e) * e.action_mask
-        advs = {int(k[len("composer/adv"):]): v for k, v in e.info.items() if k.startswith("composer/adv")}
-        fn.ctx = {"experience": e, "advantages": advs, **(ctx_extra or {})}
+        advs, norms = take_step_inputs(dict(e.info))  # as the training-step hook does
+        fn.ctx = {"experience": e, "advantages": advs, "norms": norms, **(ctx_extra or {})}
         loss, *_ = fn(lp, lp.detach(), torch.zeros_like(lp), action_mask=e.action_mask,
                       rollout_log_probs=e.rollout_log_probs, dp_size=1, global_batch_size=torch.tensor(float(global_rows)))
         total = total + loss
@@ -750,3 +750,86 @@ def test_cluster_smoke_script_is_ready():
     d = ROOT / "examples" / "cluster"
     assert subprocess.run(["bash", "-n", str(d / "smoke.sh")]).returncode == 0
     compile((d / "smoke.py").read_text(), "smoke.py", "exec")
+
+
+# ------------------------------------------ micro-batches add up to the whole step (issue 14, D3 and D4)
+
+UNEVEN = [[PR, POL, POL, POL, POL, POL], [PR, PR, POL, PAD, PAD, PAD], [PR, POL, POL, POL, PAD, PAD],
+          [PR, POL, POL, POL, POL, PAD]]  # responses of 5, 1, 3 and 4 tokens
+
+
+def token_logp(e):
+    """Current log-probs that depend on the token ids only, so any regrouping or padding sees the same values."""
+    return -0.3 - 0.05 * e.sequences[:, 1:].float()
+
+
+def whole_step_loss(plan, step, plugin):
+    """The Lightning backend's figure: one batch of the whole step, the objective's own advantages over its
+    groups, then `loss` once (composer/runtime/step.py)."""
+    from composer.batch import PolicyView
+    from composer.terms import terms
+
+    spec = Segments(plan, [0]).at(0)
+    (_n, _s, obj, _w), = terms(spec)
+    full = step_batch(step, 0, trainable_only=True)
+    if step[0].base_action_log_probs is not None and plugin.get("ref") != "initial":
+        full.teacher_logprobs = ob.shift(torch.cat([e.base_action_log_probs for e in step]).float())
+    adv = obj.advantages(step_batch(step, 0))
+    seqs = torch.cat([e.sequences for e in step])
+    view = PolicyView(ob.shift(-0.3 - 0.05 * seqs[:, 1:].float()))
+    value, _ = obj.loss(full, view, adv)
+    return float(value)
+
+
+OBJECTIVES = {
+    "grpo token-mean": ({"kind": "grpo", "kl_coef": 0.0}, {"ref": "initial"}),
+    "grpo seq-mean-token-mean": ({"kind": "grpo", "kl_coef": 0.0, "loss_agg": "seq-mean-token-mean"}, {"ref": "initial"}),
+    "grpo seq-mean-token-sum-norm": ({"kind": "grpo", "kl_coef": 0.0, "loss_agg": "seq-mean-token-sum-norm",
+                                      "norm_const": 8.0}, {"ref": "initial"}),
+    "advantage regression": ({"kind": "advantage_regression", "beta2": 0.1}, {"ref": "initial"}),
+    "sampled reverse KL": ({"kind": "divergence", "kl_coef": 1.0}, {"ref": "teacher", "teachers": {"teacher": {"self": False}}}),
+}
+
+
+@pytest.mark.parametrize("name", OBJECTIVES)
+def test_micro_batches_of_uneven_length_add_up_to_the_whole_step(name):
+    """Whatever the split into micro-batches, the sum of ComposerLoss equals the loss of the whole step as
+    one batch (each term scales by its own normaliser: tokens for token-mean, rows for the seq-means)."""
+    obj, plugin = OBJECTIVES[name]
+    distill = obj["kind"] == "divergence"
+    plan = plan_for({"sources": {"verifier": {"kind": "outcome_reward"},
+                                 "teacher": {"kind": "policy_model", "model": "toy:teacher"}},
+                     "signal": {"kind": "distillation", "teacher": "teacher"} if distill else
+                     {"kind": "reward", "source": "verifier"}, "objective": obj})
+    beh = [[0.0] + [math.log(0.4)] * 5] * 4
+    base = [[0.0] + [math.log(0.3)] * 5] * 4 if distill else None
+    full = experience(UNEVEN, beh, ["a", "a", "b", "b"], rewards=[1.0, 0.0, 1.0, 0.25], base=base)
+    step = [gather([full], [0, 1]), gather([full], [2, 3])]
+    prepare_step(step, Segments(plan, [0]), plugin, _Tok(), None)
+    want = whole_step_loss(plan, step, plugin)
+    assert abs(want) > 1e-3  # a figure that can tell a wrong normaliser
+    for split in ([[0], [1], [2], [3]], [[0, 3], [1, 2]], [[1], [0, 2, 3]], [[0, 1, 2, 3]]):
+        got = loss_over(plan, plugin, [gather(step, rows) for rows in split], token_logp, 4)
+        assert approx(float(got), want), (split, float(got), want)
+
+
+def test_a_row_with_nothing_to_train_adds_no_loss_and_no_gradient():
+    """D3: the agent keeps one action token at weight 0 in a row without an SFT target (so that OpenRLHF's
+    token count is never 0); that token gets neither loss nor gradient, alone or next to trained rows."""
+    plan = plan_for({"sources": {"verifier": {"kind": "outcome_reward"}, "j": {"kind": "oracle"}},
+                     "rollout": {"guide": {"kind": "intervention", "judge": "j"}},
+                     "signal": {"kind": "sft", "target": "guided"},
+                     "objective": {"kind": "cross_entropy", "loss_tokens": ["policy", "guide_intervention"]}})
+    e = experience([[PR, POL, GI], [PR, PR, POL]], [[0.0, -1.0, -1.0]] * 2, ["a", "b"])
+    metas = [ob.decode_label(x) for x in e.labels]
+    metas[1]["weight"] = 0.0  # the placeholder row
+    e.labels = [ob.encode_label(m) for m in metas]
+    prepare_step([e], Segments(plan, [0]), {"ref": "initial"}, _Tok(), None)
+    alone = gather([e], [1])
+    lp = torch.full(alone.action_mask.shape, math.log(0.5), requires_grad=True)
+    loss = loss_over(plan, {"ref": "initial"}, [alone], lambda x: lp, 1)
+    (grad,) = torch.autograd.grad(loss, lp, allow_unused=True)
+    assert float(loss) == 0.0 and (grad is None or not grad.any())
+    both = loss_over(plan, {"ref": "initial"}, [gather([e], [0, 1])], lambda x: torch.full(x.action_mask.shape,
+                                                                                       math.log(0.5)), 2)
+    assert approx(float(both), L2)  # the trained row's two tokens at ln 2 each, token mean: the placeholder is not counted

@@ -15,8 +15,8 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from components.guides.judges import MALFORMED, REVISE, check_judge_placement, make_judge
-from composer.contract import Guide
+from components.guides.judges import MALFORMED, REVISE, VERDICT_TOKENS, check_judge_placement, make_judge
+from composer.contract import Guide, ModelCall
 from composer.registry import register
 from composer.runtime.protocol import Sample, Trace
 
@@ -44,6 +44,17 @@ class InterventionGuide(Guide):
 
     def writes_now(self) -> tuple[str, ...]:
         return () if self.max_reviews == 0 else ("guide_intervention",)
+
+    def extra_tokens(self, spec, max_solution_tokens: int) -> int:
+        return (self.max_reviews or 1) * (self.max_correction_tokens + 2)  # each correction and its separator
+
+    def model_calls(self, spec) -> list[ModelCall]:
+        """A model judge's calls: a verdict, then a correction (components/guides/judges.py)."""
+        src = spec.sources[self.judge]
+        if src.needs_step_checker or self.max_reviews == 0:
+            return []
+        return [ModelCall(self.judge, max(VERDICT_TOKENS, self.max_correction_tokens), self.step_split,
+                          src.weights)]
 
     def describe(self, spec) -> str:
         src = spec.sources[self.judge]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -15,6 +15,8 @@ class NoGuide(Guide):
     """Plain sampling: the policy writes every response token; every rollout is a control rollout."""
 
     kind: Literal["none"] = Field("none", description="Component kind.")
+
+    plain: ClassVar[bool] = True
 
     def describe(self, spec) -> str:
         return ""

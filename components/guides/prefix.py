@@ -45,6 +45,9 @@ class PrefixGuide(Guide):
     def writes_now(self) -> tuple[str, ...]:
         return ("guide_prefix",) if self.placement == "response" else ()
 
+    def extra_tokens(self, spec, max_solution_tokens: int) -> int:
+        return max_solution_tokens + len(self.instruction) + 8  # the prefix (never the whole reference) in the prompt
+
     def describe(self, spec) -> str:
         k = "the shortest prefix the initial policy can finish" if self.search == "minimal" else "a fixed prefix"
         where = "in the prompt" if self.placement == "prompt" else "as guide_prefix tokens at the start of the response"

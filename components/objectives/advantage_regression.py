@@ -163,6 +163,9 @@ class AdvantageRegression(Objective):
             out.update(v_hat_mean=float(v_hat.float().mean()), baseline_fallback_groups=float(fallback))
         return out
 
+    def normalizer(self, batch: TrajectoryBatch) -> Tensor:
+        return batch.weights().float().sum()  # regression_loss: sum_i w_i (...)^2 / sum_i w_i
+
     def loss(self, batch: TrajectoryBatch, cur: PolicyView, adv: Tensor) -> tuple[Tensor, dict[str, float]]:
         mask = self.loss_mask(batch)  # [B, T]
         log_ratio = sequence_log_ratio(cur.logprobs, self.anchor_logprobs(batch), mask)  # [B]

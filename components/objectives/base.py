@@ -71,6 +71,13 @@ class Objective(Component):
     def loss(self, batch, view, adv) -> tuple[Tensor, dict[str, float]]:
         raise NotImplementedError
 
+    def normalizer(self, batch) -> Tensor:
+        """What `loss` divides its sum by on `batch` (a scalar tensor). A backend that splits a step into
+        micro-batches (OpenRLHF) scales each micro-batch's loss by normalizer(micro) / normalizer(step), so
+        the micro-batches add up to the loss of the whole step, as one batch would give it. Default: the
+        rows with at least one loss token (a mean over sequences)."""
+        return self.loss_mask(batch).any(-1).sum().float()
+
     def loss_mask(self, batch) -> Tensor:
         """[B, T] bool: tokens of `loss_tokens` origins that are not padding."""
         return batch.mask(self.loss_tokens) & batch.attention_mask
@@ -127,6 +134,21 @@ def aggregate(loss_tok: Tensor, mask: Tensor, mode: str, norm_const: float | Non
         raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGGREGATIONS}")
     s_rows = s * (n_tok > 0).to(s.dtype)  # [B]: rows with no loss token do not count
     return _safe_div((s_rows * per_seq).sum(), s_rows.sum())
+
+
+def aggregate_count(mask: Tensor, mode: str, norm_const: float | None = None,
+                    seq_weight: Tensor | None = None) -> Tensor:
+    """The denominator `aggregate` divides by for (mask, mode, seq_weight): sum m s for token-mean, the
+    weight of rows with a loss token for the seq-means, C for seq-mean-token-sum-norm. -> scalar."""
+    m = mask.float()  # [B, T]
+    s = torch.ones(m.shape[0], device=m.device) if seq_weight is None else seq_weight.float()  # [B]
+    if mode == "token-mean":
+        return (m * s[:, None]).sum()
+    if mode == "seq-mean-token-sum-norm":
+        return torch.tensor(float(norm_const) if norm_const is not None else float(m.shape[1]), device=m.device)
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return (s * (m.sum(-1) > 0).float()).sum()
+    raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGGREGATIONS}")
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:

@@ -60,6 +60,10 @@ class SftSignal(Signal):
             return guided_targets(ctx, batch, self.filter_samples)
         return batch
 
+    @property
+    def targets_rows(self) -> bool:
+        return self.target == "guided"
+
     def row_target(self, ctx, example, trace):
         """One row's InT target (see `guided_targets`): (the trace cut after its intervention, weight 1 when
         kept), or weight 0 for a row without intervention or failing the filter."""

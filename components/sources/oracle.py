@@ -18,3 +18,7 @@ class Oracle(Source):
 
     provides: ClassVar = ("judge",)
     pi: ClassVar[str] = "prior"
+
+    @property
+    def needs_step_checker(self) -> bool:
+        return True

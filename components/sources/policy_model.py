@@ -49,6 +49,10 @@ class PolicyModel(Source):
     def is_self(self) -> bool:
         return self.model == "self"
 
+    @property
+    def wants_initial(self) -> bool:
+        return self.is_self and self.weights == "initial"
+
     @model_validator(mode="after")
     def _template_syntax(self):
         if self.template is not None:

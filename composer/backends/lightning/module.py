@@ -247,4 +247,4 @@ def eval_key(text: str) -> tuple:
 def _needs_initial(spec) -> bool:
     if any(obj.wants_initial for _n, _s, obj, _w in run_step.terms(spec)):
         return True
-    return any(s.kind == "policy_model" and s.weights == "initial" for s in spec.sources.values())
+    return any(s.wants_initial for s in spec.sources.values())

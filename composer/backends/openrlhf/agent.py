@@ -24,7 +24,7 @@ from typing import Optional
 
 from composer.backends.openrlhf.batch import action_ranges, decode_label, encode_label, example_of
 from composer.backends.openrlhf.loss import Segments
-from composer.runtime.protocol import INITIAL, POLICY, Generation, Sample, Score, Trace, run_async
+from composer.runtime.protocol import INITIAL, POLICY, Generation, Score, Trace, run_async
 
 
 class ComposerAgent:

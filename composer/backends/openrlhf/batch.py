@@ -81,7 +81,8 @@ def origins(attention_mask, action_mask, metas: list[dict], trainable_only: bool
     and whatever the label's spans say (guide_prefix / guide_intervention / policy).
 
     trainable_only: tokens outside the action mask count as prompt (the loss view: OpenRLHF computes the
-    current log-probs of action tokens only, so nothing else may get loss)."""
+    current log-probs of action tokens only, so nothing else may get loss), and a row at weight 0 (the
+    agent keeps one action token in it, since OpenRLHF divides by the token count) has none at all."""
     att = attention_mask.bool()
     act = shift(action_mask.bool())  # [B, T]
     B, T = att.shape
@@ -92,6 +93,9 @@ def origins(attention_mask, action_mask, metas: list[dict], trainable_only: bool
             out[i, max(0, start):min(T, end)] = CODE[origin]
     if trainable_only:
         out[~act] = CODE["prompt"]
+        for i, meta in enumerate(metas):  # nothing to train (the agent's one placeholder token): no loss token
+            if meta.get("weight") == 0:
+                out[i][act[i]] = CODE["pad"]
     out[~att] = CODE["pad"]
     return out
 

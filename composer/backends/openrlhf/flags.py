@@ -15,7 +15,6 @@ from typing import Any
 from composer.graph import signal_objective_pairs
 
 NATIVE_AGG = ("token-mean", "seq-mean-token-mean")  # --actor.loss_agg_mode choices
-BEHAVIOUR_KINDS = ("advantage_regression", "divergence", "grpo")  # plugin objectives reading behaviour log-probs
 
 
 class Unsupported(Exception):
@@ -246,7 +245,7 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
     native = all(_native_grpo(s) for s in specs) and len({repr(_terms(s)[0][2]) for s in specs}) == 1
     kinds = {o.kind_name() for _, _, o, _ in terms}
     frozen = any(o is not None and o.wants_initial for _, _, o, _ in terms) or any(
-        src.kind_name() == "policy_model" and src.is_self and src.weights == "initial" for src in spec.sources.values())
+        src.wants_initial for src in spec.sources.values())
     if frozen and t.reference == "run_start" and model != inputs.policy_path:
         raise Unsupported(where + ("train", "reference"), "OpenRLHF loads the frozen reference from the stage's starting "
                           "model (the previous stage's output), so it cannot hold the weights of the run's start",
@@ -256,9 +255,8 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
              ema_beta=None, sync=any(s.sync.every > 1 for s in specs), top_k=r.top_k)
 
     # ---- models and GPUs ----
-    judges = {s.rollout.guide.judge: inputs.source_paths[s.rollout.guide.judge] for s in specs
-              if s.rollout.guide.kind_name() == "intervention" and inputs.source_paths.get(s.rollout.guide.judge,
-                                                                                             "self") != "self"}
+    judges = {c.source: inputs.source_paths[c.source] for s in specs for c in s.rollout.guide.model_calls(s)
+              if inputs.source_paths.get(c.source, "self") != "self"}
     p["judges"] = judges  # external judge models: a named vLLM actor each, on a GPU of its own
     n_gpu = layout.nodes * layout.gpus_per_node - len(judges)
     if judges and layout.nodes > 1 and layout.colocate:
@@ -353,18 +351,18 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
     _common(a, run, spec, layout, "actor.")
 
     # ---- signals: reward, teachers, guides ----
-    rewards = {sig.source for _, sig, _, _ in terms if sig.kind_name() == "reward"}
+    rewards = {n for _, sig, _, _ in terms for names in sig.ref_names().values() for n in names
+               if "sequence_reward" in type(spec.sources[n]).provides}
     if len(rewards) > 1:
         raise Unsupported(("terms",), "OpenRLHF carries one reward per sample; these terms read "
                           f"{len(rewards)} reward sources ({', '.join(sorted(rewards))})", "use one outcome_reward")
-    verifiers = rewards or {n for n, s in spec.sources.items() if s.kind_name() == "outcome_reward"}
+    verifiers = rewards or {n for n, s in spec.sources.items() if "sequence_reward" in type(s).provides}
     if verifiers:
         name = sorted(verifiers)[0]
         p["reward_source"], p["verifier"] = name, spec.sources[name].verifier
         if p["verifier"] == "auto":
             p["verifier"] = "toy" if inputs.toy else "math"
-    guided = any(s.rollout.guide.kind_name() != "none" for s in specs) or any(
-        sig.kind_name() == "sft" and sig.target == "guided" for _, sig, _, _ in terms)
+    guided = any(not s.rollout.guide.plain for s in specs) or any(sig.targets_rows for _, sig, _, _ in terms)
     if guided:
         p["agent"] = True
         a.add("train.agent_func_path", "agent.py")
@@ -401,7 +399,7 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
         if obj.std_norm:
             run.notes.append(f"group_norm divides by std + 1e-9 (the composer's grpo: std + {obj.std_eps})")
     else:
-        wants_initial = any(getattr(o, "wants_initial", False) for _, _, o, _ in terms)
+        wants_initial = any(o.wants_initial for _, _, o, _ in terms)
         if wants_initial and p["ref"] != "initial":
             raise Unsupported(("sources",), "the reference slot holds the external teacher, but an objective also "
                               "needs the frozen initial policy", "drop the KL term (kl_coef: 0) or the initial anchor")
@@ -414,9 +412,9 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
                 a.add("algo.kl.unbiased_gradient")
         else:
             a.add("algo.kl.init_coef", 0.0)
-        if kinds & set(BEHAVIOUR_KINDS):
-            a.add("algo.advantage.is_correction_level", "token")
-            run.native.append("behaviour log-probs from vLLM (is_correction_level token -> rollout_log_probs)")
+        # every composer loss may read behaviour log-probs (a plugin's too): vLLM returns them always
+        a.add("algo.advantage.is_correction_level", "token")
+        run.native.append("behaviour log-probs from vLLM (is_correction_level token -> rollout_log_probs)")
         names = ", ".join(sorted(kinds))
         run.via_plugin.append(f"objective: the composer's {names} loss (components/objectives) replaces "
                               "OpenRLHF's PolicyLoss" + ("; per-sample advantages (V-hat / group statistics over the "
@@ -438,14 +436,7 @@ def _toy_cap(spec) -> int:
 
 def _guide_room(specs, inputs: Inputs) -> int:
     """Tokens a guide may add on top of prompt + response (prefix in the prompt, judge corrections)."""
-    room = 0
-    for s in specs:
-        g = s.rollout.guide
-        if g.kind_name() == "prefix":
-            room = max(room, inputs.max_solution_chars + len(g.instruction) + 8)
-        elif g.kind_name() == "intervention":
-            room = max(room, (g.max_reviews or 1) * (g.max_correction_tokens + 2))
-    return room
+    return max([s.rollout.guide.extra_tokens(s, inputs.max_solution_chars) for s in specs] + [0])
 
 
 def _context_limit(path: str | None) -> int | None:
@@ -470,27 +461,25 @@ def _judge_lengths(spec, inputs: Inputs, response: int) -> tuple[str, int, int, 
     ({accepted}, joined with step_split) and the new steps ({steps}, numbered "i:" one per line), plus each
     context source (a reference solution, or another response); accepted + new <= the response. The longest
     prompt counts every step at its shortest (one separator each); the shortest counts no numbering."""
-    g = spec.rollout.guide
-    if g.kind_name() != "intervention":
+    calls = spec.rollout.guide.model_calls(spec)
+    if not calls:
         return None
-    src = spec.sources[g.judge]
-    if src.kind_name() != "policy_model":
-        return None
+    call = calls[0]  # a guide has one judge
+    src = spec.sources[call.source]
     if src.template:
         template = src.template
     elif inputs.toy:
         from components.tasks.toy import TEMPLATES
 
-        template = TEMPLATES["judge"]
+        template = max(TEMPLATES["judge"], TEMPLATES.get("correction", ""), key=len)
     else:
         return None  # refused by _check_guides
     problem = inputs.max_problem_chars or inputs.max_prompt_chars
     context = sum(max(inputs.max_solution_chars, response) for _ in src.context)
-    steps = response // max(1, len(g.step_split)) + 1
+    steps = response // max(1, len(call.step_split)) + 1
     numbering = steps * (len(str(steps)) + 2)  # "i:" and the newline of each new step
     shortest = len(template) + problem + response + context
-    answer = 16 + 2 * g.max_correction_tokens  # components/guides/judges.py ModelJudge.max_tokens
-    return g.judge, shortest, shortest + numbering, answer
+    return call.source, shortest, shortest + numbering, call.answer_tokens
 
 
 def _max_len(run: Run, specs, where, inputs: Inputs, model: str, rollout: int, response: int) -> int:
@@ -537,32 +526,34 @@ def _max_len(run: Run, specs, where, inputs: Inputs, model: str, rollout: int, r
 
 
 def _check_guides(specs, where, inputs: Inputs) -> None:
+    """What the agent cannot serve: a source that needs the toy testbed's step checker on other data, a model
+    judge on other data without its own template, a judge that generates with weights the engines do not
+    hold (the rollout engine holds the current weights; an external judge its own)."""
     for spec, w in zip(specs, where):
         g = spec.rollout.guide
-        if g.kind_name() == "intervention":
-            judge = spec.sources[g.judge]
-            if judge.kind_name() == "oracle" and not inputs.toy:
-                raise Unsupported(w + ("sources", g.judge), "an oracle judge needs the task's step checker; only the "
-                                  "toy testbed has one", "use a policy_model judge")
-            if judge.kind_name() == "policy_model" and not inputs.toy and not judge.template:
-                raise Unsupported(w + ("sources", g.judge, "template"), "a judge on your data needs a prompt template "
-                                  "(only the toy testbed has its own)", "give the source a `template` with {problem}, "
-                                  "{accepted} and {steps}")
-            if judge.kind_name() == "policy_model" and not judge.is_self and judge.weights != "current":
-                raise Unsupported(w + ("sources", g.judge, "weights"), "weights apply to `model: self` only")
-            if judge.kind_name() == "policy_model" and judge.is_self and judge.weights != "current":
-                raise Unsupported(w + ("sources", g.judge, "weights"), "a self judge generates with the rollout "
-                                  "engine, which holds the current weights", "use weights: current")
-        elif g.kind_name() not in ("none", "prefix"):
-            raise Unsupported(w + ("rollout", "guide"), f"guide kind '{g.kind_name()}' has no OpenRLHF agent")
+        for names in g.ref_names().values():
+            for name in names:
+                if spec.sources[name].needs_step_checker and not inputs.toy:
+                    raise Unsupported(w + ("sources", name), "this source needs the task's step checker; only the "
+                                      "toy testbed has one", "use a policy_model judge")
+        for call in g.model_calls(spec):
+            src = spec.sources[call.source]
+            if not inputs.toy and not src.template:
+                raise Unsupported(w + ("sources", call.source, "template"), "a judge on your data needs a prompt "
+                                  "template (only the toy testbed has its own)", "give the source a `template` with "
+                                  "{problem}, {accepted} and {steps}")
+            if call.weights != "current":
+                raise Unsupported(w + ("sources", call.source, "weights"), "a judge generates with the rollout "
+                                  "engine (`self`: the current weights) or its own engine (an external model: its "
+                                  "own weights)", "use weights: current")
 
 
 def _teachers(a: _Args, run: Run, spec, specs, terms, inputs: Inputs) -> None:
     p = run.plugin
     for b, sig, obj, _ in terms:
-        if sig.kind_name() != "distillation":
+        name = sig.teacher_source
+        if name is None:
             continue
-        name = sig.teacher
         src = spec.sources[name]
         info = {"self": src.is_self, "weights": src.weights, "context": list(src.context),
                 "temperature": src.temperature, "path": inputs.source_paths.get(name)}

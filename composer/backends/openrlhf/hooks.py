@@ -248,11 +248,9 @@ def _capture_logits(actor, sink: dict):
 
 
 def _patch_actor(mod) -> None:
-    import torch
-
     from composer.backends.openrlhf.batch import decode_label, to_batch
     from components.sources.policy_model import score_responses
-    from composer.backends.openrlhf.loss import ComposerLoss, prompt_lengths, step_of, terms
+    from composer.backends.openrlhf.loss import ComposerLoss, prompt_lengths, step_of, take_step_inputs, terms
 
     cls = mod.ActorPPOTrainer
     init, training_step = cls.__init__, cls.training_step
@@ -294,11 +292,9 @@ def _patch_actor(mod) -> None:
         if not isinstance(loss_fn, ComposerLoss):
             return training_step(self, experience, kl_ctl, step, loss_batch_info)
         spec = loss_fn.segments.at(step_of(experience.labels))
-        advs = {}
-        for key in [k for k in experience.info if k.startswith("composer/adv")]:
-            v = experience.info.pop(key)
-            advs[int(key[len("composer/adv"):])] = torch.stack(list(v)) if isinstance(v, list) else v
-        loss_fn.ctx = {"experience": experience, "advantages": advs, "teachers": teacher_scores(self, experience, spec)}
+        advs, norms = take_step_inputs(experience.info)
+        loss_fn.ctx = {"experience": experience, "advantages": advs, "norms": norms,
+                       "teachers": teacher_scores(self, experience, spec)}
         undo = _capture_logits(self.actor, loss_fn.ctx) if any(o.wants_logits for _, _, o, _ in terms(spec)) else None
         try:  # the composer's terms own every KL: OpenRLHF's KL loss (reference slot) gets weight 0
             return training_step(self, experience, 0.0, step, loss_batch_info)

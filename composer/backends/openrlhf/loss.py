@@ -73,15 +73,44 @@ def prompt_lengths(batch_or_origin) -> list[int]:
 
 # ----------------------------------------------------------------------------------------- the loss
 
-def total_loss(term_list, batches, view: PolicyView, advs: dict):
-    """sum_k w_k L_k over the terms; `batches` holds one batch per term (teacher fields differ per term)."""
+def total_loss(term_list, batches, view: PolicyView, advs: dict, scale: dict | None = None):
+    """sum_k w_k c_k L_k over the terms; `batches` holds one batch per term (teacher fields differ per term),
+    c_k (`scale`, default 1) is the micro-batch's share of term k's normaliser over the step."""
     total, metrics = 0.0, {}
     many = len(term_list) > 1
     for i, ((name, _sig, obj, weight), b) in enumerate(zip(term_list, batches)):
         value, m = obj.loss(b, view, advs.get(i))
-        total = total + weight * value
+        total = total + weight * (scale or {}).get(i, 1.0) * value
         metrics.update({(f"{name}/{k}" if many else k): v for k, v in m.items()})
     return total, metrics
+
+
+def take_step_inputs(info: dict) -> tuple[dict, dict]:
+    """Pop what the advantage step left in a micro-batch's Experience.info: per-term advantages [b] and the
+    step's normaliser of each term (the same value in every row) -> (advantages, normalisers)."""
+    advs, norms = {}, {}
+    for key in [k for k in info if k.startswith("composer/adv")]:
+        v = info.pop(key)
+        advs[int(key[len("composer/adv"):])] = torch.stack(list(v)) if isinstance(v, list) else v
+    for key in [k for k in info if k.startswith("composer/norm")]:
+        v = info.pop(key)
+        norms[int(key[len("composer/norm"):])] = float(v[0])
+    return advs, norms
+
+
+def term_batches(term_list, batch: TrajectoryBatch, metas: list[dict]) -> list[TrajectoryBatch]:
+    """One view of `batch` per term: a teacher term's rows weighted by its teacher's s_i (SDPO's rows with
+    no signal), which only that teacher's terms read (labels carry `teacher_weight` per teacher)."""
+    out = []
+    for _name, sig, _obj, _w in term_list:
+        b = batch
+        name = sig.teacher_source
+        tw = [m.get("teacher_weight", {}).get(name) for m in metas] if name is not None else []
+        if any(w is not None for w in tw):
+            s_i = torch.tensor([1.0 if w is None else float(w) for w in tw], device=batch.tokens.device)
+            b = dataclasses.replace(batch, seq_weight=batch.weights() * s_i)
+        out.append(b)
+    return out
 
 
 class ComposerLoss:
@@ -100,23 +129,17 @@ class ComposerLoss:
                          rollout_log_probs=rollout_log_probs, rewards=exp.rewards, trainable_only=True)
         if base is not None and self.plugin.get("ref") == "initial":
             batch.initial_logprobs = shift(base.float())
-        out = []
         term_list = terms(spec)
-        metas = [decode_label(x) for x in exp.labels]
-        for _name, sig, _obj, _w in term_list:
-            b = batch
+        out = term_batches(term_list, batch, [decode_label(x) for x in exp.labels])
+        for k, ((_name, sig, _obj, _w), b) in enumerate(zip(term_list, out)):
             name = sig.teacher_source
-            if name is not None:
-                t = self.ctx.get("teachers", {}).get(name)
-                if t is not None:  # a self-teacher scored in the training step
-                    b = dataclasses.replace(batch, teacher_logprobs=t[0], teacher_logits=t[1])
-                elif base is not None:  # an external teacher in the reference slot
-                    b = dataclasses.replace(batch, teacher_logprobs=shift(base.float()))
-                tw = [m.get("teacher_weight", {}).get(name) for m in metas]
-                if any(w is not None for w in tw):  # SDPO's s_i weighs this term only
-                    s_i = torch.tensor([1.0 if w is None else float(w) for w in tw], device=batch.tokens.device)
-                    b = dataclasses.replace(b, seq_weight=b.weights() * s_i)
-            out.append(b)
+            if name is None:
+                continue
+            t = self.ctx.get("teachers", {}).get(name)
+            if t is not None:  # a self-teacher scored in the training step
+                out[k] = dataclasses.replace(b, teacher_logprobs=t[0], teacher_logits=t[1])
+            elif base is not None:  # an external teacher in the reference slot
+                out[k] = dataclasses.replace(b, teacher_logprobs=shift(base.float()))
         return term_list, out
 
     def __call__(self, log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None, dp_size=1,
@@ -127,10 +150,15 @@ class ComposerLoss:
         advs = {i: a.to(log_probs.device) for i, a in self.ctx.get("advantages", {}).items()}
         logits = self.ctx.get("logits")
         view = PolicyView(shift(log_probs), logits=None if logits is None else shift(logits[:, :-1]))
-        loss, metrics = total_loss(term_list, batches, view, advs)
-        rows = (action_mask.sum(-1) > 0).sum()
-        if global_batch_size is not None:  # micro-batches and DP ranks add up to the step's mean
-            loss = loss * rows / global_batch_size * dp_size
+        norms = self.ctx.get("norms", {})
+        if norms:  # each term's micro-batch share of the step's normaliser: micro-batches and DP ranks add up
+            scale = {i: obj.normalizer(b) / max(float(norms[i]), 1e-12) * dp_size
+                     for i, ((_n, _s, obj, _w), b) in enumerate(zip(term_list, batches)) if i in norms}
+        else:  # no advantage step ran (it records the normalisers): a mean over the step's sequences
+            rows = (action_mask.sum(-1) > 0).sum()
+            share = rows / global_batch_size * dp_size if global_batch_size is not None else 1.0
+            scale = {i: share for i in range(len(term_list))}
+        loss, metrics = total_loss(term_list, batches, view, advs, scale)
         for k, v in metrics.items():
             exp.info[f"composer/{k}"] = torch.tensor(float(v))
         if not getattr(loss, "requires_grad", False):  # no loss token in this micro-batch: a zero with a graph
@@ -148,13 +176,15 @@ def _pad_cat(tensors, value=0):
     return torch.cat([F.pad(t, (0, T - t.shape[1]), value=value) for t in tensors])
 
 
-def step_batch(experiences, pad_id: int, trainable_only: bool = False) -> TrajectoryBatch:
+def step_batch(experiences, pad_id: int, trainable_only: bool = False, metas: list[dict] | None = None) -> TrajectoryBatch:
     """One TrajectoryBatch over every sample of a step (all micro-batches of the experience maker), with
-    the real advantage groups (prompt x guide tag)."""
-    from composer.backends.openrlhf.batch import group_ids
+    the real advantage groups (prompt x guide tag); `metas` replaces the labels' contents when given."""
+    from composer.backends.openrlhf.batch import encode_label, group_ids
 
     prompts = [p for e in experiences for p in e.prompts]
     labels = [x for e in experiences for x in e.labels]
+    if metas is not None:
+        labels = [encode_label(m) for m in metas]
     rlp = [e.rollout_log_probs for e in experiences]
     rewards = [e.rewards for e in experiences]
     return to_batch(_pad_cat([e.sequences for e in experiences], pad_id),
@@ -193,10 +223,16 @@ def prepare_step(experiences, segments: Segments, plugin: dict, tokenizer, task)
         for meta, (ids, w) in zip(metas, teacher_prompts(spec, name, batch, tokenizer, task)):
             meta.setdefault("teacher", {})[name] = ids
             meta.setdefault("teacher_weight", {})[name] = w  # only this teacher's terms read it
+    term_list = terms(spec)
+    loss_view = step_batch(experiences, tokenizer.pad_token_id, trainable_only=True, metas=metas)
+    norms = {i: float(obj.normalizer(b)) for i, ((_n, _s, obj, _w), b)
+             in enumerate(zip(term_list, term_batches(term_list, loss_view, metas))) if obj is not None}
     start = 0
     for e in experiences:
         b = len(e.prompts)
         for i, a in advs.items():
             e.info[f"composer/adv{i}"] = a[start: start + b].detach().float().cpu()
+        for i, n in norms.items():  # the step's normaliser of each term, per sample (OpenRLHF splits info by row)
+            e.info[f"composer/norm{i}"] = torch.full((b,), n)
         e.labels = [encode_label(m) for m in metas[start: start + b]]
         start += b
