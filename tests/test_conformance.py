@@ -6,11 +6,15 @@ read what actually ran and recompute it independently of the code that produced 
     wrote it (at the batch's temperature), whatever path produced it (chunks, corrections, prefixes);
   - guide-written tokens carry a behaviour log-prob exactly when an objective of the segment reads it;
   - the tokens that receive gradient (autograd of each term's loss w.r.t. the policy's log-probs) have
-    only the origins plan.json says get loss, and every origin the plan trains does receive gradient
-    when present;
+    only the origins plan.json says get loss (a token whose gradient happens to be 0, e.g. all advantages
+    0, is not seen by this check; cross-entropy terms always have one);
   - every declared privileged context that has a text for a row appears in the prompt the model saw;
   - segments start, and rollout weights sync, at the steps the plan declares (recomputed here from the
-    plan's numbers, not with the run's own schedule function);
+    plan's numbers, not with the run's own schedule function), and the weights that sampled each step's
+    rollouts are those of the policy after the last declared sync (fingerprints of the parameters,
+    independent of the run's own sync bookkeeping);
+  - the objective in force at each step is the one plan.json gives the step's segment, and a segment
+    without a guide writes no guide tokens;
   - offpolicy_token_frac in metrics.csv recounts from the trained batch.
 A divergence reintroduced anywhere (a zeroed log-prob, a dropped context, a missed sync, a stale phase)
 fails here.
@@ -19,6 +23,7 @@ fails here.
 from __future__ import annotations
 
 import csv
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -54,14 +59,26 @@ def short(path: Path) -> list[str]:
     return out
 
 
+def fingerprint(model) -> str:
+    """A digest of every parameter's bytes (two models with equal weights give the same string)."""
+    h = hashlib.sha1()
+    for p in model.parameters():
+        h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
 class Recorder:
     def __init__(self):
         self.events: list[tuple[str, dict]] = []
         self.logprob_errors: list[tuple] = []
+        self.policy_at: dict[int, str] = {}  # step -> the trained weights before that step's update
+        self.rollout_at: dict[int, str] = {}  # step -> the weights that sampled that step's rollouts
 
     def __call__(self, kind, **data):
         if kind == "rollout":  # check now: the rollout weights are the ones that sampled this batch
             self.check_behaviour(data["batch"], data["engine"], data["step"])
+            self.policy_at.setdefault(data["step"], fingerprint(data["policy"]))
+            self.rollout_at.setdefault(data["step"], fingerprint(data["engine"].model))
         if kind == "term_loss":  # now, before backward frees the graph
             data["grad_origins"] = self.grad_origins(data["loss"], data["view"], data["batch"])
         self.events.append((kind, data))
@@ -169,11 +186,28 @@ def test_spec_runs_as_declared(path, tmp_path):
             if s.kind_name() == "policy_model" and s.context and any(e["source"] == n for e in prompts):
                 assert any(t is not None for e in prompts if e["source"] == n for t in e["context"].values())
 
-    # 5. segments start and weights sync at the declared steps
+    # 5. the objective in force is the plan's for the step's segment; no guide, no guide tokens
+    for kind, e in events:
+        if kind == "term_loss":
+            seg = segment_of(plan, e["step"])
+            want = next(t["objective"] for t in seg["terms"] if t["name"] == e["term"])
+            got = {"kind": e["objective"].kind_name(),
+                   **e["objective"].model_dump(mode="json", by_alias=True, exclude={"kind"})}
+            assert got == want, f"step {e['step']}: objective {got} in force, the plan says {want}"
+        if kind == "rollout" and segment_of(plan, e["step"])["guide"] in (None, {"kind": "none"}):
+            assert not e["batch"].mask(GUIDE_ORIGINS).any(), f"step {e['step']}: guide tokens with no guide"
+
+    # 5b. segments start and weights sync at the declared steps
     starts = [(e["name"], e["step"]) for k, e in events if k == "segment"]
     assert starts == [(s["name"], s["start"]) for s in plan["segments"]]
     syncs = [e["after"] for k, e in events if k == "sync"]
     assert syncs == expected_syncs(plan)
+    # the weights that sampled step s are the policy's after the last declared sync at or before s
+    declared = expected_syncs(plan)
+    for s, fp in rec.rollout_at.items():
+        last = max([d for d in declared if d <= s] + [0])
+        if last in rec.policy_at:  # an SFT stage samples nothing, so its weights are not seen
+            assert fp == rec.policy_at[last], f"step {s}: rollouts sampled by weights other than those after step {last}"
 
     # 6. offpolicy_token_frac recounts from the batch that trained
     for kind, e in events:
@@ -207,3 +241,33 @@ def test_conformance_catches_a_dropped_context(tmp_path, monkeypatch):
     monkeypatch.setattr(prompts, "context_block", lambda task, kinds, texts: real(task, kinds, {n: None for n in texts}))
     with pytest.raises(AssertionError, match="missing from its prompt"):
         test_spec_runs_as_declared(ROOT / "specs" / "opsd.yaml", tmp_path)
+
+
+def test_conformance_catches_a_missed_sync(tmp_path, monkeypatch):
+    """A rollout engine that stops refreshing its weights (its sync reported as done) fails the fingerprint
+    check, which does not trust the run's own sync events."""
+    from composer.runtime.engine import HFEngine
+
+    monkeypatch.setattr(HFEngine, "sync", lambda self, policy, step: setattr(self, "last_sync", step))
+    with pytest.raises(AssertionError, match="rollouts sampled by weights other than"):
+        test_spec_runs_as_declared(ROOT / "specs" / "oapl.yaml", tmp_path)
+
+
+def test_conformance_catches_a_stale_phase(tmp_path, monkeypatch):
+    """A run that stays in its first phase (the objective of phase 0 after the switch) fails the check of
+    the objective in force."""
+    import composer.backends.lightning.module as module
+
+    real = module.ComposerModule.segment_at
+    monkeypatch.setattr(module.ComposerModule, "segment_at", lambda self, step: real(self, 0))
+    with pytest.raises(AssertionError, match="gradient on|in force"):  # the first check to see it
+        test_spec_runs_as_declared(ROOT / "specs" / "hybrids" / "sft-opd-grpo.yaml", tmp_path)
+
+
+def test_conformance_catches_loss_on_tokens_the_plan_masks(tmp_path, monkeypatch):
+    """An objective whose loss mask also takes the prompt tokens fails the gradient check."""
+    from components.objectives.base import Objective
+
+    monkeypatch.setattr(Objective, "loss_mask", lambda self, batch: batch.attention_mask)
+    with pytest.raises(AssertionError, match="gradient on"):
+        test_spec_runs_as_declared(ROOT / "specs" / "sft.yaml", tmp_path)
