@@ -5,7 +5,9 @@ method sees the same number of policy-generated samples, then evaluates the fina
 way for all: greedy pass@1 per tier and unbiased pass@k from sampled answers. The judge's and the
 teacher's inference are reported as separate cost columns, for compute-matched reading.
 
-The default settings below were fixed before any method was compared, and are written into summary.md.
+The settings below (DEFAULTS, SUITE, CLAIMS) were fixed before any method was compared, are written
+down in docs/bench/settings.md and go into summary.md. `--suite seeds` on a held-out toy variant
+(COMPOSER_TOY_VARIANT=mod7, components/tasks/toy.py) reruns the same studies there.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
+import shutil
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -20,7 +24,7 @@ from pathlib import Path
 
 DEFAULTS = {
     "budget_samples": 4096,  # policy-generated samples per run (SFT: demonstrations)
-    "seeds": 2,
+    "seeds": 3,
     "eval_samples": 32,  # held-out problems per tier for greedy pass@1
     "pass_k_n": 32,  # samples per problem for pass@k (k = 1..32)
     "pass_k_problems": 16,
@@ -28,17 +32,81 @@ DEFAULTS = {
 }
 QUICK = {"budget_samples": 256, "seeds": 1, "eval_samples": 8, "pass_k_n": 4, "pass_k_problems": 4, "eval_every": 2}
 MIDDLE, HARD = "tier6", "tier8"  # the student solves tiers 1-4 at the start (bootstrap), so 6 is the middle
+BOTH = "tier6+8"  # derived columns: the mean over the middle and hard tiers (2 x eval_samples problems)
+EXTRA_SEEDS = 5  # pre-registered: a claim whose primary difference is within one interval gets seeds 3-4 on its arms
 
+# Intervention intensity (MInTRL): a setting whose answers are long enough for the knob to reach 40%
+# off-policy tokens: 8-step chains join the training tiers (answers up to 51 tokens; the student errs
+# from their first line), the judge reviews every step line (chunk_tokens 6) and max_reviews is the knob.
+INTENSITY_SETTING = ["data.train_tiers=[2,4,6,8]", "rollout.guide.chunk_tokens=6", "train.samples_every=1"]
+INTENSITY_REVIEWS = (0, 1, 2, 4, 16)
+# Lag (OAPL vs GRPO): 4 prompts x 8 samples per step, so the 4096-sample budget is 128 steps: lag 24
+# syncs at steps 24, 48, 72, 96 and 120 (5 syncs inside the run).
+LAG_SETTING = ["train.prompts_per_step=4", "sync.off_policy_ok=true", "train.eval_every=16"]
+LAGS = (1, 24)
+
+
+# Without reviews there are no intervention tokens, and the method rules refuse a loss on tokens that never
+# occur: the no-intervention arms train on the policy's tokens (all there are), the same loss.
+NO_REVIEWS = ["rollout.guide.max_reviews=0", "objective.loss_tokens=[policy]"]
+
+
+def _intensity(r: int) -> tuple:
+    knob = NO_REVIEWS if r == 0 else [f"rollout.guide.max_reviews={r}"]
+    return (f"mintrl long max_reviews={r}", "specs/mintrl.yaml", [*INTENSITY_SETTING, *knob])
+
+
+def _lag(m: str, lag: int) -> tuple:
+    return (f"{m} sync.every={lag}", f"specs/{m}.yaml", [*LAG_SETTING, f"sync.every={lag}"])
+
+
+_M = {m: (m, f"specs/{m}.yaml", []) for m in ("sft", "grpo", "opd", "opsd", "sdpo", "pope", "int", "oapl", "mintrl")}
+_MINTRL_OFF = ("mintrl max_reviews=0", "specs/mintrl.yaml", list(NO_REVIEWS))
 SUITE = {  # study -> list of (label, spec, overrides)
-    "methods": [(m, f"specs/{m}.yaml", []) for m in
-                ("sft", "grpo", "opd", "opsd", "sdpo", "pope", "int", "oapl", "mintrl")],
-    "coverage": [("grpo", "specs/grpo.yaml", []), ("mintrl", "specs/mintrl.yaml", []),
-                 ("int", "specs/int.yaml", []), ("pope", "specs/pope.yaml", [])],
-    "intensity": [(f"mintrl max_reviews={r}", "specs/mintrl.yaml", [f"rollout.guide.max_reviews={r}"])
-                  for r in (0, 1, 2, 4, 8)],
-    "lag": [(f"{m} sync.every={L}", f"specs/{m}.yaml", [f"sync.every={L}", "sync.off_policy_ok=true"])
-            for m in ("oapl", "grpo") for L in (1, 10, 50, 100)],
-    "off_policyness": [(m, f"specs/{m}.yaml", []) for m in ("sft", "opd", "opsd", "grpo")],
+    "methods": list(_M.values()),
+    "coverage": [_M["grpo"], _M["mintrl"], _MINTRL_OFF, _M["int"], _M["pope"]],
+    "intensity": [_intensity(r) for r in INTENSITY_REVIEWS],
+    "lag": [_lag(m, L) for m in ("oapl", "grpo") for L in LAGS],
+    "off_policyness": [_M[m] for m in ("sft", "opd", "opsd", "grpo")],
+}
+# The arms the four claims' verdicts read (every one is also a run of a study above, so it runs once);
+# `--study claims` alone runs just these (the held-out variant).
+SUITE["claims"] = [_M["grpo"], _M["mintrl"], _MINTRL_OFF, *SUITE["intensity"], *SUITE["lag"],
+                   _M["sft"], _M["opd"], _M["opsd"]]
+
+# The pre-registered claims: the arms, the primary metric, and the comparisons the verdict rests on.
+# A difference is established when its 95% interval (Welch, Student t) excludes 0.
+CLAIMS = {
+    "coverage": {
+        "claim": "MInTRL's interventions expand coverage beyond GRPO's (paper: 35.45 vs 17.74)",
+        "metric": f"pass@32/{BOTH}",
+        "rule": "reproduced if MInTRL - GRPO > 0 is established, contradicted if < 0 is; the same spec without "
+                "interventions (max_reviews=0) tells whether a difference comes from the interventions",
+        "arms": {"grpo": "grpo", "mintrl": "mintrl", "mintrl_off": "mintrl max_reviews=0"},
+    },
+    "intensity": {
+        "claim": "Inverse U in intervention intensity: a little intervention beats none, 40% off-policy tokens "
+                 "are worse than none",
+        "metric": f"pass@1/{BOTH}",
+        "rule": "low = the lowest non-zero intensity (max_reviews=1), high = the arm whose measured intensity is "
+                "closest to 40%; reproduced if low - none > 0 and none - high > 0 are both established, "
+                "contradicted if none - low > 0 or high - none > 0 is",
+        "arms": {f"r{r}": _intensity(r)[0] for r in INTENSITY_REVIEWS},
+    },
+    "lag": {
+        "claim": "OAPL stays stable at large lag; GRPO degrades",
+        "metric": f"pass@1/{BOTH}",
+        "rule": f"d(M) = M at lag {LAGS[-1]} - M at lag {LAGS[0]}; reproduced if d(GRPO) < 0 and d(OAPL) - d(GRPO) > 0 "
+                "are both established, contradicted if d(OAPL) < 0 or d(OAPL) - d(GRPO) < 0 is",
+        "arms": {f"{m}{L}": _lag(m, L)[0] for m in ("oapl", "grpo") for L in LAGS},
+    },
+    "off_policyness": {
+        "claim": "SFT, the most off-policy, narrows the distribution most (seed 000)",
+        "metric": "entropy_last",
+        "rule": "reproduced if SFT's last-step entropy is below each of OPD's, OPSD's and GRPO's (all three "
+                "established), contradicted if any of them is established below SFT's",
+        "arms": {m: m for m in ("sft", "opd", "opsd", "grpo")},
+    },
 }
 
 
@@ -98,14 +166,27 @@ def budget_overrides(variant: Variant, budget: int) -> list[str]:
     return out
 
 
+def run_overrides(variant: Variant, seed: int, cfg: dict) -> list[str]:
+    """Every override of one bench run: the bench's evaluation settings (a variant's own win), the variant's,
+    its budget, and the seed."""
+    return [f"train.eval_samples={cfg['eval_samples']}", f"train.eval_every={cfg['eval_every']}", *variant.overrides,
+            *budget_overrides(variant, cfg["budget_samples"]), f"train.seed={seed}"]
+
+
+def run_key(variant: Variant, seed: int, cfg: dict) -> dict:
+    """What makes two bench runs the same run: spec, overrides, seed, the evaluation settings and the toy variant."""
+    from components.tasks.toy import variant as toy_variant
+
+    return {"spec": str(variant.spec), "overrides": list(variant.overrides), "seed": seed, "toy": toy_variant(),
+            **{k: cfg[k] for k in sorted(cfg) if k != "seeds"}}
+
+
 def run_one(variant: Variant, seed: int, out: Path, cfg: dict) -> dict:
     from composer.backends.lightning.run import train
     from composer.runtime.evaluate import pass_at_k
     from composer.validate import validate_file
 
-    overrides = variant.overrides + budget_overrides(variant, cfg["budget_samples"]) + [
-        f"train.seed={seed}", f"train.eval_samples={cfg['eval_samples']}", f"train.eval_every={cfg['eval_every']}"]
-    v = validate_file(variant.spec, overrides)
+    v = validate_file(variant.spec, run_overrides(variant, seed, cfg))
     extra = {}
 
     def final_eval(ctx, policy):
@@ -120,11 +201,13 @@ def run_one(variant: Variant, seed: int, out: Path, cfg: dict) -> dict:
     rows = _read(out / "metrics.csv")
     last = {k: v for r in rows for k, v in r.items() if v not in (None, "")}  # each metric's last logged value
 
-    def mean(key):
-        vals = [float(r[key]) for r in rows if r.get(key) not in (None, "")]
+    def mean(key, rs=rows):
+        vals = [float(r[key]) for r in rs if r.get(key) not in (None, "")]
         return statistics.fmean(vals) if vals else float("nan")
 
-    result = {"label": variant.label, "study": variant.study, "spec": variant.spec, "seed": seed,
+    from components.tasks.toy import variant as toy_variant
+
+    result = {"label": variant.label, "study": variant.study, "spec": variant.spec, "seed": seed, "toy": toy_variant(),
               "sweep_field": variant.sweep[0] if variant.sweep else "", "sweep_value": variant.sweep[1] if variant.sweep else "",
               "steps": v.total_steps, "policy_samples": policy_samples(v),
               "wall_s": round(wall, 1),
@@ -132,12 +215,37 @@ def run_one(variant: Variant, seed: int, out: Path, cfg: dict) -> dict:
               "judge_tokens": float(last.get("cost/judge_tokens") or 0),
               "teacher_tokens": float(last.get("cost/teacher_tokens") or 0),
               "reward_mean": mean("reward_mean"), "zero_advantage_frac": mean("zero_advantage_frac"),
+              "reward_last": mean("reward_mean", rows[len(rows) - max(1, len(rows) // 4):]),  # the last quarter
               "offpolicy_token_frac": mean("offpolicy_token_frac"),
+              "offpolicy_guided": guided_offpolicy(out / "samples.jsonl"),
               "entropy_first": float(rows[0].get("entropy") or "nan") if rows else float("nan"),
               "entropy_last": float(last.get("entropy") or "nan"), "run": str(out)}
     result.update(final)
     result.update(extra)
     return result
+
+
+def guided_offpolicy(samples: Path) -> float:
+    """Intervention intensity as the paper states it, per trajectory a guide may touch: the fraction of the
+    response tokens of non-control rollouts that a guide wrote, over the segments (phases) in which the guide
+    reviewed anything, from the run's samples.jsonl. NaN for a run without a reviewing guide (or no samples)."""
+    if not samples.exists():
+        return float("nan")
+    rows = []
+    with samples.open() as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    active = {r.get("segment") for r in rows if (r.get("guide") or {}).get("reviews", 0) > 0}
+    off = tot = 0
+    for r in rows:
+        if r.get("segment") in active and not r.get("control"):
+            for span in r.get("spans", []):
+                tot += span.get("tokens", 0)
+                off += span.get("tokens", 0) if span.get("origin") in ("guide_prefix", "guide_intervention") else 0
+    return off / tot if tot else float("nan")
 
 
 def sampled_key(k: int, tier: str) -> str:
@@ -158,15 +266,78 @@ def _read(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: float) -> float:
+    """The 97.5% quantile of Student's t with `df` degrees of freedom (a fractional df rounds down: wider)."""
+    d = math.floor(df)
+    return T975[d - 1] if 1 <= d <= len(T975) else (1.96 if d > len(T975) else float("inf"))
+
+
 def ci95(values: list[float]) -> tuple[float, float]:
-    """Mean and half-width of a normal-approximation 95% interval (0 with one seed)."""
+    """Mean and half-width of the 95% interval over seeds (Student t, n - 1 degrees of freedom; 0 with one seed)."""
     vals = [v for v in values if not math.isnan(v)]
     if not vals:
         return float("nan"), float("nan")
     m = statistics.fmean(vals)
     if len(vals) < 2:
         return m, 0.0
-    return m, 1.96 * statistics.stdev(vals) / math.sqrt(len(vals))
+    return m, t975(len(vals) - 1) * statistics.stdev(vals) / math.sqrt(len(vals))
+
+
+def diff_ci(*terms: tuple[float, list[float]]) -> dict:
+    """A linear contrast sum(c * mean(x)) of independent arms, e.g. ((1, a), (-1, b)) for mean(a) - mean(b), with
+    its Welch 95% interval (Satterthwaite degrees of freedom, Student t). Returns {d, lo, hi, half, n}."""
+    d = var = 0.0
+    parts, ns = [], []
+    for c, xs in terms:
+        xs = [x for x in xs if not math.isnan(x)]
+        if not xs:
+            return {"d": float("nan"), "lo": float("nan"), "hi": float("nan"), "half": float("nan"), "n": []}
+        d += c * statistics.fmean(xs)
+        v = c * c * (statistics.variance(xs) if len(xs) > 1 else 0.0) / len(xs)
+        var += v
+        parts.append((v, len(xs)))
+        ns.append(len(xs))
+    if var == 0:
+        half = 0.0 if all(n > 1 for n in ns) else float("inf")  # no spread at all: only the resolution limits it
+    else:
+        df = var * var / sum(v * v / (n - 1) for v, n in parts if n > 1 and v > 0)
+        half = t975(df) * math.sqrt(var)
+    return {"d": d, "lo": d - half, "hi": d + half, "half": half, "n": ns}
+
+
+def established(c: dict) -> int:
+    """+1 if the interval is above 0, -1 if below, 0 if it contains 0 (or is undefined)."""
+    if math.isnan(c["d"]) or math.isinf(c["half"]):
+        return 0
+    return 1 if c["lo"] > 0 else -1 if c["hi"] < 0 else 0
+
+
+def value(row: dict, metric: str) -> float:
+    """A result's metric, derived columns included (`pass@k/tier6+8`: the mean of the two tiers)."""
+    if metric.endswith("/" + BOTH):
+        head = metric[: -len(BOTH)]
+        return statistics.fmean([value(row, head + MIDDLE), value(row, head + HARD)])
+    try:
+        return float(row.get(metric, "nan"))
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def settings_line(cfg: dict) -> str:
+    from components.tasks.toy import VARIANTS
+    from components.tasks.toy import variant as toy_variant
+
+    toy = cfg.get("toy") or toy_variant()
+    m = VARIANTS[toy]["modulus"]
+    return ("Settings (fixed before comparing methods; docs/bench/settings.md): " +
+            ", ".join(f"{k}={v}" for k, v in cfg.items() if k != "toy") +
+            f". Toy testbed `{toy}`: mod-{m} arithmetic chains; greedy pass@1 on held-out problems per tier; pass@k "
+            f"unbiased from {cfg['pass_k_n']} samples at temperature 1 on {cfg['pass_k_problems']} problems. Mean ± 95% "
+            "interval over seeds (Student t, n - 1 degrees of freedom; n = seeds, in the n column).")
 
 
 def write_outputs(results: list[dict], out: Path, cfg: dict, command: str) -> None:
@@ -176,57 +347,291 @@ def write_outputs(results: list[dict], out: Path, cfg: dict, command: str) -> No
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(results)
-    lines = [f"# Bench ({time.strftime('%Y-%m-%d')})", "", f"Command: `{command}`", "",
-             "Settings (fixed before comparing methods): " + ", ".join(f"{k}={v}" for k, v in cfg.items()) +
-             ". Toy testbed: mod-10 arithmetic chains; greedy pass@1 on held-out problems per tier; pass@k unbiased "
-             f"from {cfg['pass_k_n']} samples at temperature 1 on {cfg['pass_k_problems']} problems. Mean ± 95% interval "
-             "over seeds (normal approximation: with 2 seeds it understates the uncertainty).", ""]
+    lines = [f"# Bench ({time.strftime('%Y-%m-%d')})", "", f"Command: `{command}`", "", settings_line(cfg), ""]
     for study in sorted({r["study"] for r in results}):
-        lines += [f"## {study or 'runs'}", "", *study_table([r for r in results if r["study"] == study]), ""]
-    lines += ["Plots: " + ", ".join(p.name for p in plots(results, out)), ""]
+        lines += [f"## {study or 'runs'}", "", *study_table([r for r in results if r["study"] == study], study), ""]
+    verdicts = claim_verdicts(results)
+    if verdicts:
+        lines += ["## verdicts", "", *claims_table(verdicts), ""]
+    made = plots(results, out)
+    if verdicts:
+        made.append(claims_plot(results, verdicts, out / "claims.png"))
+    lines += ["Plots: " + ", ".join(p.name for p in made), ""]
     (out / "summary.md").write_text("\n".join(lines))
 
 
-def study_table(rs: list[dict]) -> list[str]:
-    """Markdown table, one line per variant: mean ± 95% interval over its seeds."""
+STUDY_COLS = {
+    "intensity": ["offpolicy_guided", "offpolicy_token_frac", f"pass@1/{BOTH}", f"pass@1/{MIDDLE}", f"pass@1/{HARD}",
+                  f"pass@32/{BOTH}", "reward_last", "entropy_last", "judge_tokens", "wall_s"],
+    "lag": [f"pass@1/{BOTH}", f"pass@1/{MIDDLE}", f"pass@1/{HARD}", f"pass@32/{BOTH}", "reward_last", "entropy_last",
+            "wall_s"],
+}
+COUNTS = ("judge_tokens", "teacher_tokens", "wall_s")
+
+
+def study_table(rs: list[dict], study: str = "") -> list[str]:
+    """Markdown table, one line per variant: seeds, then mean ± 95% interval over its seeds."""
     k = max((k for r in rs for k in sampled_ks(r, HARD)), default=1)
-    cols = [f"pass@1/{MIDDLE}", f"pass@1/{HARD}", sampled_key(k, MIDDLE), sampled_key(k, HARD), "zero_advantage_frac",
-            "offpolicy_token_frac", "entropy_last", "judge_tokens", "teacher_tokens", "wall_s"]
-    lines = ["| variant | " + " | ".join(cols) + " |", "| --- |" + " --- |" * len(cols)]
+    cols = STUDY_COLS.get(study) or [
+        f"pass@1/{MIDDLE}", f"pass@1/{HARD}", sampled_key(k, MIDDLE), sampled_key(k, HARD), "zero_advantage_frac",
+        "offpolicy_token_frac", "entropy_last", "judge_tokens", "teacher_tokens", "wall_s"]
+    lines = ["| variant | n | " + " | ".join(cols) + " |", "| --- | --- |" + " --- |" * len(cols)]
     for label in dict.fromkeys(r["label"] for r in rs):
+        mine = [r for r in rs if r["label"] == label]
         cells = []
         for c in cols:
-            m, h = ci95([float(r.get(c, "nan")) for r in rs if r["label"] == label])
+            m, h = ci95([value(r, c) for r in mine])
             if math.isnan(m):
                 cells.append("n/a")  # not measured by this method (no reward: no zero-advantage groups)
             else:
-                cells.append(f"{m:.0f}" if c in ("judge_tokens", "teacher_tokens", "wall_s") else f"{m:.3f} ± {h:.3f}")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+                cells.append(f"{m:.0f}" if c in COUNTS else f"{m:.3f} ± {h:.3f}")
+        lines.append(f"| {label} | {len(mine)} | " + " | ".join(cells) + " |")
     return lines
 
 
+# ------------------------------------------------------------------------------------------ claims
+
+
+def arm(results: list[dict], label: str, metric: str) -> list[float]:
+    """The metric over the seeds of the runs labelled `label` (in any study: a shared run counts once)."""
+    by_seed = {r["seed"]: r for r in results if r["label"] == label}
+    return [value(by_seed[s], metric) for s in sorted(by_seed)]
+
+
+def _fmt(c: dict) -> str:
+    if math.isnan(c["d"]):
+        return "n/a"
+    return f"{c['d']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
+
+
+def _mean(xs: list[float]) -> str:
+    m, h = ci95(xs)
+    return "n/a" if math.isnan(m) else f"{m:.3f} ± {h:.3f}"
+
+
+def claim_verdicts(results: list[dict]) -> list[dict]:
+    """The pre-registered verdict of each claim (CLAIMS) whose arms are all in `results`: the comparisons
+    (difference of means with its Welch 95% interval), `verdict` (reproduced / contradicted / undecided) and
+    `extend` (the arms to give EXTRA_SEEDS seeds: a difference within one interval)."""
+    labels = {r["label"] for r in results}
+    out = []
+    for name, spec in CLAIMS.items():
+        if not set(spec["arms"].values()) <= labels:
+            continue
+        metric, A = spec["metric"], spec["arms"]
+
+        def x(key, metric=metric, A=A):
+            return arm(results, A[key], metric)
+
+        comps, notes = [], []
+        if name == "coverage":
+            main = diff_ci((1, x("mintrl")), (-1, x("grpo")))
+            comps = [("MInTRL - GRPO", main, f"{_mean(x('mintrl'))} vs {_mean(x('grpo'))}"),
+                     ("MInTRL - MInTRL without interventions", diff_ci((1, x("mintrl")), (-1, x("mintrl_off"))),
+                      f"{_mean(x('mintrl'))} vs {_mean(x('mintrl_off'))}")]
+            for sec in (f"pass@1/{BOTH}", "zero_advantage_frac"):
+                comps.append((f"MInTRL - GRPO, {sec}", diff_ci((1, x("mintrl", sec)), (-1, x("grpo", sec))),
+                              f"{_mean(x('mintrl', sec))} vs {_mean(x('grpo', sec))}"))
+            e = established(main)
+            verdict = {1: "reproduced", -1: "contradicted", 0: "undecided"}[e]
+            decisive = [main]
+            arms_used = ["grpo", "mintrl"]
+        elif name == "intensity":
+            inten = {k: ci95(x(k, "offpolicy_guided"))[0] for k in A}
+            none = next(k for k in A if k.endswith("r0"))
+            nonzero = [k for k in A if k != none and not math.isnan(inten[k])]
+            low = min(nonzero, key=lambda k: int(k[1:]))
+            high = min(nonzero, key=lambda k: abs(inten[k] - 0.40))
+            c_low = diff_ci((1, x(low)), (-1, x(none)))
+            c_high = diff_ci((1, x(none)), (-1, x(high)))
+            comps = [(f"low ({A[low].split()[-1]}, {inten[low]:.1%}) - none", c_low, f"{_mean(x(low))} vs {_mean(x(none))}"),
+                     (f"none - high ({A[high].split()[-1]}, {inten[high]:.1%})", c_high,
+                      f"{_mean(x(none))} vs {_mean(x(high))}")]
+            notes.append("intensity (off-policy tokens of guided rollouts, intervention phase) per arm: " +
+                         ", ".join(f"{A[k].split()[-1]} {inten[k]:.1%}" for k in A if not math.isnan(inten[k])))
+            e1, e2 = established(c_low), established(c_high)
+            verdict = ("reproduced" if e1 == 1 and e2 == 1 else "contradicted" if -1 in (e1, e2) else "undecided")
+            decisive = [c_low, c_high]
+            arms_used = [none, low, high]
+        elif name == "lag":
+            lo_lag, hi_lag = LAGS[0], LAGS[-1]
+            dg = diff_ci((1, x(f"grpo{hi_lag}")), (-1, x(f"grpo{lo_lag}")))
+            do = diff_ci((1, x(f"oapl{hi_lag}")), (-1, x(f"oapl{lo_lag}")))
+            inter = diff_ci((1, x(f"oapl{hi_lag}")), (-1, x(f"oapl{lo_lag}")), (-1, x(f"grpo{hi_lag}")),
+                            (1, x(f"grpo{lo_lag}")))
+            comps = [(f"GRPO: lag {hi_lag} - lag {lo_lag}", dg, f"{_mean(x(f'grpo{hi_lag}'))} vs {_mean(x(f'grpo{lo_lag}'))}"),
+                     (f"OAPL: lag {hi_lag} - lag {lo_lag}", do, f"{_mean(x(f'oapl{hi_lag}'))} vs {_mean(x(f'oapl{lo_lag}'))}"),
+                     ("d(OAPL) - d(GRPO)", inter, "")]
+            for sec in ("reward_last", "entropy_last"):
+                for m in ("grpo", "oapl"):
+                    comps.append((f"{m.upper()}: lag {hi_lag} - lag {lo_lag}, {sec}",
+                                  diff_ci((1, x(f"{m}{hi_lag}", sec)), (-1, x(f"{m}{lo_lag}", sec))),
+                                  f"{_mean(x(f'{m}{hi_lag}', sec))} vs {_mean(x(f'{m}{lo_lag}', sec))}"))
+            eg, eo, ei = established(dg), established(do), established(inter)
+            verdict = ("reproduced" if eg == -1 and ei == 1 else "contradicted" if eo == -1 or ei == -1 else "undecided")
+            decisive = [dg, inter]
+            arms_used = list(A)
+        else:  # off_policyness
+            cs = [(f"{m.upper()} - SFT", diff_ci((1, x(m)), (-1, x("sft"))), f"{_mean(x(m))} vs {_mean(x('sft'))}")
+                  for m in ("opd", "opsd", "grpo")]
+            comps = list(cs)
+            for sec in (f"pass@32/{BOTH}",):
+                comps.append((f"GRPO - SFT, {sec}", diff_ci((1, x("grpo", sec)), (-1, x("sft", sec))),
+                              f"{_mean(x('grpo', sec))} vs {_mean(x('sft', sec))}"))
+            es = [established(c) for _, c, _ in cs]
+            verdict = "reproduced" if all(e == 1 for e in es) else "contradicted" if -1 in es else "undecided"
+            decisive = [c for _, c, _ in cs]
+            arms_used = list(A)
+        extend = verdict == "undecided" and any(
+            established(c) == 0 and not math.isnan(c["d"]) and abs(c["d"]) < c["half"] for c in decisive)
+        out.append({"name": name, "claim": spec["claim"], "metric": metric, "rule": spec["rule"], "verdict": verdict,
+                    "comparisons": comps, "notes": notes, "extend": [A[k] for k in arms_used] if extend else [],
+                    "seeds": sorted({len(x(k)) for k in arms_used})})
+    return out
+
+
+def claims_table(verdicts: list[dict]) -> list[str]:
+    """Markdown: per claim its comparisons (difference [95% interval], the two means) and the verdict."""
+    lines = ["| claim | primary metric | comparison | difference [95% interval] | means | seeds | verdict |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for v in verdicts:
+        for i, (what, c, means) in enumerate(v["comparisons"]):
+            head = (f"{v['name']}: {v['claim']}", v["metric"]) if i == 0 else ("", "")
+            seeds = "/".join(map(str, c["n"])) if c["n"] else ""
+            lines.append(f"| {head[0]} | {head[1]} | {what} | {_fmt(c)} | {means} | {seeds} | "
+                         f"{('**' + v['verdict'] + '**') if i == 0 else ''} |")
+    for v in verdicts:
+        for n in v["notes"]:
+            lines.append(f"\n{v['name']}: {n}.")
+    return lines
+
+
+# ---------------------------------------------------------------------------------- the README
+
+
 BEGIN, END = "<!-- bench results: begin (composer bench --readme) -->", "<!-- bench results: end -->"
+PREVIOUS = "previous-methods.md"  # docs/bench/: the methods table before the fixes, to say what moved
 
 
-def readme_section(out: Path, readme: Path, images: Path, study: str = "methods") -> str:
-    """Write `study`'s table and plot from the bench folder `out` into `readme` between the bench markers
-    (the plot is copied into `images`). Returns the section."""
-    import shutil
+def parse_table(text: str) -> dict[str, dict[str, float]]:
+    """{variant: {column: mean}} of the first Markdown results table in `text` (cells `m ± h` or numbers)."""
+    rows = [ln for ln in text.splitlines() if ln.startswith("|")]
+    if len(rows) < 3:
+        return {}
+    head = [c.strip() for c in rows[0].strip("|").split("|")]
+    out = {}
+    for ln in rows[2:]:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        vals = {}
+        for h, c in zip(head[1:], cells[1:]):
+            m = re.match(r"^(-?[\d.]+)", c)
+            if m and h != "n":
+                vals[h] = float(m.group(1))
+        out[cells[0]] = vals
+    return out
 
+
+def moved_table(results: list[dict], previous: dict, seeds_before: int) -> list[str]:
+    """Per method and column of the previous table: now (all seeds) - previous. A cell is starred where the
+    mean over the previous run's own seeds (0..seeds_before-1) differs from the previous mean too: the code
+    changes moved it (training is deterministic per seed), not only the added seeds."""
+    rs = [r for r in results if r["study"] == "methods"]
+    seen = [c for c in dict.fromkeys(c for old in previous.values() for c in old) if c != "wall_s"]
+    order = [f"pass@1/{MIDDLE}", f"pass@1/{HARD}", f"pass@32/{MIDDLE}", f"pass@32/{HARD}", "zero_advantage_frac",
+             "offpolicy_token_frac", "entropy_last", "judge_tokens", "teacher_tokens"]
+    cols = sorted(seen, key=lambda c: order.index(c) if c in order else len(order))
+    lines = ["| method | " + " | ".join(cols) + " |", "| --- |" + " --- |" * len(cols)]
+    same = []
+    for label, old in previous.items():
+        mine = [r for r in rs if r["label"] == label]
+        if not mine:
+            continue
+        cells, unchanged = [], True
+        for c in cols:
+            if c not in old:
+                cells.append("n/a")
+                continue
+            now = ci95([value(r, c) for r in mine])[0]
+            early = ci95([value(r, c) for r in mine if r["seed"] < seeds_before])[0]
+            if math.isnan(now):
+                cells.append("n/a")
+                continue
+            scale = 1.0 if c in COUNTS else 1000.0
+            moved_by_code = not math.isnan(early) and round(early * scale) != round(old[c] * scale)
+            unchanged &= not moved_by_code
+            d = now - old[c]
+            cells.append((f"{d:+.0f}" if c in COUNTS else f"{d:+.3f}") + ("*" if moved_by_code else ""))
+        if unchanged:
+            same.append(label)
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("Methods whose seeds " + ", ".join(map(str, range(seeds_before))) + " reproduce every previous mean: "
+                 + (", ".join(same) if same else "none") + ".")
+    return lines
+
+
+def _folder(out: Path) -> dict:
     results = json.loads((out / "results.json").read_text())
     summary = (out / "summary.md").read_text().splitlines()
     date = summary[0].removeprefix("# Bench (").rstrip(")")
     command = next(line for line in summary if line.startswith("Command:")).removeprefix("Command: ").strip("`")
     settings = next(line for line in summary if line.startswith("Settings"))
+    return {"results": results, "date": date, "command": command, "settings": settings}
+
+
+def heldout_folders(out: Path) -> list[Path]:
+    """Bench folders inside `out` (e.g. out/heldout-mod7, a held-out variant's suite) other than its runs."""
+    return sorted(p for p in out.iterdir() if p.is_dir() and p.name != "runs" and (p / "results.json").exists()
+                  and (p / "summary.md").exists())
+
+
+def readme_section(out: Path, readme: Path, images: Path, study: str = "methods") -> str:
+    """Write `study`'s table and plot from the bench folder `out` into `readme` between the bench markers
+    (the plots are copied into `images`): then, when present, what moved against the previous table
+    (images/previous-methods.md), the claims' verdicts and those of every held-out variant's bench folder
+    inside `out`. Returns the section."""
+    f = _folder(out)
+    results = f["results"]
     rs = [r for r in results if r["study"] == study]
     if not rs:
         raise ValueError(f"{out}: no results for study {study!r}")
     images.mkdir(parents=True, exist_ok=True)
-    shutil.copy(out / f"{study}.png", images / f"{study}.png")
-    rel = (images / f"{study}.png").resolve().relative_to(readme.resolve().parent)
-    section = "\n".join([BEGIN, f"Generated on {date} by `{command}`. {settings}", "",
-                         *study_table(rs), "", f"![{study}: pass@1 against policy samples, pass@k, entropy]({rel})",
-                         END])
+    base = readme.resolve().parent
+
+    def image(src: Path, name: str) -> str:
+        shutil.copy(src, images / name)
+        return str((images / name).resolve().relative_to(base))
+
+    parts = [BEGIN, f"Generated on {f['date']} by `{f['command']}`. {f['settings']}", "",
+             *study_table(rs, study), "",
+             f"![{study}: pass@1 against policy samples, pass@k, entropy]({image(out / f'{study}.png', f'{study}.png')})"]
+    prev = images / PREVIOUS
+    if study == "methods" and prev.exists():
+        text = prev.read_text()
+        m = re.search(r"seeds=(\d+)", text)
+        where = prev.resolve().relative_to(base) if prev.resolve().is_relative_to(base) else prev
+        parts += ["", (f"What moved against the previous table ({where}, computed before the fixes): now minus then, "
+                       "per cell; * where the mean over the previous run's own seeds moved too, i.e. the code changes "
+                       "moved it (runs are deterministic per seed), not only the added seed."), "",
+                  *moved_table(results, parse_table(text), int(m.group(1)) if m else 2)]
+    verdicts = claim_verdicts(results)
+    if verdicts:
+        parts += ["", "Claims (verdict rules in docs/bench/settings.md, fixed before the first comparison):", "",
+                  *claims_table(verdicts)]
+        if (out / "claims.png").exists():
+            parts += ["", f"![claims: the arms of the four verdicts]({image(out / 'claims.png', 'claims.png')})"]
+    for h in heldout_folders(out):
+        hf = _folder(h)
+        hv = claim_verdicts(hf["results"])
+        if not hv:
+            continue
+        toy = next((r.get("toy") for r in hf["results"] if r.get("toy")), h.name)
+        parts += ["", (f"Held-out variant `{toy}`, run once after the above by `{hf['command']}` ({hf['date']}). "
+                       f"{hf['settings']}"), "", *claims_table(hv)]
+        if (h / "claims.png").exists():
+            parts += ["", f"![claims on {toy}]({image(h / 'claims.png', f'claims-{toy}.png')})"]
+    parts.append(END)
+    section = "\n".join(parts)
     text = readme.read_text()
     if BEGIN in text and END in text:
         text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
@@ -234,6 +639,41 @@ def readme_section(out: Path, readme: Path, images: Path, study: str = "methods"
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     readme.write_text(text)
     return section
+
+
+def claims_plot(results: list[dict], verdicts: list[dict], path: Path) -> Path:
+    """One panel per claim: its arms' primary metric (mean and 95% interval over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, max(len(verdicts), 1), figsize=(4.6 * max(len(verdicts), 1), 3.6), squeeze=False)
+    for ax, v in zip(axes[0], verdicts):
+        spec = CLAIMS[v["name"]]
+        metric, A = spec["metric"], spec["arms"]
+        if v["name"] == "intensity":
+            pts = [(ci95(arm(results, lab, "offpolicy_guided"))[0], *ci95(arm(results, lab, metric))) for lab in A.values()]
+            pts = [(0.0 if math.isnan(x) else x, m, h) for x, m, h in pts]
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=3)
+            ax.set(xlabel="off-policy tokens of guided rollouts", ylabel=metric)
+        elif v["name"] == "lag":
+            for m in ("grpo", "oapl"):
+                ys = [ci95(arm(results, A[f"{m}{L}"], metric)) for L in LAGS]
+                ax.errorbar(list(LAGS), [y[0] for y in ys], yerr=[y[1] for y in ys], marker="o", capsize=3, label=m)
+            ax.set(xlabel="sync.every (lag)", ylabel=metric, xscale="log")
+            ax.legend(fontsize=7)
+        else:
+            labs = list(A.values())
+            ys = [ci95(arm(results, lab, metric)) for lab in labs]
+            ax.bar(range(len(labs)), [y[0] for y in ys], yerr=[y[1] for y in ys], capsize=3)
+            ax.set_xticks(range(len(labs)), labs, rotation=20, fontsize=7)
+            ax.set(ylabel=metric)
+        ax.set_title(f"{v['name']}: {v['verdict']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def plots(results: list[dict], out: Path) -> list[Path]:
@@ -296,23 +736,105 @@ def _curve(runs: list[list[dict]], key: str) -> tuple[list[float], list[float]]:
     return steps, [statistics.fmean(p[s] for p in per) for s in steps]
 
 
-def bench(variants: list[Variant], out: Path, cfg: dict, command: str, log=print) -> list[dict]:
+def _run_name(v: Variant) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{v.study}-{v.label}").strip("-_")
+
+
+def _previous(out: Path, cfg: dict) -> list[dict]:
+    """The results already in `out` that were run under the same settings (all but the seed count) and toy variant."""
+    from components.tasks.toy import variant as toy_variant
+
+    path = out / "results.json"
+    if not path.exists():
+        return []
+    try:
+        old = json.loads(path.read_text())
+    except ValueError:
+        return []
+    same = {k: cfg[k] for k in cfg if k not in ("seeds", "toy")}
+    return [r for r in old if r.get("settings") == same and r.get("toy", "mod10") == toy_variant()]
+
+
+def _ordered(rows: list[dict]) -> list[dict]:
+    """Studies and variants in suite order (others in order of appearance), seeds ascending."""
+    first: dict = {}
+    for r in rows:
+        first.setdefault((r["study"], r["label"]), len(first))
+    studies = {s: i for i, s in enumerate(SUITE)}
+    labels = {(s, lab): i for s, items in SUITE.items() for i, (lab, _spec, _ov) in enumerate(items)}
+
+    def key(r):
+        sk = (r["study"], r["label"])
+        return (studies.get(r["study"], len(studies)), labels.get(sk, len(labels) + first[sk]), first[sk], r["seed"])
+
+    return sorted(rows, key=key)
+
+
+def _commands(out: Path, command: str) -> str:
+    """The folder's earlier command(s) and this one, when this run adds to results already there."""
+    try:
+        before = next(line for line in (out / "summary.md").read_text().splitlines() if line.startswith("Command:"))
+    except (OSError, StopIteration):
+        return command
+    before = before.removeprefix("Command: ").strip("`")
+    return before if command in before.split("`, then `") else f"{before}`, then `{command}"
+
+
+def bench(variants: list[Variant], out: Path, cfg: dict, command: str, log=print, seeds=None) -> list[dict]:
+    """Run every variant for each seed (`seeds`, default range(cfg['seeds'])) and write the outputs.
+
+    A run that two studies share (same spec, overrides, seed, settings and toy variant) runs once; a run whose
+    folder already holds its finished result (`result.json` with the same key) is not run again, so a suite
+    can be continued or given more seeds in place. Results of other studies already in `out` under the same
+    settings are kept in results.json and summary.md."""
+    from components.tasks.toy import variant as toy_variant
+
+    cfg = {**cfg, "toy": toy_variant()}
+    settings = {k: cfg[k] for k in cfg if k not in ("seeds", "toy")}
+    seeds = list(range(cfg["seeds"])) if seeds is None else list(seeds)
+    mine = {(v.study, v.label) for v in variants}
+    kept = [r for r in _previous(out, cfg) if (r["study"], r["label"]) not in mine or r["seed"] not in seeds]
     results = []
-    done: dict[tuple, dict] = {}  # the same spec, overrides and seed in two studies run once
+    done: dict[str, dict] = {}  # the same spec, overrides and seed in two studies run once
     for v in variants:
-        for seed in range(cfg["seeds"]):
-            name = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{v.study}-{v.label}").strip("-_")
-            key = (v.spec, tuple(v.overrides), seed)
+        for seed in seeds:
+            key = json.dumps(run_key(v, seed, cfg), sort_keys=True)
+            folder = out / "runs" / _run_name(v) / f"seed{seed}"
+            stored = folder / "result.json"
+            if key not in done and stored.exists():
+                try:
+                    r = json.loads(stored.read_text())
+                    if r.get("key") == key:
+                        done[key] = r
+                except ValueError:
+                    pass
             if key in done:
                 results.append({**done[key], "label": v.label, "study": v.study})
                 log(f"[bench] {v.label} seed {seed}: same run as {done[key]['label']} ({done[key]['study']})")
             else:
                 log(f"[bench] {v.label} seed {seed} ...")
-                r = run_one(v, seed, out / "runs" / name / f"seed{seed}", cfg)
+                if folder.exists():  # an unfinished run (killed): start it again
+                    shutil.rmtree(folder)
+                r = {**run_one(v, seed, folder, cfg), "settings": settings, "key": key}
+                (folder / "result.json").write_text(json.dumps(r, indent=1, default=str))
                 done[key] = r
                 results.append(r)
                 log(f"[bench] {v.label} seed {seed}: pass@1 {MIDDLE} {r.get('pass@1/' + MIDDLE, float('nan')):.3f}, "
                     f"{HARD} {r.get('pass@1/' + HARD, float('nan')):.3f} ({r['wall_s']} s)")
-            write_outputs(results, out, cfg, command)
-            (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+            merged = _ordered(kept + results)
+            write_outputs(merged, out, cfg, command if not kept else _commands(out, command))
+            (out / "results.json").write_text(json.dumps(merged, indent=1, default=str))
     return results
+
+
+def extend_seeds(out: Path, labels: list[str], seeds: int = EXTRA_SEEDS, cfg: dict | None = None, log=print,
+                 command: str | None = None) -> list[dict]:
+    """The pre-registered extension: give the `claims` arms `labels` seeds up to `seeds` in the bench folder
+    `out` (earlier seeds are reused from their folders)."""
+    cfg = dict(cfg or DEFAULTS)
+    variants = [Variant(label, spec, list(ov), study="claims") for label, spec, ov in SUITE["claims"] if label in labels]
+    missing = set(labels) - {v.label for v in variants}
+    if missing:
+        raise ValueError(f"not arms of the claims study: {', '.join(sorted(missing))}")
+    command = command or f"composer.bench.extend_seeds({str(out)!r}, {sorted(labels)!r}, {seeds})"
+    return bench(variants, out, {**cfg, "seeds": seeds}, command, log=log)

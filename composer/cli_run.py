@@ -1,4 +1,4 @@
-"""Commands that run things (`run`, `toy-data`): their heavy imports happen only when they run."""
+"""Commands that run things (`run`, `samples`, `export`, `toy-data`): their heavy imports happen only when they run."""
 
 from __future__ import annotations
 
@@ -70,9 +70,29 @@ def _run(spec, overrides, out, resume, no_progress):
         click.echo(f"{spec}: train.backend is {v.spec.train.backend}; use `composer compile --backend "
                    f"{v.spec.train.backend}` for it", err=True)
         sys.exit(EXIT_INVALID)
+    from composer.paths import PathError, check_run_inputs
+
+    try:  # every model, tokenizer and data path, and the loggers' packages, before the run folder exists
+        check_run_inputs(v)
+    except PathError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_INVALID)
     with _deferred_signals():  # a signal inside torch's C++ import would abort the process, not stop it
         from composer.backends.lightning.run import Interrupted, claim_folder, check_resume, default_out, train
 
+    from composer.backends.lightning.run import launched_child
+
+    child = launched_child()
+    if child is not None:  # a process Lightning started for another rank: rank 0 owns the folder
+        folder, resume = Path(child["out"]), child["out"] if child["resume"] else None
+        try:
+            train(v, folder, resume=bool(resume), progress=False)
+        except Interrupted:
+            sys.exit(130)
+        except Exception as e:
+            click.echo(f"error (rank {child['rank']}): {_failure(e)}", err=True)
+            sys.exit(EXIT_INVALID)
+        return
     folder = Path(resume or out or default_out(v.spec.name))
     try:
         with claim_folder(folder, resume=bool(resume)):
@@ -94,6 +114,8 @@ def _run(spec, overrides, out, resume, no_progress):
     click.echo(f"run folder: {folder}")
     for k, val in sorted(final.items()):
         click.echo(f"  {k}: {val:.3f}")
+    if (folder / "model" / "config.json").exists():
+        click.echo(f"model: {folder / 'model'} (transformers: AutoModelForCausalLM.from_pretrained)")
 
 
 def _expected_errors() -> tuple:
@@ -104,11 +126,13 @@ def _expected_errors() -> tuple:
     from composer.backends.lightning.checkpoint import CheckpointError
     from composer.backends.lightning.module import NonFiniteError
     from composer.backends.lightning.run import RunError
+    from composer.export import ExportError
+    from composer.paths import PathError
     from composer.runtime.binding import DataError
     from composer.runtime.models import ModelLoadError
 
     return (SpecError, DataError, ModelLoadError, NonFiniteError, SandboxUnavailable, CheckpointError, RunError,
-            MisconfigurationException, OSError)
+            MisconfigurationException, OSError, PathError, ExportError)
 
 
 def _failure(e: Exception) -> str:
@@ -136,6 +160,112 @@ def _save_resolved(spec: str, overrides, folder: Path) -> None:
     data = load_spec(spec, list(overrides)).data
     data.pop("extends", None)
     files.write_text(folder / "spec.yaml", yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--step", type=click.IntRange(min=0), default=None, help="The step to show (default: the last one written).")
+@click.option("--limit", type=click.IntRange(min=1), default=8, show_default=True, help="Samples to show.")
+def samples(run_dir, step, limit):
+    """Print RUN_DIR's rollout samples at a step (samples.jsonl), with the tokens a guide wrote highlighted."""
+    from composer import samples as s
+
+    path = Path(run_dir) / s.SAMPLES
+    try:
+        rows, bad = s.read(path)
+    except FileNotFoundError:
+        click.echo(f"{path}: no samples (a run writes them every train.samples_every steps; 0 turns them off)",
+                   err=True)
+        sys.exit(EXIT_INVALID)
+    except OSError as e:
+        click.echo(f"{path}: cannot read it: {e.strerror or e}", err=True)
+        sys.exit(EXIT_INVALID)
+    steps = sorted({r["step"] for r in rows})
+    if not steps:
+        click.echo(f"{path}: no samples written yet", err=True)
+        sys.exit(EXIT_INVALID)
+    shown_step = steps[-1] if step is None else step
+    if shown_step not in steps:
+        listed = ", ".join(map(str, steps[:20])) + (", ..." if len(steps) > 20 else "")
+        click.echo(f"{path}: no samples at step {shown_step}; steps with samples: {listed}", err=True)
+        sys.exit(EXIT_INVALID)
+    at = [r for r in rows if r["step"] == shown_step]
+    _print_samples(at[:limit], len(at), shown_step, steps)
+    if bad:
+        click.echo(f"({bad} unreadable line{'s' if bad > 1 else ''} skipped)", err=True)
+
+
+GUIDE_STYLES = {"guide_prefix": "bold cyan", "guide_intervention": "bold magenta", "demonstration": "bold green"}
+
+
+def _print_samples(rows: list[dict], total: int, step: int, steps: list[int]) -> None:
+    """Rich styles on a terminal; elsewhere (a pipe, a file) guide-written spans between [[ and ]]."""
+    from rich.console import Console
+    from rich.text import Text
+
+    from composer import samples as s
+
+    console = Console(highlight=False, soft_wrap=True)
+    styled = console.is_terminal
+    head = f"step {step}: {len(rows)} of {total} samples (steps with samples: {steps[0]}..{steps[-1]}, {len(steps)} in all)"
+    if styled:
+        legend = Text("guide-written: ")
+        for i, (origin, style) in enumerate(GUIDE_STYLES.items()):
+            legend.append(("" if not i else ", ") + origin, style=style)
+        console.print(Text(head, style="bold"))
+        console.print(legend)
+    else:
+        click.echo(head)
+        click.echo("[[...]]: tokens the guide wrote (guide_prefix, guide_intervention, demonstration)")
+    for r in rows:
+        if styled:
+            console.print()
+            console.print(Text(s.row_header(r), style="bold"))
+            console.print(Text("prompt: " + str(r.get("prompt", "")), style="dim"))
+            response = Text()
+            response.append("response: ", style="dim")
+            for span in r.get("spans", []):
+                response.append(str(span.get("text", "")), style=GUIDE_STYLES.get(span.get("origin"), ""))
+            console.print(response)
+            for line in s.guide_lines(r):
+                console.print(Text(line, style="yellow"))
+        else:
+            click.echo("")
+            click.echo(s.row_header(r))
+            click.echo(f"prompt: {r.get('prompt', '')}")
+            click.echo(f"response: {s.marked(r)}")
+            for line in s.guide_lines(r):
+                click.echo(line)
+
+
+@main.command("export")
+@click.argument("source", type=click.Path())
+@click.option("--out", type=click.Path(file_okay=False), required=True,
+              help="Folder for the transformers model directory (new, empty, or an earlier export).")
+@click.option("--base", default=None, help="The model directory the run was trained from, for its config and "
+              "tokenizer (default: the one the checkpoint's spec names).")
+def export(source, out, base):
+    """Write a checkpoint's policy (SOURCE: a .ckpt file or a run folder) as a transformers directory."""
+    from composer.export import MODEL_DIR
+
+    folder = Path(out)
+    if folder.exists() and (not folder.is_dir() or (any(folder.iterdir()) and not (folder / "config.json").exists())):
+        click.echo(f"{out}: error: the folder already holds files that are not an exported model; choose a new or "
+                   "empty folder", err=True)
+        sys.exit(EXIT_INVALID)
+    try:
+        with _deferred_signals():
+            import transformers
+
+            from composer.export import export_checkpoint
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+        path = export_checkpoint(source, folder, base)
+    except Exception as e:
+        click.echo(f"error: {_failure(e)}", err=True)
+        sys.exit(EXIT_INVALID)
+    click.echo(f"wrote {path} (transformers: AutoModelForCausalLM.from_pretrained; {MODEL_DIR}/ is what a run "
+               "writes at its end)")
 
 
 @main.command("toy-data")

@@ -14,6 +14,7 @@ optional hook declared here with its default, so backends call hooks and never p
              makes_batch / make_batch  a signal whose batch is not a rollout (SFT on references)
              apply(ctx, batch)         fill rewards / teacher log-probs / targets
              row_target(ctx, ex, trace) the same for one row (OpenRLHF), as a program
+             builds_ahead / start(ctx) batches built once when the segment begins (InT offline)
              teacher_source            the policy_model source it reads log-probs from
   Objective  components/objectives/base.py: advantages(batch) over whole groups, then
              loss(batch, view, advantages) per micro-batch
@@ -163,6 +164,15 @@ class Signal(Component):
     def teacher_source(self) -> str | None:
         """The policy_model source whose log-probs this signal reads (None: none)."""
         return None
+
+    @property
+    def builds_ahead(self) -> bool:
+        """Builds its batches once, when its segment starts (`start`), not from each step's rollouts (InT's
+        offline targets): a backend without such a pass refuses it."""
+        return False
+
+    def start(self, ctx) -> None:
+        """When a segment that uses this signal begins, before its first step (nothing by default)."""
 
     @property
     def targets_rows(self) -> bool:

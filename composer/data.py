@@ -10,10 +10,10 @@ from typing import Any, Callable, Optional, Protocol
 class Example:
     """One problem: the prompt text the policy sees, the answer the verifier checks, and privileged text."""
 
-    prompt: str  # the full prompt string fed to the policy (already templated)
+    prompt: str  # the full prompt string fed to the policy (already templated: data.prompt_format, at bind time)
     answer: str
     solution: Optional[str] = None  # step-by-step reference solution, one step per line / per step_split
-    problem: str = ""  # the bare problem text (for teacher and judge templates); defaults to prompt
+    problem: str = ""  # the bare problem text, the row's prompt_field (teacher and judge templates); defaults to prompt
     tier: Optional[int] = None  # difficulty tier (toy: chain length)
     row: int = -1  # row number in the source file (for error messages)
     meta: dict[str, Any] = field(default_factory=dict)
@@ -55,3 +55,4 @@ class Task:
     step_split: str = "\n"
     templates: dict[str, str] = field(default_factory=dict)  # named prompt templates (teacher contexts, judge)
     sample_train: Optional[Callable] = None  # optional generator(rng, n) -> list[Example]; else cycle `train`
+    prompt_format: Any = None  # how prompts were rendered (runtime/prompts.py PromptFormat); None: the task's own

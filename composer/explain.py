@@ -48,6 +48,7 @@ def text(plan: dict) -> str:
             used = ", ".join(s["usage"]) or "unused"
             lines.append(f"  {name:<12} {s['kind']:<18} PI: {s['pi']} ({s['pi_time']}); usage: {used}")
             lines.append(f"  {'':<12} read by: {', '.join(readers.get(name, [])) or 'nothing'}")
+    lines += prompt_lines(plan)
     for seg in plan["segments"]:
         stage = f" (stage '{seg['stage']}')" if seg.get("stage") and seg["stage"] != seg["name"] else ""
         lines += ["", f"segment '{seg['name']}'{stage}: steps {seg['start']}-{seg['end']}"]
@@ -67,6 +68,35 @@ def text(plan: dict) -> str:
             masked = [o for o, v in t["origins"].items() if v.get("present", True) and not v["loss"]]
             lines.append(f"    no loss: {', '.join(masked) or '-'}")
     return "\n".join(lines)
+
+
+def prompt_lines(plan: dict) -> list[str]:
+    """One rendered example prompt: the policy's, each teacher's and each judge's (plan["prompts"]), every line
+    behind a bar so that leading spaces and the newline after a generation prompt show."""
+    p = plan.get("prompts")
+    if not p:
+        return []
+    if "error" in p:
+        return ["", f"prompts: not rendered here: {p['error']}"]
+    lines = ["", f"prompts ({p['describe']}):", f"  the policy's, for {p['example']}:"] + _block(p["policy"])
+    for name, e in p["sources"].items():
+        ctx = f"; context: {', '.join(e['context'])}" if e.get("context") else ""
+        if "error" in e:
+            lines.append(f"  '{name}': not rendered here: {e['error']}")
+        if "teacher" in e:
+            lines += [f"  teacher '{name}' ({e['teacher_note']}{ctx}):"] + _block(e["teacher"])
+        if "judge" in e:
+            lines += [(f"  judge '{name}', its verdict prompt ({e['judge_note']}{ctx}; steps of the reference as "
+                       "the steps under review):")] + _block(e["judge"])
+    return lines
+
+
+def _block(text: str, max_lines: int = 30, width: int = 160) -> list[str]:
+    rows = text.split("\n")
+    out = [("    | " + (r if len(r) <= width else r[:width] + " ...")) if r else "    |" for r in rows[:max_lines]]
+    if len(rows) > max_lines:
+        out.append(f"    | ... ({len(rows) - max_lines} more lines)")
+    return out
 
 
 def _groups(plan: dict) -> list[tuple[str | None, list[dict]]]:

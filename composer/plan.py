@@ -1,14 +1,16 @@
 """Compile a validated spec into the Plan: the one intermediate form both backends read (DESIGN.md section 4).
 
 The Plan is plain JSON-able data: which models load, the per-step dataflow, the segments (phases and
-stages resolved to step ranges), and for every token origin whether it gets loss and against which
-anchor. `composer explain` prints it; `composer run` writes it as plan.json.
+stages resolved to step ranges), for every token origin whether it gets loss and against which
+anchor, and one rendered example of the prompts (`prompts`: the policy's, each teacher's and judge's).
+`composer explain` prints it; `composer run` writes it as plan.json.
 """
 
 from __future__ import annotations
 
 from composer import graph
 from composer.origins import ORIGINS
+from composer.runtime.prompts import example_prompts
 from composer.runtime.vllm_engine import engine_note
 from composer.terms import rolls_out, scored_origins, terms
 from composer.validate import Segment, Validated
@@ -58,6 +60,9 @@ def _models(spec) -> list[dict]:
     if rolls_out(spec):
         models.append({"role": "rollout", "model": policy, "trainable": False, "placement": "rollout engine",
                        "note": f"copy of the policy, refreshed every {spec.sync.every} step(s)"})
+    elif any(sig is not None and sig.builds_ahead for _n, sig, _o, _w in terms(spec)):
+        models.append({"role": "rollout", "model": policy, "trainable": False, "placement": "rollout engine",
+                       "note": "the policy at the segment's start: samples the targets once, before its first step"})
     used = _usage(spec)
     needs_initial = any(obj is not None and obj.wants_initial for _n, _s, obj, _w in terms(spec))
     for name, src in spec.sources.items():
@@ -212,4 +217,5 @@ def compile_plan(v: Validated, backend: str | None = None) -> dict:
         "data": spec.data.model_dump(mode="json"),
         "policy_config": spec.policy.model_dump(mode="json"),
         "source_configs": {n: _component(s) for n, s in spec.sources.items()},
+        "prompts": example_prompts(spec, [s.spec for s in v.segments]),
     }

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 import re
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WithJsonSchema, create_model, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WithJsonSchema, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
@@ -38,11 +38,22 @@ class Strict(registry.NumbersNotBooleans, BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class Lora(Strict):
+    """LoRA adapters (Hu et al. 2021, arXiv 2106.09685) through peft: W = W0 + (alpha / r) B A on the target modules."""
+
+    r: int = Field(16, ge=1, le=4096, description="Adapter rank r.")
+    alpha: float = Field(32.0, gt=0, description="Scale numerator: the update is (alpha / r) B A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    target_modules: Union[Literal["all-linear"], list[str]] = Field("all-linear", description="Modules that get adapters: `all-linear` (every linear layer but the output head) or module names such as [q_proj, v_proj].")
+
+
 class Policy(Strict):
     model: Optional[str] = Field(None, description="Model id or local directory loaded with `from_pretrained`; omitted -> the toy testbed's student.")
     tokenizer: Optional[str] = Field(None, description="Tokenizer directory, when it differs from `model`.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype of the trained policy.")
     trust_remote_code: bool = Field(False, description="Run the Python code a model folder ships (transformers `trust_remote_code`); off: such a folder is refused instead of asking mid-run. Only for folders you trust.")
+    lora: Optional[Lora] = Field(None, description="Train LoRA adapters instead of every weight (peft). The frozen initial policy (KL reference, `weights: initial` teachers and judges) is then the base model with the adapter off, not a copy; the exported model has the adapter merged.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass instead of keeping them (transformers gradient checkpointing): less memory, more compute.")
 
 
 class Data(Strict):
@@ -54,6 +65,42 @@ class Data(Strict):
     on_bad_row: Literal["error", "skip"] = Field("error", description="A row with a missing or unusable field: stop with an error naming file, row and field, or skip and count it.")
     tiers: list[Annotated[int, Field(ge=1, le=MAX_TOY_TIER)]] = Field(default_factory=lambda: [1, 2, 4, 6, 8], min_length=1, description=f"Toy testbed only: chain lengths (steps, 1-{MAX_TOY_TIER}) of the difficulty tiers.")
     train_tiers: list[Annotated[int, Field(ge=1, le=MAX_TOY_TIER)]] = Field(default_factory=lambda: [2, 4, 6], min_length=1, description=f"Toy testbed only: the chain lengths (1-{MAX_TOY_TIER}) training prompts are drawn from.")
+    prompt_format: Literal["auto", "chat", "plain"] = Field("auto", description="How a row becomes the policy's prompt. `chat`: the policy tokenizer's chat template (`system_prompt` as the system message when given, `prompt_template` filled with the row's text as the user message, add_generation_prompt), tokenized once with no special tokens added after it; `plain`: the filled `prompt_template` as it is (after `system_prompt` and a blank line, when given); `auto`: chat when the tokenizer has a chat template, else plain. Teachers' and judges' privileged prompts and the OpenRLHF bundle's data are rendered the same way. Checked when the tokenizer loads (run, compile, explain), never by `validate`. Data files only: the toy testbed's prompts are its own.")
+    system_prompt: Optional[str] = Field(None, description="System message of every prompt the policy, its teachers and judges see (chat: the template's system turn; plain: text before the prompt and a blank line). Data files only.")
+    prompt_template: str = Field("{prompt}", description="The user message built from the row's `prompt_field` text, written {prompt}, e.g. \"{prompt}\\nPut your final answer within \\\\boxed{{}}.\" (a literal brace is {{ or }}). Data files only.")
+    chat_template_kwargs: dict[str, Union[bool, int, float, str]] = Field(default_factory=dict, description="Extra variables for the chat template (transformers `apply_chat_template` keyword arguments), e.g. {enable_thinking: false} for Qwen3. Data files only.")
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _one_prompt_field(cls, value: str) -> str:
+        import string
+
+        try:
+            parts = list(string.Formatter().parse(value))
+        except ValueError as e:
+            raise ValueError(f"not a valid template ({e}); a literal brace is written {{{{ or }}}}") from None
+        names = [name for _lit, name, _spec, _conv in parts if name is not None]
+        for _lit, name, spec, conv in parts:
+            if name is not None and (name != "prompt" or spec or conv):
+                raise ValueError(f"'{{{name}{'!' + conv if conv else ''}{':' + spec if spec else ''}}}' is not a field "
+                                 "of a prompt template: the only field is {prompt} (the row's prompt_field text); a "
+                                 "literal brace is written {{ or }}")
+        if "prompt" not in names:
+            raise ValueError("the template has no {prompt}: the row's text would be left out of the prompt")
+        return value
+
+    @model_validator(mode="after")
+    def _toy_prompts_are_fixed(self):
+        if self.train is None:
+            changed = [f for f, on in (("prompt_format", self.prompt_format == "chat"),
+                                       ("system_prompt", self.system_prompt is not None),
+                                       ("prompt_template", self.prompt_template != "{prompt}"),
+                                       ("chat_template_kwargs", bool(self.chat_template_kwargs))) if on]
+            if changed:
+                raise ValueError(f"{', '.join('data.' + f for f in changed)}: the toy testbed (no data.train) writes its "
+                                 "own prompts and its tokenizer has no chat template; these apply to data files "
+                                 "(give data.train, e.g. from `composer toy-data --out DIR`)")
+        return self
 
 
 class Rollout(Strict):
@@ -99,6 +146,8 @@ class Train(Strict):
     precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"] = Field("32-true", description="Lightning precision.")
     num_nodes: int = Field(1, ge=1, le=1024, description="Nodes for multi-node Lightning runs (more than 1 needs a multi-node launcher: SLURM, torchrun, or NODE_RANK/MASTER_ADDR set).")
     compile: bool = Field(False, description="torch.compile (inductor, dynamic shapes) the training and initial-policy forward passes; the first steps pay the compile time. Lightning backend.")
+    samples_every: int = Field(10, ge=0, le=MAX_STEPS, description="Write every rollout of every this many steps, of each evaluation step (train.eval_every) and of the last step to `samples.jsonl` in the run folder (prompt, response as origin spans, reward, verifier detail, the judge's verdicts and corrections; `composer samples RUN` prints them); 0: none.")
+    loggers: list[Literal["csv", "tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["csv", "tensorboard"], max_length=4, description="Lightning loggers of the run: `csv` (metrics.csv in the run folder), `tensorboard` (tensorboard/; left out without a word when the package is missing and the list is the default), `wandb` (WandbLogger: WANDB_PROJECT, WANDB_MODE=offline honoured), `mlflow` (MLFlowLogger: MLFLOW_TRACKING_URI, default mlruns/ in the run folder). A chosen logger whose package is missing stops the run before anything is written. The base spec's list applies to the whole run.")
     reference: Literal["stage_start", "run_start"] = Field("stage_start", description="The frozen reference weights (`initial`: KL terms, A*PO's anchor, `weights: initial` teachers and judges): the policy at the start of each stage (as OpenRLHF starts a stage from the previous stage's checkpoint), or at the start of the run. Without stages both are the start of the run.")
 
     @field_validator("weight_decay")
@@ -108,6 +157,13 @@ class Train(Strict):
         if lr is not None and lr * value >= 1:
             raise ValueError(f"lr * weight_decay = {lr * value:g}: AdamW multiplies the weights by 1 - lr * weight_decay "
                              "each step, which must stay above 0")
+        return value
+
+    @field_validator("loggers")
+    @classmethod
+    def _distinct_loggers(cls, value):
+        if len(set(value)) != len(value):
+            raise ValueError("a logger is listed twice")
         return value
 
     @field_validator("devices")

@@ -60,7 +60,7 @@ def test_readme_section_is_written_between_markers_from_a_bench_folder(tmp_path)
     text = readme.read_text()
     assert "old" not in text and text.startswith("# T\n\nbefore") and text.rstrip().endswith("after")
     assert "`composer bench --suite seeds`" in text and "budget_samples=256" in text
-    assert "| opd | 0.350 ± 0.098 |" in text  # mean of 0.3 and 0.4; 1.96 * stdev 0.0707 / sqrt(2) = 0.098
+    assert "| opd | 2 | 0.350 ± 0.635 |" in text  # 2 seeds; mean of 0.3 and 0.4; t(1) 12.706 * stdev 0.0707 / sqrt(2)
     assert "pass@4/tier8" in text and "](docs/bench/methods.png)" in text
     assert (tmp_path / "docs" / "bench" / "methods.png").exists()
 
@@ -89,3 +89,192 @@ def test_readme_from_a_folder_without_results_fails_cleanly(tmp_path, monkeypatc
     res = CliRunner().invoke(main, ["bench", "--readme", str(tmp_path)])
     assert res.exit_code == 2 and "cannot write the README section" in res.output
     assert (tmp_path / "README.md").read_text() == "# T\n"
+
+
+# ------------------------------------------------------------------------ the seed studies (issue 16)
+
+
+def test_suite_settings_reach_the_regimes_the_claims_are_about():
+    from composer.validate import validate_file
+
+    assert b.DEFAULTS["seeds"] >= 3 and b.EXTRA_SEEDS == 5
+    lags = []
+    for label, spec, ov in b.SUITE["lag"]:
+        v = validate_file(spec, b.run_overrides(b.Variant(label, spec, ov), 0, b.DEFAULTS))
+        lag = v.spec.sync.every
+        lags.append(lag)
+        assert b.policy_samples(v) == b.DEFAULTS["budget_samples"]  # the same budget as every other study
+        assert (v.total_steps - 1) // lag >= 4 or lag == 1, (label, v.total_steps)  # >= 4 syncs inside the run
+    assert max(lags) >= 24 and min(lags) == 1
+    knobs = []
+    for label, spec, ov in b.SUITE["intensity"]:
+        v = validate_file(spec, b.run_overrides(b.Variant(label, spec, ov), 0, b.DEFAULTS))
+        assert 8 in v.spec.data.train_tiers and v.spec.train.samples_every == 1
+        knobs.append(v.spec.rollout.guide.max_reviews)
+    assert knobs[0] == 0 and knobs == sorted(knobs) and len(knobs) >= 4
+    # every arm a verdict reads is a run of another study too: the full suite runs it once
+    others = {tuple(map(str, (lab, spec, ov))) for s, items in b.SUITE.items() if s != "claims" for lab, spec, ov in items}
+    assert all(tuple(map(str, item)) in others for item in b.SUITE["claims"])
+    claim_labels = {lab for lab, _s, _o in b.SUITE["claims"]}
+    assert all(set(c["arms"].values()) <= claim_labels for c in b.CLAIMS.values())
+
+
+def test_intervals_use_student_t_and_welch():
+    assert b.t975(1) == 12.706 and b.t975(2) == 4.303 and b.t975(2.9) == 4.303 and b.t975(100) == 1.96
+    m, h = b.ci95([0.1, 0.2, 0.3])
+    assert abs(m - 0.2) < 1e-12 and abs(h - 4.303 * 0.1 / 3 ** 0.5) < 1e-9
+    c = b.diff_ci((1, [1.0, 2.0, 3.0]), (-1, [0.0, 1.0, 2.0]))  # equal variances: df = 4
+    assert abs(c["d"] - 1.0) < 1e-12 and abs(c["half"] - 2.776 * (2 / 3) ** 0.5) < 1e-9 and c["n"] == [3, 3]
+    assert b.established(c) == 0
+    assert b.established(b.diff_ci((1, [1.0, 1.0, 1.0]), (-1, [0.0, 0.0, 0.0]))) == 1  # no spread at all
+    assert b.established(b.diff_ci((1, [0.0, 0.1, 0.0]), (-1, [1.0, 0.9, 1.0]))) == -1
+    assert b.value({"pass@1/tier6": 0.2, "pass@1/tier8": 0.4}, "pass@1/tier6+8") == 0.30000000000000004
+
+
+def _claim_rows(effect: float, noise: float = 0.0, seeds=(0, 1, 2)):
+    """Synthetic results of every claims arm: each claim's predicted direction, `effect` strong."""
+    rows = []
+    jitter = {0: 0.0, 1: noise, 2: -noise, 3: noise / 2, 4: -noise / 2}
+
+    def add(label, pass1=0.3, pass32=0.6, ent=0.05, off=float("nan")):
+        for s in seeds:
+            j = jitter[s]
+            rows.append({"label": label, "study": "claims", "seed": s, "pass@1/tier6": pass1 + j, "pass@1/tier8": pass1 + j,
+                         "pass@32/tier6": pass32 + j, "pass@32/tier8": pass32 + j, "entropy_last": ent + j / 10,
+                         "offpolicy_guided": off, "zero_advantage_frac": 0.5, "reward_last": 0.5,
+                         "policy_samples": 64, "steps": 8, "run": "/nonexistent"})
+
+    add("grpo", pass32=0.5)
+    add("mintrl", pass32=0.5 + effect)
+    add("mintrl max_reviews=0", pass32=0.5)
+    for r, off, p in ((0, float("nan"), 0.3), (1, 0.12, 0.3 + effect), (2, 0.22, 0.3), (4, 0.41, 0.3 - effect),
+                      (16, 0.5, 0.3 - effect)):
+        add(f"mintrl long max_reviews={r}", pass1=p, off=off)
+    for m, drop in (("oapl", 0.0), ("grpo", effect)):
+        add(f"{m} sync.every=1", pass1=0.3)
+        add(f"{m} sync.every=24", pass1=0.3 - drop)
+    add("sft", ent=0.01)
+    for m in ("opd", "opsd"):
+        add(m, ent=0.01 + effect / 10)
+    return rows
+
+
+def test_claim_verdicts_follow_the_preregistered_rules():
+    clear = {v["name"]: v for v in b.claim_verdicts(_claim_rows(0.3, noise=0.01))}
+    assert set(clear) == {"coverage", "intensity", "lag", "off_policyness"}
+    assert all(v["verdict"] == "reproduced" and not v["extend"] for v in clear.values()), clear
+    assert "max_reviews=4, 41.0%" in clear["intensity"]["comparisons"][1][0]  # high = the arm closest to 40%
+    against = {v["name"]: v["verdict"] for v in b.claim_verdicts(_claim_rows(-0.3, noise=0.01))}
+    assert against == dict.fromkeys(against, "contradicted")
+    noisy = {v["name"]: v for v in b.claim_verdicts(_claim_rows(0.02, noise=0.2))}
+    assert all(v["verdict"] == "undecided" for v in noisy.values())
+    assert set(noisy["coverage"]["extend"]) == {"grpo", "mintrl"}  # the arms to give 5 seeds
+    table = "\n".join(b.claims_table(list(noisy.values())))
+    assert "**undecided**" in table and "MInTRL - GRPO" in table and "| 3/3 |" in table
+    missing = [r for r in _claim_rows(0.3) if r["label"] != "sft"]
+    assert "off_policyness" not in {v["name"] for v in b.claim_verdicts(missing)}
+
+
+def test_guided_offpolicy_counts_reviewable_rollouts_of_the_intervention_phase(tmp_path):
+    import json
+
+    def row(segment, control, spans, reviews):
+        return {"segment": segment, "control": control, "guide": {"reviews": reviews},
+                "spans": [{"origin": o, "tokens": n} for o, n in spans]}
+
+    rows = [row("phase0", True, [("policy", 30)], 0),  # a control rollout: never reviewed, not counted
+            row("phase0", False, [("policy", 24), ("guide_intervention", 6)], 2),
+            row("phase0", False, [("policy", 30)], 1),
+            row("phase1", False, [("policy", 40)], 0)]  # interventions off: not counted
+    path = tmp_path / "samples.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n{broken\n")
+    assert b.guided_offpolicy(path) == 6 / 60
+    assert b.guided_offpolicy(tmp_path / "none.jsonl") != b.guided_offpolicy(tmp_path / "none.jsonl")  # NaN
+
+
+def test_bench_reuses_finished_runs_and_adds_seeds_in_place(monkeypatch, tmp_path):
+    import json
+
+    calls = []
+
+    def fake(v, seed, out, cfg):
+        calls.append((v.label, seed))
+        out.mkdir(parents=True)
+        return {"label": v.label, "study": v.study, "spec": v.spec, "seed": seed, "toy": "mod10", "steps": 1,
+                "policy_samples": 8, "wall_s": 1.0, "pass@1/tier6": 0.1 * seed, "pass@1/tier8": 0.0, "run": str(out)}
+
+    monkeypatch.setattr(b, "run_one", fake)
+    monkeypatch.setattr(b, "plots", lambda results, out: [])
+    out = tmp_path / "bench"
+    cfg = dict(b.QUICK, seeds=2)
+    va = [b.Variant("grpo", "specs/grpo.yaml", [], study="methods"), b.Variant("grpo", "specs/grpo.yaml", [], study="coverage")]
+    b.bench(va, out, cfg, "first", log=lambda m: None)
+    assert calls == [("grpo", 0), ("grpo", 1)]  # the coverage copy is the same run
+    vb = [b.Variant("sft", "specs/sft.yaml", [], study="off_policyness")]
+    b.bench(vb, out, cfg, "second", log=lambda m: None)
+    results = json.loads((out / "results.json").read_text())
+    assert [(r["study"], r["label"]) for r in results].count(("methods", "grpo")) == 2  # kept from the first call
+    assert {r["study"] for r in results} == {"methods", "coverage", "off_policyness"}
+    calls.clear()
+    b.bench(va[:1], out, dict(cfg, seeds=3), "third", log=lambda m: None)
+    assert calls == [("grpo", 2)]  # seeds 0 and 1 are reused from their folders
+    results = json.loads((out / "results.json").read_text())
+    assert sorted(r["seed"] for r in results if r["study"] == "methods") == [0, 1, 2]
+    summary = (out / "summary.md").read_text()
+    assert "Command: `first`, then `second`, then `third`" in summary and "| grpo | 3 |" in summary
+    calls.clear()
+    b.bench(va[:1], out, dict(cfg, seeds=3, eval_samples=4), "other settings", log=lambda m: None)
+    assert len(calls) == 3  # other settings: nothing reused
+    results = json.loads((out / "results.json").read_text())
+    assert {r["study"] for r in results} == {"methods"}
+
+
+def test_bench_records_the_toy_variant_and_the_cli_runs_the_claims_study(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from composer.cli import main
+
+    seen = []
+    monkeypatch.setattr(b, "bench", lambda variants, *a, **kw: seen.extend(variants) or [])
+    res = CliRunner().invoke(main, ["bench", "--suite", "seeds", "--study", "claims", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert [v.label for v in seen] == [lab for lab, _s, _o in b.SUITE["claims"]]
+    monkeypatch.undo()
+    monkeypatch.setenv("COMPOSER_TOY_VARIANT", "mod7")
+    monkeypatch.setattr(b, "run_one", lambda v, seed, out, cfg: (out.mkdir(parents=True), {
+        "label": v.label, "study": v.study, "seed": seed, "toy": "mod7", "steps": 1, "policy_samples": 8, "wall_s": 1,
+        "run": str(out)})[1])
+    monkeypatch.setattr(b, "plots", lambda results, out: [])
+    b.bench([b.Variant("grpo", "specs/grpo.yaml", [], study="methods")], tmp_path / "h", dict(b.QUICK), "c",
+            log=lambda m: None)
+    summary = (tmp_path / "h" / "summary.md").read_text()
+    assert "Toy testbed `mod7`: mod-7 arithmetic chains" in summary
+    key = __import__("json").loads((tmp_path / "h" / "runs" / "methods-grpo" / "seed0" / "result.json").read_text())["key"]
+    assert '"toy": "mod7"' in key
+
+
+def test_readme_section_says_what_moved_and_writes_both_variants_verdicts(tmp_path):
+    import json
+
+    prev = tmp_path / "docs" / "bench" / b.PREVIOUS
+    prev.parent.mkdir(parents=True)
+    prev.write_text("Settings: budget_samples=4096, seeds=2\n\n| variant | pass@1/tier6 | teacher_tokens | wall_s |\n"
+                    "| --- | --- | --- | --- |\n| grpo | 0.100 ± 0.050 | 0 | 40 |\n| opd | 0.300 ± 0.100 | 100 | 40 |\n")
+    methods = [{"label": m, "study": "methods", "seed": s, "pass@1/tier6": v + (0.1 * s if s == 2 else 0),
+                "pass@1/tier8": 0.0, "teacher_tokens": t, "wall_s": 10, "policy_samples": 64, "steps": 8,
+                "run": str(tmp_path / "none")} for m, v, t in (("grpo", 0.1, 0), ("opd", 0.35, 100)) for s in (0, 1, 2)]
+    out = tmp_path / "bench"
+    for folder, rows in ((out, methods + _claim_rows(0.3, 0.01)), (out / "heldout-mod7", _claim_rows(0.02, 0.2))):
+        b.write_outputs(rows, folder, dict(b.QUICK, seeds=3, toy="mod7" if folder != out else "mod10"), "cmd " + folder.name)
+        (folder / "results.json").write_text(json.dumps([dict(r, toy="mod7") for r in rows] if folder != out else rows))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# T\n\n{b.BEGIN}\nold\n{b.END}\n")
+    b.readme_section(out, readme, tmp_path / "docs" / "bench")
+    text = readme.read_text()
+    # grpo: seeds 0-1 equal the previous 0.100, seed 2 adds 0.2: mean 0.167, moved +0.067 by the added seed only
+    assert "| grpo | +0.067 | +0 |" in text
+    assert "| opd | +0.117* | +0 |" in text  # seeds 0-1 give 0.350, not 0.300: the code moved it
+    assert "reproduce every previous mean: grpo." in text
+    assert text.count("**reproduced**") == 4 and text.count("**undecided**") == 4
+    assert "Held-out variant `mod7`" in text and "](docs/bench/claims-mod7.png)" in text
+    assert (tmp_path / "docs" / "bench" / "claims.png").exists()

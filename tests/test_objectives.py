@@ -56,6 +56,7 @@ MASK = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
     ("seq-mean-token-sum", None, ((1 + 2 + 3) + 4) / 2),     # (6 + 4) / 2 = 5
     ("seq-mean-token-sum-norm", None, 10 / 3),               # C = T = 3
     ("seq-mean-token-sum-norm", 5.0, 10 / 5),                # C = 5
+    ("token-sum", None, 1 + 2 + 3 + 4),                      # Tinker: no normaliser
 ])
 def test_aggregate_modes(mode, norm, expected):
     assert approx(aggregate(LOSS, MASK, mode, norm_const=norm), expected)
@@ -68,18 +69,20 @@ def test_aggregate_modes(mode, norm, expected):
     ("seq-mean-token-mean", (2 * 2 + 4) / 3),
     ("seq-mean-token-sum", (2 * 6 + 4) / 3),
     ("seq-mean-token-sum-norm", (2 * 6 + 4) / 3),  # C = T = 3
+    ("token-sum", 2 * 6 + 4),
 ])
 def test_aggregate_seq_weight(mode, expected):
     assert approx(aggregate(LOSS, MASK, mode, seq_weight=torch.tensor([2.0, 1.0])), expected)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                                  "token-sum"])
 def test_aggregate_empty_rows_no_nan(mode):
     loss = torch.tensor([[1.0, 2.0, 3.0], [float("nan"), float("inf"), 5.0]], requires_grad=True)
     mask = torch.tensor([[1, 1, 0], [0, 0, 0]], dtype=torch.bool)
     # the empty row neither counts as a sequence nor leaks its NaN/inf
     expected = {"token-mean": 1.5, "seq-mean-token-mean": 1.5, "seq-mean-token-sum": 3.0,
-                "seq-mean-token-sum-norm": 1.0}[mode]
+                "seq-mean-token-sum-norm": 1.0, "token-sum": 3.0}[mode]
     out = aggregate(loss, mask, mode)
     assert approx(out, expected)
     (g,) = torch.autograd.grad(out, loss)

@@ -656,7 +656,7 @@ def test_agent_int_stage_one_self_judge_and_sft_filter():
     def scripts(text):  # the verdict; the correction from the reference-conditioned prompt; the policy
         return ["REVISE 2"] if text.endswith("V:") else [good] if text.startswith("R:") else [bad, good]
 
-    agent = agent_for("specs/int.yaml", segments=[0])  # the sft stage
+    agent = agent_for("specs/int.yaml", ["stages.0.signal.targets=online"], segments=[0])  # the sft stage, online
     outs = run_agent(agent, FakeEngine(tok, scripts), tok, ex.prompt, ob.encode_label(ob.label_of(ex, step=0)), 4)
     P = len(tok.encode(ex.prompt, add_special_tokens=False))
     for out in outs:
@@ -665,6 +665,39 @@ def test_agent_int_stage_one_self_judge_and_sft_filter():
         assert tok.decode(out["observation_tokens"][P:]) == "7+3=0\n0-5=5\n"  # cut right after the intervention
         assert [o for _, _, o in meta["spans"]] == ["policy", "guide_intervention"]
         assert out["action_ranges"] == [(P, P + 6), (P + 6, P + 12)]
+
+
+def test_agent_int_offline_targets_are_built_once_for_the_training_problems():
+    """InT as published on OpenRLHF: the first sample of the stage builds every training problem's targets
+    (the same attempt programs as the Lightning backend), later samples only read them; a problem with fewer
+    kept targets than samples returns its prompt at weight 0 for the rest; a leaking intervention is dropped."""
+    from components.tasks import toy
+    from components.tasks.tokenizer import char_tokenizer
+
+    tok = char_tokenizer()
+    fixable, leaky = toy.make_example("7+3-5"), toy.make_example("4+4")
+    bad = {fixable.prompt: "7+3=0\n0-5=1\n#1", leaky.prompt: "4+4=8\n#0"}
+
+    def scripts(text):  # a verdict on the judge prompt; the correction; else the policy's own (wrong) attempt
+        if text.endswith("V:"):
+            return ["REVISE 2"]
+        if text.startswith("R:"):  # the correction: the right step (the leaky problem's is its final answer line)
+            return [fixable.solution] if "7+3" in text else ["4+4=8\n#8"]
+        return [bad.get(p, "") for p in bad if text.startswith(p)] + [fixable.solution, "4+4=8\n#8"]
+
+    agent = agent_for("specs/int.yaml", segments=[0])
+    spec = agent.segments.at(0)
+    agent.context(spec, tok).task.train = [fixable, leaky]  # this run's training problems
+    engine = FakeEngine(tok, scripts)
+    outs = run_agent(agent, engine, tok, fixable.prompt, ob.encode_label(ob.label_of(fixable, step=0)), 4)
+    (targets, counts), = agent.built.values()
+    assert counts["problems"] == 2 and counts["attempts"] == 8 and counts["leaks"] == 4 and counts["kept"] == 4
+    assert set(targets) == {fixable.prompt}
+    assert all(ob.decode_label(o["label"])["weight"] == 1.0 for o in outs)
+    calls = engine.calls
+    again = run_agent(agent, engine, tok, leaky.prompt, ob.encode_label(ob.label_of(leaky, step=0)), 4)
+    assert engine.calls == calls  # built once: nothing generated for later samples
+    assert all(ob.decode_label(o["label"])["weight"] == 0.0 for o in again)
 
 
 def test_reward_func_reads_the_response_with_the_verifier():

@@ -79,6 +79,60 @@ def test_templates_and_judge_helpers():
     assert toy.TEMPLATES["reference"].format(problem=e.problem, solution=e.solution).endswith("\nQ:7+3-5+9\nA:")
 
 
+# -------------------------------------------------------------------------------------- variants
+
+
+def test_default_variant_draws_are_those_of_the_original_testbed(monkeypatch):
+    monkeypatch.delenv(toy.VARIANT_ENV, raising=False)
+    assert toy.variant() == "mod10" and toy.modulus() == 10
+    # the problems the testbed drew before variants existed (seeded streams: any change breaks every cache)
+    assert [e.problem for e in toy.make_examples(6, 4, 0, "eval")] == [
+        "9+2+3+8+7-5-7", "4-8+5+4-7+6-5", "8+3-6-6+7-9-4", "1-2-0+5-9+5-8"]
+    assert [e.problem for e in toy.make_examples(2, 4, 1, "train")] == ["0-9+4", "7-9-6", "7+0+4", "0+4+0"]
+    assert [e.problem for e in toy.toy_task().sample_train(random.Random(7), 4)] == [
+        "2-0+8+5+8", "0+6-1", "9+9-0", "0+4-2"]
+    from components.tasks import bootstrap
+
+    assert bootstrap.cache_key() == "toy-v2" and bootstrap.cache_folder().endswith("/toy-v2")
+    assert toy.toy_task().name == "toy"
+
+
+def test_mod7_variant(monkeypatch, tmp_path):
+    from components.tasks import bootstrap
+
+    monkeypatch.setenv(toy.VARIANT_ENV, "mod7")
+    monkeypatch.setenv("COMPOSER_CACHE", str(tmp_path))
+    assert toy.modulus() == 7
+    e = toy.make_example("6+3-5+4")
+    assert e.solution == "6+3=2\n2-5=4\n4+4=1\n#1" and e.answer == "1"
+    exs = toy.make_examples(6, 50, 0, "eval")
+    assert all(set(x.problem) <= set("0123456+-") for x in exs) and len({x.problem for x in exs}) == 50
+    train = {x.problem for x in toy.make_examples(6, 200, 0, "train")}
+    assert train.isdisjoint(x.problem for x in exs)
+    assert all(toy_verifier(x.solution, x).reward == 1.0 and int(x.answer) < 7 for x in exs)
+    task = toy.toy_task(eval_per_tier=4, train_per_tier=4)
+    assert task.name == "toy-mod7" and all(set(x.problem) <= set("0123456+-") for x in task.sample_train(random.Random(0), 50))
+    assert toy.judge_target(e, ["6+3=2"], ["2-5=3"]) == "REVISE 1\n2-5=4"
+    assert bootstrap.cache_key() == "toy-v2-mod7" and bootstrap.cache_folder() == str(tmp_path / "toy-v2-mod7")
+    rng = random.Random(0)
+    assert all(bootstrap.corrupt("6+3=2", rng)[-1] in "013456" for _ in range(50))  # wrong, and a mod-7 digit
+    monkeypatch.setenv(toy.VARIANT_ENV, "mod11")
+    with pytest.raises(ValueError, match="mod10, mod7"):
+        toy.variant()
+
+
+@pytest.mark.slow
+def test_mod7_checkpoints(monkeypatch):
+    """The held-out variant's bootstrapped pair (about 20 minutes to build on 2 busy cores, once)."""
+    from components.tasks.bootstrap import ensure_checkpoints, evaluate_greedy
+
+    monkeypatch.setenv(toy.VARIANT_ENV, "mod7")
+    paths = ensure_checkpoints()
+    assert paths["student"].endswith("toy-v2-mod7/student")
+    assert evaluate_greedy(paths["student"], 1, 64) >= 0.9
+    assert evaluate_greedy(paths["student"], 6, 64) < evaluate_greedy(paths["teacher"], 6, 64)
+
+
 # ------------------------------------------------------------------------------------ verifiers
 
 

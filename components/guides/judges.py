@@ -8,7 +8,8 @@ KEEP and counted).
   oracle         the task's step checker (toy: ToyStepChecker): the first wrong step and its right
                  text; no model, no request.
   policy_model   two greedy calls, as MInTRL's notes describe (Chen et al. 2026, Algorithm 1): a verdict
-                 on the judge prompt (problem, accepted steps, the new steps numbered, declared context)
+                 on the judge prompt (problem, accepted steps, the new steps numbered, declared context;
+                 the user message of the policy's prompt format, e.g. its chat template)
                  whose first line is exactly "KEEP" or "REVISE k"; after REVISE k, the correction,
                  generated from the judge's context prompt followed by the kept steps only (the wrong step
                  and what came after it are never shown), cut at the first step separator. `model: self`
@@ -77,6 +78,7 @@ class ModelJudge:
         self.model = (POLICY if self.cfg.weights == "current" else INITIAL) if self.cfg.is_self else name
         self.tok = ctx.tokenizer if self.cfg.is_self or self.cfg.shares_tokenizer else ctx.source(name).tokenizer
         self.kinds = {c: ctx.spec.sources[c].kind for c in self.cfg.context}
+        self.fmt = ctx.prompt_format(self.tok)  # the judge's prompts rendered like the policy's, with its tokenizer
 
     def texts(self, ctx, example) -> dict[str, str | None]:
         """The judge's context texts for a problem (judges read per-problem sources only)."""
@@ -86,10 +88,10 @@ class ModelJudge:
         """(verdict, correction) prompt functions of the context texts (placement checks use them too)."""
         from composer.runtime.prompts import Render, correction_prompt, judge_prompt, which_template
 
-        task, cfg, split = ctx.task, self.cfg, self.guide.step_split
-        verdict = Render(lambda t: judge_prompt(task, cfg, self.kinds, example, accepted, new, split, t),
+        task, cfg, split, fmt = ctx.task, self.cfg, self.guide.step_split, self.fmt
+        verdict = Render(lambda t: judge_prompt(task, cfg, self.kinds, example, accepted, new, split, t, fmt),
                          list(cfg.context), which_template(task, cfg, "judge", self.kinds))
-        correction = Render(lambda t: correction_prompt(task, cfg, self.kinds, example, kept, split, t),
+        correction = Render(lambda t: correction_prompt(task, cfg, self.kinds, example, kept, split, t, fmt),
                             list(cfg.context), which_template(task, cfg, "correction", self.kinds))
         return verdict, correction
 

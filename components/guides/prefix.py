@@ -113,7 +113,10 @@ class PrefixGuide(Guide):
         if self.placement == "response":
             return ctx.prompt_ids(ex), ctx.encode(prefix + sep)
         template = ctx.task.templates.get("prefix")
-        text = template.format(problem=ex.problem, prefix=prefix) if template else \
+        if template:
+            return ctx.encode(template.format(problem=ex.problem, prefix=prefix)), []
+        fmt = ctx.prompt_format()  # the prefix goes into the user's message, before any chat generation prompt
+        text = fmt.wrap(fmt.user(ex) + self.instruction + prefix + sep) if fmt.mode != "task" else \
             ex.prompt + self.instruction + prefix + sep
         return ctx.encode(text), []
 

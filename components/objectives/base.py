@@ -17,8 +17,8 @@ from composer.registry import Component
 if TYPE_CHECKING:
     from torch import Tensor
 
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"]
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 
 
 class Objective(Component):
@@ -109,6 +109,7 @@ def aggregate(loss_tok: Tensor, mask: Tensor, mode: str, norm_const: float | Non
       seq-mean-token-mean:     sum_i s_i (sum_t m l / sum_t m) / sum_i s_i   (GRPO paper form)
       seq-mean-token-sum:      sum_i s_i (sum_t m l) / sum_i s_i
       seq-mean-token-sum-norm: sum_{i,t} m s_i l / C, C = norm_const or T   (Dr. GRPO, Liu et al. 2025)
+      token-sum:               sum_{i,t} m s_i l, no normaliser            (Tinker's built-in losses)
     The seq-means run over rows with at least one loss token (an empty row is no sequence; newer
     verl does the same); with s = 1 and no empty row they are the plain (1/B) sum_i of section 0.
     Masked-out entries are replaced by 0 before summing, so NaN/inf at pad positions never leaks.
@@ -124,6 +125,8 @@ def aggregate(loss_tok: Tensor, mask: Tensor, mode: str, norm_const: float | Non
     if mode == "seq-mean-token-sum-norm":
         C = float(norm_const) if norm_const is not None else float(loss_tok.shape[1])
         return (w * l).sum() / C
+    if mode == "token-sum":
+        return (w * l).sum()
     row_sum = (m * l).sum(-1)  # [B]
     n_tok = m.sum(-1)  # [B]
     if mode == "seq-mean-token-mean":
@@ -146,6 +149,8 @@ def aggregate_count(mask: Tensor, mode: str, norm_const: float | None = None,
         return (m * s[:, None]).sum()
     if mode == "seq-mean-token-sum-norm":
         return torch.tensor(float(norm_const) if norm_const is not None else float(m.shape[1]), device=m.device)
+    if mode == "token-sum":
+        return torch.tensor(1.0, device=m.device)
     if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
         return (s * (m.sum(-1) > 0).float()).sum()
     raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGGREGATIONS}")

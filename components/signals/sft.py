@@ -17,6 +17,9 @@ class SftSignal(Signal):
     kind: Literal["sft"] = Field("sft", description="Component kind.")
     target: str = Field(..., description="A reference_solution source, or `guided`: the policy prefix plus the intervention of guided rollouts, truncated after it.")
     filter_samples: int = Field(8, ge=0, description="With `guided`: keep a target only if at least one of this many continuations from it succeeds (InT used 32); 0 keeps all.")
+    targets: Literal["offline", "online"] = Field("offline", description="With `guided`: `offline` (InT as published) builds the targets once, when the segment starts, from the weights at that point: rollout.samples_per_prompt attempts at each of `problems` training problems, the guide's interventions on the failed ones, the filters; cached in the run folder, then SFT on them. `online` builds them from every step's rollouts by the weights being trained.")
+    problems: int | None = Field(None, ge=1, description="With `targets: offline`: training problems the targets are built from (default: the segment's steps x train.prompts_per_step, the problems an online run would see).")
+    leak_filter: bool = Field(True, description="With `guided`: drop a target whose intervention alone passes the verifier, i.e. states the reference's final answer instead of fixing a step (counted as sft_leaks).")
 
     refs: ClassVar = {"target": ("reference_solution",)}
     provides: ClassVar = ("sft_target",)
@@ -27,8 +30,18 @@ class SftSignal(Signal):
 
     @property
     def makes_batch(self) -> bool:
-        """A reference target needs no rollout: the batch is the demonstrations themselves."""
-        return self.target != "guided"
+        """A reference target, or offline guided targets, need no rollout at each step: the batch is the
+        demonstrations themselves."""
+        return self.target != "guided" or self.targets == "offline"
+
+    @property
+    def builds_ahead(self) -> bool:
+        return self.target == "guided" and self.targets == "offline"
+
+    def start(self, ctx) -> None:
+        """Offline InT targets: built once from the weights at the segment's start (see `offline_targets`)."""
+        if self.builds_ahead:
+            offline_targets(ctx, self, build=True)
 
     def origins(self, guide) -> set[str]:
         if self.target != "guided":
@@ -36,14 +49,22 @@ class SftSignal(Signal):
         return {"prompt", "policy", *guide.writes_now()}
 
     def describe(self, spec) -> str:
-        if self.makes_batch:
+        if self.target != "guided":
             return f"SFT targets from '{self.target}' (teacher-forced; no rollout)"
+        if self.builds_ahead:
+            n = self.problems or "steps x prompts_per_step"
+            return (f"SFT on guided targets built once at the start from {n} problems x "
+                    f"{spec.rollout.samples_per_prompt} attempts (policy prefix + intervention; teacher-forced)")
         return "SFT targets from guided rollouts (policy prefix + intervention)"
 
     def make_batch(self, ctx, examples):
-        """prompt + the reference solution + EOS per example, the target tokens of origin `demonstration`."""
+        """prompt + the reference solution + EOS per example, the target tokens of origin `demonstration`;
+        offline guided targets: the next train.prompts_per_step of the cached targets."""
         from composer.runtime.protocol import Trace
         from composer.runtime.trajectory import assemble
+
+        if self.builds_ahead:
+            return offline_batch(ctx, self, examples)
 
         ref = ctx.source(self.target)
         traces = []
@@ -56,20 +77,20 @@ class SftSignal(Signal):
         return batch
 
     def apply(self, ctx, batch):
-        if self.target == "guided":
-            return guided_targets(ctx, batch, self.filter_samples)
+        if self.target == "guided" and not self.builds_ahead:
+            return guided_targets(ctx, batch, self.filter_samples, self.leak_filter)
         return batch
 
     @property
     def targets_rows(self) -> bool:
-        return self.target == "guided"
+        return self.target == "guided" and not self.builds_ahead
 
     def row_target(self, ctx, example, trace):
         """One row's InT target (see `guided_targets`): (the trace cut after its intervention, weight 1 when
         kept), or weight 0 for a row without intervention or failing the filter."""
-        if self.target != "guided":
+        if not self.targets_rows:
             return None
-        return row_target_program(ctx, example, trace, self.filter_samples)
+        return row_target_program(ctx, example, trace, self.filter_samples, self.leak_filter)
 
 
 def cut_after_intervention(trace):
@@ -97,15 +118,23 @@ def keep_program(ctx, example, trace, filter_samples: int):
     return any(successes(ctx, [example] * len(texts), texts))
 
 
-def row_target_program(ctx, example, trace, filter_samples: int):
+def leaks(ctx, example, trace) -> bool:
+    """The intervention alone passes the verifier: it states the final answer rather than fixing a step."""
+    from components.guides.intervention import successes
+
+    text = ctx.decode([t for p in trace.pieces if p.origin == "guide_intervention" for t in p.tokens])
+    return bool(text.strip()) and successes(ctx, [example], [text])[0]
+
+
+def row_target_program(ctx, example, trace, filter_samples: int, leak_filter: bool = True):
     cut = cut_after_intervention(trace) if trace.guided else None
-    if cut is None:
+    if cut is None or (leak_filter and leaks(ctx, example, cut)):
         return trace, 0.0
     kept = yield from keep_program(ctx, example, cut, filter_samples)
     return cut, 1.0 if kept else 0.0
 
 
-def guided_targets(ctx, batch, filter_samples: int):
+def guided_targets(ctx, batch, filter_samples: int, leak_filter: bool = True):
     """InT's SFT targets (Yang et al. 2026, arXiv 2601.14209, pipeline steps 4-5), from this step's rollouts.
 
     From each guided row: prompt + policy prefix + intervention, cut right after the last intervention
@@ -116,29 +145,13 @@ def guided_targets(ctx, batch, filter_samples: int):
     loss is exactly zero.
     """
     from composer.lazy import torch
-    from composer.origins import CODE, ORIGINS
+    from composer.origins import CODE
     from composer.runtime.protocol import Trace
-    from composer.runtime.rollout import run
     from composer.runtime.trajectory import assemble
 
-    inter = batch.origin == CODE["guide_intervention"]  # [B, T]
-    guided = batch.guided if batch.guided is not None else torch.zeros(batch.size, dtype=torch.bool)  # [B]
-    known = batch.known_mask
-    cands = []  # (row, trace cut after its last intervention token)
-    for i in range(batch.size):
-        if not (bool(guided[i]) and bool(inter[i].any())):
-            continue
-        cut = int(inter[i].nonzero().max()) + 1
-        ids, org = batch.tokens[i, :cut].tolist(), batch.origin[i, :cut].tolist()
-        lps, kn = batch.behavior_logprobs[i, :cut].tolist(), known[i, :cut].tolist()
-        plen = sum(o == CODE["prompt"] for o in org)
-        trace = Trace(ids[:plen], control=False, guided=True)
-        for t in range(plen, cut):
-            trace.add([ids[t]], ORIGINS[org[t]], [lps[t]] if kn[t] else None)
-        cands.append((i, trace))
-    keep = run(ctx, [keep_program(ctx, batch.examples[i], t, filter_samples) for i, t in cands])
-    cands = [c for c, k in zip(cands, keep) if k]
-    ctx.log(sft_kept=len(cands), sft_candidates=int(guided.sum()))
+    cands = candidates(batch)
+    cands, counts = kept_targets(ctx, batch, cands, filter_samples, leak_filter)
+    ctx.log(**counts)
     empty = not cands
     if empty:  # zero loss without crashing: prompt-only rows, weight 0
         i = 0
@@ -149,4 +162,158 @@ def guided_targets(ctx, batch, filter_samples: int):
     out.info["temperature"] = batch.info.get("temperature", 1.0)
     if empty:
         out.seq_weight = torch.zeros(out.size)
+    return out
+
+
+def candidates(batch) -> list:
+    """(row, trace cut right after its last intervention token) of every guided row with an intervention."""
+    from composer.lazy import torch
+    from composer.origins import CODE, ORIGINS
+    from composer.runtime.protocol import Trace
+
+    inter = batch.origin == CODE["guide_intervention"]  # [B, T]
+    guided = batch.guided if batch.guided is not None else torch.zeros(batch.size, dtype=torch.bool)  # [B]
+    known = batch.known_mask
+    out = []
+    for i in range(batch.size):
+        if not (bool(guided[i]) and bool(inter[i].any())):
+            continue
+        cut = int(inter[i].nonzero().max()) + 1
+        ids, org = batch.tokens[i, :cut].tolist(), batch.origin[i, :cut].tolist()
+        lps, kn = batch.behavior_logprobs[i, :cut].tolist(), known[i, :cut].tolist()
+        plen = sum(o == CODE["prompt"] for o in org)
+        trace = Trace(ids[:plen], control=False, guided=True)
+        for t in range(plen, cut):
+            trace.add([ids[t]], ORIGINS[org[t]], [lps[t]] if kn[t] else None)
+        out.append((i, trace))
+    return out
+
+
+def kept_targets(ctx, batch, cands: list, filter_samples: int, leak_filter: bool) -> tuple[list, dict]:
+    """The candidates that survive the answer-leak filter and the continuation filter, and the counts."""
+    from composer.runtime.rollout import run
+
+    guided = int(batch.guided.sum()) if batch.guided is not None else 0
+    n = len(cands)
+    if leak_filter:
+        cands = [c for c in cands if not leaks(ctx, batch.examples[c[0]], c[1])]
+    keep = run(ctx, [keep_program(ctx, batch.examples[i], t, filter_samples) for i, t in cands])
+    kept = [c for c, k in zip(cands, keep) if k]
+    return kept, {"sft_kept": len(kept), "sft_candidates": guided, "sft_interventions": n, "sft_leaks": n - len(cands)}
+
+
+# ------------------------------------------------------------------------------------ offline InT targets
+
+def attempt_program(ctx, sig: SftSignal, example, index: int, n: int):
+    """Program: attempt `index` of n at `example` with the segment's guide, then InT's target of it:
+    -> (status, trace); status is `none` (no intervention), `leak`, `filtered` or `kept` (trace: the
+    attempt cut right after its intervention). Both backends build offline targets with it."""
+    trace = yield from ctx.spec.rollout.guide.row(ctx, example, index, n)
+    cut = cut_after_intervention(trace) if trace.guided else None
+    if cut is None:
+        return "none", None
+    if sig.leak_filter and leaks(ctx, example, cut):
+        return "leak", None
+    kept = yield from keep_program(ctx, example, cut, sig.filter_samples)
+    return ("kept", cut) if kept else ("filtered", None)
+
+
+def collect_targets(examples: list, statuses: list, n: int) -> tuple[dict, dict]:
+    """{prompt: [kept traces]} and the counts, from attempt_program's results (n per example, in order)."""
+    targets: dict[str, list] = {}
+    counts = {"problems": len(examples), "attempts": len(statuses), "interventions": 0, "leaks": 0, "kept": 0}
+    for k, (status, trace) in enumerate(statuses):
+        counts["interventions"] += status != "none"
+        counts["leaks"] += status == "leak"
+        counts["kept"] += status == "kept"
+        if status == "kept":
+            targets.setdefault(examples[k // n].prompt, []).append(trace)
+    return targets, counts
+
+
+def _cache_file(ctx):
+    return None if ctx.run_dir is None else ctx.run_dir / "int_targets" / f"{ctx.segment or 'main'}.jsonl"
+
+
+def offline_targets(ctx, sig: SftSignal, build: bool = False) -> dict:
+    """InT's targets as published (Yang et al. 2026, arXiv 2601.14209, pipeline steps 1-5), built once.
+
+    At the segment's start (`build`): for each training problem the segment's steps will draw (peeked,
+    the data position does not move), rollout.samples_per_prompt attempts with the weights at that point
+    and the segment's guide (the proposer rewrites the first wrong step of a failed attempt, shown its
+    declared context), each intervention cut right after it, kept when it does not state the final answer
+    (`leak_filter`) and a continuation from it succeeds (`filter_samples`). Kept targets go to
+    <run>/int_targets/<segment>.jsonl and are read back from there after a resume; the attempts' tokens
+    count in the run's cost columns. -> {prompt: [target traces]}.
+    """
+    key = ("int_targets", ctx.segment, sig.model_dump_json())
+    if key in ctx.cache:
+        return ctx.cache[key]
+    path = _cache_file(ctx)
+    if path is not None and path.exists():
+        targets = _load(path)
+    elif build:
+        targets = _build(ctx, sig, path)
+    else:
+        raise RuntimeError(f"InT's offline targets of segment '{ctx.segment}' were never built and are not in "
+                           f"{path}: resume from a checkpoint taken after the segment started")
+    ctx.cache[key] = targets
+    return targets
+
+
+def _build(ctx, sig: SftSignal, path) -> dict:
+    from composer import files
+    from composer.runtime.rollout import run
+
+    n = ctx.spec.rollout.samples_per_prompt
+    problems = ctx.peek_prompts(sig.problems or (ctx.segment_end - ctx.segment_start) * ctx.spec.train.prompts_per_step)
+    run(ctx, list(ctx.spec.rollout.guide.prepare(ctx, problems)))
+    statuses = run(ctx, [attempt_program(ctx, sig, ex, i, n) for ex in problems for i in range(n)])
+    targets, counts = collect_targets(problems, statuses, n)
+    ctx.log(**{f"int_offline/{k}": v for k, v in counts.items()})
+    ctx.record("int_targets", targets=targets, counts=counts)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        files.write_text(path, "".join(_line(prompt, t) for prompt, ts in targets.items() for t in ts))
+    return targets
+
+
+def _line(prompt: str, trace) -> str:
+    import json
+
+    pieces = [{"tokens": p.tokens, "origin": p.origin, "logprobs": p.logprobs} for p in trace.pieces]
+    return json.dumps({"problem_prompt": prompt, "prompt": trace.prompt, "pieces": pieces}) + "\n"
+
+
+def _load(path) -> dict:
+    import json
+
+    from composer.runtime.protocol import Trace
+
+    out: dict[str, list] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        trace = Trace(row["prompt"], control=False, guided=True)
+        for p in row["pieces"]:
+            trace.add(p["tokens"], p["origin"], p["logprobs"])
+        out.setdefault(row["problem_prompt"], []).append(trace)
+    return out
+
+
+def offline_batch(ctx, sig: SftSignal, examples: list):
+    """The step's SFT batch: the cached targets of the step's problems (all of each problem's kept
+    attempts), or a zero-loss batch of the first prompt when none of them has one."""
+    from composer.lazy import torch
+    from composer.runtime.protocol import Trace
+    from composer.runtime.trajectory import assemble
+
+    targets = offline_targets(ctx, sig)
+    rows = [(k, ex, t) for k, ex in enumerate(examples) for t in targets.get(ex.prompt, [])]
+    ctx.log(sft_kept=len(rows))
+    if not rows:
+        out = assemble([Trace(ctx.prompt_ids(examples[0]))], [examples[0]], [0], ctx.pad_id)
+        out.seq_weight = torch.zeros(1)
+    else:
+        out = assemble([t for _, _, t in rows], [ex for _, ex, _ in rows], [k for k, _, _ in rows], ctx.pad_id)
+    out.info["temperature"] = ctx.spec.rollout.temperature
     return out

@@ -1,8 +1,9 @@
 """A policy model as a source: an external teacher or judge, or the policy itself with privileged context.
 
 As a teacher it scores the student's own rollouts and never generates: for each row it builds a
-teacher prompt (the problem plus the privileged texts of its `context` sources, every one placed:
-composer/runtime/prompts.py), appends exactly the student's response token ids, and takes
+teacher prompt (the problem plus the privileged texts of its `context` sources, every one placed, as the
+user message of the policy's prompt format: chat template and system prompt, composer/runtime/prompts.py),
+tokenizes it once, appends exactly the student's response token ids, and takes
 log pi_T(y_t | teacher prompt, y_<t) in one forward pass (`score_responses`, which both backends call
 with their own forward function).
   - OPD (Lu / Thinking Machines 2025): an external teacher, no context, the student's own prompt.
@@ -175,7 +176,8 @@ class ModelSource(Runtime):
         """The teacher prompt of one problem as a function of its context texts."""
         from composer.runtime.prompts import Render, teacher_prompt, which_template
 
-        return Render(lambda texts: teacher_prompt(ctx.task, self.cfg, self.kinds, example, texts),
+        fmt = ctx.prompt_format()  # rendered as the policy's prompts are (the teacher scores the policy's ids)
+        return Render(lambda texts: teacher_prompt(ctx.task, self.cfg, self.kinds, example, texts, fmt),
                       list(self.cfg.context), which_template(ctx.task, self.cfg, "teacher", self.kinds))
 
     def prompts(self, ctx, batch) -> list[tuple[list[int] | None, float]]:
@@ -218,10 +220,10 @@ def teacher_prompts(ctx, cfg: PolicyModel, kinds: dict[str, str], name: str, bat
     each prompt is recorded with the texts it was built from."""
     from composer.runtime.prompts import teacher_prompt
 
-    out = []
+    out, fmt = [], ctx.prompt_format()  # the policy's prompt format: chat template, system prompt
     for i in range(batch.size):
         texts = context_texts(ctx, cfg, kinds, batch, i)
-        text = teacher_prompt(ctx.task, cfg, kinds, batch.examples[i], texts)
+        text = teacher_prompt(ctx.task, cfg, kinds, batch.examples[i], texts, fmt)
         if text is not None:
             ctx.record("prompt", source=name, usage="teacher", text=text, context=texts)
         out.append((None, 0.0) if text is None else (ctx.encode(text), 1.0))

@@ -3,7 +3,9 @@
     ensure_checkpoints() -> {"tokenizer": dir, "student": dir, "teacher": dir}
 
 Built once into $COMPOSER_CACHE/toy-v2 (default ~/.cache/composer/toy-v2), under a file lock, each
-directory written to a temp name and renamed, so concurrent processes are safe.
+directory written to a temp name and renamed, so concurrent processes are safe. A held-out toy variant
+(COMPOSER_TOY_VARIANT, components.tasks.toy.VARIANTS) gets its own pair, by the same recipe, in
+toy-v2-<variant> (e.g. toy-v2-mod7); the default's folder and checkpoints are unchanged.
 
 The student (4 layers) learns chains of 1-4 steps and fails on long ones. The teacher is the
 student grown to 6 layers (the new layers start as the identity) and trained on chains of 1-8:
@@ -47,12 +49,19 @@ MIX = {"reference": 0.15, "sibling": 0.10, "feedback": 0.05, "prefix": 0.20, "ju
 EVAL_TIERS = (1, 2, 4, 6, 8)
 
 
+def cache_key() -> str:
+    """The cache folder's name: toy-v2 for the default testbed, toy-v2-<variant> for a held-out variant."""
+    name = toy.variant()
+    return VERSION if name == toy.DEFAULT_VARIANT else f"{VERSION}-{name}"
+
+
 def cache_folder(cache_dir: str | None = None) -> str:
-    """The versioned cache folder: `cache_dir` as given, else $COMPOSER_CACHE/toy-v2, else ~/.cache/composer/toy-v2."""
+    """The versioned cache folder: `cache_dir` as given, else $COMPOSER_CACHE/<cache_key()>, else
+    ~/.cache/composer/<cache_key()> (toy-v2 for the default testbed)."""
     if cache_dir:
         return cache_dir
     root = os.environ.get("COMPOSER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "composer")
-    return os.path.join(root, VERSION)
+    return os.path.join(root, cache_key())
 
 
 def qwen3(vocab_size: int, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, tok=None):
@@ -89,8 +98,9 @@ def n_params(model) -> int:
 
 
 def corrupt(line: str, rng: random.Random) -> str:
-    """A step line with a wrong result digit."""
-    return line[:-1] + str((int(line[-1]) + rng.randrange(1, 10)) % 10)
+    """A step line with a wrong result digit (mod the active variant's modulus: 10 by default)."""
+    m = toy.modulus()
+    return line[:-1] + str((int(line[-1]) + rng.randrange(1, m)) % m)
 
 
 def pick_format(rng: random.Random, mix: dict) -> str:
@@ -327,7 +337,7 @@ def ensure_checkpoints(cache_dir: str | None = None) -> dict:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         threads = torch.get_num_threads()
-        torch.set_num_threads(2)
+        torch.set_num_threads(int(os.environ.get("COMPOSER_THREADS") or 2))  # 1 on a busy machine: no thread contention
         t_start = time.time()
         if not os.path.isdir(paths["tokenizer"]):
             tmp = f"{paths['tokenizer']}.tmp-{os.getpid()}"

@@ -5,6 +5,10 @@
     answer    4            tier = 3 (number of steps)
 
 Train and eval are split by a hash of the problem text, so they never overlap. No torch at import.
+
+Variants (`VARIANTS`): the default `mod10` above, and held-out ones with another modulus (`mod7`: digits
+0-6, arithmetic mod 7), chosen by the environment variable COMPOSER_TOY_VARIANT (unset: mod10, exactly
+the testbed above). A variant has its own bootstrapped checkpoints (components/tasks/bootstrap.py).
 """
 
 from __future__ import annotations
@@ -18,6 +22,39 @@ from composer.data import Example, Task
 from composer.files import atomic_path
 
 EVAL_BUCKETS = 5  # 1 in 5 problems (by hash) belongs to the eval split
+
+# Toy variants: the modulus of the arithmetic (operands are its digits) and the operations. `mod10` is the
+# default testbed; the others are held out (composer bench runs a suite on one to check that conclusions
+# drawn on mod10 were not tuned to it). Select one with COMPOSER_TOY_VARIANT=<name>.
+VARIANTS = {
+    "mod10": {"modulus": 10, "ops": "+-"},
+    "mod7": {"modulus": 7, "ops": "+-"},
+}
+DEFAULT_VARIANT = "mod10"
+VARIANT_ENV = "COMPOSER_TOY_VARIANT"
+
+
+def variant() -> str:
+    """The active toy variant: $COMPOSER_TOY_VARIANT, else `mod10` (the default testbed)."""
+    name = os.environ.get(VARIANT_ENV) or DEFAULT_VARIANT
+    if name not in VARIANTS:
+        raise ValueError(f"{VARIANT_ENV}={name!r}: the toy variants are {', '.join(VARIANTS)}")
+    return name
+
+
+def modulus() -> int:
+    """The active variant's modulus (10 for the default testbed)."""
+    return VARIANTS[variant()]["modulus"]
+
+
+def _apply(acc: int, op: str, b: int, m: int) -> int:
+    if op == "+":
+        return (acc + b) % m
+    if op == "-":
+        return (acc - b) % m
+    if op == "*":
+        return (acc * b) % m
+    raise ValueError(f"unknown toy operation {op!r}")
 
 # Prompt formats. Fields are filled with str.format; every format ends with "A:" and the response
 # is the solution lines (for `prefix`: the lines after the prefix), then "#N".
@@ -44,11 +81,12 @@ TEMPLATES = {
 
 
 def solve(problem: str) -> tuple[list[str], str]:
-    """The step lines and the answer of a chain like '7+3-5+9'."""
+    """The step lines and the answer of a chain like '7+3-5+9' (mod the active variant's modulus)."""
+    m = modulus()
     acc, steps = int(problem[0]), []
     for i in range(1, len(problem), 2):
         op, b = problem[i], int(problem[i + 1])
-        new = (acc + b) % 10 if op == "+" else (acc - b) % 10
+        new = _apply(acc, op, b, m)
         steps.append(f"{acc}{op}{b}={new}")
         acc = new
     return steps, str(acc)
@@ -75,16 +113,24 @@ def make_example(problem: str) -> Example:
 
 def random_problem(rng: random.Random, tier: int, split: str) -> str:
     """A random chain of `tier` steps from `split` (rejection sampling over the hash partition)."""
+    cfg = VARIANTS[variant()]
+    m, ops = cfg["modulus"], cfg["ops"]  # mod10: exactly the draws of the original testbed
     while True:
-        p = str(rng.randrange(10)) + "".join(rng.choice("+-") + str(rng.randrange(10)) for _ in range(tier))
+        p = str(rng.randrange(m)) + "".join(rng.choice(ops) + str(rng.randrange(m)) for _ in range(tier))
         if split_of(p) == split:
             return p
+
+
+def _stream() -> str:
+    """The name of the random streams of the active variant ('toy' for the default: unchanged draws)."""
+    name = variant()
+    return "toy" if name == DEFAULT_VARIANT else f"toy-{name}"
 
 
 def make_examples(tier: int, n: int, seed: int, split: str) -> list[Example]:
     """`n` deterministic examples of `tier` steps from `split` ('train' or 'eval'), distinct when possible."""
     assert split in ("train", "eval"), split
-    rng = random.Random(f"toy/{seed}/{tier}/{split}")
+    rng = random.Random(f"{_stream()}/{seed}/{tier}/{split}")
     seen, out = set(), []
     for _ in range(50 * n):  # dedupe, but small tiers (tier 1: 200 problems) may run out
         if len(out) == n:
@@ -200,12 +246,12 @@ def toy_checkpoints(cache_dir: str | None = None) -> dict:
 def toy_task(
     tiers=(1, 2, 4, 6, 8), train_tiers=(2, 4, 6), eval_per_tier=64, seed=0, train_per_tier=256, with_models=False
 ) -> Task:
-    """The toy Task. Eval keys are 'tier<k>'. with_models=True bootstraps (or loads) student/teacher."""
+    """The toy Task of the active variant. Eval keys are 'tier<k>'. with_models=True bootstraps (or loads) student/teacher."""
     train = [ex for t in train_tiers for ex in make_examples(t, train_per_tier, seed, "train")]
     evals = {f"tier{t}": make_examples(t, eval_per_tier, seed, "eval") for t in tiers}
     ckpt = toy_checkpoints() if with_models else {}
     return Task(
-        name="toy",
+        name="toy" if variant() == DEFAULT_VARIANT else f"toy-{variant()}",
         train=train,
         eval=evals,
         verifier="toy",

@@ -22,6 +22,8 @@ class RunContext:
     engine: RolloutEngine  # samples with the rollout copy
     spec: Any = None  # the resolved spec of the current segment
     segment: str = "main"
+    segment_start: int = 0  # the steps [start, end) of the segment in force
+    segment_end: int = 0
     step: int = 0
     seed: int = 0
     rng: random.Random = field(default_factory=random.Random)  # data order and guide decisions
@@ -34,15 +36,34 @@ class RunContext:
     buffer: list | None = None  # stored batches of the current sync interval (sync.reuse)
     buffer_version: int = -1  # the sync step the buffer was sampled after
     pending_runtime_state: dict = field(default_factory=dict)  # resumed run: runtime states by key
+    run_dir: Any = None  # the run folder (files a component keeps there, e.g. InT's offline targets)
+    rank: int = 0  # this process's rank and the number of ranks (DDP): prompts are split by rank
+    world: int = 1
     _initial: torch.nn.Module | None = None
     _compiled: dict = field(default_factory=dict)  # id(model) -> its torch.compile wrapper
 
     # ---- text ----
     def prompt_ids(self, example: Example) -> list[int]:
-        """The token ids of the policy's prompt for `example`."""
+        """The token ids of the policy's prompt for `example`: its rendered prompt text (chat template and
+        all, rendered once when the data was bound), tokenized once; the response's ids follow these."""
         return self.encode(example.prompt)
 
+    def prompt_format(self, tokenizer=None):
+        """How prompts are rendered for `tokenizer` (default: the policy's) under the spec's data settings: the
+        teachers' and judges' privileged prompts use it, as the policy's prompts did (composer/runtime/prompts.py)."""
+        from composer.runtime.prompts import prompt_format
+
+        tok = self.tokenizer if tokenizer is None else tokenizer
+        data = getattr(self.spec, "data", None)
+        key = ("prompt_format", id(tok), None if data is None else data.model_dump_json())
+        if key not in self.cache:
+            name = getattr(tok, "name_or_path", "") or ""
+            self.cache[key] = prompt_format(data, tok, name)
+        return self.cache[key]
+
     def encode(self, text: str) -> list[int]:
+        """Token ids of a rendered prompt or of response text: no special tokens added (a chat template
+        writes its own; a BOS is never doubled)."""
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
@@ -69,6 +90,13 @@ class RunContext:
 
     # ---- data ----
     def next_prompts(self, n: int) -> list[Example]:
+        """This rank's n prompts of the step: every rank draws the same global batch of n x world prompts
+        (same seed, same position) and takes its own slice, so prompts are split by rank and each prompt's
+        group stays whole on one rank; with one process, simply the next n."""
+        every = self._draw(n * self.world)
+        return every[self.rank * n:(self.rank + 1) * n]
+
+    def _draw(self, n: int) -> list[Example]:
         if self.task.sample_train is not None:
             return self.task.sample_train(self.rng, n)
         out = []
@@ -79,6 +107,16 @@ class RunContext:
             out.append(self.task.train[self._order[self.data_pos % len(self.task.train)]])
             self.data_pos += 1
         return out
+
+    def peek_prompts(self, n: int) -> list[Example]:
+        """The next n training prompts, without moving the data position or the data RNG (the prompts the
+        next steps will draw)."""
+        state = (self.rng.getstate(), self.data_pos, list(getattr(self, "_order", [])))
+        try:
+            return self.next_prompts(n)
+        finally:
+            self.rng.setstate(state[0])
+            self.data_pos, self._order = state[1], state[2]
 
     # ---- components ----
     def source(self, name: str):
@@ -105,12 +143,28 @@ class RunContext:
         """The frozen reference weights ("initial"): a copy of the policy at the start of the run, refreshed
         at each stage's start unless train.reference is run_start (`refresh_initial`)."""
         if self._initial is None:
-            self._initial = copy.deepcopy(self.policy).eval().requires_grad_(False)
+            from composer.runtime.models import AdapterOff, has_adapter
+
+            # a LoRA policy's initial weights are its base model: the adapter off, no copy
+            self._initial = AdapterOff(self.policy) if has_adapter(self.policy) else \
+                copy.deepcopy(self.policy).eval().requires_grad_(False)
         return self._initial
+
+    def restore_initial(self, state: dict) -> None:
+        """The frozen reference weights of a checkpoint (a LoRA policy's base needs none: {} is kept)."""
+        from composer.runtime.models import has_adapter, merged
+
+        if state and has_adapter(self.policy):  # a later stage's merged copy
+            self._initial = merged(self.policy).eval().requires_grad_(False)
+        self.initial_policy().load_state_dict(state)
 
     def refresh_initial(self) -> None:
         """The reference weights become the policy's current weights (the start of a stage)."""
-        if self._initial is not None:
+        from composer.runtime.models import AdapterOff, merged
+
+        if isinstance(self._initial, AdapterOff):  # a LoRA policy's later stage: a merged copy of its weights now
+            self._initial = merged(self.policy).eval().requires_grad_(False)
+        elif self._initial is not None:
             self._initial.load_state_dict(self.policy.state_dict())
 
     def forward_model(self, model: torch.nn.Module):

@@ -39,6 +39,12 @@ def _load_error(what: str, path: str, e: Exception) -> ModelLoadError:
 def load_tokenizer(name: str, trust_remote_code: bool = False):
     """A tokenizer; `trust_remote_code` is always passed (transformers would otherwise ask on the terminal)."""
     path = resolve(name)
+    if not Path(path).exists():
+        from composer.paths import tokenizer_problem
+
+        why = tokenizer_problem(path)
+        if why:
+            raise ModelLoadError(why)
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=bool(trust_remote_code))
     except Exception as e:
@@ -52,14 +58,74 @@ def load_model(name: str, dtype: str = "float32", trust_remote_code: bool = Fals
     """A causal LM; `trust_remote_code` is always passed: a folder with custom code is refused (off) instead of
     transformers asking "run custom code? [y/N]" in the middle of a run."""
     path = resolve(name)
-    if not Path(path).exists() and "/" not in path:
-        raise ModelLoadError(f"model {path}: no such directory (no model hub is reachable; give a local path)")
+    if not Path(path).exists():  # not the hub's "Repo id must be in the form ..." for a mistyped path
+        from composer.paths import model_problem
+
+        why = model_problem(path, tokenizer_too=False)
+        if why:
+            raise ModelLoadError(why)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
                                                      trust_remote_code=bool(trust_remote_code))
     except Exception as e:
         raise _load_error("model", path, e) from None
     return model
+
+
+def prepare_policy(model, cfg):
+    """The memory options of `policy:` on a loaded model: gradient checkpointing, then LoRA adapters (peft).
+    Returns the module to train (a peft model when `lora` is set)."""
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        lora = cfg.lora
+        model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                 target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+    return model
+
+
+def has_adapter(model) -> bool:
+    """A peft model (LoRA adapters on a frozen base)."""
+    return hasattr(model, "disable_adapter") and hasattr(model, "merge_and_unload")
+
+
+class AdapterOff(torch.nn.Module):
+    """The base model of a LoRA policy, read with the adapter off: the initial weights without a copy.
+
+    Its forward is the policy's with every adapter disabled; it holds no state of its own (checkpoints
+    and loads keep nothing: the base weights never change)."""
+
+    def __init__(self, policy):
+        super().__init__()
+        object.__setattr__(self, "policy", policy)  # not a submodule: no second copy in state_dict or .to()
+
+    def forward(self, *args, **kwargs):
+        with self.policy.disable_adapter():
+            return self.policy(*args, **kwargs)
+
+    @property
+    def config(self):
+        return self.policy.config
+
+    def parameters(self, recurse: bool = True):
+        return self.policy.parameters(recurse)
+
+    def state_dict(self, *args, **kwargs):
+        return {}
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return None
+
+
+def merged(model):
+    """A plain transformers model of `model` (a LoRA policy with its adapter merged into a copy)."""
+    if not has_adapter(model):
+        return model
+    import copy
+
+    return copy.deepcopy(model).merge_and_unload()
 
 
 def same_vocabulary(tok_a, tok_b) -> bool:

@@ -1,10 +1,23 @@
-"""Prompts of models that read privileged context: teachers, judges and the judge's correction.
+"""Prompts: the one place prompt text is rendered, for the policy and for the models that read privileged
+context (teachers, judges and the judge's correction).
+
+Rendering (`PromptFormat`, from the spec's `data` settings and a tokenizer): a data row's text is put into
+`data.prompt_template` (the user message), then, with `data.prompt_format` chat (auto: when the tokenizer
+has a chat template), into the tokenizer's chat template with `data.system_prompt` as the system message and
+add_generation_prompt; plain: the user message as it is, after the system prompt and a blank line. The
+result is tokenized once, with no special tokens added (`RunContext.encode`), and the response tokens are
+appended to those ids, so the response starts right after the generation prompt. The policy's prompts are
+rendered once when the data is bound (`render_task`: `Example.prompt`; evaluation, samples.jsonl and the
+OpenRLHF bundle's data read that text); a teacher's or judge's prompt puts its privileged context and the
+question into the user message and is rendered the same way (`PromptFormat.wrap`). The toy testbed keeps
+its own prompts (mode `task`: nothing is added).
 
 Every context a policy_model source declares is placed in the text it is given, or the run stops
 before training naming the source, the template and the context (`check_placement`). Templates, in
 order of precedence: the source's own `template`; the task's (toy testbed: one line per context kind
 before the question); the published ones (OPSD with a reference solution, SDPO with a sibling success
-and/or feedback); a generic composition of all of them. No torch at import.
+and/or feedback); a generic composition of all of them. No torch at import (`policy_format` loads a
+tokenizer).
 """
 
 from __future__ import annotations
@@ -33,6 +46,135 @@ JUDGE_TEMPLATE = (
 TEMPLATE_FIELDS = {"teacher": ("problem", "prompt"), "judge": ("problem", "prompt", "accepted", "steps")}
 
 
+# ------------------------------------------------------------------------------------------- rendering
+
+
+class PromptFormatError(ValueError):
+    """The spec's prompt format cannot be rendered with this tokenizer (raised when the tokenizer loads)."""
+
+
+class PromptFormat:
+    """How a problem becomes the text a model is prompted with (see the module docstring).
+
+    mode: `task` (the toy testbed: the task's own prompt, nothing added), `plain` or `chat`."""
+
+    def __init__(self, mode: str = "task", tokenizer=None, system: str | None = None, template: str = "{prompt}",
+                 kwargs: dict | None = None, asked: str = "auto", tokenizer_name: str = ""):
+        self.mode, self.tokenizer, self.system, self.template = mode, tokenizer, system, template
+        self.kwargs, self.asked, self.tokenizer_name = dict(kwargs or {}), asked, tokenizer_name
+
+    def user(self, example) -> str:
+        """The policy's user message for `example`: the prompt template filled with its problem text (task
+        mode: the task's own prompt)."""
+        if self.mode == "task":
+            return example.prompt
+        return _format(self.template, prompt=example.problem)
+
+    def wrap(self, user: str) -> str:
+        """The full prompt text around a user message (chat: system turn, user turn, generation prompt)."""
+        if self.mode == "task":
+            return user
+        if self.mode == "plain":
+            return (f"{self.system}\n\n" if self.system is not None else "") + user
+        messages = ([{"role": "system", "content": self.system}] if self.system is not None else []) + \
+            [{"role": "user", "content": user}]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **self.kwargs)
+        if not isinstance(text, str):
+            raise PromptFormatError(f"the chat template of {self.tokenizer_name or 'the tokenizer'} did not render "
+                                    f"text (apply_chat_template returned {type(text).__name__})")
+        return text
+
+    def prompt(self, example) -> str:
+        """The policy's prompt text for `example`."""
+        return self.wrap(self.user(example))
+
+    def check(self) -> PromptFormat:
+        """Render a probe now, so that a template that fails (a system turn it refuses, a variable it needs)
+        stops the run before training, naming the setting."""
+        probe = "\u27e6the problem\u27e7"
+        where = f"the chat template of {self.tokenizer_name or 'the policy tokenizer'}"
+        try:
+            text = self.wrap(probe)
+        except PromptFormatError:
+            raise
+        except Exception as e:  # noqa: BLE001 - jinja errors, a template raising on a role
+            first = (str(e).strip().splitlines() or [""])[0]
+            what = " with data.system_prompt" if self.system is not None else ""
+            raise PromptFormatError(f"data.prompt_format {self.asked}: {where} does not render a prompt{what} "
+                                    f"({type(e).__name__}: {first}); set data.prompt_format: plain, drop "
+                                    "data.system_prompt, or give policy.tokenizer one whose template does") from None
+        if probe not in text:
+            raise PromptFormatError(f"data.prompt_format {self.asked}: {where} leaves out the user message")
+        if self.system is not None and self.system not in text:
+            raise PromptFormatError(f"data.prompt_format {self.asked}: {where} leaves out data.system_prompt (the "
+                                    "template has no system turn); drop it, or use prompt_format: plain")
+        return self
+
+    def describe(self) -> str:
+        """One line for explain and the bundle's README."""
+        if self.mode == "task":
+            return "the toy testbed's own prompts: no chat template, nothing added"
+        how = (f"chat: the chat template of {self.tokenizer_name or 'the policy tokenizer'}, add_generation_prompt"
+               + (f", {self.kwargs}" if self.kwargs else "")) if self.mode == "chat" else \
+            "plain: the text as it is, no chat template"
+        asked = f"data.prompt_format {self.asked} -> " if self.asked == "auto" else "data.prompt_format "
+        sys_ = "none" if self.system is None else repr(self.system)
+        return f"{asked}{how}; system prompt: {sys_}; user message: {self.template!r}"
+
+    def to_json(self) -> dict:
+        return {"mode": self.mode, "asked": self.asked, "tokenizer": self.tokenizer_name, "system_prompt": self.system,
+                "prompt_template": self.template, "chat_template_kwargs": self.kwargs}
+
+
+TASK_FORMAT = PromptFormat("task")
+
+
+def prompt_format(data, tokenizer, tokenizer_name: str = "") -> PromptFormat:
+    """The format `data` (a spec's data section) asks for, with `tokenizer`; PromptFormatError when it cannot
+    render (chat without a chat template, a template that fails on the system prompt)."""
+    if data is None or data.train is None:
+        return TASK_FORMAT
+    has_template = bool(getattr(tokenizer, "chat_template", None)) if tokenizer is not None else False
+    mode = data.prompt_format
+    if mode == "auto":
+        mode = "chat" if has_template else "plain"
+    if mode == "chat" and not has_template:
+        raise PromptFormatError(f"data.prompt_format is chat, but the tokenizer {tokenizer_name or '(policy)'} has no "
+                                "chat template; use prompt_format: plain (or auto), or give policy.tokenizer a "
+                                "tokenizer that has one")
+    fmt = PromptFormat(mode, tokenizer if mode == "chat" else None, data.system_prompt, data.prompt_template,
+                       data.chat_template_kwargs, data.prompt_format, tokenizer_name)
+    return fmt.check() if mode == "chat" else fmt
+
+
+def policy_format(spec) -> PromptFormat:
+    """The policy's prompt format for `spec`, loading its tokenizer when the format depends on it (a run binds
+    its data with this; the run context renders teachers' and judges' prompts with the same settings)."""
+    d = spec.data
+    if d.train is None:
+        return TASK_FORMAT
+    policy = getattr(spec, "policy", None)  # a spec without one: the toy student
+    name = getattr(policy, "tokenizer", None) or getattr(policy, "model", None) or "toy:student"
+    if d.prompt_format == "plain":
+        return prompt_format(d, None, name)
+    if name.startswith("toy:"):  # the toy tokenizer (character level) has no chat template: no need to load it
+        return prompt_format(d, None, name)
+    from composer.runtime.models import load_tokenizer
+
+    tok = load_tokenizer(name, trust_remote_code=bool(getattr(policy, "trust_remote_code", False)))
+    return prompt_format(d, tok, name)
+
+
+def render_task(task, fmt: PromptFormat) -> None:
+    """Every example's `prompt` becomes the rendered prompt of its `problem` (the row's text), in place; the
+    task keeps the format (`task.prompt_format`)."""
+    task.prompt_format = fmt
+    if fmt.mode == "task":
+        return
+    for ex in list(task.train) + [e for exs in task.eval.values() for e in exs]:
+        ex.prompt = fmt.prompt(ex)
+
+
 def _sentinel(name: str) -> str:
     return f"\u27e6context:{name}\u27e7"
 
@@ -53,46 +195,54 @@ def context_block(task, kinds: dict[str, str], texts: dict[str, str | None]) -> 
     return "".join(out)
 
 
-def teacher_prompt(task, cfg, kinds: dict[str, str], example, texts: dict[str, str | None]) -> str | None:
+def teacher_prompt(task, cfg, kinds: dict[str, str], example, texts: dict[str, str | None],
+                   fmt: PromptFormat = TASK_FORMAT) -> str | None:
     """The prompt a teacher scores the student's response under; None when no privileged text is present
-    for this row (the teacher then sees the student's own prompt)."""
+    for this row (the teacher then sees the student's own prompt). The privileged context and the question
+    make up the user message, which `fmt` renders as it renders the policy's (chat: the chat template);
+    a `template`'s {prompt} is the policy's user message, {problem} the row's text."""
     present = {n: t for n, t in texts.items() if t is not None}
     if not present:
         return None
+    user = fmt.user(example)
     if cfg.template is not None:
-        return _format(cfg.template, problem=example.problem, prompt=example.prompt,
-                       **{n: (t or "") for n, t in texts.items()})
+        return fmt.wrap(_format(cfg.template, problem=example.problem, prompt=user,
+                                **{n: (t or "") for n, t in texts.items()}))
     if "question" in task.templates:  # the task's own format (toy)
-        return context_block(task, kinds, texts) + task.templates["question"].format(problem=example.problem)
+        return fmt.wrap(context_block(task, kinds, texts) + task.templates["question"].format(problem=example.problem))
     by_kind = {kinds[n]: t for n, t in present.items()}
     if set(by_kind) == {"reference_solution"} and len(present) == 1:  # OPSD
-        return OPSD_TEMPLATE.format(problem=example.problem, solution=by_kind["reference_solution"])
+        return fmt.wrap(OPSD_TEMPLATE.format(problem=example.problem, solution=by_kind["reference_solution"]))
     if set(by_kind) <= {"sibling_success", "feedback"} and len(present) == len(by_kind):  # SDPO
         sol, fb = by_kind.get("sibling_success"), by_kind.get("feedback")
-        return SDPO_TEMPLATE.format(prompt=example.prompt, solution=SDPO_SOLUTION.format(text=sol) if sol else "",
-                                    feedback=SDPO_FEEDBACK.format(text=fb) if fb else "")
-    return context_block(task, kinds, texts) + example.prompt
+        return fmt.wrap(SDPO_TEMPLATE.format(prompt=user, solution=SDPO_SOLUTION.format(text=sol) if sol else "",
+                                             feedback=SDPO_FEEDBACK.format(text=fb) if fb else ""))
+    return fmt.wrap(context_block(task, kinds, texts) + user)
 
 
 def judge_prompt(task, cfg, kinds: dict[str, str], example, accepted: list[str], new: list[str], step_split: str,
-                 texts: dict[str, str | None]) -> str:
-    """The verdict prompt: the problem, the accepted steps and the new steps numbered from 1, with context."""
+                 texts: dict[str, str | None], fmt: PromptFormat = TASK_FORMAT) -> str:
+    """The verdict prompt: the problem, the accepted steps and the new steps numbered from 1, with context,
+    as the user message that `fmt` renders."""
     steps = "\n".join(f"{i + 1}:{s}" for i, s in enumerate(new))
     acc = step_split.join(accepted)
     if cfg.template is not None:
-        return _format(cfg.template, problem=example.problem, prompt=example.prompt, accepted=acc, steps=steps,
-                       **{n: (t or "") for n, t in texts.items()})
+        return fmt.wrap(_format(cfg.template, problem=example.problem, prompt=fmt.user(example), accepted=acc,
+                                steps=steps, **{n: (t or "") for n, t in texts.items()}))
     block = context_block(task, kinds, texts)
     if "judge" in task.templates:
-        return block + task.templates["judge"].format(problem=example.problem, accepted=acc, steps=steps)
-    return JUDGE_TEMPLATE.format(context=block, problem=example.problem, accepted=acc or "(none)", steps=steps)
+        return fmt.wrap(block + task.templates["judge"].format(problem=example.problem, accepted=acc, steps=steps))
+    return fmt.wrap(JUDGE_TEMPLATE.format(context=block, problem=example.problem, accepted=acc or "(none)",
+                                          steps=steps))
 
 
 def correction_prompt(task, cfg, kinds: dict[str, str], example, kept: list[str], step_split: str,
-                      texts: dict[str, str | None]) -> str:
+                      texts: dict[str, str | None], fmt: PromptFormat = TASK_FORMAT) -> str:
     """The prompt the judge's correction continues: its context prompt (or the policy's prompt without
-    context) followed by the kept steps only; the rejected step and what followed are never shown."""
-    base = teacher_prompt(task, cfg.model_copy(update={"template": None}), kinds, example, texts) or example.prompt
+    context) followed by the kept steps only; the rejected step and what followed are never shown. The kept
+    steps follow the rendered prompt (chat: after the generation prompt, as the start of the answer)."""
+    base = teacher_prompt(task, cfg.model_copy(update={"template": None}), kinds, example, texts, fmt) \
+        or fmt.prompt(example)
     return base + "".join(s + step_split for s in kept)
 
 
@@ -131,3 +281,103 @@ def which_template(task, cfg, usage: str, kinds: dict[str, str]) -> str:
     if kinds_present and kinds_present <= {"sibling_success", "feedback"}:
         return "the SDPO template"
     return "the generic context template"
+
+
+# ------------------------------------------------------------------------------------- explain's example
+
+PLACEHOLDER = {
+    "sibling_success": "\u27e8a successful rollout of the same group, when there is one\u27e9",
+    "feedback": "\u27e8the verifier's feedback on this rollout\u27e9",
+    "reference_solution": "\u27e8no reference solution in this row\u27e9",
+}
+
+
+def first_example(spec):
+    """(example, where, task) of the first usable training row: the toy testbed's first problem, or the first
+    row of data.train that loads (the whole file is not read)."""
+    d = spec.data
+    if d.train is None:
+        from components.tasks.toy import toy_task
+
+        task = toy_task(tiers=tuple(d.tiers), train_tiers=tuple(d.train_tiers), eval_per_tier=1, train_per_tier=1,
+                        seed=spec.train.seed)
+        return task.train[0], "the toy testbed's first training problem", task
+    from pathlib import Path
+
+    from composer.data import Task
+    from composer.runtime.binding import DataError, _example, _rows
+
+    path = Path(d.train)
+    for i, row in _rows(path):
+        if isinstance(row, DataError):
+            continue
+        try:
+            ex = _example(path, i, row, d)
+        except DataError:
+            continue
+        return ex, f"row {i} of {d.train}", Task(name=path.stem, train=[], eval={}, verifier="math")
+    raise ValueError(f"{d.train}: no usable row")
+
+
+def example_prompts(spec, segment_specs=()) -> dict:
+    """One rendered example of what the run's models are prompted with, for `explain` and plan.json: the
+    policy's prompt for the first training row, and for the same row every policy_model source's prompt (a
+    teacher's privileged prompt, a judge's verdict prompt with the reference's first steps as the steps under
+    review; posterior texts, known only from rollouts, as placeholders). {"error": why} when it cannot be
+    rendered here (the run itself says why again, before training)."""
+    try:
+        fmt = policy_format(spec)
+        example, where, task = first_example(spec)
+        if fmt.mode != "task":
+            example.prompt = fmt.prompt(example)
+    except Exception as e:  # noqa: BLE001 - explain shows why, the run stops with the same error
+        return {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}
+    out = {"format": fmt.to_json(), "describe": fmt.describe(), "example": where, "policy": example.prompt,
+           "sources": {}}
+    for seg in list(segment_specs) or [spec]:
+        guide = seg.rollout.guide
+        judges = {c.source: c for c in guide.model_calls(seg)} if hasattr(guide, "model_calls") else {}
+        teachers = {getattr(sig, "teacher_source", None) for sig in _signals(seg)} - {None}
+        for name, src in seg.sources.items():
+            if src.kind_name() != "policy_model" or name in out["sources"] or not {name} & (teachers | set(judges)):
+                continue
+            try:
+                out["sources"][name] = _source_prompts(task, fmt, example, seg, src, name in teachers,
+                                                       judges.get(name))
+            except Exception as e:  # noqa: BLE001 - shown by explain; the run's own checks stop it before training
+                out["sources"][name] = {"context": list(src.context), "error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def _source_prompts(task, fmt: PromptFormat, example, seg, src, teacher: bool, judge) -> dict:
+    """A policy_model source's example prompts: as a teacher and/or as a judge (its verdict prompt)."""
+    kinds = {c: seg.sources[c].kind for c in src.context}
+    texts = {c: _example_text(seg.sources[c], example) for c in src.context}
+    entry = {"context": list(src.context)}
+    if teacher:
+        shown, note = texts, ""
+        if getattr(src, "feedback_only_without_solution", False) and {"sibling_success", "feedback"} <= \
+                set(kinds.values()):  # SDPO's rule: a row sees the feedback only without a sibling success
+            shown = {c: (None if kinds[c] == "feedback" else t) for c, t in texts.items()}
+            note = "; a row without a successful sibling sees the feedback instead"
+        text = teacher_prompt(task, src, kinds, example, shown, fmt)
+        entry["teacher"] = text if text is not None else example.prompt
+        entry["teacher_note"] = (which_template(task, src, "teacher", kinds) + note if text is not None
+                                 else "no context: the student's own prompt")
+    if judge is not None:
+        steps = [s for s in (example.solution or "").split(judge.step_split) if s.strip()] or ["..."]
+        accepted, new = steps[:1], steps[1:3] or ["..."]
+        entry["judge"] = judge_prompt(task, src, kinds, example, accepted, new, judge.step_split, texts, fmt)
+        entry["judge_note"] = which_template(task, src, "judge", kinds)
+    return entry
+
+
+def _signals(spec):
+    from composer.graph import signal_objective_pairs
+
+    return [sig for sig, _obj in signal_objective_pairs(spec) if sig is not None]
+
+
+def _example_text(src, example) -> str:
+    text = src.example_text(example) if getattr(src, "example_level", False) else None
+    return text if text is not None else PLACEHOLDER.get(src.kind_name(), f"\u27e8{src.kind_name()}\u27e9")

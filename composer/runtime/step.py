@@ -74,8 +74,9 @@ def policy_view(policy, batch: TrajectoryBatch, want_logits: bool) -> PolicyView
     return PolicyView(lp, logits, ent)
 
 
-def loss(ctx: RunContext, policy, batches: list[TrajectoryBatch]) -> tuple[torch.Tensor, dict]:
-    """Weighted sum of every term's objective, plus the entropy bonus; metrics per term."""
+def loss(ctx: RunContext, policy, batches: list[TrajectoryBatch], shares: dict | None = None) -> tuple[torch.Tensor, dict]:
+    """Weighted sum of every term's objective, plus the entropy bonus; metrics per term. `shares[k]` scales
+    term k's loss (a rank's share of the step-wide normaliser under DDP; 1 by default)."""
     views: dict[int, PolicyView] = {}  # one policy forward per rollout: terms' views share its tokens
     wants = {}
     for (_n, _s, obj, _w), b in zip(terms(ctx.spec), batches):
@@ -83,13 +84,13 @@ def loss(ctx: RunContext, policy, batches: list[TrajectoryBatch]) -> tuple[torch
     total = 0.0
     metrics: dict[str, float] = {}
     many = len(batches) > 1
-    for (name, _sig, obj, weight), b in zip(terms(ctx.spec), batches):
+    for k, ((name, _sig, obj, weight), b) in enumerate(zip(terms(ctx.spec), batches)):
         if id(b.tokens) not in views:
             views[id(b.tokens)] = policy_view(policy, b, wants[id(b.tokens)])
         value, m = obj.loss(b, views[id(b.tokens)], b.advantages)
         m = {**obj.advantage_metrics(b), **m}
         ctx.record("term_loss", term=name, objective=obj, batch=b, view=views[id(b.tokens)], loss=value, weight=weight)
-        total = total + weight * value
+        total = total + weight * (shares or {}).get(k, 1.0) * value
         for k, v in m.items():
             metrics[f"{name}/{k}" if many else k] = v
         if many:

@@ -1,4 +1,4 @@
-"""Fuzz `composer validate`: mutate every spec in specs/ and check that a bad spec never crashes it.
+"""Fuzz `composer validate`, `run` and `compile`: mutate every spec in specs/ and check a bad spec never crashes them.
 
 Every case must end with exit 0 (valid, maybe with warnings) or exit 2 (invalid, with a message that
 names file:line:col), never a traceback or an "internal error". Mutations work on the parsed data
@@ -6,21 +6,37 @@ names file:line:col), never a traceback or an "internal error". Mutations work o
 NaN/inf; unicode; bad `extends`; odd overrides) and on the text (YAML anchors and aliases including
 alias bombs, Python and other tags, random bytes, truncation, tabs, unbalanced brackets).
 
-    python examples/bench/fuzz_validate.py --cases 10000 [--seed 0]
+    python examples/bench/fuzz_validate.py --cases 10000 [--seed 0]                  # validate only, in process
+    python examples/bench/fuzz_validate.py --cases 100 --through run,compile [--save DIR]
 
-prints `N cases, K crashes` and the exit-code histogram; exits 1 if any case crashed. The test suite
-(tests/test_fuzz.py) drives the same `mutate` with hypothesis.
+With --through, every case (valid or not) also goes, as subprocesses with a wall-clock limit, through
+`composer run` (one step on tiny batches, into a new folder), `composer run` into the folder of an
+earlier finished run (with a sentinel file) without --resume, `composer compile --backend openrlhf`
+(into an absent folder, or over an earlier bundle), and `composer compile` into the finished run's
+folder. Each command's verdict is accepted (exit 0), refused cleanly (exit 2 or 130 with a message),
+traceback (a "Traceback" or "internal error" in the output, another exit code, or a silent refusal)
+or hang (killed at the limit); data is lost when the finished run's files (metrics.csv,
+checkpoints/last.ckpt, the sentinel, any other) or the earlier bundle change or vanish, or when a
+compile that did not succeed leaves a folder behind. It prints a table of these counts per command
+and exits 1 if there is any traceback, hang or loss. The test suite (tests/test_fuzz.py) drives the
+same `mutate` with hypothesis, and pushes a few seeded mutants through run and compile.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import math
+import os
 import random
 import re
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -29,7 +45,7 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-LOCATED = re.compile(r"^\S.*:\d+:\d+: (error|warning): ", re.M)
+LOCATED = re.compile(r"^\S.*:\d+:\d+: (error|warning): ", re.MULTILINE)
 
 KINDS = ["outcome_reward", "reference_solution", "feedback", "sibling_success", "policy_model", "oracle",
          "none", "prefix", "intervention", "reward", "distillation", "sft", "cross_entropy", "divergence",
@@ -346,7 +362,7 @@ def mutate(rnd: random.Random, sources: dict[str, str]) -> Case:
     ops: list[str] = []
     if rnd.random() < 0.65:
         data = yaml.safe_load(text)
-        names = list((data.get("sources") or {})) if isinstance(data, dict) else []
+        names = list(data.get("sources") or {}) if isinstance(data, dict) else []
         for _ in range(rnd.choice([1, 1, 2, 3, 4])):
             ops.append(data_op(rnd, data, names))
         header = text.splitlines(keepends=True)[0] if rnd.random() < 0.8 else ""
@@ -368,10 +384,33 @@ def mutate(rnd: random.Random, sources: dict[str, str]) -> Case:
     return Case(raw, f"{folder}/fuzz.yaml", overrides, ops + [f"override {o}" for o in overrides])
 
 
+class Hang(BaseException):
+    """Raised by the in-process deadline; a BaseException so that the CLI's `except Exception` cannot swallow it."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Interrupt the block after `seconds` (main thread only): an in-process validate that never returns is a hang."""
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def fire(signum, frame):
+        raise Hang
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
 class Harness:
     """A scratch copy of specs/ to write cases into, and the in-process CLI to run them."""
 
-    def __init__(self):
+    def __init__(self, validate_timeout_s: float = 30.0):
         from click.testing import CliRunner
 
         from composer.cli import main
@@ -380,12 +419,21 @@ class Harness:
         shutil.copytree(REPO / "specs", self.dir / "specs")
         self.sources = {str(p.relative_to(REPO)): p.read_text() for p in spec_files()}
         self.runner, self.main = CliRunner(), main
+        self.timeout_s = validate_timeout_s
 
-    def run(self, case: Case) -> tuple[int, str, str]:
-        """Exit code, problem ('' when the outcome is acceptable), and the output."""
+    def write(self, case: Case) -> Path:
         path = self.dir / case.relpath
         path.write_bytes(case.text)
-        result = self.runner.invoke(self.main, ["validate", str(path), *case.overrides], catch_exceptions=True)
+        return path
+
+    def run(self, case: Case) -> tuple[int, str, str]:
+        """Exit code, problem ('' when the outcome is acceptable; 'hang ...' past the deadline), and the output."""
+        path = self.write(case)
+        try:
+            with deadline(self.timeout_s):
+                result = self.runner.invoke(self.main, ["validate", str(path), *case.overrides], catch_exceptions=True)
+        except Hang:
+            return -1, f"hang: validate ran past {self.timeout_s:g} s", ""
         out = result.stdout + result.stderr
         code = result.exit_code
         problem = ""
@@ -405,34 +453,275 @@ class Harness:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+# ---------------------------------------------------------------------------------------------- run and compile
+
+# one step on tiny batches: a `composer run` costs seconds (mostly importing torch), not minutes
+FAST = ["train.prompts_per_step=2", "rollout.max_new_tokens=16", "train.eval_every=0", "train.eval_samples=2"]
+SENTINEL = "SENTINEL.txt"
+MUST_SURVIVE = ("metrics.csv", "checkpoints/last.ckpt", SENTINEL)
+BUNDLE_MARKS = ("plan.json", "launch.sh", "args.json")
+
+
+@dataclass
+class Outcome:
+    """What one command did with one case: its verdict, what it harmed (empty: nothing), and its output."""
+
+    step: str
+    verdict: str
+    lost: list[str]
+    out: str
+
+
+def verdict(rc: int | None, stdout: str, stderr: str) -> str:
+    """accepted (exit 0), refused (exit 2 or 130 with a message), traceback, or hang (rc None: killed at the limit).
+
+    The CLI turns unexpected exceptions into 'internal error: ... please report it' with exit 2: that is a crash
+    wearing a clean exit code, so it counts as a traceback; so does a refusal that says nothing on stderr."""
+    if rc is None:
+        return "hang"
+    if "Traceback" in stdout + stderr or "internal error" in stdout + stderr or rc not in (0, 2, 130):
+        return "traceback"
+    if rc == 0:
+        return "accepted"
+    return "refused" if stderr.strip() else "traceback"
+
+
+COMPOSER = (sys.executable, "-m", "composer")
+
+
+def cli(args: list[str], cwd: Path, timeout_s: float, program=COMPOSER) -> tuple[int | None, str, str]:
+    """`composer ARGS` in a fresh process with a wall-clock limit: (exit code or None on a hang, stdout, stderr).
+
+    The process gets its own session so that a hang is killed with everything it started (data loaders, sandboxes).
+    Plugins stay disallowed, as for any untrusted spec."""
+    env = {k: v for k, v in os.environ.items() if k != "COMPOSER_ALLOW_PLUGINS"}
+    p = subprocess.Popen([*program, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout_s)
+        rc: int | None = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        rc = None
+    return rc, out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """sha256 of every file under `folder` but the run lock (which every run attempt rewrites with its pid)."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+def losses(before: dict[str, str], folder: Path) -> list[str]:
+    """The files of `before` that vanished from `folder` or changed: data lost (new files are not a loss)."""
+    now = snapshot(folder) if folder.is_dir() else {}
+    return [f"{name} {'vanished' if name not in now else 'changed'}" for name, digest in before.items()
+            if now.get(name) != digest]
+
+
+def run_overrides(path: Path, case: Case, valid: bool) -> list[str]:
+    """One step on tiny batches, then the case's own overrides (last, so that they win as they did in validate).
+
+    A staged spec refuses a top-level train.steps, so it gets stages.N.train.steps=1 for each stage; a phased spec
+    keeps its phases (the validator warns they are cut). An invalid case gets nothing added: an override could mend
+    it (train.steps=1 over a broken train.steps), and `run` must refuse it exactly as validate did."""
+    from composer.validate import validate_file
+
+    if not valid:
+        return list(case.overrides)
+    stages = validate_file(str(path), list(case.overrides)).spec.stages or []  # validate accepted it a moment ago
+    steps = [f"stages.{i}.train.steps=1" for i in range(len(stages))] if stages else ["train.steps=1"]
+    return [*FAST, *steps, *case.overrides]
+
+
+class Through:
+    """Pushes cases through `composer run` (one step) and `composer compile` as subprocesses, each with a wall-clock
+    limit, and checks that no earlier output is harmed: a finished run's folder (with a sentinel file) that runs and
+    compiles are aimed at without --resume, and an earlier bundle or an absent folder as compile's --out."""
+
+    def __init__(self, harness: Harness, steps=("run", "compile"), run_timeout_s=180.0, compile_timeout_s=90.0):
+        self.h, self.steps = harness, tuple(steps)
+        self.run_timeout_s, self.compile_timeout_s = run_timeout_s, compile_timeout_s
+        self.work = harness.dir / "through"
+        self.work.mkdir()
+        self.finished = self._made("finished-run", ["run", "specs/grpo.yaml", "train.steps=1", *FAST, "--no-progress"],
+                                   run_timeout_s, "metrics.csv", "checkpoints/last.ckpt")
+        (self.finished / SENTINEL).write_text("an earlier run's results: must survive every later command\n")
+        self.bundle = self._made("earlier-bundle", ["compile", "specs/grpo.yaml", "--backend", "openrlhf"],
+                                 compile_timeout_s, *BUNDLE_MARKS)
+        self.finished_snap, self.bundle_snap = snapshot(self.finished), snapshot(self.bundle)
+        self.pristine = self.work / "pristine-run"
+        shutil.copytree(self.finished, self.pristine)
+
+    def _made(self, name: str, args: list[str], timeout_s: float, *expect: str) -> Path:
+        """A reference output made from a shipped spec; without it no loss can be measured, so failing is fatal."""
+        folder = self.work / name
+        rc, out, err = cli([*args, "--out", str(folder)], self.h.dir, timeout_s)
+        if rc != 0 or not all((folder / e).is_file() for e in expect):
+            raise RuntimeError(f"could not make the {name} ({' '.join(args)}): exit {rc}\n{out[-2000:]}{err[-2000:]}")
+        return folder
+
+    def push(self, case: Case, index: int, valid: bool) -> list[Outcome]:
+        """Every step of `self.steps` for one case (already written by Harness.run; `valid`: validate accepted it)."""
+        path = self.h.dir / case.relpath
+        outcomes = []
+        if "run" in self.steps:
+            ov = run_overrides(path, case, valid)
+            outcomes += [self._run_fresh(path, ov, index), self._into_finished("run", ["run", str(path), *ov,
+                                                                                         "--no-progress"])]
+        if "compile" in self.steps:
+            outcomes += [self._compile(path, case, index),
+                         self._into_finished("compile", ["compile", str(path), *case.overrides])]
+        return outcomes
+
+    def _run_fresh(self, path: Path, ov: list[str], index: int) -> Outcome:
+        """One step into a new folder: the run itself must not crash or hang."""
+        out = self.work / f"run-{index}"
+        rc, so, se = cli(["run", str(path), *ov, "--out", str(out), "--no-progress"], self.h.dir, self.run_timeout_s)
+        shutil.rmtree(out, ignore_errors=True)  # a checkpoint is ~16 MB
+        return Outcome("run", verdict(rc, so, se), [], so + se)
+
+    def _into_finished(self, command: str, args: list[str]) -> Outcome:
+        """The same command aimed at the finished run's folder without --resume: it must refuse and leave the folder
+        as it was. The folder is restored after a loss so that one loss does not count again for every later case."""
+        timeout_s = self.run_timeout_s if command == "run" else self.compile_timeout_s
+        rc, so, se = cli([*args, "--out", str(self.finished)], self.h.dir, timeout_s)
+        v = verdict(rc, so, se)
+        lost = losses(self.finished_snap, self.finished)
+        if v == "accepted":
+            lost.append(f"`{command}` accepted a folder holding a finished run")
+        if lost:
+            shutil.rmtree(self.finished, ignore_errors=True)
+            shutil.copytree(self.pristine, self.finished)
+        return Outcome(f"{command} --out <finished run>", v, lost, so + se)
+
+    def _compile(self, path: Path, case: Case, index: int) -> Outcome:
+        """Compile into an absent folder (even cases) or over an earlier bundle (odd cases, which compiling may
+        replace): a compile that does not succeed must leave --out absent, or the earlier bundle unchanged."""
+        out = self.work / f"bundle-{index}"
+        if index % 2:
+            shutil.copytree(self.bundle, out)
+        rc, so, se = cli(["compile", str(path), *case.overrides, "--backend", "openrlhf", "--out", str(out)],
+                         self.h.dir, self.compile_timeout_s)
+        v, lost = verdict(rc, so, se), []
+        if v != "accepted":
+            if not index % 2 and out.exists():
+                lost = [f"a compile that did not succeed left {out.name}/ behind"]
+            elif index % 2:
+                lost = losses(self.bundle_snap, out)
+        shutil.rmtree(out, ignore_errors=True)
+        return Outcome("compile", v, lost, so + se)
+
+
+# ---------------------------------------------------------------------------------------------- tally and CLI
+
+class Tally:
+    """Counts per step: how many cases each verdict got, and how many cases lost data."""
+
+    def __init__(self):
+        self.verdicts: dict[str, Counter] = {}
+        self.lost: Counter = Counter()
+        self.ops: Counter = Counter()
+        self.cases = 0
+
+    def add(self, outcome: Outcome) -> None:
+        self.verdicts.setdefault(outcome.step, Counter())[outcome.verdict] += 1
+        self.lost[outcome.step] += bool(outcome.lost)
+
+    def total(self, what: str) -> int:
+        if what == "lost":
+            return sum(self.lost.values())
+        return sum(c[what] for c in self.verdicts.values())
+
+    def bad(self) -> int:
+        return self.total("traceback") + self.total("hang") + self.total("lost")
+
+    def table(self) -> str:
+        rows = [("step", "tried", "accepted", "refused cleanly", "tracebacks", "hangs", "data lost")]
+        for step, c in self.verdicts.items():
+            rows.append((step, sum(c.values()), c["accepted"], c["refused"], c["traceback"], c["hang"],
+                         self.lost[step]))
+        rows.append(("all steps", sum(sum(c.values()) for c in self.verdicts.values()), self.total("accepted"),
+                     self.total("refused"), self.total("traceback"), self.total("hang"), self.total("lost")))
+        widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+        return "\n".join("  ".join(str(v).ljust(w) if i == 0 else str(v).rjust(w) for i, (v, w) in
+                                   enumerate(zip(r, widths))) for r in rows)
+
+
+def validate_outcome(code: int, problem: str, out: str) -> Outcome:
+    """The in-process validate as an Outcome: its problems are tracebacks, or hangs past the deadline."""
+    v = "hang" if problem.startswith("hang") else "traceback" if problem else "accepted" if code == 0 else "refused"
+    return Outcome("validate", v, [], f"{problem}\n{out}")
+
+
+def save_finding(folder: Path, index: int, case: Case, outcome: Outcome) -> None:
+    """Keep a case that crashed, hung or lost data: the spec as written, and what happened to it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = f"case{index:05d}-{re.sub(r'[^a-z]+', '-', outcome.step).strip('-')}"
+    (folder / f"{stem}{Path(case.relpath).suffix}").write_bytes(case.text)
+    (folder / f"{stem}.txt").write_text(f"relpath: {case.relpath}\noverrides: {case.overrides}\nops: {case.ops}\n"
+                                        f"step: {outcome.step}\nverdict: {outcome.verdict}\nlost: {outcome.lost}\n"
+                                        f"\n{outcome.out[-6000:]}")
+
+
+def attack(h: Harness, through: Through | None, case: Case, index: int) -> list[Outcome]:
+    """One case through validate (in process) and, given `through`, its run and compile steps; a case that hangs
+    validate is not pushed further (run and compile validate first, so they would only hang again)."""
+    outcomes = [validate_outcome(*h.run(case))]
+    if through is not None and outcomes[0].verdict != "hang":
+        outcomes += through.push(case, index, outcomes[0].verdict == "accepted")
+    return outcomes
+
+
+def fuzz(cases: int, seed: int, steps=(), save: Path | None = None, show: int = 5, log=None, **limits) -> Tally:
+    """Generate `cases` mutants; validate each in process, then push it through `steps` (run, compile)."""
+    rnd, tally, h = random.Random(seed), Tally(), Harness()
+    found: dict[int, tuple[Case, list[Outcome]]] = {}
+    try:
+        through = Through(h, steps, **limits) if steps else None
+        for i in range(cases):
+            case = mutate(rnd, h.sources)
+            tally.cases += 1
+            tally.ops.update(o.split()[0] for o in case.ops)
+            for o in attack(h, through, case, i):
+                tally.add(o)
+                if o.verdict in ("traceback", "hang") or o.lost:
+                    found.setdefault(i, (case, []))[1].append(o)
+                    if save is not None:
+                        save_finding(save, i, case, o)
+            if log and through is not None and (i + 1) % 10 == 0:
+                log(f"{i + 1}/{cases} cases, {tally.bad()} problems")
+    finally:
+        h.close()
+    for case, bad in list(found.values())[:show]:
+        print(f"\n--- {'; '.join(f'{o.step}: {o.verdict} {o.lost}' for o in bad)}\nops {case.ops} overrides "
+              f"{case.overrides}\n{case.text[:2000]!r}\n{bad[0].out[-3000:]}")
+    return tally
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=int, default=10000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--through", default="", help="also push every case through these: run,compile (subprocesses)")
+    ap.add_argument("--run-timeout", type=float, default=180.0, help="seconds before a `run` counts as a hang")
+    ap.add_argument("--compile-timeout", type=float, default=90.0, help="seconds before a `compile` counts as a hang")
+    ap.add_argument("--save", type=Path, default=None, help="write every crashing, hanging or data-losing case here")
     ap.add_argument("--show", type=int, default=5, help="print this many crashing cases in full")
     args = ap.parse_args(argv)
-    rnd = random.Random(args.seed)
-    h = Harness()
-    codes, crashes, ops = Counter(), [], Counter()
+    steps = [s for s in args.through.split(",") if s]
+    if set(steps) - {"run", "compile"}:
+        ap.error(f"--through takes run and/or compile, not {args.through!r}")
     t0 = time.perf_counter()
-    try:
-        for _ in range(args.cases):
-            case = mutate(rnd, h.sources)
-            ops.update(o.split()[0] for o in case.ops)
-            code, problem, out = h.run(case)
-            codes[code] += 1
-            if problem:
-                crashes.append((case, problem, out))
-    finally:
-        h.close()
+    tally = fuzz(args.cases, args.seed, steps, args.save, args.show, log=lambda m: print(m, file=sys.stderr, flush=True),
+                 **({"run_timeout_s": args.run_timeout, "compile_timeout_s": args.compile_timeout} if steps else {}))
     dt = time.perf_counter() - t0
-    print(f"{args.cases} cases, {len(crashes)} crashes")
-    print("exit codes: " + ", ".join(f"{c}: {n}" for c, n in sorted(codes.items())))
-    print(f"{dt:.1f} s ({1000 * dt / max(args.cases, 1):.1f} ms per case)")
-    print("mutations: " + ", ".join(f"{o} {n}" for o, n in ops.most_common()))
-    for case, problem, out in crashes[: args.show]:
-        print(f"\n--- {problem}; ops {case.ops}\n{case.text[:2000]!r}\n{out[-3000:]}")
-    return 1 if crashes else 0
+    print(f"\n{tally.cases} cases (attacks tried), {tally.bad()} problems (tracebacks + hangs + data lost)")
+    print(tally.table())
+    print(f"{dt:.1f} s ({1000 * dt / max(tally.cases, 1):.1f} ms per case)")
+    print("mutations: " + ", ".join(f"{o} {n}" for o, n in tally.ops.most_common()))
+    return 1 if tally.bad() else 0
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Callbacks and plugins that make runs keep what they did: post-step hooks, atomic checkpoints
+"""Callbacks and plugins that make runs keep what they did: post-step hooks, rollout samples, atomic checkpoints
 (checked for non-finite weights, read back with weights_only=True), clean stops on SIGINT/SIGTERM
 from the first moment of a run, and a CSV log that survives --resume and a full disk."""
 
@@ -23,6 +23,25 @@ class AfterStep(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         pl_module.after_step()
+
+
+class SampleWriter(L.Callback):
+    """After each step, before any checkpoint of it: the step's rollouts to samples.jsonl when the step is due
+    (composer/samples.py `SampleLog`, the run's recorder). Only rank 0 writes; a failure is a warning."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not trainer.is_global_zero:
+            self.samples.events = []
+            return
+        step = self.samples.step
+        try:
+            train = pl_module.segment_at(step).spec.train if step is not None else None
+        except Exception:
+            train = None
+        self.samples.write_step(train, pl_module.total_steps - 1, pl_module.tokenizer, trainer.loggers)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

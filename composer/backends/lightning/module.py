@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -69,9 +70,11 @@ class ComposerModule(L.LightningModule):
         spec = seg.spec
         self.policy.train()
         engine = make_engine(spec.rollout.engine, self.policy, self.tokenizer, spec.rollout)
-        seed = spec.train.seed + 1000 * self.global_rank
+        seed = spec.train.seed  # the same data stream on every rank: each takes its slice (next_prompts)
         self.ctx = RunContext(task=self.task, tokenizer=self.tokenizer, policy=self.policy, engine=engine, spec=spec,
-                              segment="", seed=seed, rng=random.Random(seed), recorder=self.recorder)
+                              segment="", seed=seed, rng=random.Random(seed), recorder=self.recorder,
+                              run_dir=Path(self.trainer.default_root_dir) if self._trainer is not None else None,
+                              rank=self.global_rank, world=self.trainer.world_size if self._trainer is not None else 1)
         if any(_needs_initial(s.spec) for s in self.segments):
             self.ctx.initial_policy()
         for s in self.segments:  # checks that must fail before any training (tokenizers, context placement)
@@ -103,6 +106,7 @@ class ComposerModule(L.LightningModule):
         seg = self.segment_at(step)
         ctx = self.ctx
         ctx.step = step
+        ctx.segment_start, ctx.segment_end = seg.start, seg.end
         if seg.name != ctx.segment:
             first = ctx.segment == ""
             new_stage = not first and seg.stage is not None and seg.stage != self.segment_at(step - 1).stage
@@ -110,6 +114,8 @@ class ComposerModule(L.LightningModule):
             if new_stage and seg.spec.train.reference == "stage_start":
                 ctx.refresh_initial()
             ctx.record("segment", name=seg.name, start=seg.start, end=seg.end)
+            for _n, sig, _o, _w in run_step.terms(seg.spec):
+                sig.start(ctx)
         t = ctx.spec.train
         local = step - seg.start
         factor = min(1.0, (local + 1) / t.warmup_steps) if t.warmup_steps else 1.0
@@ -122,9 +128,9 @@ class ComposerModule(L.LightningModule):
 
     def training_step(self, batch_idx, _):
         step = self.global_step
+        self.ctx.metrics = {}  # before _enter: a segment's start logs into its first step's row
         self._enter(step)
         ctx = self.ctx
-        ctx.metrics = {}
         every = ctx.spec.train.eval_every
         if every and step % every == 0:  # pass@1 of the policy after `step` updates, in this step's row
             self.last_eval = evaluate(ctx, self.policy)
@@ -134,7 +140,7 @@ class ComposerModule(L.LightningModule):
         examples = ctx.next_prompts(ctx.spec.train.prompts_per_step)
         batches = run_step.collect(ctx, [e for e in examples])
         batches = to_device(batches, self.device)
-        loss, metrics = run_step.loss(ctx, ctx.forward_model(self.policy), batches)
+        loss, metrics = run_step.loss(ctx, ctx.forward_model(self.policy), batches, self._shares(batches))
         if not torch.isfinite(loss):
             raise NonFiniteError(f"the loss is not finite at step {step} ({float(loss.detach())})")
         metrics.update(ctx.metrics)
@@ -147,12 +153,40 @@ class ComposerModule(L.LightningModule):
             metrics["pass@1"] = metrics_eval[sorted(metrics_eval)[len(metrics_eval) // 2]]
         # Straight to the loggers: Lightning's result collection would repeat a key logged in an earlier
         # step (a guide metric, an evaluation) into rows where it was not measured.
-        row = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        row = self._reduced({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
         for lg in self.loggers:
             lg.log_metrics(row, step=step)
         shown = {k: row[k] for k in ("reward_mean", "tokens_per_s", "pass@1") if k in row}
         self.log_dict(shown, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
         return loss
+
+    # ---- several ranks (DDP) ----
+    def _shares(self, batches) -> dict | None:
+        """Each term's share of its step-wide normaliser on this rank, times the number of ranks: DDP averages
+        gradients over ranks, so the ranks' scaled losses add up to the loss of the whole step as one batch
+        (the objectives' `normalizer`, as on OpenRLHF). None with one process."""
+        world = self.ctx.world
+        if world <= 1:
+            return None
+        local = torch.stack([obj.normalizer(b).detach().float().cpu().reshape(())
+                             for (_n, _s, obj, _w), b in zip(run_step.terms(self.ctx.spec), batches)])
+        total = local.clone()
+        torch.distributed.all_reduce(total)
+        return {k: float(local[k]) * world / max(float(total[k]), 1e-12) for k in range(len(local))}
+
+    def _reduced(self, row: dict) -> dict:
+        """The step's metrics over every rank: costs and token throughput summed, everything else averaged
+        over the ranks that measured it."""
+        world = self.ctx.world
+        if world <= 1:
+            return row
+        rows = [None] * world
+        torch.distributed.all_gather_object(rows, row)
+        out = {}
+        for k in sorted({k for r in rows for k in r}):
+            vals = [r[k] for r in rows if k in r]
+            out[k] = sum(vals) if k.startswith("cost/") or k == "tokens_per_s" else sum(vals) / len(vals)
+        return out
 
     def on_before_optimizer_step(self, optimizer) -> None:
         for p in self.policy.parameters():
@@ -227,7 +261,7 @@ class ComposerModule(L.LightningModule):
         torch.set_rng_state(state["torch_rng"])
         ctx.data_pos = state["data_pos"]
         if state["initial"] is not None:
-            ctx.initial_policy().load_state_dict(state["initial"])
+            ctx.restore_initial(state["initial"])
         ctx.costs.update(state.get("costs", {}))
         ctx.buffer = to_device(state["buffer"], self.device) if state.get("buffer") else None
         ctx.buffer_version = state.get("buffer_version", -1)

@@ -16,14 +16,18 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from composer import files
+from composer import samples as sample_files
 from composer.backends.lightning import checkpoint as ckpt_format
 from composer.backends.lightning.callbacks import (AfterStep, AtomicCheckpointIO, GracefulStop, RunCSVLogger,
-                                                   StopRequested)
+                                                   SampleWriter, StopRequested)
 from composer.backends.lightning.checkpoint import CheckpointError
 from composer.backends.lightning.module import ComposerModule, NonFiniteError
+from composer.export import MODEL_DIR, save_policy
+from composer.paths import check_run_inputs
 from composer.plan import compile_plan
 from composer.runtime.binding import bind_task, check_task_lengths, context_length
-from composer.runtime.models import load_model, load_tokenizer
+from composer.runtime.models import load_model, load_tokenizer, merged, prepare_policy
+from composer.samples import SampleLog
 
 log = logging.getLogger("composer")
 
@@ -148,6 +152,18 @@ def check_launcher(num_nodes: int) -> None:
                    "those, or set train.num_nodes=1 on one machine")
 
 
+RUN_ENV = "COMPOSER_RUN_DIR"  # set by rank 0 for the processes Lightning starts for the other ranks
+
+
+def launched_child() -> dict | None:
+    """{out, resume, rank} when this process is another rank of a run that rank 0 owns (started by Lightning's
+    launcher, which passes rank 0's environment on, or by torchrun/SLURM with RANK > 0), else None."""
+    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
+    if RUN_ENV in os.environ and (rank > 0 or "LOCAL_RANK" in os.environ):
+        return {"out": os.environ[RUN_ENV], "resume": os.environ.get(RUN_ENV + "_RESUME") == "1", "rank": rank}
+    return None
+
+
 def train(validated, out: Path, resume: bool = False, progress: bool = True, final_eval=None, recorder=None) -> dict:
     """Run a validated spec on the Lightning backend: the compiled Plan's segments. Returns the final metrics.
 
@@ -170,28 +186,34 @@ def train(validated, out: Path, resume: bool = False, progress: bool = True, fin
 
 def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop: GracefulStop, recorder) -> dict:
     spec = validated.spec
+    check_run_inputs(validated)  # every model, tokenizer and data path, and the loggers' packages: nothing written yet
     quiet_libraries()
     check_launcher(spec.train.num_nodes)
     torch.manual_seed(spec.train.seed)
     # tiny models are bound by per-op overhead: on a small machine extra threads only contend
     cores = os.cpu_count() or 1
     torch.set_num_threads(int(os.environ.get("COMPOSER_THREADS", 1 if cores <= 2 else min(cores, 8))))
+    child = launched_child() is not None  # another rank: rank 0 writes every file of the run folder
     out.mkdir(parents=True, exist_ok=True)
-    (out / "checkpoints" / "last.ckpt.tmp").unlink(missing_ok=True)  # a write a kill cut short: garbage
+    if not child:
+        (out / "checkpoints" / "last.ckpt.tmp").unlink(missing_ok=True)  # a write a kill cut short: garbage
+        os.environ[RUN_ENV], os.environ[RUN_ENV + "_RESUME"] = str(out), "1" if resume else "0"
     state = check_resume(validated, out)[0] if resume else None
     plan = compile_plan(validated, "lightning")
-    files.write_text(out / "plan.json", json.dumps(plan, indent=2, default=str))
+    if not child:
+        files.write_text(out / "plan.json", json.dumps(plan, indent=2, default=str))
     task = bind_task(spec)
     policy_name = spec.policy.model or "toy:student"
     trust = spec.policy.trust_remote_code
     tokenizer = load_tokenizer(spec.policy.tokenizer or policy_name, trust_remote_code=trust)
-    policy = load_model(policy_name, spec.policy.dtype, trust_remote_code=trust)
+    policy = prepare_policy(load_model(policy_name, spec.policy.dtype, trust_remote_code=trust), spec.policy)
     check_task_lengths(task, tokenizer, context_length(policy), spec.data.on_bad_row, spec.data.prompt_field)
     if any(getattr(s, "verifier", "") == "code" for seg in validated.segments for s in seg.spec.sources.values()):
         from components.tasks.code_verifier import ensure_sandbox
 
         ensure_sandbox()  # fail closed before any training: code never runs outside the sandbox
-    module = ComposerModule(plan, task, tokenizer, policy, recorder, validated)
+    samples = SampleLog(out, chain=recorder)  # the run's recorder: keeps rollouts for samples.jsonl
+    module = ComposerModule(plan, task, tokenizer, policy, samples, validated)
     module.start_metrics = {"skipped_rows": float(getattr(task, "skipped_rows", 0))}
     t = spec.train
     ckpt = last_checkpoint(out) if resume else None
@@ -200,20 +222,27 @@ def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop:
         ckpt_format.check_fits(state["state_dict"], module, ckpt)
         resumed_at = int(state["global_step"])
         del state
-    callbacks = [AfterStep(), stop,
+    if _rank_zero():
+        sample_files.prepare(out, resumed_at)  # a resumed run trains its later steps again: drop their rows
+    callbacks = [AfterStep(), SampleWriter(samples), stop,
                  ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=t.checkpoint_every,
                                  save_last=True, save_top_k=0, save_on_train_epoch_end=False,
                                  enable_version_counter=False)]
     if progress:
         callbacks.append(_progress_bar())
-    loggers = [RunCSVLogger(out, keep_before=resumed_at)]
+    loggers = build_loggers(validated, out, resumed_at) if not child else []
     try:
-        from lightning.pytorch.loggers import TensorBoardLogger
-        import tensorboard  # noqa: F401
+        final = _fit(validated, out, plan, module, loggers, callbacks, ckpt, stop, final_eval, tokenizer, progress)
+    except BaseException:
+        close_loggers(loggers, failed=True)
+        raise
+    close_loggers(loggers, failed=False)
+    return final
 
-        loggers.append(TensorBoardLogger(save_dir=str(out), name="tensorboard", version=""))
-    except ImportError:
-        pass
+
+def _fit(validated, out: Path, plan: dict, module, loggers, callbacks, ckpt, stop: GracefulStop, final_eval,
+         tokenizer, progress: bool) -> dict:
+    t = validated.spec.train
     trainer = L.Trainer(
         max_steps=validated.total_steps, max_epochs=-1, accelerator=t.accelerator, devices=t.devices,
         strategy=t.strategy, num_nodes=t.num_nodes, precision=t.precision,
@@ -244,8 +273,122 @@ def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop:
     final = dict(module.last_eval)
     if final_eval is not None:
         final_eval(module.ctx, module.policy)
-    write_report(out, plan, final)
+    model_dir = None
+    if trainer.is_global_zero:
+        model_dir = export_policy(module, tokenizer, out, t.strategy)
+        write_report(out, plan, final, model_dir)
     return final
+
+
+def export_policy(module, tokenizer, out: Path, strategy: str) -> Path | None:
+    """The trained policy as `model/` in the run folder (save_pretrained of model and tokenizer)."""
+    if strategy == "fsdp":  # the module holds one shard: export from the full checkpoint instead
+        from composer.export import export_checkpoint
+
+        ckpt = last_checkpoint(out)
+        return export_checkpoint(ckpt, out / MODEL_DIR) if ckpt is not None else None
+    return save_policy(merged(module.policy), tokenizer, out / MODEL_DIR)  # a LoRA adapter merged into the weights
+
+
+LOGGER_IDS = "loggers.json"  # the W&B and MLflow run ids, so that --resume continues the same runs
+
+
+def build_loggers(validated, out: Path, resumed_at: int | None) -> list:
+    """Lightning's loggers named by train.loggers (composer/paths.py has checked their packages)."""
+    from composer.paths import LOGGER_PACKAGES, installed
+
+    spec = validated.spec
+    ids_path = out / LOGGER_IDS
+    ids = {}
+    if resumed_at is not None and ids_path.exists():
+        with contextlib.suppress(ValueError, OSError):
+            ids = json.loads(ids_path.read_text())
+    loggers, new_ids = [], {}
+    for kind in spec.train.loggers:
+        if kind == "csv":
+            loggers.append(RunCSVLogger(out, keep_before=resumed_at))
+        elif kind == "tensorboard":
+            if not any(installed(m) for m in LOGGER_PACKAGES["tensorboard"][0]):
+                continue  # only the default list gets here: its tensorboard is optional
+            from lightning.pytorch.loggers import TensorBoardLogger
+
+            loggers.append(TensorBoardLogger(save_dir=str(out), name="tensorboard", version=""))
+        elif kind == "wandb":
+            import secrets
+
+            from lightning.pytorch.loggers import WandbLogger
+
+            run_id = ids.get("wandb") or secrets.token_hex(4)
+            loggers.append(WandbLogger(name=out.name, save_dir=str(out), id=run_id, resume="allow",
+                                       project=os.environ.get("WANDB_PROJECT") or "composer", group=spec.name))
+            new_ids["wandb"] = run_id
+        elif kind == "mlflow":
+            from lightning.pytorch.loggers import MLFlowLogger
+
+            uri = os.environ.get("MLFLOW_TRACKING_URI") or (out.resolve() / "mlruns").as_uri()
+            if uri.startswith("file:") or "://" not in uri:  # a folder: MLflow 3 wants this said out loud
+                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            try:
+                lg = MLFlowLogger(experiment_name=os.environ.get("MLFLOW_EXPERIMENT_NAME") or spec.name,
+                                  run_name=out.name, tracking_uri=uri, run_id=ids.get("mlflow"))
+                new_ids["mlflow"] = lg.run_id  # creates the run now: a tracking store that refuses stops here
+            except Exception as e:
+                detail = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                raise RunError(f"train.loggers: mlflow cannot start a run at {uri}: {detail}\n    hint: set "
+                               "MLFLOW_TRACKING_URI to a tracking server or store you can write to") from None
+            loggers.append(lg)
+    if new_ids and new_ids != ids and _rank_zero():
+        files.write_text(ids_path, json.dumps(new_ids, indent=2))
+    if resumed_at is None:
+        params = _hyperparams(validated)
+        for lg in loggers:
+            if type(lg).__name__ in ("WandbLogger", "MLFlowLogger"):
+                try:
+                    lg.log_hyperparams(params)
+                except Exception as e:  # a tracking server's refusal is no reason to stop the run
+                    log.warning(f"{type(lg).__name__}: the spec was not logged as hyperparameters ({e})")
+    return loggers
+
+
+def _rank_zero() -> bool:
+    from lightning.pytorch.utilities import rank_zero_only
+
+    return getattr(rank_zero_only, "rank", 0) == 0
+
+
+def _hyperparams(validated) -> dict:
+    """The resolved spec, flattened to path -> value, with keys every tracker accepts."""
+    import re
+
+    spec = json.loads(ckpt_format.spec_record(validated)["json"])
+    flat = {}
+
+    def walk(value, prefix):
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+        elif isinstance(value, list) and value and any(isinstance(v, (dict, list)) for v in value):
+            for i, v in enumerate(value):
+                walk(v, f"{prefix}.{i}")
+        else:
+            flat[re.sub(r"[^\w\-. /]", "_", prefix)] = value if not isinstance(value, list) else str(value)
+
+    walk(spec, "")
+    return flat
+
+
+def close_loggers(loggers, failed: bool) -> None:
+    """Flush and close every logger at the end of a run (Lightning's own finalize runs before the final
+    evaluation's row): TensorBoard's event file, the W&B run, the MLflow run's status."""
+    for lg in loggers:
+        try:
+            if type(lg).__name__ == "WandbLogger":
+                if lg._experiment is not None:
+                    lg._experiment.finish(exit_code=1 if failed else 0)
+            else:
+                lg.finalize("failed" if failed else "success")
+        except Exception as e:
+            log.warning(f"{type(lg).__name__}: could not be closed ({type(e).__name__}: {e})")
 
 
 def quiet_libraries() -> None:
@@ -257,7 +400,8 @@ def quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     for pattern in (".*LeafSpec.*", ".*does not have many workers.*", ".*exists and is not empty.*",
-                    ".*reproducible.*", ".*dataloader is not resumable.*", ".*Checkpoint directory.*exists and is not empty.*"):
+                    ".*reproducible.*", ".*dataloader is not resumable.*", ".*Checkpoint directory.*exists and is not empty.*",
+                    ".*MLFlow only allows.*"):  # MLflow's names for pass@1/...: said for every key of every row
         warnings.filterwarnings("ignore", message=pattern)
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
     logging.getLogger("lightning.fabric.utilities.rank_zero").setLevel(logging.WARNING)
@@ -282,7 +426,7 @@ def _progress_bar():
         return StepsTQDM()
 
 
-def write_report(out: Path, plan: dict, final: dict) -> None:
+def write_report(out: Path, plan: dict, final: dict, model_dir: Path | None = None) -> None:
     """report.md with a PNG of reward and pass@1 against step."""
     from composer.report import plot_metrics
 
@@ -298,4 +442,11 @@ def write_report(out: Path, plan: dict, final: dict) -> None:
     lines += [f"| {k.split('/', 1)[-1]} | {v:.3f} |" for k, v in sorted(final.items())]
     if png:
         lines += ["", f"![reward and pass@1]({png.name})"]
+    if model_dir is not None:
+        lines += ["", "## The trained policy", "",
+                  f"`{model_dir}`: a transformers directory (model and tokenizer); load it with "
+                  f"`AutoModelForCausalLM.from_pretrained(\"{model_dir}\")`."]
+    samples = out / sample_files.SAMPLES
+    if samples.exists():
+        lines += ["", f"Rollout samples: `{samples.name}` (`composer samples {out}`)."]
     files.write_text(out / "report.md", "\n".join(lines) + "\n")

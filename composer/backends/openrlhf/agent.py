@@ -43,6 +43,7 @@ class ComposerAgent:
         self.counts: dict = {}
         self.contexts: dict = {}
         self.prepared: set = set()
+        self.built: dict = {}  # targets a signal builds once per segment (InT offline)
         self.lock: asyncio.Lock | None = None
 
     # ---- the composer's run context (text, sources, judges, verifier) without a model ----
@@ -139,18 +140,78 @@ class ComposerAgent:
         room = min(sampling_params.max_tokens or max_length, ctx.max_new_tokens, max_length - len(ids) - 1)
         initial_ok = ctx.step < seg.start + spec.sync.every  # no broadcast yet: the engine holds the initial weights
         serve = self.server(llm_engine, sampling_params, max_length, room, len(ids), initial_ok)
-        await self._prepare(ctx, guide, example, serve)
-        trace = await run_async(guide.row(ctx, example, idx, spec.rollout.samples_per_prompt), serve)
-        weight = trace.weight
-        for _n, sig, _o, _w in terms(spec):  # a term that trains on part of the row (InT's targets)
-            target = sig.row_target(ctx, example, trace)
-            if target is not None:
-                trace, weight = await run_async(target, serve)
+        ahead = [sig for _n, sig, _o, _w in terms(spec) if sig.builds_ahead]
+        if ahead:  # targets built once at the segment's start (InT offline): this sample is one of them
+            trace, weight = await self._built_ahead(ctx, ahead[0], example, idx, seg, initial_ok,
+                                                    (llm_engine, sampling_params, max_length, hf_tokenizer))
+        else:
+            await self._prepare(ctx, guide, example, serve)
+            trace = await run_async(guide.row(ctx, example, idx, spec.rollout.samples_per_prompt), serve)
+            weight = trace.weight
+            for _n, sig, _o, _w in terms(spec):  # a term that trains on part of the row (InT's online targets)
+                target = sig.row_target(ctx, example, trace)
+                if target is not None:
+                    trace, weight = await run_async(target, serve)
         todo = [p for p in trace.pieces if p.logprobs is None and p.origin in scored_origins(spec)]
         if todo:
             fill_scores(trace, await serve(Score(trace.tokens, len(trace.prompt), POLICY)), scored_origins(spec))
         reward = self._reward(ctx, example, hf_tokenizer.decode(trace.response, skip_special_tokens=True))
         return self._result(ctx, prompt, meta, trace, weight, reward)
+
+    def _serve_for(self, ctx, example, engines, initial_ok: bool):
+        """`serve` for a rollout of `example` (its own prompt length and response room)."""
+        llm_engine, sp, max_length, tok = engines
+        n = len(tok.encode(example.prompt, add_special_tokens=False))
+        room = min(sp.max_tokens or max_length, ctx.max_new_tokens, max_length - n - 1)
+        return self.server(llm_engine, sp, max_length, room, n, initial_ok)
+
+    async def _built_ahead(self, ctx, sig, example, idx: int, seg, initial_ok: bool, engines):
+        """(trace, weight) of sample `idx` of `example` from the targets `sig` builds once (InT offline,
+        components/signals/sft.py `attempt_program`): on the first call of the segment, before the first
+        weight broadcast, for every training problem of this run (OpenRLHF draws the prompts); then the
+        idx-th kept target of this problem, or its prompt at weight 0 when it has fewer. Every vLLM engine
+        builds the targets of all the run's problems itself (its agent serves any prompt)."""
+        from components.signals.sft import attempt_program, collect_targets
+
+        if self.lock is None:
+            self.lock = asyncio.Lock()
+        key = ("built_ahead", seg.name, sig.model_dump_json())
+        async with self.lock:
+            if key not in self.built:
+                if not initial_ok:
+                    raise RuntimeError("InT's offline targets are built from the weights at the stage's start, "
+                                       "before the first weight broadcast; this engine has already been updated")
+                n = ctx.spec.rollout.samples_per_prompt
+                problems = self._run_problems(ctx, sig)
+                if example.prompt not in {ex.prompt for ex in problems}:
+                    problems.append(example)
+                statuses = await asyncio.gather(*(run_async(attempt_program(ctx, sig, ex, i, n),
+                                                            self._serve_for(ctx, ex, engines, True))
+                                                  for ex in problems for i in range(n)))
+                self.built[key] = collect_targets(problems, statuses, n)
+        targets, _counts = self.built[key]
+        mine = targets.get(example.prompt, [])
+        if idx < len(mine):
+            return mine[idx], 1.0
+        return Trace(engines[3].encode(example.prompt, add_special_tokens=False)), 0.0
+
+    def _run_problems(self, ctx, sig) -> list:
+        """The training problems of this run: the first `data.max_samples` rows of the bundle's train file
+        (OpenRLHF's prompt dataset; at most `signal.problems` of them), else the task's own set."""
+        plugin = self.run["plugin"]
+        path, rows = plugin.get("train_file"), plugin.get("train_rows")
+        out = []
+        if path and rows and os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    if len(out) >= rows:
+                        break
+                    if line.strip():
+                        rec = json.loads(line)
+                        out.append(example_of(rec["prompt"], decode_label(rec["label"])))
+        else:
+            out = list(ctx.task.train)
+        return out[: sig.problems] if sig.problems else out
 
     async def _prepare(self, ctx, guide, example, serve) -> None:
         """The guide's per-problem preparation (POPE's minimal search), once: for the whole training set on

@@ -6,6 +6,9 @@
     launch.sh      `ray job submit` of the bundle folder (its working_dir) with one entry command per run
     runtime_env.json  relative paths only: the bundle is self-contained and can be copied to any head node
     composer/, components/  a copy of the composer code the entry point and the Ray workers import
+    <plugin>/ or <plugin>.py  a copy of every plugin module the spec's components come from (spec `plugins:`,
+                   installed entry-point packages): plan.json's segment specs name them under `plugins`, so
+                   the bundle imports them from its own folder (their third-party dependencies stay the cluster's)
     README.md      what the bundle does, what the cluster needs, native flags vs plugin
     reward.py      OpenRLHF reward function over the spec's verifier (runs without a guide)
     agent.py       OpenRLHF AgentExecutor for the spec's guide (runs with one)
@@ -15,12 +18,14 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
 import random
 import shlex
 import shutil
+import sys
 from pathlib import Path
 
 from composer.backends.openrlhf import OPENRLHF_VERSION, parser
@@ -29,6 +34,7 @@ from composer.backends.openrlhf.flags import Inputs, Layout, Run, build_runs
 
 HOOK = "composer.backends.openrlhf.hooks.setup_worker"
 PACKAGES = ("composer", "components")  # copied into the bundle: the working_dir puts them on every worker's path
+RESERVED = (*PACKAGES, "data", "reward", "agent")  # bundle entries a plugin module may not be named after
 
 
 class BundleError(Exception):
@@ -36,16 +42,46 @@ class BundleError(Exception):
 
 
 def _examples(v):
-    """(train examples, eval examples by datasource) of a data spec, bound as the Lightning backend binds them."""
+    """(train examples, eval examples by datasource, prompt format) of a data spec, bound as the Lightning
+    backend binds them: each prompt already rendered (chat template, system prompt, prompt template)."""
     if v.spec.data.train is None:
-        return None, None
+        return None, None, None
     from composer.runtime.binding import DataError, bind_task
+    from composer.runtime.models import ModelLoadError
 
     try:
         task = bind_task(v.spec)
     except DataError as e:
         raise BundleError(str(e)) from None
-    return task.train, task.eval
+    except ModelLoadError as e:
+        raise BundleError(f"{e}; the bundle's prompts are rendered at compile time with the policy's tokenizer "
+                          f"(data.prompt_format {v.spec.data.prompt_format}), so it must be readable here; or set "
+                          "data.prompt_format: plain") from None
+    return task.train, task.eval, task.prompt_format
+
+
+def pin_prompt_format(plan: dict, fmt) -> None:
+    """The cluster renders teachers' and judges' prompts as the bundle's data was rendered: plan.json's segment
+    specs name the format resolved here (`auto` -> `chat` or `plain`), so no second guess happens there."""
+    if fmt is None or fmt.mode == "task":
+        return
+    for seg in plan["segments"]:
+        seg["spec"] = {**seg["spec"], "data": {**(seg["spec"].get("data") or {}), "prompt_format": fmt.mode}}
+    plan["data"] = {**plan["data"], "prompt_format": fmt.mode}
+
+
+def round_trip_problem(fmt, prompts: list[str]) -> str | None:
+    """Why reward.py could not strip a prompt off its query (OpenRLHF decodes prompt + response ids with special
+    tokens and the reward removes the prompt text): the first prompt whose ids do not decode to its text."""
+    tok = getattr(fmt, "tokenizer", None)
+    if tok is None:
+        return None
+    for text in prompts:
+        back = tok.decode(tok.encode(text, add_special_tokens=False), skip_special_tokens=False)
+        if back != text:
+            return (f"the tokenizer does not decode the rendered prompt back to its text (e.g. {text[:60]!r} -> "
+                    f"{back[:60]!r}); reward.py strips the prompt by text and may leave part of it in the response")
+    return None
 
 
 def _rows_needed(v) -> dict[str, int]:
@@ -64,7 +100,7 @@ def write_data(v, out: Path, eos: str | None) -> tuple[dict, Inputs]:
     n = max(need.values())
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
-    train, evals = _examples(v)
+    train, evals, fmt = _examples(v)
     if train is None:  # the toy testbed, written by its own writer
         from components.tasks.toy import write_jsonl
 
@@ -109,7 +145,12 @@ def write_data(v, out: Path, eos: str | None) -> tuple[dict, Inputs]:
                     eval_file=eval_file, max_prompt_chars=max(len(e.prompt) for e in every),
                     max_solution_chars=max(len(e.solution or "") for e in every), sft_eos=eos,
                     toy=spec.data.train is None, max_problem_chars=max(len(e.problem or e.prompt) for e in every))
-    return {"train": len(rows), "eval": sum(len(x) for x in evals.values())}, inputs
+    if fmt is not None and fmt.mode != "task":  # the prompts above are rendered: say how, and what it adds
+        inputs.prompt_format = fmt.describe()
+        inputs.prompt_overhead_chars = len(fmt.wrap(""))
+        inputs.prompt_example = rows[0].prompt
+        inputs.prompt_note = round_trip_problem(fmt, [e.prompt for e in rows[:8]])
+    return {"train": len(rows), "eval": sum(len(x) for x in evals.values())}, inputs, fmt
 
 
 def _models(v) -> tuple[str, dict[str, str]]:
@@ -135,9 +176,14 @@ def _eos(path: str, v) -> str | None:
     try:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path).eos_token
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code(v)).eos_token
     except Exception:  # noqa: BLE001 - a hub id or a directory only the cluster has
         return None
+
+
+def trust_remote_code(v) -> bool:
+    """The spec's `policy.trust_remote_code` (default False), passed to every tokenizer the bundle loads."""
+    return bool(getattr(v.spec.policy, "trust_remote_code", False))
 
 
 def compile_bundle(v, out: Path, layout: Layout) -> dict:
@@ -149,7 +195,8 @@ def compile_bundle(v, out: Path, layout: Layout) -> dict:
     plan["file"] = spec_name(v.loaded.file)
     out.mkdir(parents=True, exist_ok=True)
     policy, sources = _models(v)
-    counts, inputs = write_data(v, out, _eos(policy, v))
+    counts, inputs, fmt = write_data(v, out, _eos(policy, v))
+    pin_prompt_format(plan, fmt)
     inputs.policy_path, inputs.source_paths = policy, sources
     runs = build_runs(v, layout, inputs)
     warnings = {}
@@ -160,10 +207,12 @@ def compile_bundle(v, out: Path, layout: Layout) -> dict:
             raise BundleError(f"run '{run.name}': OpenRLHF {OPENRLHF_VERSION} rejects the generated arguments: {e}")
         _launch_checks(run, args)
         warnings[run.name] = printed
+    plugins = plugin_sources(v, runs)  # before anything else is written: a plugin that cannot ship refuses
+    name_plugins(plan, plugins)
     plan["openrlhf"] = {
         "version": OPENRLHF_VERSION, "toy": inputs.toy, "policy_path": policy, "source_paths": sources,
         "layout": dataclasses.asdict(layout), "data": counts,
-        "runs": [dataclasses.asdict(r) for r in runs],
+        "runs": [dataclasses.asdict(r) for r in runs], "plugins": {m: shipped_name(m, p) for m, p in plugins.items()},
     }
     commands = [command(r) for r in runs]
     (out / "plan.json").write_text(json.dumps(plan, indent=1, default=str) + "\n")
@@ -173,14 +222,137 @@ def compile_bundle(v, out: Path, layout: Layout) -> dict:
     (out / "runtime_env.json").write_text(json.dumps(env, indent=1) + "\n")
     (out / "launch.sh").write_text(launch_script(v.spec.name, [entry_words(r) for r in runs], layout))
     ship_code(out)
+    ship_plugins(out, plugins)
     os.chmod(out / "launch.sh", 0o755)
     if any(not r.plugin.get("agent") and r.trainer == "ppo" for r in runs):
         r = next(r for r in runs if not r.plugin.get("agent") and r.trainer == "ppo")
-        (out / "reward.py").write_text(reward_file(v.spec.name, r.plugin["verifier"], policy))
+        (out / "reward.py").write_text(reward_file(v.spec.name, r.plugin["verifier"], policy, trust_remote_code(v),
+                                                   list(plugins)))
     if any(r.plugin.get("agent") for r in runs):
         (out / "agent.py").write_text(agent_file(v.spec.name))
     (out / "README.md").write_text(readme(v, plan, runs, layout, inputs, warnings, commands))
     return plan
+
+
+# ---------------------------------------------------------------------------------------- plugin modules
+
+BUILTIN_TOPS = ("composer", "components")
+
+
+def _components(obj):
+    """Every component config inside a spec model (sources, guide, signals, objectives, nested ones)."""
+    from pydantic import BaseModel
+
+    from composer.registry import Component
+
+    if isinstance(obj, Component):
+        yield obj
+    if isinstance(obj, BaseModel):
+        for name in type(obj).model_fields:
+            yield from _components(getattr(obj, name, None))
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _components(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _components(x)
+
+
+def _class_modules(comp) -> list[str]:
+    """The top-level modules of the component's class and of its component bases, built-ins left out."""
+    from composer.registry import Component
+
+    tops = [c.__module__.split(".")[0] for c in type(comp).__mro__ if issubclass(c, Component) and c is not Component]
+    return [t for t in tops if t not in BUILTIN_TOPS]
+
+
+def plugin_modules(v, runs: list[Run]) -> dict[str, str]:
+    """{top-level module: why the bundle needs it}: the spec's `plugins:`, the modules every (non built-in)
+    component class of every segment comes from (entry-point plugins included), the verifiers' modules."""
+    from composer import registry
+
+    need: dict[str, str] = {}
+    for name in getattr(v.spec, "plugins", None) or []:
+        need.setdefault(name.split(".")[0], f"the spec's plugins: names '{name}'")
+    for seg in v.segments:
+        for comp in _components(seg.spec):
+            for top in _class_modules(comp):
+                need.setdefault(top, f"{comp.section} kind '{comp.kind_name()}' comes from it")
+    for r in runs:
+        info = registry.VERIFIERS.get(r.plugin.get("verifier") or "none")
+        top = info.module.split(".")[0] if info else None
+        if top and top not in BUILTIN_TOPS:
+            need.setdefault(top, f"verifier '{info.name}' comes from it")
+    return need
+
+
+def _module_spec(top: str):
+    mod = sys.modules.get(top)
+    try:
+        return getattr(mod, "__spec__", None) or importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+
+
+def plugin_source(top: str, why: str) -> Path:
+    """The package folder or the single .py file of plugin module `top`; BundleError when it is not there as
+    source files the bundle can carry (a namespace package, a zip, a compiled extension, nothing at all)."""
+    def refuse(what: str) -> BundleError:
+        return BundleError(f"plugin module '{top}' ({why}): {what}, so the bundle cannot carry it and the "
+                           "cluster could not import it; install it as a plain package folder or .py file "
+                           "(pip install -e, or a folder on PYTHONPATH) and compile again")
+
+    if top in RESERVED:
+        raise refuse(f"its name is taken by the bundle's own '{top}'")
+    spec = _module_spec(top)
+    if spec is None:
+        raise refuse("it cannot be found on this machine")
+    locations = list(spec.submodule_search_locations or [])
+    if locations:
+        if spec.origin in (None, "namespace") or len(locations) != 1:
+            raise refuse(f"it is a namespace package ({', '.join(locations) or 'no folder'})")
+        folder = Path(locations[0])
+        if not (folder / "__init__.py").is_file():
+            raise refuse(f"its package folder {folder} is not a folder of source files")
+        return folder
+    origin = Path(spec.origin or "")
+    if origin.suffix != ".py" or not origin.is_file():
+        raise refuse(f"it is loaded from {spec.origin or 'nowhere'}, not from a .py source file")
+    return origin
+
+
+def plugin_sources(v, runs: list[Run]) -> dict[str, Path]:
+    """{top-level module: its package folder or .py file} of every plugin module the bundle must carry."""
+    return {top: plugin_source(top, why) for top, why in plugin_modules(v, runs).items()}
+
+
+def name_plugins(plan: dict, plugins: dict[str, Path]) -> None:
+    """Every segment spec of plan.json names the shipped modules under `plugins` (the runtime imports those
+    before it validates a segment): entry-point plugins are not installed on the cluster."""
+    for seg in plan["segments"]:
+        names = list(seg["spec"].get("plugins") or [])
+        names += [m for m in plugins if m not in {n.split(".")[0] for n in names}]
+        if names:
+            seg["spec"] = {**seg["spec"], "plugins": names}
+
+
+def shipped_name(top: str, src: Path) -> str:
+    """Where plugin module `top` lies in the bundle: its package folder `top/` or its file `top.py`."""
+    return f"{top}/" if src.is_dir() else f"{top}.py"
+
+
+def ship_plugins(out: Path, plugins: dict[str, Path]) -> None:
+    """Copy each plugin module next to composer/ (replacing an earlier copy): a package folder or one file."""
+    for top, src in plugins.items():
+        dest = out / shipped_name(top, src).rstrip("/")
+        if dest.is_dir() and not dest.is_symlink():
+            shutil.rmtree(dest)
+        elif dest.exists() or dest.is_symlink():
+            dest.unlink()
+        if src.is_dir():
+            shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(src, dest)
 
 
 def spec_name(file) -> str:
@@ -273,7 +445,8 @@ ENV=$(cat runtime_env.json)
 """
 
 
-def reward_file(name: str, verifier: str, tokenizer: str) -> str:
+def reward_file(name: str, verifier: str, tokenizer: str, trust_remote_code: bool = False,
+                plugins: list[str] = ()) -> str:
     return f'''"""OpenRLHF reward function for spec '{name}' (written by `composer compile`).
 
 `--reward.remote_url reward.py`: OpenRLHF calls reward_func(queries, prompts, labels) in its vLLM engine
@@ -282,7 +455,8 @@ actors; the reward is the composer's registered '{verifier}' verifier on the res
 
 from composer.backends.openrlhf.reward import make_reward_func
 
-reward_func = make_reward_func(verifier={verifier!r}, tokenizer={tokenizer!r})
+reward_func = make_reward_func(verifier={verifier!r}, tokenizer={tokenizer!r},
+                               trust_remote_code={bool(trust_remote_code)!r}, plugins={list(plugins)!r})
 '''
 
 
@@ -323,9 +497,25 @@ def readme(v, plan, runs: list[Run], layout: Layout, inputs: Inputs, warnings: d
     for name, path in inputs.source_paths.items():
         if path != "self":
             lines.append(f"- The model of source `{name}` at `{path}` on every node.")
+    shipped = plan["openrlhf"].get("plugins") or {}
+    if shipped:
+        lines.append(f"- Whatever the plugin module(s) {', '.join(f'`{m}`' for m in shipped)} import besides the "
+                     f"composer (the modules themselves are in this bundle: {', '.join(shipped.values())}).")
     lines += [f"- Writable `{layout.cluster_dir}` on the nodes (checkpoints, final models, TensorBoard logs).", ""]
     if layout.wandb_project:
         lines += [f"W&B project `{layout.wandb_project}`: export WANDB_API_KEY before ./launch.sh.", ""]
+    lines += ["## Prompts", ""]
+    if inputs.toy:
+        lines += ["The toy testbed's own prompts (no chat template), as the Lightning backend sees them.", ""]
+    else:
+        lines += [(f"Rendered by the composer at compile time ({inputs.prompt_format}), exactly as the Lightning "
+                   "backend renders them, and written into data/*.jsonl as text. OpenRLHF's "
+                   "`--data.apply_chat_template` stays off: OpenRLHF tokenizes that text with no special tokens "
+                   "added, and the agent, reward.py and the teachers' and judges' prompts (rendered on the cluster "
+                   "with the same settings, pinned in plan.json) all see the same text. The first training prompt:"),
+                  "", "```", inputs.prompt_example, "```", ""]
+        if inputs.prompt_note:
+            lines += [f"Note: {inputs.prompt_note}.", ""]
     for r in runs:
         lines += [f"## Run `{r.name}` ({'openrlhf.cli.train_sft' if r.trainer == 'sft' else 'openrlhf.cli.train_ppo_ray'})",
                   "", "Native OpenRLHF flags:", ""] + [f"- {x}" for x in r.native] + [""]
@@ -339,5 +529,7 @@ def readme(v, plan, runs: list[Run], layout: Layout, inputs: Inputs, warnings: d
               "arguments, checked with OpenRLHF's own parser and post-parse checks at compile time), launch.sh, "
               "runtime_env.json, data/ (prompts with a JSON label: answer, reference solution, problem)"
               + (", reward.py" if any(r.trainer == "ppo" and not r.plugin.get("agent") for r in runs) else "")
-              + (", agent.py" if any(r.plugin.get("agent") for r in runs) else "") + ".", ""]
+              + (", agent.py" if any(r.plugin.get("agent") for r in runs) else "")
+              + "".join(f", {p} (plugin module `{m}`)" for m, p in (plan["openrlhf"].get("plugins") or {}).items())
+              + ".", ""]
     return "\n".join(lines)

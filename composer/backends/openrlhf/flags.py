@@ -51,6 +51,10 @@ class Inputs:
     sft_eos: str | None = None  # eos text appended to SFT targets (None: OpenRLHF appends " " + eos)
     toy: bool = True
     max_problem_chars: int = 0  # the {problem} a judge prompt shows (0: bounded by max_prompt_chars)
+    prompt_format: str = ""  # how the prompts in the data were rendered (data: chat template / plain; "" toy)
+    prompt_overhead_chars: int = 0  # what rendering adds around a user message (chat turns, system prompt)
+    prompt_example: str = ""  # the first training prompt as written into the data
+    prompt_note: str | None = None  # a problem with the rendered prompts worth a note in the README
 
 
 @dataclass
@@ -234,9 +238,18 @@ def _sft_flags(a: _Args, run, spec, specs, where, layout: Layout, inputs: Inputs
     _common(a, run, spec, layout, "")
     run.native += [f"SFT (token-mean cross-entropy on the demonstrations, prompt tokens masked) through "
                    f"openrlhf.cli.train_sft on {gpus} GPU(s), {pps} demonstrations per step, {spec.train.steps} steps",
-                   f"data fields: prompt and target (the reference solution) of {inputs.train_file}, {n} rows"]
+                   f"data fields: prompt and target (the reference solution) of {inputs.train_file}, {n} rows",
+                   _prompt_line(inputs)]
     if inputs.sft_eos is None:
         run.notes.append("the tokenizer was not readable at compile time: OpenRLHF appends ' ' + eos to each target")
+
+
+def _prompt_line(inputs: Inputs) -> str:
+    """How the prompt text reached the data (one README line): OpenRLHF gets it rendered, never re-templated."""
+    if inputs.toy or not inputs.prompt_format:
+        return "prompts: the toy testbed's own text, as written (no --data.apply_chat_template)"
+    return (f"prompts: already rendered by the composer ({inputs.prompt_format}); --data.apply_chat_template is off, "
+            "so OpenRLHF tokenizes exactly that text (no special tokens added)")
 
 
 def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: Inputs, model: str) -> None:
@@ -317,6 +330,7 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
                           "training GPUs", f"make prompts_per_step x samples_per_prompt a multiple of {dp}")
     micro = _divisor_at_most(pps * G // dp, t.micro_batch_size)
     rows = inputs.train_rows[run.name]
+    p["train_file"], p["train_rows"] = inputs.train_file, rows  # the run's prompts (offline targets build from them)
     a.add("data.prompt_dataset", inputs.train_file)
     a.add("data.input_key", "prompt")
     a.add("data.label_key", "label")
@@ -337,7 +351,8 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
     a.add("rollout.top_p", r.top_p)
     run.native += [f"{pps} prompts x {G} samples per step ({t.steps} steps: {rows} prompt rows, one optimizer step "
                    "per step)", f"vLLM sampling: temperature {r.temperature}, top_p {r.top_p}, up to {max_new} new "
-                   "tokens", "data fields: prompt text and a JSON label (answer, reference solution, problem)"]
+                   "tokens", "data fields: prompt text and a JSON label (answer, reference solution, problem)",
+                   _prompt_line(inputs)]
     if r.top_k:
         run.via_plugin.append(f"top_k {r.top_k} added to vLLM's SamplingParams (OpenRLHF has no top_k flag)")
     if inputs.eval_file:
@@ -478,7 +493,7 @@ def _judge_lengths(spec, inputs: Inputs, response: int) -> tuple[str, int, int, 
     context = sum(max(inputs.max_solution_chars, response) for _ in src.context)
     steps = response // max(1, len(call.step_split)) + 1
     numbering = steps * (len(str(steps)) + 2)  # "i:" and the newline of each new step
-    shortest = len(template) + problem + response + context
+    shortest = len(template) + problem + response + context + inputs.prompt_overhead_chars  # + chat turns
     return call.source, shortest, shortest + numbering, call.answer_tokens
 
 

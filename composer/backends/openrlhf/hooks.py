@@ -128,7 +128,7 @@ def task_of(plan: dict, run: dict, spec):
 
 @functools.lru_cache(maxsize=1)
 def _task():
-    return task_of(_STATE["plan"], _STATE["run"], _segments().items[0][2])
+    return task_of(_STATE["plan"], _STATE["run"], _segments().items[0].spec)
 
 
 # ------------------------------------------------------------------------------------------- patches
@@ -294,6 +294,7 @@ def _patch_actor(mod) -> None:
         spec = loss_fn.segments.at(step_of(experience.labels))
         advs, norms = take_step_inputs(experience.info)
         loss_fn.ctx = {"experience": experience, "advantages": advs, "norms": norms,
+                       "gas": max(int(getattr(self.strategy, "accumulated_gradient", 1) or 1), 1),
                        "teachers": teacher_scores(self, experience, spec)}
         undo = _capture_logits(self.actor, loss_fn.ctx) if any(o.wants_logits for _, _, o, _ in terms(spec)) else None
         try:  # the composer's terms own every KL: OpenRLHF's KL loss (reference slot) gets weight 0

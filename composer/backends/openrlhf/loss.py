@@ -151,8 +151,10 @@ class ComposerLoss:
         logits = self.ctx.get("logits")
         view = PolicyView(shift(log_probs), logits=None if logits is None else shift(logits[:, :-1]))
         norms = self.ctx.get("norms", {})
+        # DeepSpeed scales every micro-batch's backward by 1 / gas (gradient accumulation steps): x gas undoes it
+        gas = self.ctx.get("gas", 1)
         if norms:  # each term's micro-batch share of the step's normaliser: micro-batches and DP ranks add up
-            scale = {i: obj.normalizer(b) / max(float(norms[i]), 1e-12) * dp_size
+            scale = {i: obj.normalizer(b) / max(float(norms[i]), 1e-12) * dp_size * gas
                      for i, ((_n, _s, obj, _w), b) in enumerate(zip(term_list, batches)) if i in norms}
         else:  # no advantage step ran (it records the normalisers): a mean over the step's sequences
             rows = (action_mask.sum(-1) > 0).sum()

@@ -1,0 +1,124 @@
+"""The trained policy as a standard transformers directory (`save_pretrained` of model and tokenizer),
+loadable with `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.
+
+A run writes it to `model/` in its run folder at the end; `composer export CKPT_OR_RUN --out DIR` writes one
+from any checkpoint, read with the project's own loader (weights_only=True): the architecture comes from
+the config of the model the checkpoint's spec names (or --base DIR), the weights from the checkpoint.
+A directory is written whole or not at all: into a temporary sibling, then renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+MODEL_DIR = "model"
+PREFIX = "policy."  # the policy's weights in a checkpoint's state_dict (ComposerModule.policy)
+
+
+class ExportError(Exception):
+    """A checkpoint that cannot be exported, or a destination that cannot be written: says which and why."""
+
+
+def save_policy(model, tokenizer, dest: Path | str) -> Path:
+    """model + tokenizer via save_pretrained into `dest`, replacing it whole (an earlier export) or not at all."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.partial-{os.getpid()}"
+    old = dest.parent / f".{dest.name}.old-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if dest.exists():
+            os.rename(dest, old)
+        os.rename(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return dest
+
+
+def checkpoint_of(src: Path | str) -> Path:
+    """The checkpoint file of `src`: itself, or a run folder's checkpoints/last.ckpt."""
+    src = Path(src)
+    if src.is_dir():
+        ckpt = src / "checkpoints" / "last.ckpt"
+        if not ckpt.exists():
+            raise ExportError(f"{src}: a folder without checkpoints/last.ckpt (give a run folder or a .ckpt file)")
+        return ckpt
+    if not src.exists():
+        raise ExportError(f"{src}: no such checkpoint or run folder")
+    return src
+
+
+def _spec_policy(state: dict, ckpt: Path) -> dict:
+    record = (state.get("composer") or {}).get("spec") if isinstance(state.get("composer"), dict) else None
+    if not isinstance(record, dict) or "json" not in record:
+        raise ExportError(f"{ckpt}: the checkpoint does not record its spec (written by an older version); "
+                          "give --base MODEL_DIR, the model it was trained from")
+    return (json.loads(record["json"]).get("policy") or {})
+
+
+def export_checkpoint(src: Path | str, dest: Path | str, base: str | None = None) -> Path:
+    """Write the policy of a checkpoint (or run folder) as a transformers directory at `dest`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from composer.backends.lightning import checkpoint as ckpt_format
+    from composer.paths import model_problem, tokenizer_problem
+    from composer.runtime.models import load_tokenizer, resolve
+
+    ckpt = checkpoint_of(src)
+    state = ckpt_format.load(ckpt, mmap=True)
+    weights = {k[len(PREFIX):]: v for k, v in state["state_dict"].items() if k.startswith(PREFIX)}
+    if not weights:
+        raise ExportError(f"{ckpt}: the checkpoint holds no policy weights")
+    policy = {} if base else _spec_policy(state, ckpt)
+    trust = bool(policy.get("trust_remote_code", False))
+    candidates = [base] if base else [policy.get("model") or "toy:student"]
+    run_model = ckpt.parent.parent / MODEL_DIR  # a run folder's own export: same architecture, same tokenizer
+    if not base and (run_model / "config.json").is_file():
+        candidates.append(str(run_model))
+    arch = None
+    for name in candidates:
+        path = resolve(name) if name.startswith("toy:") else name
+        if model_problem(path, tokenizer_too=False) is None and Path(path).is_dir():
+            arch = path
+            break
+    if arch is None:
+        why = model_problem(candidates[0], tokenizer_too=False) or f"{candidates[0]}: not a local model directory"
+        raise ExportError(f"the model the checkpoint was trained from is needed for its config: {why}\n"
+                          "    hint: run from the folder the run was started in, or give --base MODEL_DIR")
+    tok_name = base or policy.get("tokenizer") or arch
+    tok_path = resolve(tok_name) if tok_name.startswith("toy:") else tok_name
+    if tokenizer_problem(tok_path) is not None and tok_path != arch:
+        tok_path = arch
+    why = tokenizer_problem(tok_path)
+    if why:
+        raise ExportError(f"the tokenizer: {why}")
+    dtype = next((t.dtype for t in weights.values() if torch.is_tensor(t) and t.is_floating_point()), torch.float32)
+    config = AutoConfig.from_pretrained(arch, trust_remote_code=trust)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust)  # the checkpoint's dtype
+    if any(k.startswith("base_model.model.") for k in weights):  # trained with LoRA: rebuild the adapter, merge below
+        from composer.runtime.models import prepare_policy
+        from composer.spec import Policy
+
+        model = prepare_policy(model, Policy(**{k: v for k, v in policy.items() if k in Policy.model_fields}))
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0][:300]
+        raise ExportError(f"{ckpt}: its weights do not fit the model at {arch} ({first})\n"
+                          "    hint: give --base the model directory the run was trained from") from None
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(arch)
+    except Exception:  # a model folder without generation_config.json keeps the default one
+        pass
+    from composer.runtime.models import merged
+
+    tokenizer = load_tokenizer(tok_path, trust_remote_code=trust)
+    return save_policy(merged(model), tokenizer, dest)

@@ -1,0 +1,152 @@
+"""Checks of what a run reads from disk, before its run folder exists: every model, tokenizer and data path,
+and the packages of the chosen loggers. A run that cannot start says why at once and writes nothing.
+
+Light on purpose (no torch, no transformers): `composer run` calls it before it claims the run folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+
+class PathError(Exception):
+    """What a run would read does not exist or is not what it must be: one line per problem."""
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                   "spiece.model", "sentencepiece.bpe.model")
+MODEL_FILES = ("config.json", "adapter_config.json")
+# what a hub id looks like: `name` or `org/name` (letters, digits, - _ .)
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+NO_HUB = ("not found locally, nor in the local Hugging Face cache; a hub id (org/name) needs network access to "
+          "download, and a run never downloads one\n    hint: download the model where there is network "
+          "(`huggingface-cli download ORG/NAME --local-dir DIR`) and give DIR")
+LOGGER_PACKAGES = {"tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"),
+                   "wandb": (("wandb",), "wandb"),
+                   "mlflow": (("mlflow",), "mlflow (or mlflow-skinny)")}
+
+
+def _skipped(name: str) -> bool:
+    return name == "self" or name.startswith("toy:")
+
+
+def _hub_cached(name: str) -> bool:
+    """A hub id whose config is already in the local Hugging Face cache (loads without network)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:  # not an id the hub accepts, no huggingface_hub
+        return False
+
+
+def _looks_local(name: str) -> bool:
+    return (name.startswith(("/", ".", "~")) or name.endswith("/") or "\\" in name
+            or not HUB_ID.fullmatch(name))
+
+
+def model_problem(name: str, tokenizer_too: bool = True) -> str | None:
+    """Why the model directory `name` cannot load (None: it can, as far as its files show)."""
+    path = Path(name)
+    if not path.exists():
+        if _looks_local(name) or not _hub_cached(name):
+            return f"no such model directory: {name}" + ("" if _looks_local(name) else f"; {NO_HUB}")
+        return None
+    if not path.is_dir():
+        return f"{name}: not a directory (a model is a directory with config.json and its weights)"
+    if not any((path / f).is_file() for f in MODEL_FILES):
+        return (f"{name}: the directory has no config.json, so it is not a transformers model directory "
+                "(one that `save_pretrained` wrote)")
+    if tokenizer_too:
+        return tokenizer_problem(name, "the model directory")
+    return None
+
+
+def tokenizer_problem(name: str, what: str = "the tokenizer directory") -> str | None:
+    path = Path(name)
+    if not path.exists():
+        if _looks_local(name) or not _hub_cached(name):
+            return f"no such tokenizer directory: {name}" + ("" if _looks_local(name) else f"; {NO_HUB}")
+        return None
+    if not path.is_dir():
+        return f"{name}: not a directory (a tokenizer is a directory with tokenizer.json or tokenizer_config.json)"
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        hint = "; give policy.tokenizer" if what == "the model directory" else ""
+        return f"{name}: {what} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...){hint}"
+    return None
+
+
+def data_problem(name: str) -> str | None:
+    path = Path(name)
+    if not path.exists():
+        return f"no such data file: {name}"
+    if not path.is_file() and not path.is_dir():
+        return f"{name}: not a regular file or a `datasets` folder"
+    return None
+
+
+def _specs(validated):
+    segments = getattr(validated, "segments", None) or []
+    return [s.spec for s in segments] or [validated.spec]
+
+
+def problems(validated) -> list[str]:
+    """Every model, tokenizer and data path the run would read that is missing or wrong, as `field: why`."""
+    spec = validated.spec
+    out: list[str] = []
+    seen: set = set()
+
+    def add(field: str, why: str | None) -> None:
+        if why and (field, why) not in seen:
+            seen.add((field, why))
+            out.append(f"{field}: {why}")
+
+    pol = spec.policy
+    model = pol.model or "toy:student"
+    if not _skipped(model):
+        add("policy.model", model_problem(model, tokenizer_too=pol.tokenizer is None))
+    if pol.tokenizer and not _skipped(pol.tokenizer):
+        add("policy.tokenizer", tokenizer_problem(pol.tokenizer))
+    for field in ("train", "eval"):
+        value = getattr(spec.data, field)
+        if value is not None:
+            add(f"data.{field}", data_problem(value))
+    for s in _specs(validated):
+        for name, cfg in s.sources.items():
+            m = getattr(cfg, "model", None)
+            if getattr(cfg, "kind", None) != "policy_model" or not isinstance(m, str) or _skipped(m):
+                continue
+            add(f"sources.{name}.model", model_problem(m))
+    return out
+
+
+def logger_problems(validated) -> list[str]:
+    """Chosen loggers whose package is not installed. The default list leaves tensorboard out quietly."""
+    train = validated.spec.train
+    explicit = "loggers" in train.model_fields_set
+    out = []
+    for kind in train.loggers:
+        if kind not in LOGGER_PACKAGES or (kind == "tensorboard" and not explicit):
+            continue
+        modules, pip_name = LOGGER_PACKAGES[kind]
+        if not any(installed(m) for m in modules):
+            out.append(f"train.loggers: {kind} is chosen, but its package is not installed\n"
+                       f"    hint: pip install {pip_name} (or leave {kind} out of train.loggers)")
+    return out
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def check_run_inputs(validated) -> None:
+    """Raise PathError naming every missing model, tokenizer or data path and every missing logger package."""
+    found = problems(validated) + logger_problems(validated)
+    if found:
+        head = "the run cannot start (nothing was written):" if len(found) > 1 else ""
+        raise PathError("\n  ".join([head] + [f.replace("\n", "\n  ") for f in found]) if head else found[0])

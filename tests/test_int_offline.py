@@ -1,0 +1,88 @@
+"""InT as published (issue 16): the SFT targets are built once, before the SFT stage, from the weights at
+that point; cached in the run folder; counted in the cost columns; an intervention that states the final
+answer is dropped (counted). The online variant (targets rebuilt every step) stays an explicit option."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from components.signals.sft import _load, leaks
+from composer.origins import CODE
+from composer.runtime.protocol import Trace
+from composer.validate import validate_file
+
+ROOT = Path(__file__).resolve().parent.parent
+SHORT = ["sources.oracle.kind=oracle", "rollout.guide.judge=oracle", "stages.0.train.steps=3", "stages.1.train.steps=1",
+         "train.prompts_per_step=4", "train.eval_every=0", "train.eval_samples=2", "stages.0.signal.filter_samples=0",
+         "train.checkpoint_every=1000"]
+
+
+class Recorder:
+    def __init__(self):
+        self.events = []
+
+    def __call__(self, kind, **data):
+        self.events.append((kind, data))
+
+
+def run(tmp_path, extra=()):
+    from composer.backends.lightning.run import train
+
+    rec = Recorder()
+    train(validate_file(ROOT / "specs" / "int.yaml", SHORT + list(extra)), tmp_path / "run", progress=False, recorder=rec)
+    with open(tmp_path / "run" / "metrics.csv", newline="") as f:
+        rows = {int(r["step"]): r for r in csv.DictReader(f)}
+    return rec.events, rows
+
+
+def test_targets_are_built_once_before_the_sft_stage_and_cached(tmp_path):
+    events, rows = run(tmp_path)
+    built = [e for k, e in events if k == "int_targets"]
+    assert len(built) == 1 and built[0]["step"] == 0  # once, when the stage starts
+    counts = built[0]["counts"]
+    assert counts["problems"] == 12 and counts["attempts"] == 48  # 3 steps x 4 prompts, 4 attempts each
+    assert counts["kept"] > 0
+    # no rollout during the SFT stage: its steps read the targets; the RL stage samples as usual
+    assert {e["step"] for k, e in events if k == "rollout"} == {3}
+    # each SFT step trains on the targets of its own problems, built from the weights at the start
+    targets = built[0]["targets"]
+    for k, e in events:
+        if k == "term_loss" and e["step"] < 3:
+            b = e["batch"]
+            if b.seq_weight is None or b.seq_weight.any():
+                assert all(ex.prompt in targets for ex in b.examples)
+                assert not (b.origin == CODE["demonstration"]).any() and (b.origin == CODE["guide_intervention"]).any()
+    # cached in the run folder: the file reads back as the same targets
+    cached = _load(tmp_path / "run" / "int_targets" / "sft.jsonl")
+    assert {p: [t.tokens for t in ts] for p, ts in cached.items()} == {p: [t.tokens for t in ts] for p, ts in targets.items()}
+    # the attempts count in the cost columns from step 0, although no step of the stage samples
+    assert float(rows[0]["cost/policy_tokens"]) > 0
+    assert float(rows[0]["int_offline/kept"]) == counts["kept"]
+
+
+def test_online_targets_stay_an_option(tmp_path):
+    events, rows = run(tmp_path, ["stages.0.signal.targets=online"])
+    assert not [e for k, e in events if k == "int_targets"]
+    assert {e["step"] for k, e in events if k == "rollout"} == {0, 1, 2, 3}  # rebuilt from every step's rollouts
+    assert "sft_leaks" in rows[0]
+
+
+def test_an_intervention_that_states_the_final_answer_is_a_leak():
+    from components.tasks import toy
+    from components.tasks.tokenizer import char_tokenizer
+    from composer.runtime.context import RunContext
+
+    tok = char_tokenizer()
+    ctx = RunContext(task=toy.toy_task(), tokenizer=tok, policy=None, engine=None,
+                     spec=validate_file(ROOT / "specs" / "int.yaml").segments[0].spec)
+    ex = toy.make_example("7+3-5")  # 7+3=0, 0-5=5, #5
+
+    def trace(policy: str, intervention: str):
+        t = Trace(tok.encode(ex.prompt, add_special_tokens=False))
+        t.add(tok.encode(policy, add_special_tokens=False), "policy")
+        t.add(tok.encode(intervention, add_special_tokens=False), "guide_intervention")
+        return t
+
+    assert leaks(ctx, ex, trace("7+3=0\n0-5=5\n", "#5"))  # the correction hands over the answer
+    assert not leaks(ctx, ex, trace("7+3=0\n", "0-5=5"))  # a corrected step: the policy still has to finish
