@@ -104,9 +104,9 @@ def test_fake_engine_sync_schedule_and_behaviour_logprobs(tiny, tmp_path, monkey
     seen = []
     real_loss = run_step.loss
 
-    def spy_loss(ctx, policy, batches):
+    def spy_loss(ctx, policy, batches, shares=None):
         seen.append(batches[0])
-        return real_loss(ctx, policy, batches)
+        return real_loss(ctx, policy, batches, shares)
 
     monkeypatch.setattr(run_step, "loss", spy_loss)
     with engine_factory(factory):
