@@ -267,6 +267,8 @@ def _fit(validated, out: Path, plan: dict, module, loggers, callbacks, ckpt, sto
         raise Interrupted(f"{stop.requested}: stopped after step {module.global_step}, checkpoint written; "
                           f"continue with --resume {out}")
     stop.deferred, stop.finishing = False, True
+    if trainer.global_step and _checkpoint_step(out) != trainer.global_step:  # the last step's state, always
+        trainer.save_checkpoint(str(out / "checkpoints" / "last.ckpt"))  # every rank calls it; rank 0 writes
     if module.ctx is None:  # resumed from the last step's checkpoint: Lightning ran nothing
         module.setup("fit")
     module.final_evaluation(loggers)
@@ -424,6 +426,17 @@ def _progress_bar():
         return Steps(leave=True)
     except Exception:
         return StepsTQDM()
+
+
+def _checkpoint_step(out: Path) -> int | None:
+    """The global step last.ckpt holds (None without one)."""
+    last = last_checkpoint(out)
+    if last is None:
+        return None
+    try:
+        return int(ckpt_format.load(last, mmap=True)["global_step"])
+    except Exception:
+        return None
 
 
 def write_report(out: Path, plan: dict, final: dict, model_dir: Path | None = None) -> None:
