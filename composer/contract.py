@@ -73,6 +73,11 @@ class Source(Component):
         return False
 
     @property
+    def model_path(self) -> str | None:
+        """The model this source loads (a path, an id, `self` or a `toy:` name); None for a source without one."""
+        return None
+
+    @property
     def needs_step_checker(self) -> bool:
         """Works only on a task with a programmatic step checker (the toy testbed's oracle); False by default."""
         return False

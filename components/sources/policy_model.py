@@ -54,6 +54,10 @@ class PolicyModel(Source):
     def wants_initial(self) -> bool:
         return self.is_self and self.weights == "initial"
 
+    @property
+    def model_path(self) -> str | None:
+        return self.model
+
     @model_validator(mode="after")
     def _template_syntax(self):
         if self.template is not None:

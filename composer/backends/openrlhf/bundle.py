@@ -161,8 +161,8 @@ def _models(v) -> tuple[str, dict[str, str]]:
     sources = {}
     for seg in v.segments:
         for name, src in seg.spec.sources.items():
-            if src.kind_name() == "policy_model":
-                sources[name] = "self" if src.is_self else resolve(src.model)
+            if src.model_path is not None:
+                sources[name] = "self" if src.model_path == "self" else resolve(src.model_path)
     return policy, sources
 
 
@@ -170,8 +170,8 @@ def _eos(path: str, v) -> str | None:
     """The eos text SFT targets end with (OpenRLHF would otherwise append ' ' + eos)."""
     from composer.graph import signal_objective_pairs
 
-    if not any(sig is not None and sig.kind_name() == "sft" for s in v.segments
-               for sig, _ in signal_objective_pairs(s.spec)):
+    if not any(sig is not None and "demonstration" in sig.origins(s.spec.rollout.guide) for s in v.segments
+               for sig, _ in signal_objective_pairs(s.spec)):  # no term trains on demonstration text
         return None
     try:
         from transformers import AutoTokenizer
