@@ -245,6 +245,10 @@ CASES = [
          "model: self, weights: initial, context: [reference], template: \"{reference} {problem} {solution}\"}\n"
          "signal: {kind: distillation, teacher: teacher}\nobjective: {kind: divergence}\n",
          "sources.teacher.template", 5, "{solution} is not filled", rule="template_fields"),
+    Case("template_format_spec_that_would_allocate", HEAD + "  reference: {kind: reference_solution}\n  teacher: "
+         "{kind: policy_model, model: self, weights: initial, context: [reference], template: "
+         "\"{reference:>999999999999} {problem}\"}\nsignal: {kind: distillation, teacher: teacher}\n"
+         "objective: {kind: divergence}\n", "sources.teacher.template", 5, "is not a plain field"),
     Case("template_drops_context", HEAD + "  reference: {kind: reference_solution}\n  teacher: {kind: policy_model, "
          "model: self, weights: initial, context: [reference], template: \"{problem}\"}\n"
          "signal: {kind: distillation, teacher: teacher}\nobjective: {kind: divergence}\n",

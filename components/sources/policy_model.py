@@ -18,7 +18,7 @@ from __future__ import annotations
 import string
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator
 
 from composer.contract import Runtime, Source
 from composer.lazy import F, torch
@@ -58,17 +58,20 @@ class PolicyModel(Source):
     def model_path(self) -> str | None:
         return self.model
 
-    @model_validator(mode="after")
-    def _template_syntax(self):
-        if self.template is not None:
-            for _lit, name, spec, conv in string.Formatter().parse(self.template):
+    @field_validator("template")
+    @classmethod
+    def _template_syntax(cls, template):
+        """Only plain {name} fields: a format spec ({x:>999999999}) or an attribute ({x.__class__}) could
+        allocate gigabytes or reach into objects when the prompt is rendered."""
+        if template is not None:
+            for _lit, name, spec, conv in string.Formatter().parse(template):
                 if name is None:
                     continue
                 if not name.isidentifier() or spec or conv:
-                    raise ValueError(f"template: '{{{name}{'!' + conv if conv else ''}{':' + spec if spec else ''}}}'"
-                                     " is not a plain field; write {name} (no format specs, conversions or "
-                                     "indexing); a literal brace is written {{ or }}")
-        return self
+                    raise ValueError(f"'{{{name}{'!' + conv if conv else ''}{':' + spec if spec else ''}}}' is not a "
+                                     "plain field; write {name} (no format specs, conversions or indexing); a "
+                                     "literal brace is written {{ or }}")
+        return template
 
     def template_fields(self) -> set[str]:
         """The {fields} of `template` (empty without one)."""
