@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 
 validate: $(STAMP)
 	$(BIN)/composer validate specs/*.yaml specs/hybrids/*.yaml
-	for f in specs/*.yaml; do $(BIN)/composer explain $$f > /dev/null || exit 1; done
+	for f in specs/*.yaml specs/hybrids/*.yaml; do $(BIN)/composer explain $$f > /dev/null || exit 1; done
 
 run: validate
 	$(BIN)/composer run specs/mintrl.yaml
