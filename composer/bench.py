@@ -355,7 +355,7 @@ def write_outputs(results: list[dict], out: Path, cfg: dict, command: str) -> No
         lines += ["## verdicts", "", *claims_table(verdicts), ""]
     made = plots(results, out)
     if verdicts:
-        made.append(claims_plot(results, verdicts, out / "claims.png"))
+        made.append(claims_plot(results, verdicts, out / "verdicts.png"))
     lines += ["Plots: " + ", ".join(p.name for p in made), ""]
     (out / "summary.md").write_text("\n".join(lines))
 
@@ -533,8 +533,8 @@ def parse_table(text: str) -> dict[str, dict[str, float]]:
 
 def moved_table(results: list[dict], previous: dict, seeds_before: int) -> list[str]:
     """Per method and column of the previous table: now (all seeds) - previous. A cell is starred where the
-    mean over the previous run's own seeds (0..seeds_before-1) differs from the previous mean too: the code
-    changes moved it (training is deterministic per seed), not only the added seeds."""
+    mean over the previous run's own seeds (0..seeds_before-1) differs from the previous mean too: not only
+    the added seeds moved it (training is deterministic per seed and checkpoint)."""
     rs = [r for r in results if r["study"] == "methods"]
     seen = [c for c in dict.fromkeys(c for old in previous.values() for c in old) if c != "wall_s"]
     order = [f"pass@1/{MIDDLE}", f"pass@1/{HARD}", f"pass@32/{MIDDLE}", f"pass@32/{HARD}", "zero_advantage_frac",
@@ -611,15 +611,16 @@ def readme_section(out: Path, readme: Path, images: Path, study: str = "methods"
         m = re.search(r"seeds=(\d+)", text)
         where = prev.resolve().relative_to(base) if prev.resolve().is_relative_to(base) else prev
         parts += ["", (f"What moved against the previous table ({where}, computed before the fixes): now minus then, "
-                       "per cell; * where the mean over the previous run's own seeds moved too, i.e. the code changes "
-                       "moved it (runs are deterministic per seed), not only the added seed."), "",
+                       "per cell; * where the mean over the previous run's own seeds moved too, so that something "
+                       "other than the added seed moved it: the code, or the toy checkpoints (runs are deterministic "
+                       "per seed and checkpoint, but the checkpoints are bootstrapped on each machine)."), "",
                   *moved_table(results, parse_table(text), int(m.group(1)) if m else 2)]
     verdicts = claim_verdicts(results)
     if verdicts:
         parts += ["", "Claims (verdict rules in docs/bench/settings.md, fixed before the first comparison):", "",
                   *claims_table(verdicts)]
-        if (out / "claims.png").exists():
-            parts += ["", f"![claims: the arms of the four verdicts]({image(out / 'claims.png', 'claims.png')})"]
+        if (out / "verdicts.png").exists():
+            parts += ["", f"![claims: the arms of the four verdicts]({image(out / 'verdicts.png', 'verdicts.png')})"]
     for h in heldout_folders(out):
         hf = _folder(h)
         hv = claim_verdicts(hf["results"])
@@ -628,8 +629,8 @@ def readme_section(out: Path, readme: Path, images: Path, study: str = "methods"
         toy = next((r.get("toy") for r in hf["results"] if r.get("toy")), h.name)
         parts += ["", (f"Held-out variant `{toy}`, run once after the above by `{hf['command']}` ({hf['date']}). "
                        f"{hf['settings']}"), "", *claims_table(hv)]
-        if (h / "claims.png").exists():
-            parts += ["", f"![claims on {toy}]({image(h / 'claims.png', f'claims-{toy}.png')})"]
+        if (h / "verdicts.png").exists():
+            parts += ["", f"![claims on {toy}]({image(h / 'verdicts.png', f'verdicts-{toy}.png')})"]
     parts.append(END)
     section = "\n".join(parts)
     text = readme.read_text()
@@ -780,6 +781,42 @@ def _commands(out: Path, command: str) -> str:
     return before if command in before.split("`, then `") else f"{before}`, then `{command}"
 
 
+def finished_runs(out: Path) -> dict[str, dict]:
+    """The finished runs of the bench folder `out` (their result.json), by run key."""
+    found = {}
+    for path in sorted((out / "runs").glob("*/seed*/result.json")):
+        try:
+            r = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(r, dict) and r.get("key"):
+            found.setdefault(r["key"], r)
+    return found
+
+
+def run_or_reuse(v: Variant, seed: int, out: Path, cfg: dict, done: dict, log=print) -> dict:
+    """One run of the bench folder `out`: the finished one with the same key (in `done`), else run it into
+    out/runs/<study-label>/seed<N> and keep its result.json there."""
+    from components.tasks.toy import variant as toy_variant
+
+    cfg = {**cfg, "toy": cfg.get("toy") or toy_variant()}
+    key = json.dumps(run_key(v, seed, cfg), sort_keys=True)
+    if key in done:
+        log(f"[bench] {v.label} seed {seed}: same run as {done[key]['label']} ({done[key]['study']})")
+        return {**done[key], "label": v.label, "study": v.study}
+    log(f"[bench] {v.label} seed {seed} ...")
+    folder = out / "runs" / _run_name(v) / f"seed{seed}"
+    if folder.exists():  # an unfinished run (killed): start it again
+        shutil.rmtree(folder)
+    settings = {k: cfg[k] for k in cfg if k not in ("seeds", "toy")}
+    r = {**run_one(v, seed, folder, cfg), "settings": settings, "key": key}
+    (folder / "result.json").write_text(json.dumps(r, indent=1, default=str))
+    done[key] = r
+    log(f"[bench] {v.label} seed {seed}: pass@1 {MIDDLE} {r.get('pass@1/' + MIDDLE, float('nan')):.3f}, "
+        f"{HARD} {r.get('pass@1/' + HARD, float('nan')):.3f} ({r['wall_s']} s)")
+    return r
+
+
 def bench(variants: list[Variant], out: Path, cfg: dict, command: str, log=print, seeds=None) -> list[dict]:
     """Run every variant for each seed (`seeds`, default range(cfg['seeds'])) and write the outputs.
 
@@ -787,42 +824,25 @@ def bench(variants: list[Variant], out: Path, cfg: dict, command: str, log=print
     folder already holds its finished result (`result.json` with the same key) is not run again, so a suite
     can be continued or given more seeds in place. Results of other studies already in `out` under the same
     settings are kept in results.json and summary.md."""
+    from components.tasks.toy import DEFAULT_VARIANT, VARIANT_ENV
     from components.tasks.toy import variant as toy_variant
 
     cfg = {**cfg, "toy": toy_variant()}
-    settings = {k: cfg[k] for k in cfg if k not in ("seeds", "toy")}
+    if cfg["toy"] != DEFAULT_VARIANT and VARIANT_ENV not in command:
+        command = f"{VARIANT_ENV}={cfg['toy']} {command}"  # how to run it again
     seeds = list(range(cfg["seeds"])) if seeds is None else list(seeds)
     mine = {(v.study, v.label) for v in variants}
     kept = [r for r in _previous(out, cfg) if (r["study"], r["label"]) not in mine or r["seed"] not in seeds]
+    command = command if not kept else _commands(out, command)
     results = []
-    done: dict[str, dict] = {}  # the same spec, overrides and seed in two studies run once
-    for v in variants:
-        for seed in seeds:
-            key = json.dumps(run_key(v, seed, cfg), sort_keys=True)
-            folder = out / "runs" / _run_name(v) / f"seed{seed}"
-            stored = folder / "result.json"
-            if key not in done and stored.exists():
-                try:
-                    r = json.loads(stored.read_text())
-                    if r.get("key") == key:
-                        done[key] = r
-                except ValueError:
-                    pass
-            if key in done:
-                results.append({**done[key], "label": v.label, "study": v.study})
-                log(f"[bench] {v.label} seed {seed}: same run as {done[key]['label']} ({done[key]['study']})")
-            else:
-                log(f"[bench] {v.label} seed {seed} ...")
-                if folder.exists():  # an unfinished run (killed): start it again
-                    shutil.rmtree(folder)
-                r = {**run_one(v, seed, folder, cfg), "settings": settings, "key": key}
-                (folder / "result.json").write_text(json.dumps(r, indent=1, default=str))
-                done[key] = r
-                results.append(r)
-                log(f"[bench] {v.label} seed {seed}: pass@1 {MIDDLE} {r.get('pass@1/' + MIDDLE, float('nan')):.3f}, "
-                    f"{HARD} {r.get('pass@1/' + HARD, float('nan')):.3f} ({r['wall_s']} s)")
+    done = finished_runs(out)  # key -> result: the same spec, overrides, seed and settings run once
+    pairs = [(v, seed) for v in variants for seed in seeds]
+    for i, (v, seed) in enumerate(pairs):
+        ran = len(done)
+        results.append(run_or_reuse(v, seed, out, cfg, done, log))
+        if len(done) > ran or i == len(pairs) - 1:  # after every new run, and at the end
             merged = _ordered(kept + results)
-            write_outputs(merged, out, cfg, command if not kept else _commands(out, command))
+            write_outputs(merged, out, cfg, command)
             (out / "results.json").write_text(json.dumps(merged, indent=1, default=str))
     return results
 

@@ -276,5 +276,31 @@ def test_readme_section_says_what_moved_and_writes_both_variants_verdicts(tmp_pa
     assert "| opd | +0.117* | +0 |" in text  # seeds 0-1 give 0.350, not 0.300: the code moved it
     assert "reproduce every previous mean: grpo." in text
     assert text.count("**reproduced**") == 4 and text.count("**undecided**") == 4
-    assert "Held-out variant `mod7`" in text and "](docs/bench/claims-mod7.png)" in text
-    assert (tmp_path / "docs" / "bench" / "claims.png").exists()
+    assert "Held-out variant `mod7`" in text and "](docs/bench/verdicts-mod7.png)" in text
+    assert (tmp_path / "docs" / "bench" / "verdicts.png").exists()
+
+
+def test_extend_seeds_reuses_the_runs_other_studies_made(monkeypatch, tmp_path):
+    calls = []
+
+    def fake(v, seed, out, cfg):
+        calls.append((v.study, v.label, seed))
+        out.mkdir(parents=True)
+        return {"label": v.label, "study": v.study, "seed": seed, "toy": "mod10", "steps": 1, "policy_samples": 8,
+                "wall_s": 1.0, "run": str(out)}
+
+    monkeypatch.setattr(b, "run_one", fake)
+    monkeypatch.setattr(b, "plots", lambda results, out: [])
+    lab, spec, ov = b.SUITE["claims"][0]
+    b.bench([b.Variant(lab, spec, list(ov), study="methods")], tmp_path, dict(b.DEFAULTS), "suite", log=lambda m: None)
+    assert len(calls) == 3
+    calls.clear()
+    b.extend_seeds(tmp_path, [lab], log=lambda m: None)
+    assert calls == [("claims", lab, 3), ("claims", lab, 4)]  # seeds 0-2 found in the methods study's folders
+    results = __import__("json").loads((tmp_path / "results.json").read_text())
+    assert sorted((r["study"], r["seed"]) for r in results) == [("claims", s) for s in range(5)] + [
+        ("methods", s) for s in range(3)]
+    import pytest
+
+    with pytest.raises(ValueError, match="not arms"):
+        b.extend_seeds(tmp_path, ["nope"])
