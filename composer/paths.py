@@ -47,13 +47,18 @@ def _looks_local(name: str) -> bool:
             or not HUB_ID.fullmatch(name))
 
 
+def _absent(name: str, what: str) -> str | None:
+    """Why a path that does not exist cannot load: a local path, or a hub id that is not cached (no network)."""
+    if _looks_local(name) or not _hub_cached(name):
+        return f"no such {what} directory: {name}" + ("" if _looks_local(name) else f"; {NO_HUB}")
+    return None
+
+
 def model_problem(name: str, tokenizer_too: bool = True) -> str | None:
     """Why the model directory `name` cannot load (None: it can, as far as its files show)."""
     path = Path(name)
     if not path.exists():
-        if _looks_local(name) or not _hub_cached(name):
-            return f"no such model directory: {name}" + ("" if _looks_local(name) else f"; {NO_HUB}")
-        return None
+        return _absent(name, "model")
     if not path.is_dir():
         return f"{name}: not a directory (a model is a directory with config.json and its weights)"
     if not any((path / f).is_file() for f in MODEL_FILES):
@@ -67,9 +72,7 @@ def model_problem(name: str, tokenizer_too: bool = True) -> str | None:
 def tokenizer_problem(name: str, what: str = "the tokenizer directory") -> str | None:
     path = Path(name)
     if not path.exists():
-        if _looks_local(name) or not _hub_cached(name):
-            return f"no such tokenizer directory: {name}" + ("" if _looks_local(name) else f"; {NO_HUB}")
-        return None
+        return _absent(name, "tokenizer")
     if not path.is_dir():
         return f"{name}: not a directory (a tokenizer is a directory with tokenizer.json or tokenizer_config.json)"
     if not any((path / f).is_file() for f in TOKENIZER_FILES):

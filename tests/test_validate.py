@@ -249,6 +249,10 @@ CASES = [
          "{kind: policy_model, model: self, weights: initial, context: [reference], template: "
          "\"{reference:>999999999999} {problem}\"}\nsignal: {kind: distillation, teacher: teacher}\n"
          "objective: {kind: divergence}\n", "sources.teacher.template", 5, "is not a plain field"),
+    Case("guided_settings_on_a_reference_target", HEAD + "  reference: {kind: reference_solution}\n"
+         "signal: {kind: sft, target: reference, filter_samples: 4}\n"
+         "objective: {kind: cross_entropy, loss_tokens: [demonstration]}\n", "signal", 5,
+         "apply to `target: guided` only"),
     Case("template_drops_context", HEAD + "  reference: {kind: reference_solution}\n  teacher: {kind: policy_model, "
          "model: self, weights: initial, context: [reference], template: \"{problem}\"}\n"
          "signal: {kind: distillation, teacher: teacher}\nobjective: {kind: divergence}\n",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from composer.contract import Signal
 from composer.registry import register
@@ -23,6 +23,19 @@ class SftSignal(Signal):
 
     refs: ClassVar = {"target": ("reference_solution",)}
     provides: ClassVar = ("sft_target",)
+
+    @model_validator(mode="after")
+    def _settings_apply(self):
+        """A setting that would not act is refused: the guided-target settings on a reference target, and
+        `problems` with online targets."""
+        guided_only = {"filter_samples", "targets", "problems", "leak_filter"} & self.model_fields_set
+        if self.target != "guided" and guided_only:
+            raise ValueError(f"{', '.join(sorted(guided_only))} apply to `target: guided` only (this signal "
+                             f"trains on the reference '{self.target}')")
+        if self.targets == "online" and "problems" in self.model_fields_set:
+            raise ValueError("`problems` applies to `targets: offline` (online targets come from each step's "
+                             "rollouts)")
+        return self
     usage: ClassVar[str] = "target"
 
     def ref_names(self) -> dict[str, list[str]]:
@@ -126,12 +139,23 @@ def leaks(ctx, example, trace) -> bool:
     return bool(text.strip()) and successes(ctx, [example], [text])[0]
 
 
-def row_target_program(ctx, example, trace, filter_samples: int, leak_filter: bool = True):
+def target_program(ctx, example, trace, filter_samples: int, leak_filter: bool = True):
+    """Program: InT's target of a finished rollout -> (status, cut): `none` (no intervention), `leak` (the
+    intervention states the answer), `filtered` (no continuation from it succeeds) or `kept`, with the
+    trace cut right after its intervention (None unless kept). Every InT path uses it (online and offline,
+    on both backends)."""
     cut = cut_after_intervention(trace) if trace.guided else None
-    if cut is None or (leak_filter and leaks(ctx, example, cut)):
-        return trace, 0.0
+    if cut is None:
+        return "none", None
+    if leak_filter and leaks(ctx, example, cut):
+        return "leak", None
     kept = yield from keep_program(ctx, example, cut, filter_samples)
-    return cut, 1.0 if kept else 0.0
+    return ("kept", cut) if kept else ("filtered", None)
+
+
+def row_target_program(ctx, example, trace, filter_samples: int, leak_filter: bool = True):
+    status, cut = yield from target_program(ctx, example, trace, filter_samples, leak_filter)
+    return (cut, 1.0) if status == "kept" else (trace, 0.0)
 
 
 def guided_targets(ctx, batch, filter_samples: int, leak_filter: bool = True):
@@ -194,12 +218,10 @@ def kept_targets(ctx, batch, cands: list, filter_samples: int, leak_filter: bool
     from composer.runtime.rollout import run
 
     guided = int(batch.guided.sum()) if batch.guided is not None else 0
-    n = len(cands)
-    if leak_filter:
-        cands = [c for c in cands if not leaks(ctx, batch.examples[c[0]], c[1])]
-    keep = run(ctx, [keep_program(ctx, batch.examples[i], t, filter_samples) for i, t in cands])
-    kept = [c for c, k in zip(cands, keep) if k]
-    return kept, {"sft_kept": len(kept), "sft_candidates": guided, "sft_interventions": n, "sft_leaks": n - len(cands)}
+    results = run(ctx, [target_program(ctx, batch.examples[i], t, filter_samples, leak_filter) for i, t in cands])
+    kept = [(i, cut) for (i, _t), (status, cut) in zip(cands, results) if status == "kept"]
+    leaked = sum(status == "leak" for status, _ in results)
+    return kept, {"sft_kept": len(kept), "sft_candidates": guided, "sft_interventions": len(cands), "sft_leaks": leaked}
 
 
 # ------------------------------------------------------------------------------------ offline InT targets
@@ -209,13 +231,7 @@ def attempt_program(ctx, sig: SftSignal, example, index: int, n: int):
     -> (status, trace); status is `none` (no intervention), `leak`, `filtered` or `kept` (trace: the
     attempt cut right after its intervention). Both backends build offline targets with it."""
     trace = yield from ctx.spec.rollout.guide.row(ctx, example, index, n)
-    cut = cut_after_intervention(trace) if trace.guided else None
-    if cut is None:
-        return "none", None
-    if sig.leak_filter and leaks(ctx, example, cut):
-        return "leak", None
-    kept = yield from keep_program(ctx, example, cut, sig.filter_samples)
-    return ("kept", cut) if kept else ("filtered", None)
+    return (yield from target_program(ctx, example, trace, sig.filter_samples, sig.leak_filter))
 
 
 def collect_targets(examples: list, statuses: list, n: int) -> tuple[dict, dict]:

@@ -84,13 +84,13 @@ def loss(ctx: RunContext, policy, batches: list[TrajectoryBatch], shares: dict |
     total = 0.0
     metrics: dict[str, float] = {}
     many = len(batches) > 1
-    for k, ((name, _sig, obj, weight), b) in enumerate(zip(terms(ctx.spec), batches)):
+    for i, ((name, _sig, obj, weight), b) in enumerate(zip(terms(ctx.spec), batches)):
         if id(b.tokens) not in views:
             views[id(b.tokens)] = policy_view(policy, b, wants[id(b.tokens)])
         value, m = obj.loss(b, views[id(b.tokens)], b.advantages)
         m = {**obj.advantage_metrics(b), **m}
         ctx.record("term_loss", term=name, objective=obj, batch=b, view=views[id(b.tokens)], loss=value, weight=weight)
-        total = total + weight * (shares or {}).get(k, 1.0) * value
+        total = total + weight * (shares or {}).get(i, 1.0) * value
         for k, v in m.items():
             metrics[f"{name}/{k}" if many else k] = v
         if many:

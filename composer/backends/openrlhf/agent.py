@@ -135,15 +135,12 @@ class ComposerAgent:
         idx = self._index(prompt, label, spec.rollout.samples_per_prompt)
         ctx = copy.copy(self.context(spec, hf_tokenizer))  # shares caches; this call's step and room
         ctx.step = self.segments.offset + step
-        ids = hf_tokenizer.encode(prompt, add_special_tokens=False)
-        # one position spare: scoring guide tokens (prompt_logprobs) asks vLLM for one more token
-        room = min(sampling_params.max_tokens or max_length, ctx.max_new_tokens, max_length - len(ids) - 1)
         initial_ok = ctx.step < seg.start + spec.sync.every  # no broadcast yet: the engine holds the initial weights
-        serve = self.server(llm_engine, sampling_params, max_length, room, len(ids), initial_ok)
+        engines = (llm_engine, sampling_params, max_length, hf_tokenizer)
+        serve = self._serve_for(ctx, example, engines, initial_ok)
         ahead = [sig for _n, sig, _o, _w in terms(spec) if sig.builds_ahead]
         if ahead:  # targets built once at the segment's start (InT offline): this sample is one of them
-            trace, weight = await self._built_ahead(ctx, ahead[0], example, idx, seg, initial_ok,
-                                                    (llm_engine, sampling_params, max_length, hf_tokenizer))
+            trace, weight = await self._built_ahead(ctx, ahead[0], example, idx, seg, initial_ok, engines)
         else:
             await self._prepare(ctx, guide, example, serve)
             trace = await run_async(guide.row(ctx, example, idx, spec.rollout.samples_per_prompt), serve)
@@ -162,6 +159,7 @@ class ComposerAgent:
         """`serve` for a rollout of `example` (its own prompt length and response room)."""
         llm_engine, sp, max_length, tok = engines
         n = len(tok.encode(example.prompt, add_special_tokens=False))
+        # one position spare: scoring guide tokens (prompt_logprobs) asks vLLM for one more token
         room = min(sp.max_tokens or max_length, ctx.max_new_tokens, max_length - n - 1)
         return self.server(llm_engine, sp, max_length, room, n, initial_ok)
 

@@ -183,7 +183,7 @@ def _eos(path: str, v) -> str | None:
 
 def trust_remote_code(v) -> bool:
     """The spec's `policy.trust_remote_code` (default False), passed to every tokenizer the bundle loads."""
-    return bool(getattr(v.spec.policy, "trust_remote_code", False))
+    return bool(v.spec.policy.trust_remote_code)
 
 
 def compile_bundle(v, out: Path, layout: Layout) -> dict:
