@@ -99,24 +99,36 @@ class RunContext:
     def _draw(self, n: int) -> list[Example]:
         if self.task.sample_train is not None:
             return self.task.sample_train(self.rng, n)
+        size = len(self.task.train)
         out = []
         for _ in range(n):
-            if self.data_pos % len(self.task.train) == 0:
-                self._order = list(range(len(self.task.train)))
-                random.Random(self.seed + self.data_pos).shuffle(self._order)
-            out.append(self.task.train[self._order[self.data_pos % len(self.task.train)]])
+            epoch, i = divmod(self.data_pos, size)
+            out.append(self.task.train[self.epoch_order(epoch)[i]])
             self.data_pos += 1
         return out
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The shuffled order of the training rows in `epoch`: a function of the seed and the epoch alone, so
+        the data position (`data_pos`, kept in every checkpoint) is all a resumed run needs to draw exactly
+        the prompts an uninterrupted run draws, mid-epoch included."""
+        key = ("epoch_order", epoch, len(self.task.train))
+        if key not in self.cache:
+            order = list(range(len(self.task.train)))
+            random.Random(self.seed + epoch * len(self.task.train)).shuffle(order)
+            for old in [k for k in self.cache if isinstance(k, tuple) and k[:1] == ("epoch_order",) and k[1] < epoch - 1]:
+                del self.cache[old]  # an epoch before the previous one is never drawn again
+            self.cache[key] = order
+        return self.cache[key]
 
     def peek_prompts(self, n: int) -> list[Example]:
         """The next n training prompts, without moving the data position or the data RNG (the prompts the
         next steps will draw)."""
-        state = (self.rng.getstate(), self.data_pos, list(getattr(self, "_order", [])))
+        state = (self.rng.getstate(), self.data_pos)
         try:
             return self.next_prompts(n)
         finally:
             self.rng.setstate(state[0])
-            self.data_pos, self._order = state[1], state[2]
+            self.data_pos = state[1]
 
     # ---- components ----
     def source(self, name: str):
