@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev,bench,openrlhf-cpu]'
+	$(BIN)/python -m pip install -q -e '.[dev,bench,openrlhf-cpu,loggers]'
 	$(BIN)/python -m pip install -q --no-deps openrlhf==0.11.2
 	touch $(STAMP)
 

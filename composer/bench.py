@@ -694,7 +694,9 @@ def plots(results: list[dict], out: Path) -> list[Path]:
             per_step = r0["policy_samples"] / max(r0["steps"], 1)
             logs = [_read(Path(r["run"]) / "metrics.csv") for r in runs]
             for ax, tier in ((axes[0], HARD), (axes[1], MIDDLE)):
-                xs, ys = _curve(logs, f"pass@1/{tier}")
+                from composer.report import metric_name
+
+                xs, ys = _curve(logs, metric_name(f"pass@1/{tier}"))  # metrics.csv's name of pass@1/<tier>
                 ax.plot([x * per_step for x in xs], ys, marker=".", label=label)
             ks = sampled_ks(r0, HARD)
             axes[2].plot(ks, [statistics.fmean(float(r[sampled_key(k, HARD)]) for r in runs) for k in ks],

@@ -33,7 +33,7 @@ def plot_metrics(metrics: Path, png: Path, title: str) -> Path:
     if x:
         axes[0].plot(x, y, lw=1)
     axes[0].set(title="reward (train rollouts)", xlabel="step")
-    for key in sorted({k for r in rows for k in r if k.startswith("pass@1/")}):
+    for key in sorted({k for r in rows for k in r if k.startswith(metric_name("pass@1/"))}):
         x, y = series(rows, key)
         axes[1].plot(x, y, marker="o", label=key.split("/", 1)[1])
     axes[1].set(title="greedy pass@1 per tier", xlabel="step", ylim=(-0.02, 1.02))
@@ -43,3 +43,19 @@ def plot_metrics(metrics: Path, png: Path, title: str) -> Path:
     fig.savefig(png, dpi=100)
     plt.close(fig)
     return png
+
+
+def metric_name(name: str) -> str:
+    """The one name a metric has in every logger (metrics.csv, TensorBoard, W&B, MLflow): MLflow accepts
+    letters, digits and `_ / . - space` only, so `@` is written `_at_` (`pass@1/tier6` -> `pass_at_1/tier6`)
+    and any other character outside that set `_`. Names are also paths in MLflow's file store: no metric
+    is logged under a name that is the folder of another (the run logs `pass_at_1/<tier>`, never a bare
+    `pass_at_1`)."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9_/. -]", "_", name.replace("@", "_at_"))
+
+
+def metric_row(values: dict) -> dict:
+    """`values` with every key as `metric_name` writes it."""
+    return {metric_name(k): v for k, v in values.items()}

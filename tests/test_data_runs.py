@@ -123,3 +123,54 @@ def test_a_killed_run_on_a_jsonl_resumes_exactly(real, tmp_path, how):
     r = _cli(["run", "--resume", str(out), "--no-progress"])
     assert r.wait(timeout=300) == 0, r.stdout.read()
     same_run(tmp_path / "ref", out, 5)
+
+
+def _tb_scalars(folder: Path) -> dict[str, list[int]]:
+    """{tag: [steps]} of TensorBoard's scalar events in `folder` (purged events left out, as TensorBoard shows)."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    mux = EventMultiplexer()
+    mux.AddRunsFromDirectory(str(folder))
+    mux.Reload()
+    out: dict[str, list[int]] = {}
+    for run, tags in mux.Runs().items():
+        for tag in tags.get("scalars", []):
+            out.setdefault(tag, []).extend(e.step for e in mux.Scalars(run, tag))
+    return out
+
+
+def test_every_logger_with_evaluation_on_completes_offline_with_one_name_per_metric(real, tmp_path, monkeypatch):
+    """csv, TensorBoard, W&B (offline) and MLflow (file store) with evaluation every step: the run completes
+    (before: MLflow's `pass1` file collided with its `pass1/eval` folder and the run folder was deleted), every
+    metric has the same name in metrics.csv, TensorBoard and MLflow, TensorBoard's hparams.yaml holds the spec,
+    and a lengthened run shows each step once in TensorBoard."""
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    from composer.backends.lightning.run import train
+    from composer.validate import validate_file
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    spec = write_spec(tmp_path / "s.yaml", real, real["train"], eval_every=1,
+                      loggers=["csv", "tensorboard", "wandb", "mlflow"])
+    out = tmp_path / "run"
+    train(validate_file(spec, ["train.steps=2"]), out, progress=False)
+    train(validate_file(spec, ["train.steps=3"]), out, resume=True, progress=False)
+    csv_names = {k for r in rows(out) for k, v in r.items() if v not in ("", None)} - {"step", "epoch"}
+    assert "pass_at_1/eval" in csv_names and not any("@" in k for k in csv_names)
+    assert not [k for k in csv_names if any(o.startswith(k + "/") for o in csv_names)]  # no name is another's folder
+    ids = json.loads((out / "loggers.json").read_text())
+    run = next((out / "mlruns").glob(f"*/{ids['mlflow']}"))
+    ml_names = {str(p.relative_to(run / "metrics")) for p in (run / "metrics").rglob("*") if p.is_file()}
+    assert ml_names == csv_names
+    assert "status: 3" in (run / "meta.yaml").read_text()  # FINISHED
+    assert list((out / "wandb").glob(f"offline-run-*-{ids['wandb']}/run-{ids['wandb']}.wandb"))
+    tb = _tb_scalars(out / "tensorboard")
+    assert set(tb) == csv_names
+    assert sorted(tb["pass_at_1/eval"]) == [0, 1, 2, 3] and sorted(tb["loss"]) == [0, 1, 2]  # each step once
+    import yaml
+
+    hp = yaml.safe_load((out / "tensorboard" / "hparams.yaml").read_text())
+    assert hp["train.eval_every"] == 1 and hp["data.prompt_field"] == "problem"

@@ -48,7 +48,7 @@ def test_smoke_run_writes_what_a_run_keeps(spec, tiny, tmp_path):
     assert [r["step"] for r in got] == ["0", "1", "2"]  # two updates, then the final evaluation's row
     for column in ("loss", "entropy", "response_len", "offpolicy_token_frac"):
         assert got[1][column] != ""
-    assert got[2]["pass@1/tier6"] != "" and got[2]["loss"] == ""
+    assert got[2]["pass_at_1/tier6"] != "" and got[2]["loss"] == ""
     assert set(final) == {f"pass@1/tier{t}" for t in (1, 2, 4, 6, 8)}
 
 

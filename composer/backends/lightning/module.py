@@ -21,6 +21,7 @@ from composer.segments import segment_at, segments_of, sync_due
 from composer.contract import Runtime
 from composer.runtime.context import RunContext
 from composer.runtime.engine import make_engine
+from composer.report import metric_row
 from composer.runtime.evaluate import evaluate
 
 
@@ -149,14 +150,16 @@ class ComposerModule(L.LightningModule):
         metrics.update(metrics_eval)
         metrics["loss"] = float(loss.detach())
         metrics["lr"] = self.optimizers().param_groups[0]["lr"]
-        if metrics_eval:
-            metrics["pass@1"] = metrics_eval[sorted(metrics_eval)[len(metrics_eval) // 2]]
         # Straight to the loggers: Lightning's result collection would repeat a key logged in an earlier
-        # step (a guide metric, an evaluation) into rows where it was not measured.
-        row = self._reduced({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
+        # step (a guide metric, an evaluation) into rows where it was not measured. One name per metric in
+        # every logger (report.metric_name: pass@1/eval -> pass_at_1/eval).
+        row = self._reduced(metric_row({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}))
         for lg in self.loggers:
             lg.log_metrics(row, step=step)
-        shown = {k: row[k] for k in ("reward_mean", "tokens_per_s", "pass@1") if k in row}
+        shown = {k: row[k] for k in ("reward_mean", "tokens_per_s") if k in row}
+        if metrics_eval:  # the progress bar's pass@1: the middle tier (never logged: pass_at_1/<tier> are)
+            shown["pass@1"] = metrics_eval[sorted(metrics_eval)[len(metrics_eval) // 2]]
+        self.last_row = {**row, **({"pass@1": shown["pass@1"]} if metrics_eval else {})}
         self.log_dict(shown, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
         return loss
 
@@ -216,7 +219,7 @@ class ComposerModule(L.LightningModule):
         """The final evaluation gets a row of its own, at step = total steps, after every step's row."""
         self.last_eval = evaluate(self.ctx, self.policy)
         for lg in loggers:
-            lg.log_metrics(self.last_eval, step=self.global_step)
+            lg.log_metrics(metric_row(self.last_eval), step=self.global_step)
             lg.save()
 
     # ---- checkpoints hold what continuing exactly needs ----

@@ -314,7 +314,10 @@ def build_loggers(validated, out: Path, resumed_at: int | None) -> list:
                 continue  # only the default list gets here: its tensorboard is optional
             from lightning.pytorch.loggers import TensorBoardLogger
 
-            loggers.append(TensorBoardLogger(save_dir=str(out), name="tensorboard", version=""))
+            # a resumed run drops the events of the steps it trains again (purge_step): each step shows once
+            purge = {"purge_step": resumed_at} if resumed_at is not None else {}
+            loggers.append(TensorBoardLogger(save_dir=str(out), name="tensorboard", version="",
+                                             default_hp_metric=False, **purge))
         elif kind == "wandb":
             import secrets
 
@@ -344,7 +347,7 @@ def build_loggers(validated, out: Path, resumed_at: int | None) -> list:
     if resumed_at is None:
         params = _hyperparams(validated)
         for lg in loggers:
-            if type(lg).__name__ in ("WandbLogger", "MLFlowLogger"):
+            if type(lg).__name__ in ("WandbLogger", "MLFlowLogger", "TensorBoardLogger"):
                 try:
                     lg.log_hyperparams(params)
                 except Exception as e:  # a tracking server's refusal is no reason to stop the run
