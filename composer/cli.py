@@ -207,6 +207,7 @@ def _register_optional_commands():
     """Commands whose modules only load when they run (they import torch)."""
     from composer import cli_run  # noqa: F401
     from composer import cli_compile  # noqa: F401
+    from composer import cli_eval  # noqa: F401
 
 
 try:

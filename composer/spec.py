@@ -136,7 +136,9 @@ class Train(Strict):
     backend: Literal["lightning", "openrlhf"] = Field("lightning", description="Which backend compiles the run.")
     micro_batch_size: int = Field(64, ge=1, le=MAX_BATCH, description="Sequences per forward pass when computing log-probs and loss.")
     eval_every: int = Field(20, ge=0, le=MAX_STEPS, description="Evaluate pass@1 on each tier every this many steps (0: only at the end).")
-    eval_samples: int = Field(64, ge=1, le=MAX_BATCH, description="Evaluation prompts per tier.")
+    eval_samples: int = Field(64, ge=1, le=MAX_BATCH, description="Evaluation prompts per tier (a data file's eval split: its first this many rows).")
+    eval_k: int = Field(0, ge=0, le=1024, description="Also sample this many answers per evaluation problem at the rollout's temperature and log the unbiased pass@k (Chen et al. 2021) for k = 2, 4, ..., eval_k and pass@1_sampled; 0 or 1: greedy pass@1 only.")
+    eval_verifier: Optional[str] = Field(None, description="The registered verifier that scores evaluation (`composer list verifiers`); default: the verifier of the spec's outcome_reward source, else the task's own (math for data files, toy for the toy testbed).")
     checkpoint_every: int = Field(50, ge=1, le=MAX_STEPS, description="Write a checkpoint every this many steps.")
     devices: Union[Literal["auto"], Annotated[int, Field(ge=1, le=1024)],
                    Annotated[list[Annotated[int, Field(ge=0, le=1023)]], Field(min_length=1, max_length=1024)]] = Field(
@@ -149,6 +151,17 @@ class Train(Strict):
     samples_every: int = Field(10, ge=0, le=MAX_STEPS, description="Write every rollout of every this many steps, of each evaluation step (train.eval_every) and of the last step to `samples.jsonl` in the run folder (prompt, response as origin spans, reward, verifier detail, the judge's verdicts and corrections; `composer samples RUN` prints them); 0: none.")
     loggers: list[Literal["csv", "tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["csv", "tensorboard"], max_length=4, description="Lightning loggers of the run: `csv` (metrics.csv in the run folder), `tensorboard` (tensorboard/; left out without a word when the package is missing and the list is the default), `wandb` (WandbLogger: WANDB_PROJECT, WANDB_MODE=offline honoured), `mlflow` (MLFlowLogger: MLFLOW_TRACKING_URI, default mlruns/ in the run folder). A chosen logger whose package is missing stops the run before anything is written. The base spec's list applies to the whole run.")
     reference: Literal["stage_start", "run_start"] = Field("stage_start", description="The frozen reference weights (`initial`: KL terms, A*PO's anchor, `weights: initial` teachers and judges): the policy at the start of each stage (as OpenRLHF starts a stage from the previous stage's checkpoint), or at the start of the run. Without stages both are the start of the run.")
+
+    @field_validator("eval_verifier")
+    @classmethod
+    def _registered_verifier(cls, value: Optional[str]) -> Optional[str]:
+        from composer.errors import did_you_mean
+        from composer.registry import VERIFIERS
+
+        if value is not None and value != "auto" and value not in VERIFIERS:
+            raise PydanticCustomError("unknown_verifier", "unknown verifier {name} ({hint})",
+                                      {"name": ascii(value), "hint": did_you_mean(value, ["auto", *VERIFIERS])})
+        return value
 
     @field_validator("weight_decay")
     @classmethod

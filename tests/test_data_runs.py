@@ -174,3 +174,91 @@ def test_every_logger_with_evaluation_on_completes_offline_with_one_name_per_met
 
     hp = yaml.safe_load((out / "tensorboard" / "hparams.yaml").read_text())
     assert hp["train.eval_every"] == 1 and hp["data.prompt_field"] == "problem"
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+
+
+def always_right(response, example):
+    from composer.data import Verdict
+
+    return Verdict(1.0, detail="always right")
+
+
+@pytest.fixture
+def always_verifier():
+    """A verifier that rewards every response (registered for the test only)."""
+    from composer.registry import VERIFIERS, register_verifier
+
+    register_verifier("always_right_test", "test only")(always_right)
+    yield "always_right_test"
+    VERIFIERS.pop("always_right_test", None)
+
+
+def _eval_rows(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "eval_samples.jsonl").read_text().splitlines()]
+
+
+def test_evaluation_uses_the_spec_verifier_and_eval_samples(real, tmp_path, always_verifier):
+    """The reward's verifier scores evaluation too (before: math, 0.0 on a random model although every reward
+    was 1.0), train.eval_samples rows of the eval file are evaluated (before: the whole file), and the
+    generations are kept in eval_samples.jsonl with what the verifier said."""
+    from composer.backends.lightning.run import train
+    from composer.validate import validate_file
+
+    body = BODY.replace("{kind: outcome_reward}", "{kind: outcome_reward, verifier: always_right_test}")
+    spec = write_spec(tmp_path / "s.yaml", real, real["train"], body=body, eval_every=1, eval_samples=3, steps=2)
+    out = tmp_path / "run"
+    final = train(validate_file(spec), out, progress=False)
+    assert final == {"pass@1/eval": 1.0}
+    got = rows(out)
+    assert [float(r["reward_mean"]) for r in got if r["reward_mean"]] == [1.0, 1.0]
+    assert [float(r["pass_at_1/eval"]) for r in got if r["pass_at_1/eval"]] == [1.0, 1.0, 1.0]
+    ev = _eval_rows(out)
+    assert [r["step"] for r in ev] == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # 3 of the 4 eval rows, each evaluation
+    assert {r["detail"] for r in ev} == {"always right"} and {r["tier"] for r in ev} == {"eval"}
+    assert [r["answer"] for r in ev[:3]] == [r["answer"] for r in realmodel.rows(4, 1)[:3]]
+    assert all(r["prompt"].endswith("<|im_start|>assistant\n") for r in ev)
+
+
+def test_unbiased_pass_at_k_by_hand():
+    from composer.runtime.evaluate import ks_up_to, unbiased_pass_at_k
+
+    # 1 - C(n-c, k) / C(n, k)
+    assert unbiased_pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)
+    assert unbiased_pass_at_k(4, 1, 1) == pytest.approx(1 / 4)
+    assert unbiased_pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)
+    assert unbiased_pass_at_k(4, 0, 4) == 0.0 and unbiased_pass_at_k(4, 3, 2) == 1.0
+    assert ks_up_to(4) == [1, 2, 4] and ks_up_to(6) == [1, 2, 4, 6] and ks_up_to(1) == [1]
+
+
+def test_composer_eval_reproduces_the_final_evaluation_of_a_run(real, tmp_path, cli):
+    """`composer eval RUN` evaluates the run's last checkpoint with its spec: the same pass@1 and the same greedy
+    generations as the run's own final evaluation; --data and --k evaluate another file with pass@k; an
+    exported model directory is evaluated alone with --data."""
+    from composer.backends.lightning.run import train
+    from composer.validate import validate_file
+
+    spec = write_spec(tmp_path / "s.yaml", real, real["train"], steps=2, eval_samples=4)
+    out = tmp_path / "run"
+    final = train(validate_file(spec), out, progress=False)
+    (out / "spec.yaml").write_text(spec.read_text())  # as `composer run` keeps it
+    run_final = [r for r in _eval_rows(out) if r["step"] == 2]
+    r = cli("eval", out)
+    assert r.exit_code == 0, r.output
+    assert f"pass@1/eval: {final['pass@1/eval']:.3f}" in r.stdout
+    ev = json.loads((out / "eval" / "eval.json").read_text())
+    assert ev["metrics"] == final and ev["verifier"] == "math" and ev["step"] == 2
+    assert [x["response"] for x in _eval_rows(out / "eval")] == [x["response"] for x in run_final]
+
+    r = cli("eval", out, "--data", real["train"], "--k", "4", "--out", tmp_path / "k")
+    assert r.exit_code == 0, r.output
+    ev = json.loads((tmp_path / "k" / "eval.json").read_text())
+    assert set(ev["metrics"]) == {"pass@1/eval", "pass@1_sampled/eval", "pass@2/eval", "pass@4/eval"}
+    assert ev["data"] == real["train"]
+    assert len([x for x in _eval_rows(tmp_path / "k") if "sample" in x]) == 4 * 4  # eval_samples=4 rows, 4 each
+
+    r = cli("eval", out / "model", "--data", real["eval"], "data.prompt_field=problem", "--out", tmp_path / "m")
+    assert r.exit_code == 0, r.output
+    r = cli("eval", tmp_path / "s.yaml")
+    assert r.exit_code == 2 and "the checkpoint cannot be read" in r.stderr

@@ -1,27 +1,101 @@
-"""Evaluation: greedy pass@1 of the current policy on each held-out tier, with no guide."""
+"""Evaluation: greedy pass@1 of the current policy on each held-out tier, with no guide, scored by the spec's
+verifier; with train.eval_k, also the unbiased pass@k of eval_k sampled answers per problem.
+
+Which verifier scores: `train.eval_verifier` when given, else the verifier of the spec's outcome_reward
+source (the one the training reward used), else the task's own (`math` for data files, `toy` for the toy
+testbed). Each tier holds at most `train.eval_samples` problems (a data file's first rows). What was
+generated is returned as records (`eval_samples.jsonl`: step, tier, row, prompt, response, answer, reward,
+parsed answer and verifier detail), so a run and `composer eval` keep the same files.
+"""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 
 from composer.runtime.engine import Sampling, hf_generate
 
+EVAL_SAMPLES = "eval_samples.jsonl"
+
+
+def eval_verifier(ctx) -> str:
+    """The registered name of the verifier evaluation scores with (see the module docstring)."""
+    spec = ctx.spec
+    chosen = getattr(spec.train, "eval_verifier", None) if spec is not None else None
+    if chosen:
+        return ctx.task.verifier if chosen == "auto" else chosen
+    from composer.runtime.binding import spec_verifiers
+
+    found = spec_verifiers(spec, ctx.task) if spec is not None else []
+    return found[0] if found else ctx.task.verifier
+
+
+def eval_examples(ctx, examples: list) -> list:
+    """The problems a tier is evaluated on: at most train.eval_samples (the first rows of a data file)."""
+    n = getattr(getattr(ctx.spec, "train", None), "eval_samples", None)
+    return list(examples) if n is None else list(examples)[:n]
+
+
+def _record(tier: str, e, text: str, verdict, sample: int | None = None) -> dict:
+    row = {"tier": tier, "row": e.row, "prompt": e.prompt, "response": text, "answer": e.answer,
+           "reward": float(verdict.reward), "parsed": getattr(verdict, "answer", None), "read": bool(verdict.parsed),
+           "detail": verdict.detail}
+    if sample is not None:
+        row["sample"] = sample
+    return row
+
 
 @torch.no_grad()
-def pass_at_1(ctx, policy, examples, max_new_tokens: int) -> float:
-    if not examples:
-        return float("nan")
+def _generate(ctx, policy, examples, sampling: Sampling, n: int = 1):
     was_training = policy.training
     policy.eval()
-    gens = hf_generate(policy, ctx.tokenizer, [ctx.encode(e.prompt) for e in examples], max_new_tokens,
-                       Sampling(greedy=True))
-    policy.train(was_training)
-    verify = ctx.verifier("auto")
-    return sum(verify(ctx.decode(g.tokens), e).reward for g, e in zip(gens, examples)) / len(examples)
+    try:
+        prompts = [ctx.encode(e.prompt) for e in examples for _ in range(n)]
+        return hf_generate(policy, ctx.tokenizer, prompts, ctx.max_new_tokens, sampling)
+    finally:
+        policy.train(was_training)
 
 
-def evaluate(ctx, policy) -> dict[str, float]:
-    return {f"pass@1/{tier}": pass_at_1(ctx, policy, exs, ctx.max_new_tokens) for tier, exs in ctx.task.eval.items()}
+def pass_at_1(ctx, policy, examples, max_new_tokens: int | None = None, records: list | None = None,
+              tier: str = "") -> float:
+    """Greedy pass@1: the mean reward of one greedy answer per problem under the evaluation verifier."""
+    if not examples:
+        return float("nan")
+    gens = _generate(ctx, policy, examples, Sampling(greedy=True))
+    verify = ctx.verifier(eval_verifier(ctx))
+    total = 0.0
+    for g, e in zip(gens, examples):
+        text = ctx.decode(g.tokens)
+        v = verify(text, e)
+        total += v.reward
+        if records is not None:
+            records.append(_record(tier, e, text, v))
+    return total / len(examples)
+
+
+def ks_up_to(n: int) -> list[int]:
+    """1, 2, 4, ... up to n, and n itself."""
+    ks, k = [], 1
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return ks + [n]
+
+
+def evaluate(ctx, policy, records: list | None = None) -> dict[str, float]:
+    """pass@1/<tier> for every held-out tier; with train.eval_k = n > 1 also pass@k/<tier> (k = 2, 4, .., n)
+    and pass@1_sampled/<tier> from n sampled answers. `records` receives what was generated."""
+    out = {}
+    n = getattr(getattr(ctx.spec, "train", None), "eval_k", 0) or 0
+    for tier, exs in ctx.task.eval.items():
+        exs = eval_examples(ctx, exs)
+        out[f"pass@1/{tier}"] = pass_at_1(ctx, policy, exs, records=records, tier=tier)
+        if n > 1 and exs:
+            for k, v in pass_at_k(ctx, policy, exs, n=n, ks=ks_up_to(n), records=records, tier=tier).items():
+                out[f"pass@{k}/{tier}" if k > 1 else f"pass@1_sampled/{tier}"] = v
+    return out
 
 
 def unbiased_pass_at_k(n: int, c: int, k: int) -> float:
@@ -34,18 +108,191 @@ def unbiased_pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - prob
 
 
-@torch.no_grad()
-def pass_at_k(ctx, policy, examples, n: int = 32, ks=(1, 2, 4, 8, 16, 32), temperature: float = 1.0) -> dict[int, float]:
-    """Unbiased pass@k from n samples per problem at `temperature` (no guide)."""
-    was_training = policy.training
-    policy.eval()
-    prompts = [ctx.encode(e.prompt) for e in examples for _ in range(n)]
-    gens = hf_generate(policy, ctx.tokenizer, prompts, ctx.max_new_tokens, Sampling(temperature=temperature))
-    policy.train(was_training)
-    verify = ctx.verifier("auto")
+def pass_at_k(ctx, policy, examples, n: int = 32, ks=(1, 2, 4, 8, 16, 32), temperature: float | None = None,
+              records: list | None = None, tier: str = "") -> dict[int, float]:
+    """Unbiased pass@k from n samples per problem at `temperature` (default: the rollout's sampling; no guide).
+    A sample counts as correct when its reward is 1. The sampling has its own seed (train.seed + step), so it
+    leaves the training's random stream as it was and a checkpoint evaluated alone draws the same samples."""
+    sampling = ctx.sampling if temperature is None else Sampling(temperature=temperature)
+    seed = (getattr(ctx, "seed", 0) + getattr(ctx, "step", 0)) % (2 ** 63)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        gens = _generate(ctx, policy, examples, sampling, n)
+    verify = ctx.verifier(eval_verifier(ctx))
     out = {k: 0.0 for k in ks if k <= n}
     for i, e in enumerate(examples):
-        c = sum(verify(ctx.decode(g.tokens), e).reward >= 1.0 for g in gens[i * n:(i + 1) * n])
+        c = 0
+        for j, g in enumerate(gens[i * n:(i + 1) * n]):
+            text = ctx.decode(g.tokens)
+            v = verify(text, e)
+            c += v.reward >= 1.0
+            if records is not None:
+                records.append(_record(tier, e, text, v, sample=j))
         for k in out:
             out[k] += unbiased_pass_at_k(n, c, k) / len(examples)
     return out
+
+
+# ------------------------------------------------------------------------------------------ eval_samples.jsonl
+
+
+def write_records(folder: Path, step: int, records: list[dict]) -> None:
+    """Append one evaluation's generations to eval_samples.jsonl (one JSON object a line, with its step)."""
+    if not records:
+        return
+    path = Path(folder) / EVAL_SAMPLES
+    with path.open("a", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps({"step": step, **r}, ensure_ascii=False) + "\n")
+
+
+def prepare_records(folder: Path, resumed_at: int | None) -> None:
+    """A resumed run evaluates its later steps again: keep only the rows of steps before `resumed_at`."""
+    path = Path(folder) / EVAL_SAMPLES
+    if resumed_at is None or not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line).get("step", 0) < resumed_at:
+                kept.append(line)
+        except ValueError:
+            continue
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
+    tmp.replace(path)
+
+
+# ------------------------------------------------------------------------------------------ `composer eval`
+
+MODEL_ONLY_SPEC = """name: eval
+policy: {{model: {model}}}
+data: {{train: {data}, eval: {data}}}
+sources: {{verifier: {{kind: outcome_reward}}}}
+signal: {{kind: reward, source: verifier}}
+objective: {{kind: grpo}}
+"""
+
+
+class EvalError(ValueError):
+    """`composer eval` cannot evaluate what it was given: the message says why and what to give instead."""
+
+
+def _target(target: Path) -> tuple[Path | None, Path | None, Path | None]:
+    """(run folder, checkpoint, model directory) of a checkpoint file, a run folder or an exported model."""
+    if target.is_file():
+        run = target.parent.parent if target.parent.name == "checkpoints" else None
+        return (run if run is not None and (run / "spec.yaml").exists() else None), target, None
+    if target.is_dir() and (target / "spec.yaml").exists():
+        ckpt = target / "checkpoints" / "last.ckpt"
+        if ckpt.exists():
+            return target, ckpt, None
+        if (target / "model" / "config.json").exists():
+            return target, None, target / "model"
+        raise EvalError(f"{target}: the run folder holds no checkpoint (checkpoints/last.ckpt) and no model/")
+    if target.is_dir() and (target / "config.json").exists():
+        run = target.parent if (target.parent / "spec.yaml").exists() else None
+        return run, None, target
+    raise EvalError(f"{target}: not a checkpoint, a run folder (spec.yaml) or a model directory (config.json)")
+
+
+def _validate_text(text: str, overrides: list[str]):
+    import tempfile
+
+    from composer.validate import validate_file
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(text)
+    try:
+        return validate_file(f.name, overrides)
+    finally:
+        Path(f.name).unlink(missing_ok=True)
+
+
+def _spec(run: Path | None, ckpt: Path | None, model_dir: Path | None, data: str | None, overrides: list[str]):
+    """The validated spec to evaluate with: the run's spec.yaml, else the spec a checkpoint records, else (a
+    model directory alone) a spec of the model, `data` and the math verifier."""
+    import json
+
+    from composer.validate import validate_file
+
+    if run is not None:
+        return validate_file(run / "spec.yaml", overrides)
+    if ckpt is not None:
+        from composer.backends.lightning import checkpoint as ckpt_format
+
+        record = (ckpt_format.load(ckpt, mmap=True).get("composer") or {}).get("spec") or {}
+        if "json" not in record:
+            raise EvalError(f"{ckpt}: the checkpoint does not record its spec; evaluate its run folder instead")
+        resolved = json.loads(record["json"])
+        for key in ("phases", "stages", "extends"):  # the checkpoint records the resolved base spec
+            if not resolved.get(key):
+                resolved.pop(key, None)
+        return _validate_text(json.dumps(resolved), overrides)
+    if data is None:
+        raise EvalError(f"{model_dir}: a model directory outside a run folder needs --data FILE (and the rows' "
+                        "fields as overrides, e.g. data.prompt_field=problem)")
+    return _validate_text(MODEL_ONLY_SPEC.format(model=json.dumps(str(model_dir)), data=json.dumps(str(data))),
+                          overrides)
+
+
+def evaluate_target(target, data: str | None = None, k: int | None = None, out=None,
+                    overrides: list[str] | None = None) -> tuple[dict, Path]:
+    """Evaluate a checkpoint, a run folder (its last checkpoint) or an exported model directory alone, as a run's
+    evaluation does: the run's spec (eval data, verifier, eval_samples, eval_k), `data` as the eval file and
+    `k` as train.eval_k when given. Writes eval.json and eval_samples.jsonl to `out` (default: the run
+    folder's eval/, else eval/ beside the model). Returns (metrics, the output folder)."""
+    import json
+    import time
+
+    from composer import files
+    from composer.backends.lightning import checkpoint as ckpt_format
+    from composer.runtime.binding import bind_task
+    from composer.runtime.context import RunContext
+    from composer.runtime.models import load_model, load_tokenizer, prepare_policy
+
+    target = Path(target)
+    run, ckpt, model_dir = _target(target)
+    over = list(overrides or []) + ([f"data.eval={data}"] if data is not None and (run or ckpt) else []) + \
+        ([f"train.eval_k={k}"] if k is not None else [])
+    v = _spec(run, ckpt, model_dir, data, over)
+    spec = v.segments[-1].spec if getattr(v, "segments", None) else v.spec
+    if spec.data.train is not None and spec.data.eval is None:
+        raise EvalError("the spec has no data.eval: give --data FILE")
+    if spec.data.train is not None:  # only the eval rows are read (the training file may be gone)
+        spec = spec.model_copy(update={"data": spec.data.model_copy(update={"train": spec.data.eval})})
+    task = bind_task(spec)
+    trust = spec.policy.trust_remote_code
+    step = 0
+    if model_dir is not None:
+        policy = load_model(str(model_dir), spec.policy.dtype, trust_remote_code=trust)
+        tokenizer = load_tokenizer(str(model_dir), trust_remote_code=trust)
+        weights = str(model_dir)
+    else:
+        name = spec.policy.model or "toy:student"
+        tokenizer = load_tokenizer(spec.policy.tokenizer or name, trust_remote_code=trust)
+        policy = prepare_policy(load_model(name, spec.policy.dtype, trust_remote_code=trust), spec.policy)
+        state = ckpt_format.load(ckpt)
+        sd = {key[len("policy."):]: t for key, t in state["state_dict"].items() if key.startswith("policy.")}
+        policy.load_state_dict(sd)
+        step = int(state.get("global_step", 0))
+        weights = str(ckpt)
+    policy.eval()
+    ctx = RunContext(task=task, tokenizer=tokenizer, policy=policy, engine=None, spec=spec, seed=spec.train.seed,
+                     step=max(step - 1, 0))  # the run's final evaluation samples with the last step's seed
+    records: list = []
+    metrics = evaluate(ctx, policy, records)
+    if out is None:
+        base = (run or (model_dir.parent if model_dir is not None else target.parent)) / "eval"
+        out, n = base, 1
+        while out.exists():
+            n += 1
+            out = base.with_name(f"eval-{n}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_records(out, step, records)
+    files.write_text(out / "eval.json", json.dumps({
+        "target": str(target), "weights": weights, "step": step, "data": spec.data.eval or "toy testbed",
+        "verifier": eval_verifier(ctx), "eval_samples": spec.train.eval_samples, "eval_k": spec.train.eval_k,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"), "metrics": metrics}, indent=2))
+    return metrics, out

@@ -22,7 +22,7 @@ from composer.contract import Runtime
 from composer.runtime.context import RunContext
 from composer.runtime.engine import make_engine
 from composer.report import metric_row
-from composer.runtime.evaluate import evaluate
+from composer.runtime.evaluate import evaluate, write_records
 
 
 class NonFiniteError(RuntimeError):
@@ -134,7 +134,7 @@ class ComposerModule(L.LightningModule):
         ctx = self.ctx
         every = ctx.spec.train.eval_every
         if every and step % every == 0:  # pass@1 of the policy after `step` updates, in this step's row
-            self.last_eval = evaluate(ctx, self.policy)
+            self.last_eval = self._evaluate(step)
             metrics_eval = dict(self.last_eval)
         else:
             metrics_eval = {}
@@ -215,9 +215,22 @@ class ComposerModule(L.LightningModule):
                 if isinstance(rt, Runtime):
                     rt.on_sync(ctx)
 
+    def _evaluate(self, step: int) -> dict[str, float]:
+        """Evaluate the policy now; rank 0 keeps what was generated in eval_samples.jsonl (with `step`)."""
+        records: list = []
+        out = evaluate(self.ctx, self.policy, records)
+        if self.ctx.run_dir is not None and self.global_rank == 0:
+            try:
+                write_records(self.ctx.run_dir, step, records)
+            except OSError as e:  # a full disk loses the generations, not the run
+                import logging
+
+                logging.getLogger("composer").warning(f"eval_samples.jsonl: not written ({e})")
+        return out
+
     def final_evaluation(self, loggers) -> None:
         """The final evaluation gets a row of its own, at step = total steps, after every step's row."""
-        self.last_eval = evaluate(self.ctx, self.policy)
+        self.last_eval = self._evaluate(self.global_step)
         for lg in loggers:
             lg.log_metrics(metric_row(self.last_eval), step=self.global_step)
             lg.save()

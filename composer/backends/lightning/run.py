@@ -25,6 +25,7 @@ from composer.backends.lightning.module import ComposerModule, NonFiniteError
 from composer.export import MODEL_DIR, save_policy
 from composer.paths import check_run_inputs
 from composer.plan import compile_plan
+from composer.runtime.evaluate import prepare_records
 from composer.runtime.binding import bind_task, check_task_lengths, context_length
 from composer.runtime.models import load_model, load_tokenizer, merged, prepare_policy
 from composer.samples import SampleLog
@@ -224,6 +225,7 @@ def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop:
         del state
     if _rank_zero():
         sample_files.prepare(out, resumed_at)  # a resumed run trains its later steps again: drop their rows
+        prepare_records(out, resumed_at)
     callbacks = [AfterStep(), SampleWriter(samples), stop,
                  ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=t.checkpoint_every,
                                  save_last=True, save_top_k=0, save_on_train_epoch_end=False,

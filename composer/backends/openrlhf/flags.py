@@ -361,6 +361,15 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
         a.add("eval.temperature", 0.0)
         a.add("eval.n_samples_per_prompt", 1)
         run.native.append(f"greedy pass@1 evaluation every {t.eval_every or 'no'} steps on {inputs.eval_file}")
+    if t.eval_k > 1:
+        raise Unsupported(("train", "eval_k"), "the bundle's evaluation is OpenRLHF's greedy pass@1 with the reward "
+                          "function; pass@k from sampled answers runs on the Lightning backend",
+                          "set train.eval_k: 0, and evaluate the exported model with `composer eval MODEL --k N`")
+    if t.eval_verifier not in (None, "auto") and {getattr(s, "verifier", None) for s in spec.sources.values()
+                                                  if "sequence_reward" in type(s).provides} != {t.eval_verifier}:
+        raise Unsupported(("train", "eval_verifier"), "OpenRLHF evaluates with the reward function, which runs the "
+                          "outcome_reward source's verifier", "drop train.eval_verifier, or evaluate the exported "
+                          "model with `composer eval MODEL train.eval_verifier=...`")
     if t.entropy_coef:
         a.add("actor.entropy_coef", t.entropy_coef)
     _common(a, run, spec, layout, "actor.")
