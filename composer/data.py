@@ -30,6 +30,7 @@ class Verdict:
     reward: float
     parsed: bool = True  # False: the verifier could not read the response or the answer
     detail: str = ""  # feedback text for a failed response
+    answer: Optional[str] = None  # the final answer the verifier read from the response (None: none / not said)
 
 
 class StepChecker(Protocol):

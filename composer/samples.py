@@ -101,6 +101,8 @@ def rows_of(batch, tokenizer, step: int, segment: str = "", term: str = "") -> l
         if verdicts is not None:
             v = verdicts[i]
             row["verifier"] = {"parsed": bool(getattr(v, "parsed", True)), "detail": str(getattr(v, "detail", ""))}
+            if getattr(v, "answer", None) is not None:  # what the verifier read as the final answer
+                row["verifier"]["answer"] = str(v.answer)
         notes = batch.notes[i] if i < len(batch.notes or []) and isinstance(batch.notes[i], dict) else {}
         guide = {k: _plain(notes[k]) for k in GUIDE_NOTES if k in notes}
         if guide:
@@ -296,6 +298,8 @@ def guide_lines(row: dict) -> list[str]:
     if g.get("corrections"):
         out.append("judge corrections: " + "; ".join(json.dumps(c, ensure_ascii=False) for c in g["corrections"]))
     v = row.get("verifier") or {}
+    if v.get("answer") is not None:
+        out.append(f"verifier read: {v['answer']}")
     if v.get("detail") or v.get("parsed") is False:
         out.append(f"verifier: {'unparsed; ' if v.get('parsed') is False else ''}{v.get('detail', '')}".rstrip("; "))
     return out

@@ -182,7 +182,7 @@ def test_every_logger_with_evaluation_on_completes_offline_with_one_name_per_met
 def always_right(response, example):
     from composer.data import Verdict
 
-    return Verdict(1.0, detail="always right")
+    return Verdict(1.0, detail="always right", answer=response[-3:])
 
 
 @pytest.fixture
@@ -219,6 +219,9 @@ def test_evaluation_uses_the_spec_verifier_and_eval_samples(real, tmp_path, alwa
     assert {r["detail"] for r in ev} == {"always right"} and {r["tier"] for r in ev} == {"eval"}
     assert [r["answer"] for r in ev[:3]] == [r["answer"] for r in realmodel.rows(4, 1)[:3]]
     assert all(r["prompt"].endswith("<|im_start|>assistant\n") for r in ev)
+    assert all(r["parsed"] == r["response"][-3:] for r in ev)  # what the verifier read, in both files
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(isinstance(s["verifier"].get("answer"), str) for s in samples)
 
 
 def test_unbiased_pass_at_k_by_hand():

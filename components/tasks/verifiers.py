@@ -28,6 +28,13 @@ def after_hash(text: str) -> str | None:
     return None if k < 0 else text[k + 1 :].split("\n")[0]
 
 
+def answer_line(text: str) -> str | None:
+    """The answer of a last non-empty line written `#<answer>` (not a markdown heading `## ...`), else None."""
+    lines = [ln.strip() for ln in text.split("\n") if ln.strip()]
+    m = re.fullmatch(r"#\s*([^#\s].*)", lines[-1]) if lines else None
+    return m.group(1).strip() if m else None
+
+
 def final_answer(text: str) -> str:
     """The response's final answer: after the last '#', else the last \\boxed{}, else the whole text."""
     for extract in (after_hash, last_boxed):
@@ -64,24 +71,55 @@ def exact_verifier(response: str, example: Example) -> Verdict:
     if not pred:
         return Verdict(0.0, parsed=False, detail="empty final answer")
     ok = pred == normalise(example.answer)
-    return Verdict(float(ok), detail="" if ok else "the final answer is wrong")
+    return Verdict(float(ok), detail="" if ok else "the final answer is wrong", answer=pred)
 
 
-@register_verifier("math", "math-verify equivalence of the final (\\boxed{}) answer with the reference answer.")
+@register_verifier("math", "math-verify equivalence of the final answer with the reference answer: the last \\boxed{} "
+                           "when the response has one (only that one), else a `#` answer line, else an answer math-verify "
+                           "finds after an anchor (\"the final answer is ...\"); never the last number of free text.")
 def math_verifier(response: str, example: Example) -> Verdict:
-    """Symbolic equivalence via math_verify; parsed=False when the answer cannot be parsed."""
-    from math_verify import parse, verify
+    """Symbolic equivalence (math_verify) of the response's final answer with `example.answer`.
+
+    What counts as the final answer, in order: the content of the last \\boxed{} when the response has a box
+    (earlier boxes, e.g. an echo of the prompt's instruction, are ignored; an empty or unbalanced last box is
+    no answer); else the answer of a last line written `#<answer>`; else what math-verify's LaTeX and expression
+    extraction finds *after an anchor* (`try_extract_without_anchor=False`: "the final answer is 12", "answer:
+    12"), with no fallback. A number scattered in free text is never taken for an answer. The parsed answer
+    is in `Verdict.answer` (samples.jsonl and eval_samples.jsonl show it); parsed=False when there is none."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     # math_verify's timeouts use signals, which only work in the main thread
     main = threading.current_thread() is threading.main_thread()
     kw = {} if main else {"parsing_timeout": None}
     gold = parse(f"${example.answer}$", **kw) or parse(example.answer, **kw)
-    pred = parse(response, **kw)
-    if not pred and after_hash(response) is not None:
-        pred = parse(after_hash(response), **kw)
+    strict = [LatexExtractionConfig(try_extract_without_anchor=False, boxed_match_priority=0),
+              ExprExtractionConfig(try_extract_without_anchor=False)]
+    if "\\boxed" in response:
+        boxed = last_boxed(response)
+        text = None if boxed is None or not boxed.strip() else boxed
+        pred = parse(f"\\boxed{{{text}}}", extraction_config=strict, fallback_mode="no_fallback", **kw) \
+            if text is not None else []
+        if not pred and text is not None:  # a bare expression in the box (e.g. 3/4, x+1)
+            pred = parse(text, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
+                         fallback_mode="no_fallback", **kw)
+        where = "the last \\boxed{}"
+    elif answer_line(response) is not None:
+        text = answer_line(response)
+        pred = parse(text, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
+                     fallback_mode="no_fallback", **kw)
+        where = "the '#' answer line"
+    else:
+        text = None
+        pred = parse(response, extraction_config=strict, fallback_mode="no_fallback", **kw)
+        where = "an answer after an anchor (\"the final answer is\")"
+    pred = [p for p in pred if not isinstance(p, str)] and pred
     if not pred:
-        return Verdict(0.0, parsed=False, detail="could not parse a final answer")
+        found = "an empty or unbalanced last \\boxed{}" if "\\boxed" in response else "no \\boxed{}, no '#' line"
+        return Verdict(0.0, parsed=False, detail=f"could not parse a final answer ({found}; looked for {where})")
+    answer = str(pred[-1]) if text is None else text.strip()
     if not gold:
-        return Verdict(0.0, parsed=False, detail=f"could not parse the reference answer {example.answer!r}")
+        return Verdict(0.0, parsed=False, detail=f"could not parse the reference answer {example.answer!r}",
+                       answer=answer)
     ok = verify(gold, pred, **({} if main else {"timeout_seconds": None}))
-    return Verdict(float(ok), detail="" if ok else "the final answer is wrong")
+    return Verdict(float(ok), detail="" if ok else f"the final answer is wrong (read {answer!r} from {where})",
+                   answer=answer)

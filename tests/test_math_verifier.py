@@ -1,0 +1,46 @@
+"""The `math` verifier on hostile outputs: only the final \\boxed{} counts when there is one, a `#` answer line
+or an anchored answer ("the final answer is") otherwise, and never a number scattered in free text. Each case
+says what the README promises ("reads the final \\boxed{} answer") and what the verdict must be."""
+
+from __future__ import annotations
+
+import pytest
+
+from components.tasks.verifiers import math_verifier
+from composer.data import Example
+
+ECHO = "Please reason step by step, and put your final answer within \\boxed{}."
+CASES = [
+    # (response, reference answer, reward, parsed, the answer read)
+    ("garbage 3 9 74 xx", "74", 0.0, False, None),  # before: 1.0 (the last number of any text)
+    ("74", "74", 0.0, False, None),  # a bare number is no stated answer
+    ("1 2 3 4 5 6 7 8 9 10 ... 74 75 76", "74", 0.0, False, None),  # enumerate numbers, hope one hits
+    ("\\boxed{3} no wait \\boxed{74}", "74", 1.0, True, "74"),  # several boxes: the last one
+    ("\\boxed{74} no wait \\boxed{3}", "74", 0.0, True, "3"),
+    (f"{ECHO}\nHe has 12 + 62 = 74 apples.", "74", 0.0, False, None),  # the prompt's empty box echoed last
+    (f"{ECHO}\nSo \\boxed{{74}}.", "74", 1.0, True, "74"),  # an echo before the answer's own box
+    ("\\boxed{74", "74", 0.0, False, None),  # unbalanced
+    ("\\boxed{7} and then 74", "74", 0.0, True, "7"),  # text after the box does not count
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0, True, "\\frac{1}{2}"),
+    ("The final answer is 74.", "74", 1.0, True, "74"),  # an anchored answer without a box
+    ("work\n#74", "74", 1.0, True, "74"),  # the toy's answer line
+    ("## Step 74\nblah", "74", 0.0, False, None),  # a markdown heading is no answer line
+]
+
+
+@pytest.mark.parametrize("response, answer, reward, parsed, read", CASES)
+def test_hostile_outputs_score_as_the_readme_says(response, answer, reward, parsed, read):
+    v = math_verifier(response, Example(prompt="p", answer=answer))
+    assert (v.reward, v.parsed, v.answer) == (reward, parsed, read), v
+    if not parsed:
+        assert "could not parse a final answer" in v.detail
+    elif reward == 0.0:
+        assert f"read {read!r}" in v.detail
+
+
+def test_composer_samples_prints_what_the_verifier_read():
+    from composer.samples import guide_lines
+
+    row = {"verifier": {"parsed": True, "detail": "the final answer is wrong (read '3' from the last \\boxed{})",
+                        "answer": "3"}}
+    assert "verifier read: 3" in guide_lines(row)
