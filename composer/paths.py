@@ -22,7 +22,7 @@ MODEL_FILES = ("config.json", "adapter_config.json")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 NO_HUB = ("not found locally, nor in the local Hugging Face cache; a hub id (org/name) needs network access to "
           "download, and a run never downloads one\n    hint: download the model where there is network "
-          "(`huggingface-cli download ORG/NAME --local-dir DIR`) and give DIR")
+          "(`hf download ORG/NAME --local-dir DIR`) and give DIR")
 LOGGER_PACKAGES = {"tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"),
                    "wandb": (("wandb",), "wandb"),
                    "mlflow": (("mlflow",), "mlflow (or mlflow-skinny)")}
@@ -84,7 +84,9 @@ def tokenizer_problem(name: str, what: str = "the tokenizer directory") -> str |
 def data_problem(name: str) -> str | None:
     path = Path(name)
     if not path.exists():
-        return f"no such data file: {name}"
+        from composer.datafiles import absent_reason, hub_snapshot
+
+        return None if hub_snapshot(name) is not None else absent_reason(name)  # a cached hub dataset reads
     if not path.is_file() and not path.is_dir():
         return f"{name}: not a regular file or a `datasets` folder"
     return None

@@ -57,8 +57,10 @@ class Policy(Strict):
 
 
 class Data(Strict):
-    train: Optional[str] = Field(None, description="Training prompts: jsonl, parquet, or a local `datasets` directory; omitted -> the toy testbed.")
-    eval: Optional[str] = Field(None, description="Held-out evaluation prompts, same format as `train`.")
+    train: Optional[str] = Field(None, description="Training prompts: a jsonl, json, csv or parquet file, a folder of data files (shards, a hub snapshot's layout), a `datasets` save_to_disk folder, or a hub dataset id (org/name) already in the local Hugging Face cache (never downloaded); omitted -> the toy testbed.")
+    eval: Optional[str] = Field(None, description="Held-out evaluation prompts, same formats as `train`; omitted with `eval_split` set: that split of `train`.")
+    split: Optional[str] = Field(None, description="The split of `train` to train on, for a source with several (a DatasetDict, a folder of train-/test- files); default `train` (or its only split).")
+    eval_split: Optional[str] = Field(None, description="The split of `eval` (or of `train` when `eval` is omitted) to evaluate on; default the source's `test`, else `validation`, else its only split.")
     prompt_field: str = Field("prompt", description="Field holding the problem text.")
     answer_field: str = Field("answer", description="Field holding the final answer the verifier checks.")
     solution_field: str = Field("solution", description="Field holding a step-by-step reference solution (for reference_solution sources).")
@@ -100,6 +102,10 @@ class Data(Strict):
                 raise ValueError(f"{', '.join('data.' + f for f in changed)}: the toy testbed (no data.train) writes its "
                                  "own prompts and its tokenizer has no chat template; these apply to data files "
                                  "(give data.train, e.g. from `composer toy-data --out DIR`)")
+            splits = [f for f in ("split", "eval_split") if getattr(self, f) is not None]
+            if splits:
+                raise ValueError(f"{', '.join('data.' + f for f in splits)}: the toy testbed (no data.train) has no "
+                                 "splits; these choose a split of a data source")
         return self
 
 

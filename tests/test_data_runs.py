@@ -265,3 +265,110 @@ def test_composer_eval_reproduces_the_final_evaluation_of_a_run(real, tmp_path, 
     assert r.exit_code == 0, r.output
     r = cli("eval", tmp_path / "s.yaml")
     assert r.exit_code == 2 and "the checkpoint cannot be read" in r.stderr
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+
+def _data(**kw):
+    from composer.spec import Data
+
+    return Data(train="x", prompt_field="problem", **kw)
+
+
+def _load(name, role="train", split=None, **kw):
+    from composer.runtime.binding import load_examples_counted
+
+    return load_examples_counted(str(name), _data(**kw), split, role)[0]
+
+
+def test_a_datasetdict_as_eval_reads_its_test_split_and_splits_are_chosen(real, tmp_path):
+    """Before: a DatasetDict given as data.eval silently used its `train` split, and no field chose a split."""
+    import datasets
+
+    from composer.runtime.binding import DataError
+
+    folder = tmp_path / "dd"
+    train, test, val = realmodel.rows(5, 0), realmodel.rows(3, 1), realmodel.rows(2, 2)
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(train), "test": datasets.Dataset.from_list(test),
+                          "validation": datasets.Dataset.from_list(val)}).save_to_disk(str(folder))
+    assert [e.answer for e in _load(folder, "eval")] == [r["answer"] for r in test]
+    assert [e.answer for e in _load(folder, "eval", "validation")] == [r["answer"] for r in val]
+    assert [e.answer for e in _load(folder)] == [r["answer"] for r in train]
+    assert [e.answer for e in _load(folder, "train", "test")] == [r["answer"] for r in test]
+    with pytest.raises(DataError, match=r"no split 'dev' \(data.eval_split\); its splits: train, test, validation"):
+        _load(folder, "eval", "dev")
+    with pytest.raises(DataError, match=r"JSON-lines file has no split 'test'"):
+        _load(real["eval"], "eval", "test")
+
+
+def test_bind_evaluates_a_split_of_the_training_source(real, tmp_path):
+    import datasets
+
+    from composer.runtime.binding import bind_task
+    from composer.validate import validate_file
+
+    folder = tmp_path / "dd"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(realmodel.rows(6, 0)),
+                          "test": datasets.Dataset.from_list(realmodel.rows(2, 1))}).save_to_disk(str(folder))
+    spec = write_spec(tmp_path / "s.yaml", real, str(folder), data={"eval": None, "eval_split": "test"})
+    text = spec.read_text().replace('"eval": null, ', "")
+    spec.write_text(text)
+    task = bind_task(validate_file(spec).spec)
+    assert len(task.train) == 6 and [e.answer for e in task.eval["eval"]] == [r["answer"] for r in realmodel.rows(2, 1)]
+    assert task.eval["eval"][0].meta["file"] == f"{folder} [split test]"
+
+
+def test_csv_json_and_a_folder_of_parquet_shards_load_through_datasets(real, tmp_path):
+    """Before: a csv was "no such data file"-like refused as JSON lines, a folder of shards was no `datasets`
+    folder; now each loads, and a bad row is still named with file, split, row and field."""
+    import datasets
+
+    from composer.runtime.binding import DataError
+
+    rows_ = realmodel.rows(6, 0)
+    ds = datasets.Dataset.from_list(rows_)
+    ds.to_csv(str(tmp_path / "t.csv"), index=False)
+    (tmp_path / "t.json").write_text(json.dumps(rows_))
+    shards = tmp_path / "snapshot" / "data"
+    shards.mkdir(parents=True)
+    ds.select(range(3)).to_parquet(str(shards / "train-00000-of-00002.parquet"))
+    ds.select(range(3, 6)).to_parquet(str(shards / "train-00001-of-00002.parquet"))
+    datasets.Dataset.from_list(realmodel.rows(2, 1)).to_parquet(str(shards / "test-00000-of-00001.parquet"))
+    want = [r["answer"] for r in rows_]
+    assert [e.answer for e in _load(tmp_path / "t.csv")] == want
+    assert [e.answer for e in _load(tmp_path / "t.json")] == want
+    assert sorted(e.answer for e in _load(tmp_path / "snapshot")) == sorted(want)
+    assert len(_load(tmp_path / "snapshot", "eval")) == 2
+    bad = rows_[:2] + [{"problem": "", "answer": "3", "solution": "x"}]
+    datasets.Dataset.from_list(bad).to_csv(str(tmp_path / "bad.csv"), index=False)
+    with pytest.raises(DataError, match=r"bad.csv: row 3: field 'problem'"):
+        _load(tmp_path / "bad.csv")
+
+
+def test_hub_ids_are_read_from_the_local_cache_only(real, tmp_path, monkeypatch):
+    """A hub dataset id whose snapshot is in the local cache loads; one that is not is refused with the `hf`
+    command that downloads it (before: "no such data file", no hint); nothing is downloaded."""
+    import datasets
+    import huggingface_hub.constants as hc
+
+    from composer.paths import data_problem
+    from composer.runtime.binding import DataError
+
+    cache = tmp_path / "hub"
+    snap = cache / "datasets--someorg--sums" / "snapshots" / ("a" * 40)
+    (snap / "data").mkdir(parents=True)
+    (cache / "datasets--someorg--sums" / "refs").mkdir()
+    (cache / "datasets--someorg--sums" / "refs" / "main").write_text("a" * 40)
+    datasets.Dataset.from_list(realmodel.rows(4, 0)).to_parquet(str(snap / "data" / "train-00000-of-00001.parquet"))
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert [e.answer for e in _load("someorg/sums")] == [r["answer"] for r in realmodel.rows(4, 0)]
+    assert data_problem("someorg/sums") is None
+    why = data_problem("someorg/absent")
+    assert "not in the local Hugging Face cache" in why and "hf download someorg/absent --repo-type dataset" in why
+    assert "huggingface-cli" not in why
+    with pytest.raises(DataError, match="hf download someorg/absent"):
+        _load("someorg/absent")
+    assert "no such data file: missing.csv" == data_problem("missing.csv")
+    assert ".xlsx is not a data format read here" in data_problem("missing.xlsx")

@@ -89,18 +89,19 @@ def bind_task(spec) -> Task:
         task.skipped_rows, task.skipped_by_reason = 0, {}
         return task
     counts: Counter = Counter()
-    train, c = load_examples_counted(d.train, d)
+    train, c = load_examples_counted(d.train, d, d.split, "train")
     counts += c
     evals = {}
-    if d.eval:
-        evals["eval"], c = load_examples_counted(d.eval, d)
+    eval_source = eval_file(d)
+    if eval_source:
+        evals["eval"], c = load_examples_counted(eval_source, d, d.eval_split, "eval")
         counts += c
     task = Task(name=Path(d.train).stem, train=train, eval=evals, verifier="math")
     for name in spec_verifiers(spec, task):
         task.train, n = validate_answers(task.train, name, d.on_bad_row, file=d.train, field=d.answer_field)
         counts[UNPARSABLE_ANSWER] += n
         for k in task.eval:
-            task.eval[k], n = validate_answers(task.eval[k], name, d.on_bad_row, file=d.eval, field=d.answer_field)
+            task.eval[k], n = validate_answers(task.eval[k], name, d.on_bad_row, file=eval_file(d), field=d.answer_field)
             counts[UNPARSABLE_ANSWER] += n
     _set_counts(task, counts)
     from composer.runtime.prompts import PromptFormatError, policy_format, render_task
@@ -110,6 +111,11 @@ def bind_task(spec) -> Task:
     except PromptFormatError as e:
         raise DataError(str(e), file=str(d.train), field="prompt_format") from None
     return task
+
+
+def eval_file(d) -> str | None:
+    """The evaluation source: data.eval, else data.train when data.eval_split names one of its splits."""
+    return d.eval or (d.train if d.eval_split else None)
 
 
 def _set_counts(task: Task, counts: Counter) -> None:
@@ -155,69 +161,62 @@ def _json_row(path: Path, i: int, text: str):
         return _error(path, i, None, "not valid JSON (nested too deeply to read)", BAD_JSON)
 
 
-def _rows(path: Path) -> Iterator[tuple[int, Any]]:
-    """(1-based row number, row dict or DataError) for every row of a jsonl / parquet / datasets dir."""
-    if not path.is_dir() and not path.is_file():  # a FIFO would block, /dev/zero would fill memory
+def open_source(name: str, split: str | None = None, role: str = "train") -> tuple[str, Iterator[tuple[int, Any]]]:
+    """(where, rows) of a data source (composer/datafiles.py): `where` names the file (and split) in errors;
+    rows are (1-based row number, row dict or DataError). jsonl is read line by line here, so a bad line is
+    named; every other format goes through the `datasets` library."""
+    from composer.datafiles import SourceError, kind_of, locate, rows
+
+    path = Path(name)
+    if path.exists() and not path.is_dir() and not path.is_file():  # a FIFO would block, /dev/zero fill memory
         raise DataError(f"{path}: not a regular file or a `datasets` folder", file=str(path))
-    if path.is_dir():
-        try:
-            from datasets import load_from_disk
-
-            ds = load_from_disk(str(path))
-        except Exception as e:
-            raise DataError(f"{path}: not a readable `datasets` directory ({type(e).__name__}: {e})", file=str(path))
-        if hasattr(ds, "keys"):
-            if "train" not in ds:
-                raise DataError(f"{path}: a DatasetDict without a 'train' split (splits: {', '.join(ds.keys())})",
-                                file=str(path))
-            ds = ds["train"]
-        for i, row in enumerate(ds):
-            yield i + 1, row
-    elif path.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-
-            batches = pq.ParquetFile(path).iter_batches(batch_size=4096)
-            i = 0
-            for batch in batches:
-                for row in batch.to_pylist():
-                    i += 1
-                    yield i, row
-        except DataError:
-            raise
-        except Exception as e:
-            raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})", file=str(path)) from None
-    else:
-        with path.open("rb") as f:
-            for i, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    yield i, _error(path, i, None, f"not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})",
-                                    NOT_UTF8)
-                    continue
-                yield i, _json_row(path, i, text.lstrip("\ufeff") if i == 1 else text)
+    try:
+        real = locate(str(name))
+        if kind_of(real) == "jsonl":
+            if split is not None and not (role == "train" and split == "train"):
+                field = "data.split" if role == "train" else "data.eval_split"
+                raise SourceError(f"{name}: a JSON-lines file has no split {split!r} ({field}); drop the setting")
+            return str(name), _jsonl_rows(real)
+        return rows(str(name), split, role)
+    except SourceError as e:
+        raise DataError(str(e), file=str(name)) from None
 
 
-def load_examples_counted(file: str, d) -> tuple[list[Example], Counter]:
-    """Examples from jsonl / parquet / a `datasets` directory, and the skipped rows counted by reason."""
-    path = Path(file)
-    if not path.exists():
-        raise DataError(f"{file}: no such data file", file=str(file))
+def _rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """(1-based row number, row dict or DataError) for every row of the training split of a data source."""
+    return open_source(str(path))[1]
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    with path.open("rb") as f:
+        for i, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield i, _error(path, i, None, f"not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})",
+                                NOT_UTF8)
+                continue
+            yield i, _json_row(path, i, text.lstrip("\ufeff") if i == 1 else text)
+
+
+def load_examples_counted(file: str, d, split: str | None = None, role: str = "train") -> tuple[list[Example], Counter]:
+    """Examples from a data source (jsonl, json, csv, parquet, a `datasets` folder, a folder of data files, a
+    cached hub dataset; `split` of a source with several), and the skipped rows counted by reason."""
+    where, it = open_source(file, split, role)
     out, skips = [], _Skips(d.on_bad_row)
-    for i, row in _rows(path):
+    for i, row in it:
         try:
             if isinstance(row, DataError):
                 raise row
-            out.append(_example(path, i, row, d))
+            out.append(_example(where, i, row, d))
         except DataError as e:
             skips.bad(e)
-    skips.report(str(file))
+    skips.report(where)
     if not out:
-        raise DataError(f"{file}: no usable rows" + (f" ({skips.total} skipped: {dict(skips.counts)})"
-                                                     if skips.total else ""), file=str(file))
+        raise DataError(f"{where}: no usable rows" + (f" ({skips.total} skipped: {dict(skips.counts)})"
+                                                      if skips.total else ""), file=str(file))
     return out, skips.counts
 
 
