@@ -22,27 +22,50 @@ def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
 
 
 def plot_metrics(metrics: Path, png: Path, title: str) -> Path:
+    """Three panels against step: the loss (and each term's, with several terms), the training reward (and
+    each reward source's, `reward/<source>`), and evaluation (greedy pass@1 per tier, pass@k when sampled).
+    A panel with nothing measured says so (an SFT run has no reward)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = read_metrics(metrics)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    x, y = series(rows, "reward_mean")
-    if x:
-        axes[0].plot(x, y, lw=1)
-    axes[0].set(title="reward (train rollouts)", xlabel="step")
-    for key in sorted({k for r in rows for k in r if k.startswith(metric_name("pass@1/"))}):
-        x, y = series(rows, key)
-        axes[1].plot(x, y, marker="o", label=key.split("/", 1)[1])
-    axes[1].set(title="greedy pass@1 per tier", xlabel="step", ylim=(-0.02, 1.02))
-    axes[1].legend(title="tier", fontsize=7)
+    keys = sorted({k for r in rows for k, v in r.items() if v not in ("", None)})
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.6))
+    panels = [
+        (axes[0], "loss", ["loss"] + [k for k in keys if k.endswith("/loss")], None),
+        (axes[1], "reward (train rollouts)", [k for k in ["reward_mean"] + [k for k in keys if k.startswith("reward/")]
+                                              if k in keys], None),
+        (axes[2], "evaluation", [k for k in keys if k.startswith(metric_name("pass@"))], (-0.02, 1.02)),
+    ]
+    for ax, name, series_keys, ylim in panels:
+        drawn = 0
+        for key in series_keys:
+            x, y = series(rows, key)
+            if x:
+                ax.plot(x, y, lw=1, marker="o" if len(x) < 20 else None, ms=3, label=key)
+                drawn += 1
+        ax.set(title=name, xlabel="step", **({"ylim": ylim} if ylim else {}))
+        if drawn:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not measured in this run", ha="center", va="center", transform=ax.transAxes,
+                    fontsize=9, color="gray")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
     return png
+
+
+def plotted_keys(metrics: Path) -> dict[str, list[str]]:
+    """The metrics.csv columns each panel of `plot_metrics` draws (for report.md and tests)."""
+    rows = read_metrics(metrics)
+    keys = sorted({k for r in rows for k, v in r.items() if v not in ("", None)})
+    return {"loss": [k for k in ["loss"] + [k for k in keys if k.endswith("/loss")] if k in keys],
+            "reward": [k for k in ["reward_mean"] + [k for k in keys if k.startswith("reward/")] if k in keys],
+            "evaluation": [k for k in keys if k.startswith(metric_name("pass@"))]}
 
 
 def metric_name(name: str) -> str:

@@ -145,6 +145,7 @@ class Train(Strict):
     eval_samples: int = Field(64, ge=1, le=MAX_BATCH, description="Evaluation prompts per tier (a data file's eval split: its first this many rows).")
     eval_k: int = Field(0, ge=0, le=1024, description="Also sample this many answers per evaluation problem at the rollout's temperature and log the unbiased pass@k (Chen et al. 2021) for k = 2, 4, ..., eval_k and pass@1_sampled; 0 or 1: greedy pass@1 only.")
     eval_verifier: Optional[str] = Field(None, description="The registered verifier that scores evaluation (`composer list verifiers`); default: the verifier of the spec's outcome_reward source, else the task's own (math for data files, toy for the toy testbed).")
+    log_every: int = Field(10, ge=1, le=MAX_STEPS, description="Without a progress bar (no terminal, or --no-progress): print one line every this many steps (step, loss, reward, pass@1 when evaluated, tokens/s, ETA) and after the last step. Lightning backend (OpenRLHF prints its own logs).")
     checkpoint_every: int = Field(50, ge=1, le=MAX_STEPS, description="Write a checkpoint every this many steps.")
     devices: Union[Literal["auto"], Annotated[int, Field(ge=1, le=1024)],
                    Annotated[list[Annotated[int, Field(ge=0, le=1023)]], Field(min_length=1, max_length=1024)]] = Field(

@@ -372,3 +372,59 @@ def test_hub_ids_are_read_from_the_local_cache_only(real, tmp_path, monkeypatch)
         _load("someorg/absent")
     assert "no such data file: missing.csv" == data_problem("missing.csv")
     assert ".xlsx is not a data format read here" in data_problem("missing.xlsx")
+
+
+# ------------------------------------------------------------------------------------------ what a run shows
+
+
+def test_without_a_terminal_a_run_names_its_folder_and_engine_first_and_logs_each_step(real, tmp_path):
+    """Before: with --no-progress (or no terminal) nothing was printed until the end, the run folder only then,
+    and the rollout engine line never."""
+    spec = write_spec(tmp_path / "s.yaml", real, real["train"], steps=3, eval_every=2, log_every=1)
+    out = tmp_path / "run"
+    p = _cli(["run", str(spec), "--no-progress", "--out", str(out)])
+    text = p.communicate(timeout=300)[0]
+    assert p.returncode == 0, text
+    lines = text.splitlines()
+    first_step = next(i for i, ln in enumerate(lines) if ln.startswith("step 1/3"))
+    assert any(ln == f"run folder: {out}" for ln in lines[:first_step])
+    assert any(ln.startswith("rollout engine: hf") for ln in lines[:first_step])
+    steps = [ln for ln in lines if ln.startswith("step ")]
+    assert [ln.split(" | ")[0] for ln in steps] == ["step 1/3", "step 2/3", "step 3/3"]
+    for ln in steps:
+        assert " | loss " in ln and " | reward " in ln and " tok/s" in ln and " | ETA " in ln, ln
+    assert " | pass@1 " in steps[0] and " | pass@1 " not in steps[1] and " | pass@1 " in steps[2]  # steps 0, 2
+
+
+def test_curves_show_loss_per_term_reward_per_source_and_evaluation(real, tmp_path):
+    """Before: curves.png drew reward and pass@1 only (an SFT run got an empty panel and no loss), and two
+    reward terms logged one reward_mean."""
+    from composer.backends.lightning.run import train
+    from composer.report import plotted_keys
+    from composer.validate import validate_file
+
+    two = """sources:
+  strict: {kind: outcome_reward, verifier: math}
+  loose: {kind: outcome_reward, verifier: exact}
+rollout: {samples_per_prompt: 2, max_new_tokens: 12}
+terms:
+  - {name: a, signal: {kind: reward, source: strict}, objective: {kind: grpo}}
+  - {name: b, signal: {kind: reward, source: loose}, objective: {kind: grpo}}
+"""
+    out = tmp_path / "two"
+    train(validate_file(write_spec(tmp_path / "two.yaml", real, real["train"], body=two, steps=2)), out,
+          progress=False)
+    keys = plotted_keys(out / "metrics.csv")
+    assert keys["loss"] == ["loss", "a/loss", "b/loss"]
+    assert keys["reward"] == ["reward_mean", "reward/loose", "reward/strict"]
+    assert keys["evaluation"] == ["pass_at_1/eval"]
+    sft = """sources: {reference: {kind: reference_solution}}
+signal: {kind: sft, target: reference}
+objective: {kind: cross_entropy, loss_tokens: [demonstration]}
+"""
+    out = tmp_path / "sft"
+    train(validate_file(write_spec(tmp_path / "sft.yaml", real, real["train"], body=sft, steps=2)), out,
+          progress=False)
+    keys = plotted_keys(out / "metrics.csv")
+    assert keys == {"loss": ["loss"], "reward": [], "evaluation": ["pass_at_1/eval"]}
+    assert (out / "curves.png").stat().st_size > 0 and "curves.png" in (out / "report.md").read_text()

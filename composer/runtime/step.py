@@ -105,7 +105,19 @@ def loss(ctx: RunContext, policy, batches: list[TrajectoryBatch], shares: dict |
     if mask.any():  # a batch with no response tokens (e.g. no SFT targets this step) has no entropy
         metrics["entropy"] = float(ent.detach())
     metrics.update(batch_metrics(next((b for b in batches if b.rewards is not None), first)))
+    metrics.update(source_rewards(ctx, batches))
     return total, metrics
+
+
+def source_rewards(ctx: RunContext, batches: list[TrajectoryBatch]) -> dict[str, float]:
+    """`reward/<source>`: the mean reward of each reward source the step's terms read (one per source, even
+    when several terms read it), beside `reward_mean` (the first one's)."""
+    out = {}
+    for (_name, sig, _obj, _w), b in zip(terms(ctx.spec), batches):
+        source = getattr(sig, "source", None)
+        if isinstance(source, str) and b.rewards is not None and f"reward/{source}" not in out:
+            out[f"reward/{source}"] = float(b.rewards.float().mean())
+    return out
 
 
 def batch_metrics(batch: TrajectoryBatch) -> dict[str, float]:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 import lightning as L
@@ -211,3 +213,42 @@ class RunCSVLogger(CSVLogger):
         if self._experiment is None:
             self._experiment = _KeepingWriter(self.log_dir, self._keep_before)
         return self._experiment
+
+
+class StepLog(L.Callback):
+    """What a run shows without a progress bar (no terminal, --no-progress): the rollout engine at the start,
+    then one line every `every` steps and after the last one: step, loss, reward, pass@1 when evaluated,
+    tokens/s and the time left. Rank 0 only; lines go to the `composer` logger (stderr)."""
+
+    def __init__(self, every: int, total: int, show_steps: bool = True):
+        self.every, self.total, self.show_steps = max(int(every), 1), int(total), show_steps
+        self.t0, self.first = 0.0, 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.t0, self.first = time.perf_counter(), trainer.global_step
+        if trainer.is_global_zero and pl_module.ctx is not None:
+            engine = pl_module.ctx.engine
+            name = getattr(engine, "name", None) or type(engine).__name__
+            logging.getLogger("composer").info(f"rollout engine: {name} ({pl_module.ctx.spec.rollout.engine} asked)")
+            if self.first:
+                logging.getLogger("composer").info(f"resumed after step {self.first} of {self.total}")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        done = trainer.global_step
+        if not self.show_steps or not trainer.is_global_zero or (done % self.every and done != self.total):
+            return
+        logging.getLogger("composer").info(step_line(getattr(pl_module, "last_row", {}) or {}, done, self.total,
+                                                     time.perf_counter() - self.t0, done - self.first))
+
+
+def step_line(row: dict, done: int, total: int, elapsed: float, steps_here: int) -> str:
+    """`step 3/10 | loss 0.1234 | reward 0.500 | pass@1 0.250 | 812 tok/s | ETA 0:01:05`."""
+    parts = [f"step {done}/{total}"]
+    for key, label, fmt in (("loss", "loss", "{:.4f}"), ("reward_mean", "reward", "{:.3f}"),
+                            ("pass@1", "pass@1", "{:.3f}"), ("tokens_per_s", "tok/s", "{:.0f}")):
+        if key in row:
+            parts.append(f"{label} {fmt.format(row[key])}")
+    if steps_here > 0 and elapsed > 0:
+        left = (total - done) * elapsed / steps_here
+        parts.append(f"ETA {int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}")
+    return " | ".join(parts)

@@ -28,7 +28,7 @@ ALLOWED = {cls.__name__: cls for cls in (TrajectoryBatch, Example, Verdict)}
 TAG = "__dataclass__"
 # Settings a resumed run may change: how long it runs and how often it checkpoints. Everything else
 # would make the resumed run a different experiment than the one its checkpoint continues.
-RESUMABLE = ("train.steps", "train.checkpoint_every", "train.samples_every", "summary")
+RESUMABLE = ("train.steps", "train.checkpoint_every", "train.samples_every", "train.log_every", "summary")
 
 
 class CheckpointError(RuntimeError):

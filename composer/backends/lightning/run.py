@@ -19,7 +19,7 @@ from composer import files
 from composer import samples as sample_files
 from composer.backends.lightning import checkpoint as ckpt_format
 from composer.backends.lightning.callbacks import (AfterStep, AtomicCheckpointIO, GracefulStop, RunCSVLogger,
-                                                   SampleWriter, StopRequested)
+                                                   SampleWriter, StepLog, StopRequested)
 from composer.backends.lightning.checkpoint import CheckpointError
 from composer.backends.lightning.module import ComposerModule, NonFiniteError
 from composer.export import MODEL_DIR, save_policy
@@ -232,6 +232,11 @@ def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop:
                                  enable_version_counter=False)]
     if progress:
         callbacks.append(_progress_bar())
+    if not child:
+        console_log()
+        log.info(f"run folder: {out}")
+        # a progress bar only draws on a terminal: elsewhere (CI, nohup, --no-progress) one line per log_every steps
+        callbacks.append(StepLog(t.log_every, validated.total_steps, show_steps=not (progress and _tty())))
     loggers = build_loggers(validated, out, resumed_at) if not child else []
     try:
         final = _fit(validated, out, plan, module, loggers, callbacks, ckpt, stop, final_eval, tokenizer, progress)
@@ -398,6 +403,36 @@ def close_loggers(loggers, failed: bool) -> None:
             log.warning(f"{type(lg).__name__}: could not be closed ({type(e).__name__}: {e})")
 
 
+def _tty() -> bool:
+    import sys
+
+    return sys.stderr.isatty()
+
+
+def console_log() -> None:
+    """The `composer` logger's lines (run folder, rollout engine, step lines, warnings) on stderr, once."""
+    import sys
+
+    class Stderr(logging.StreamHandler):
+        """Writes to the sys.stderr of the moment (a test's capture, a redirected CLI), not the one at setup."""
+
+        @property
+        def stream(self):
+            return sys.stderr
+
+        @stream.setter
+        def stream(self, value):
+            pass
+
+    if not any(getattr(h, "_composer_console", False) for h in log.handlers):
+        handler = Stderr()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler._composer_console = True
+        log.addHandler(handler)
+    if log.level == logging.NOTSET or log.level > logging.INFO:
+        log.setLevel(logging.INFO)
+
+
 def quiet_libraries() -> None:
     """Keep the console for the run: no library tips, deprecation notes or weight-loading bars."""
     import warnings
@@ -445,7 +480,7 @@ def _checkpoint_step(out: Path) -> int | None:
 
 
 def write_report(out: Path, plan: dict, final: dict, model_dir: Path | None = None) -> None:
-    """report.md with a PNG of reward and pass@1 against step."""
+    """report.md with a PNG of the loss, the reward and the evaluation against step."""
     from composer.report import plot_metrics
 
     metrics = out / "metrics.csv"
@@ -459,7 +494,7 @@ def write_report(out: Path, plan: dict, final: dict, model_dir: Path | None = No
              "## Final evaluation (greedy pass@1 per tier)", "", "| tier | pass@1 |", "| --- | --- |"]
     lines += [f"| {k.split('/', 1)[-1]} | {v:.3f} |" for k, v in sorted(final.items())]
     if png:
-        lines += ["", f"![reward and pass@1]({png.name})"]
+        lines += ["", f"![loss, reward and evaluation]({png.name})"]
     if model_dir is not None:
         lines += ["", "## The trained policy", "",
                   f"`{model_dir}`: a transformers directory (model and tokenizer); load it with "
