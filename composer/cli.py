@@ -114,8 +114,14 @@ def explain(spec, overrides, fmt):
         out = {"text": ex.text, "mermaid": ex.mermaid, "dot": ex.dot, "json": ex.as_json}[fmt](plan)
     except SpecError as e:
         _fail(str(e))
+        return
     except Exception as e:  # never a traceback for an input file
         _fail(f"{spec}:1:1: error: internal error while explaining: {type(e).__name__}: {e}")
+        return
+    bad_data = (plan.get("prompts") or {}).get("data_error")
+    if bad_data:  # a data field or split the rows do not have: the run would stop here, so explain does too
+        _fail(f"{spec}: error: data: {bad_data}\n    hint: check data.prompt_field / answer_field / split "
+              "against the rows' fields")
     for w in v.warnings:
         click.echo(w.format(), err=True)
     click.echo(out)

@@ -334,6 +334,19 @@ def bench(specs, seeds, budget_samples, out, sweep, suite, study, quick, through
         variants = b.variants_from(files, sweep, common)
     else:
         raise click.UsageError("give SPEC files, or --suite seeds")
+    for var in variants:  # the bench measures on the toy testbed's tiers; a data spec has none of them
+        try:
+            from composer.validate import validate_file
+
+            data = validate_file(var.spec, list(var.overrides)).spec.data.train
+        except SpecError as e:
+            click.echo(str(e), err=True)
+            sys.exit(EXIT_INVALID)
+        if data is not None:
+            click.echo(f"{var.spec}: the bench runs on the toy testbed (its tiers, pass@k on held-out chains); this "
+                       f"spec trains on {data}\n    hint: for your data use `composer run SPEC train.eval_k=N` "
+                       "(pass@k in metrics.csv), or `composer eval RUN --k N` on a finished run", err=True)
+            sys.exit(EXIT_INVALID)
     folder = Path(out or f"runs/bench-{_time.strftime('%Y%m%d-%H%M%S')}")
     command = "composer bench " + " ".join(sys.argv[2:])
     try:

@@ -32,12 +32,33 @@ def _load(m: dict) -> str:
     return f"'{role}' ({m['model']})" if m["role"].startswith("source:") else f"the {role} policy (frozen)"
 
 
+def data_lines(plan: dict) -> list[str]:
+    """Which file and split a run trains and evaluates on (composer/datafiles.py), and how it evaluates."""
+    d = plan.get("data") or {}
+    if plan.get("testbed") == "toy" or not d.get("train"):
+        return []
+    from composer.datafiles import describe
+
+    lines = [f"train data: {describe(d['train'], d.get('split'), 'train')}"]
+    source = d.get("eval") or (d["train"] if d.get("eval_split") else None)
+    t = plan.get("train") or {}
+    if source:
+        k = t.get("eval_k") or 0
+        how = f"greedy pass@1 on the first {t.get('eval_samples', '?')} rows" + (f", pass@k for k up to {k}" if k > 1 else "")
+        lines.append(f"eval data: {describe(source, d.get('eval_split'), 'eval')}; {how}"
+                     + (f", verifier {t['eval_verifier']}" if t.get("eval_verifier") else ", the reward's verifier"))
+    else:
+        lines.append("eval data: none (data.eval or data.eval_split): no evaluation")
+    return lines
+
+
 def text(plan: dict) -> str:
     lines = [f"{plan['name']}: {plan['summary']}".rstrip(": "), ""]
     lines += ["what will happen:"] + [f"  {s}" for s in story(plan)] + [""]
     lines.append(f"policy: {plan['policy']}   data: {'toy testbed' if plan['testbed'] == 'toy' else plan['data']['train']}"
                  f"   backend: {plan['backend']}   steps: {plan['total_steps']}")
     lines.append(f"rollout engine: {plan['rollout']['engine']}; behaviour log-probs {plan.get('rollout_engine', '')}")
+    lines += data_lines(plan)
     if plan["sources"]:
         lines += ["", "sources (privileged information: what / when / how it is used):"]
         readers: dict[str, list[str]] = {}

@@ -10,6 +10,7 @@ A directory is written whole or not at all: into a temporary sibling, then renam
 from __future__ import annotations
 
 import json
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -22,6 +23,30 @@ class ExportError(Exception):
     """A checkpoint that cannot be exported, or a destination that cannot be written: says which and why."""
 
 
+@contextlib.contextmanager
+def _no_deepspeed_probe():
+    """save_pretrained unwraps the model with accelerate, which imports DeepSpeed when it is installed (only to
+    test `isinstance(model, DeepSpeedEngine)`), and DeepSpeed prints "Setting accelerator to CPU" on import.
+    A model saved here is never a DeepSpeed engine: skip the probe while DeepSpeed is not already loaded."""
+    import sys
+
+    other = sys.modules.get("accelerate.utils.other")
+    if other is None:
+        try:
+            import accelerate.utils.other as other
+        except Exception:  # no accelerate: nothing probes
+            other = None
+    if other is None or "deepspeed" in sys.modules or not hasattr(other, "is_deepspeed_available"):
+        yield
+        return
+    old = other.is_deepspeed_available
+    other.is_deepspeed_available = lambda: False
+    try:
+        yield
+    finally:
+        other.is_deepspeed_available = old
+
+
 def save_policy(model, tokenizer, dest: Path | str) -> Path:
     """model + tokenizer via save_pretrained into `dest`, replacing it whole (an earlier export) or not at all."""
     dest = Path(dest)
@@ -30,7 +55,8 @@ def save_policy(model, tokenizer, dest: Path | str) -> Path:
     old = dest.parent / f".{dest.name}.old-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp)
+        with _no_deepspeed_probe():
+            model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if dest.exists():

@@ -198,6 +198,14 @@ def section_entry(key: str, builtins_only: bool = False) -> Entry:
     f = spec.model_fields[key]
     if key in _MODELS:
         fields = fields_of(_MODELS[key], skip=("guide",))
+        for name, mf in _MODELS[key].model_fields.items():  # a nested settings block (policy.lora): its fields too
+            try:
+                sub = _item_model(mf.annotation)
+            except TypeError:
+                continue
+            if name != "guide":
+                fields += [FieldDoc(f"{name}.{d.name}", d.type, d.allowed, d.default, d.description)
+                           for d in fields_of(sub)]
         if key == "rollout":
             guide = spec.model_fields["rollout"].annotation.model_fields["guide"]
             kinds = [k for k, c in sorted(registry.kinds("guide").items()) if _included(c, builtins_only)]

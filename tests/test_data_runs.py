@@ -394,6 +394,7 @@ def test_without_a_terminal_a_run_names_its_folder_and_engine_first_and_logs_eac
     for ln in steps:
         assert " | loss " in ln and " | reward " in ln and " tok/s" in ln and " | ETA " in ln, ln
     assert " | pass@1 " in steps[0] and " | pass@1 " not in steps[1] and " | pass@1 " in steps[2]  # steps 0, 2
+    assert "Setting accelerator" not in text  # before: DeepSpeed's line, imported by the export (accelerate)
 
 
 def test_curves_show_loss_per_term_reward_per_source_and_evaluation(real, tmp_path):
@@ -428,3 +429,59 @@ objective: {kind: cross_entropy, loss_tokens: [demonstration]}
     keys = plotted_keys(out / "metrics.csv")
     assert keys == {"loss": ["loss"], "reward": [], "evaluation": ["pass_at_1/eval"]}
     assert (out / "curves.png").stat().st_size > 0 and "curves.png" in (out / "report.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------ smaller items
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_with_a_reason(real, tmp_path, cli):
+    """Before: "internal error ... please report it"."""
+    from components.tasks.bootstrap import tiny_random_checkpoint
+
+    other = tiny_random_checkpoint(str(tmp_path / "other"))  # the toy's character-level tokenizer
+    body = f"""sources:
+  teacher: {{kind: policy_model, model: {json.dumps(other)}}}
+rollout: {{samples_per_prompt: 2, max_new_tokens: 12}}
+signal: {{kind: distillation, teacher: teacher}}
+objective: {{kind: divergence, measure: reverse_kl, estimator: sampled}}
+"""
+    spec = write_spec(tmp_path / "s.yaml", real, real["train"], body=body, steps=1)
+    r = cli("run", spec, "--no-progress", "--out", tmp_path / "run")
+    assert r.exit_code == 2, r.output
+    assert "differs from the policy's tokenizer" in r.stderr and "internal error" not in r.stderr
+
+
+def test_explain_with_a_data_field_the_rows_lack_fails_like_the_run(real, tmp_path, cli):
+    """Before: explain printed "prompts: not rendered here" and exited 0."""
+    spec = write_spec(tmp_path / "s.yaml", real, real["train"], data={"prompt_field": "question"})
+    r = cli("explain", spec)
+    assert r.exit_code == 2
+    assert "row 1: field 'question': missing (the row has fields: problem, answer, solution)" in r.stderr
+    ok = cli("explain", spec, "data.prompt_field=problem")
+    assert ok.exit_code == 0 and f"train data: {real['train']}: JSON lines" in ok.stdout
+    assert "eval data: " in ok.stdout and "greedy pass@1 on the first 2 rows" in ok.stdout
+
+
+def test_lora_fields_are_listed(cli):
+    """Before: `composer list policy` and docs/reference.md showed `lora` as a mapping without its fields."""
+    r = cli("list", "policy")
+    assert r.exit_code == 0 and all(f"lora.{k}" in r.stdout for k in ("r", "alpha", "dropout", "target_modules"))
+    assert "`lora.r`" in (ROOT / "docs" / "reference.md").read_text() or "lora.r" in (ROOT / "docs" / "reference.md").read_text()
+
+
+def test_loading_dependencies_are_part_of_the_install():
+    """parquet and `datasets` folders need pyarrow and datasets: main dependencies, not extras."""
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {d.split(">")[0].split("=")[0].split("<")[0].strip() for d in deps}
+    assert {"datasets", "pyarrow"} <= names
+    assert "loggers]" in (ROOT / "Makefile").read_text()
+
+
+def test_bench_refuses_a_data_spec(real, tmp_path, cli):
+    """Before: pass@32 = 0.000 over zero problems, under a "toy testbed" heading."""
+    spec = write_spec(tmp_path / "s.yaml", real, real["train"])
+    r = cli("bench", spec, "--out", tmp_path / "b")
+    assert r.exit_code == 2 and "the bench runs on the toy testbed" in r.stderr and "composer eval RUN --k N" in r.stderr
+    assert not (tmp_path / "b").exists()

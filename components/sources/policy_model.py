@@ -84,12 +84,12 @@ class PolicyModel(Source):
         """Before any training: an external model must share the policy's tokenizer (same vocabulary)."""
         if self.is_self or not self.shares_tokenizer:
             return
-        from composer.runtime.models import load_tokenizer, resolve, same_vocabulary
+        from composer.runtime.models import ModelLoadError, load_tokenizer, resolve, same_vocabulary
 
         path = resolve(self.model)
         tok = load_tokenizer(path, trust_remote_code=self.trust_remote_code)
-        if not same_vocabulary(tok, ctx.tokenizer):
-            raise ValueError(
+        if not same_vocabulary(tok, ctx.tokenizer):  # the input's fault: a message and exit 2, not an internal error
+            raise ModelLoadError(
                 f"sources.{name}: the tokenizer of '{self.model}' ({path}) differs from the policy's tokenizer "
                 f"({getattr(ctx.tokenizer, 'name_or_path', '?')}): {len(tok)} vs {len(ctx.tokenizer)} tokens. "
                 "A distillation teacher scores the student's token ids, so both must use one vocabulary; "

@@ -305,18 +305,22 @@ def first_example(spec):
     from pathlib import Path
 
     from composer.data import Task
-    from composer.runtime.binding import DataError, _example, _rows
+    from composer.runtime.binding import DataError, _example, open_source
 
     path = Path(d.train)
-    for i, row in _rows(path):
-        if isinstance(row, DataError):
-            continue
+    where, rows = open_source(d.train, d.split, "train")
+    first = None
+    for i, row in rows:
         try:
-            ex = _example(path, i, row, d)
-        except DataError:
+            if isinstance(row, DataError):
+                raise row
+            ex = _example(where, i, row, d)
+        except DataError as e:
+            first = first or e
             continue
-        return ex, f"row {i} of {d.train}", Task(name=path.stem, train=[], eval={}, verifier="math")
-    raise ValueError(f"{d.train}: no usable row")
+        return ex, f"row {i} of {where}", Task(name=path.stem, train=[], eval={}, verifier="math")
+    # no row is usable: the first one's reason (a wrong prompt_field names the fields the rows have)
+    raise DataError(f"{where}: no usable row" + (f"; the first: {first}" if first else ""), file=str(d.train))
 
 
 def example_prompts(spec, segment_specs=()) -> dict:
@@ -331,7 +335,12 @@ def example_prompts(spec, segment_specs=()) -> dict:
         if fmt.mode != "task":
             example.prompt = fmt.prompt(example)
     except Exception as e:  # noqa: BLE001 - explain shows why, the run stops with the same error
-        return {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}
+        from composer.runtime.binding import DataError
+
+        out = {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}
+        if isinstance(e, DataError):  # the spec's data cannot be read as declared: explain fails like the run
+            out["data_error"] = str(e)
+        return out
     out = {"format": fmt.to_json(), "describe": fmt.describe(), "example": where, "policy": example.prompt,
            "sources": {}}
     for seg in list(segment_specs) or [spec]:
