@@ -485,3 +485,44 @@ def test_bench_refuses_a_data_spec(real, tmp_path, cli):
     r = cli("bench", spec, "--out", tmp_path / "b")
     assert r.exit_code == 2 and "the bench runs on the toy testbed" in r.stderr and "composer eval RUN --k N" in r.stderr
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.slow
+def test_a_ddp_run_on_a_jsonl_lengthened_with_resume_equals_the_longer_run(real, tmp_path):
+    """Two CPU ranks (gloo): every rank draws the global batch at the checkpointed data position, mid-epoch."""
+    ddp = ["train.strategy=ddp", "train.devices=2", "train.accelerator=cpu", "--no-progress"]
+    spec = write_spec(tmp_path / "s.yaml", real, real["train"], samples_every=0)
+    env_run = [str(spec), *ddp]
+
+    def go(args):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "COMPOSER_THREADS": "1"}
+        env.pop("COMPOSER_RUN_DIR", None)
+        p = subprocess.Popen([sys.executable, "-m", "composer", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            text = p.communicate(timeout=600)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            raise
+        assert p.returncode == 0, text[-4000:]
+
+    go(["run", *env_run, "train.steps=4", "--out", str(tmp_path / "ref")])
+    go(["run", *env_run, "train.steps=2", "--out", str(tmp_path / "run")])
+    go(["run", "--resume", str(tmp_path / "run"), "train.steps=4", "--no-progress"])
+    want, got = rows(tmp_path / "ref"), rows(tmp_path / "run")
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(want, got):
+        for key in ("loss", "reward_mean", "entropy", "response_len"):
+            assert a[key] == b[key], (a["step"], key)
+    wa, wb = weights(tmp_path / "ref"), weights(tmp_path / "run")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_openrlhf_refuses_the_evaluation_it_cannot_run(real, tmp_path, cli):
+    spec = write_spec(tmp_path / "s.yaml", real, real["train"])
+    base = ["compile", spec, "--backend", "openrlhf", "rollout.max_new_tokens=64", "train.prompts_per_step=4"]
+    r = cli(*base, "train.eval_k=4", "--out", tmp_path / "a")
+    assert r.exit_code == 2 and "train.eval_k: OpenRLHF cannot express this" in r.stderr
+    r = cli(*base, "train.eval_verifier=exact", "--out", tmp_path / "b")
+    assert r.exit_code == 2 and "train.eval_verifier: OpenRLHF cannot express this" in r.stderr
+    assert cli(*base, "train.eval_verifier=math", "--out", tmp_path / "c").exit_code == 0  # auto is math on data

@@ -365,8 +365,10 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
         raise Unsupported(("train", "eval_k"), "the bundle's evaluation is OpenRLHF's greedy pass@1 with the reward "
                           "function; pass@k from sampled answers runs on the Lightning backend",
                           "set train.eval_k: 0, and evaluate the exported model with `composer eval MODEL --k N`")
-    if t.eval_verifier not in (None, "auto") and {getattr(s, "verifier", None) for s in spec.sources.values()
-                                                  if "sequence_reward" in type(s).provides} != {t.eval_verifier}:
+    own = "toy" if spec.data.train is None else "math"  # what `auto` means
+    reward_verifiers = {own if getattr(s, "verifier", None) == "auto" else getattr(s, "verifier", None)
+                        for s in spec.sources.values() if "sequence_reward" in type(s).provides}
+    if t.eval_verifier not in (None, "auto") and reward_verifiers != {t.eval_verifier}:
         raise Unsupported(("train", "eval_verifier"), "OpenRLHF evaluates with the reward function, which runs the "
                           "outcome_reward source's verifier", "drop train.eval_verifier, or evaluate the exported "
                           "model with `composer eval MODEL train.eval_verifier=...`")
