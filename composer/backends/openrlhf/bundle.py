@@ -137,7 +137,7 @@ def write_data(v, out: Path, eos: str | None) -> tuple[dict, Inputs]:
         eval_file = "data/eval.jsonl"
         with open(out / eval_file, "w") as f:
             for source, exs in evals.items():
-                for ex in exs:
+                for ex in exs[:spec.train.eval_samples]:  # as the Lightning backend: the first eval_samples rows
                     f.write(json.dumps({"prompt": ex.prompt, "label": encode_label(label_of(ex, eval=True)),
                                         "datasource": source}) + "\n")
     every = rows + [e for exs in evals.values() for e in exs]
