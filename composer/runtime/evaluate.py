@@ -257,10 +257,19 @@ def evaluate_target(target, data: str | None = None, k: int | None = None, out=N
         ([f"train.eval_k={k}"] if k is not None else [])
     v = _spec(run, ckpt, model_dir, data, over)
     spec = v.segments[-1].spec if getattr(v, "segments", None) else v.spec
-    if spec.data.train is not None and spec.data.eval is None:
+    if data is not None and spec.data.train is None:
+        raise EvalError(f"--data {data}: this run trained on the toy testbed, whose prompts its model was trained "
+                        "to read; --data is for runs on data files and exported models")
+    if spec.data.train is not None and spec.data.eval is None and not spec.data.eval_split:
         raise EvalError("the spec has no data.eval: give --data FILE")
-    if spec.data.train is not None:  # only the eval rows are read (the training file may be gone)
-        spec = spec.model_copy(update={"data": spec.data.model_copy(update={"train": spec.data.eval})})
+    if spec.data.train is not None and spec.data.eval is not None:  # only the eval rows are read (the training
+        from composer.datafiles import SourceError, choose_split, splits  # file may be gone)
+
+        try:  # the eval source stands in for train: with the split evaluation reads
+            split = choose_split(spec.data.eval, splits(spec.data.eval), spec.data.eval_split, "eval")
+        except SourceError as e:
+            raise EvalError(str(e)) from None
+        spec = spec.model_copy(update={"data": spec.data.model_copy(update={"train": spec.data.eval, "split": split})})
     task = bind_task(spec)
     trust = spec.policy.trust_remote_code
     step = 0
