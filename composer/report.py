@@ -23,7 +23,7 @@ def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
 
 def plot_metrics(metrics: Path, png: Path, title: str) -> Path:
     """Three panels against step: the loss (and each term's, with several terms), the training reward (and
-    each reward source's, `reward/<source>`), and evaluation (greedy pass@1 per tier, pass@k when sampled).
+    each reward source's, `source_reward/<source>`), and evaluation (greedy pass@1 per tier, pass@k when sampled).
     A panel with nothing measured says so (an SFT run has no reward)."""
     import matplotlib
 
@@ -35,7 +35,7 @@ def plot_metrics(metrics: Path, png: Path, title: str) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.6))
     panels = [
         (axes[0], "loss", ["loss"] + [k for k in keys if k.endswith("/loss")], None),
-        (axes[1], "reward (train rollouts)", [k for k in ["reward_mean"] + [k for k in keys if k.startswith("reward/")]
+        (axes[1], "reward (train rollouts)", [k for k in ["reward_mean"] + [k for k in keys if k.startswith("source_reward/")]
                                               if k in keys], None),
         (axes[2], "evaluation", [k for k in keys if k.startswith(metric_name("pass@"))], (-0.02, 1.02)),
     ]
@@ -64,7 +64,7 @@ def plotted_keys(metrics: Path) -> dict[str, list[str]]:
     rows = read_metrics(metrics)
     keys = sorted({k for r in rows for k, v in r.items() if v not in ("", None)})
     return {"loss": [k for k in ["loss"] + [k for k in keys if k.endswith("/loss")] if k in keys],
-            "reward": [k for k in ["reward_mean"] + [k for k in keys if k.startswith("reward/")] if k in keys],
+            "reward": [k for k in ["reward_mean"] + [k for k in keys if k.startswith("source_reward/")] if k in keys],
             "evaluation": [k for k in keys if k.startswith(metric_name("pass@"))]}
 
 

@@ -417,7 +417,7 @@ terms:
           progress=False)
     keys = plotted_keys(out / "metrics.csv")
     assert keys["loss"] == ["loss", "a/loss", "b/loss"]
-    assert keys["reward"] == ["reward_mean", "reward/loose", "reward/strict"]
+    assert keys["reward"] == ["reward_mean", "source_reward/loose", "source_reward/strict"]
     assert keys["evaluation"] == ["pass_at_1/eval"]
     sft = """sources: {reference: {kind: reference_solution}}
 signal: {kind: sft, target: reference}

@@ -110,13 +110,13 @@ def loss(ctx: RunContext, policy, batches: list[TrajectoryBatch], shares: dict |
 
 
 def source_rewards(ctx: RunContext, batches: list[TrajectoryBatch]) -> dict[str, float]:
-    """`reward/<source>`: the mean reward of each reward source the step's terms read (one per source, even
+    """`source_reward/<source>`: the mean reward of each reward source the step's terms read (one per source, even
     when several terms read it), beside `reward_mean` (the first one's)."""
     out = {}
     for (_name, sig, _obj, _w), b in zip(terms(ctx.spec), batches):
         source = getattr(sig, "source", None)
-        if isinstance(source, str) and b.rewards is not None and f"reward/{source}" not in out:
-            out[f"reward/{source}"] = float(b.rewards.float().mean())
+        if isinstance(source, str) and b.rewards is not None and f"source_reward/{source}" not in out:
+            out[f"source_reward/{source}"] = float(b.rewards.float().mean())
     return out
 
 
