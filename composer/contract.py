@@ -9,6 +9,7 @@ optional hook declared here with its default, so backends call hooks and never p
              prepare(ctx, examples)    a program run once per step before the rollouts (searches, caches)
              row(ctx, example, i, n)   the program of one rollout (composer/runtime/protocol.py)
              on_sync(ctx)              after the rollout weights were refreshed
+             reads()                   its own model calls and the weights they read (the Plan's schedule)
              preflight(ctx), metrics(traces)
   Signal     origins(guide)            the token origins of the batch this signal's term trains on
              makes_batch / make_batch  a signal whose batch is not a rollout (SFT on references)
@@ -113,6 +114,11 @@ class Guide(Component):
     def model_calls(self, spec) -> list[ModelCall]:
         """Generations this guide asks of models other than the rollout (a model judge); none by default."""
         return []
+
+    def reads(self) -> dict[str, str]:
+        """The guide's own model calls besides the rollout and its judges' (`model_calls`), with the weights each
+        reads (`initial`, `sampler`): the Plan's schedule records them; none by default."""
+        return {}
 
     def describe(self, spec) -> str:
         """Who writes which tokens besides the policy, in a few words (explain's "what will happen")."""
