@@ -4,11 +4,10 @@ optional hook declared here with its default, so backends call hooks and never p
   Source     preflight(ctx, name)      checks before any training (tokenizers, paths)
              build(ctx, name)          the runtime a run uses (default: the config itself)
              text(ctx, batch, i)       privileged text for row i (text sources), None when it has none
-  Runtime    after_optimizer_step(ctx), on_sync(ctx), state_dict(), load_state_dict(state)
+  Runtime    after_optimizer_step(ctx), state_dict(), load_state_dict(state)
   Guide      writes                    the token origins it writes into rollouts
              prepare(ctx, examples)    a program run once per step before the rollouts (searches, caches)
              row(ctx, example, i, n)   the program of one rollout (composer/runtime/protocol.py)
-             on_sync(ctx)              after the rollout weights were refreshed
              reads()                   its own model calls and the weights they read (the Plan's schedule)
              preflight(ctx), metrics(traces)
   Signal     origins(guide)            the token origins of the batch this signal's term trains on
@@ -47,9 +46,6 @@ class Runtime:
 
     def after_optimizer_step(self, ctx) -> None:
         """After every optimiser step (EMA teachers)."""
-
-    def on_sync(self, ctx) -> None:
-        """After the rollout weights were refreshed from the trainer."""
 
     def state_dict(self) -> dict:
         """What a checkpoint must keep to continue exactly (tensors and plain data)."""
@@ -132,9 +128,6 @@ class Guide(Component):
     def row(self, ctx, example, index: int, n: int):
         """The program of rollout `index` (of n) of `example`; returns a protocol.Trace."""
         raise NotImplementedError
-
-    def on_sync(self, ctx) -> None:
-        """After the rollout weights were refreshed (nothing by default)."""
 
     def preflight(self, ctx) -> None:
         """Checks that must fail before any training, e.g. a judge prompt that drops declared context."""

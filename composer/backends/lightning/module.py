@@ -217,10 +217,6 @@ class ComposerModule(L.LightningModule):
         if self.schedule.sync_after(done):
             ctx.engine.sync(self.policy, done)
             ctx.record("sync", after=done)
-            ctx.spec.rollout.guide.on_sync(ctx)
-            for rt in list(ctx.runtimes.values()):
-                if isinstance(rt, Runtime):
-                    rt.on_sync(ctx)
 
     def final_evaluation(self, loggers) -> None:
         """The final evaluation gets a row of its own, at step = total steps, after every step's row."""

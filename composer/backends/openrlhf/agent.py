@@ -144,7 +144,7 @@ class ComposerAgent:
         serve = self._serve_for(ctx, example, engines, initial_ok)
         ahead = [sig for _n, sig, _o, _w in terms(spec) if sig.builds_ahead]
         if ahead:  # targets built once at the segment's start (InT offline): this sample is one of them
-            trace, weight = await self._built_ahead(ctx, ahead[0], example, idx, seg, initial_ok, engines)
+            trace, weight = await self._built_ahead(ctx, ahead[0], example, idx, seg, engines)
         else:
             await self._prepare(ctx, guide, example, serve)
             trace = await run_async(guide.row(ctx, example, idx, spec.rollout.samples_per_prompt), serve)
@@ -167,7 +167,7 @@ class ComposerAgent:
         room = min(sp.max_tokens or max_length, ctx.max_new_tokens, max_length - n - 1)
         return self.server(llm_engine, sp, max_length, room, n, initial_ok)
 
-    async def _built_ahead(self, ctx, sig, example, idx: int, seg, initial_ok: bool, engines):
+    async def _built_ahead(self, ctx, sig, example, idx: int, seg, engines):
         """(trace, weight) of sample `idx` of `example` from the targets `sig` builds once (InT offline,
         components/signals/sft.py `attempt_program`): on the first call of the segment, before the first
         weight broadcast, for every training problem of this run (OpenRLHF draws the prompts); then the
@@ -180,15 +180,18 @@ class ComposerAgent:
         key = ("built_ahead", seg.name, sig.model_dump_json())
         async with self.lock:
             if key not in self.built:
-                if not initial_ok:
-                    raise RuntimeError("InT's offline targets are built from the weights at the stage's start, "
-                                       "before the first weight broadcast; this engine has already been updated")
+                held, wanted = self.schedule.sampler_version(ctx.step), self.schedule.sampler_version(seg.start)
+                if held != wanted:  # the Plan: the targets come from the sampler's weights at the segment's start
+                    raise RuntimeError(f"InT's offline targets are built from the sampler's weights at the segment's "
+                                       f"start (after step {wanted}); at step {ctx.step} this engine holds those "
+                                       f"after step {held}")
                 n = ctx.spec.rollout.samples_per_prompt
+                initial_ok = self.schedule.sampler_is_initial(seg.start)
                 problems = self._run_problems(ctx, sig)
                 if example.prompt not in {ex.prompt for ex in problems}:
                     problems.append(example)
                 statuses = await asyncio.gather(*(run_async(attempt_program(ctx, sig, ex, i, n),
-                                                            self._serve_for(ctx, ex, engines, True))
+                                                            self._serve_for(ctx, ex, engines, initial_ok))
                                                   for ex in problems for i in range(n)))
                 self.built[key] = collect_targets(problems, statuses, n)
         targets, _counts = self.built[key]

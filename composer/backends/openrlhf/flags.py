@@ -460,8 +460,9 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
                               if kinds & {"advantage_regression", "grpo"} else ""))
     if p["sync"]:
         every = sorted({s.sync.every for s in specs})
-        run.via_plugin.append(f"sync: weights broadcast to vLLM every {'/'.join(map(str, every))} step(s) "
-                              "(OpenRLHF broadcasts after every step)")
+        run.via_plugin.append(f"sync: weights broadcast to vLLM every {'/'.join(map(str, every))} step(s), counted "
+                              "from each phase's start, after the steps the Plan's schedule names (OpenRLHF "
+                              "broadcasts after every step)")
         run.notes.append("between syncs each step trains on its own fresh rollouts from the lagged vLLM weights "
                          "(OpenRLHF clears its replay buffer every step, as the Lightning backend)")
 
