@@ -258,3 +258,65 @@ def test_openrlhf_fit_loop_syncs_on_the_plans_schedule(tmp_path):
         v = s.sampler_version(r["step"])
         want = fits[0]["actor_weights_before"] if v == 0 else fits[v - 1]["actor_weights_after"]
         assert r["engine_weights"] == want, (r["step"], v)
+
+
+def _hooked_trainer(monkeypatch, plan: dict, run: dict):
+    """OpenRLHF's BasePPOTrainer as hooks.py patches it (a stand-in class whose train_step broadcasts after
+    every step, as OpenRLHF's does), with the plan installed as the workers install it."""
+    import types
+
+    from composer.backends.openrlhf import hooks
+
+    monkeypatch.setattr(hooks, "_STATE", {"plan": plan, "run": run})
+    hooks._segments.cache_clear()
+    hooks._schedule.cache_clear()
+    broadcasts = []
+
+    class BasePPOTrainer:
+        def __init__(self):
+            self.samples_generator = types.SimpleNamespace()
+
+        def train_step(self, rollout_samples, global_step):
+            self.broadcast_to_vllm()
+            return {}, global_step + 1
+
+        def broadcast_to_vllm(self):
+            broadcasts.append(self.done)
+
+        def init_checkpoint_states(self):
+            return {}
+
+    mod = types.ModuleType("fake_ppo_trainer")
+    mod.BasePPOTrainer = BasePPOTrainer
+    hooks._patch_trainer(mod)
+    return BasePPOTrainer(), broadcasts, hooks
+
+
+@pytest.mark.parametrize("case", ["phases", "stage2"])
+def test_openrlhf_trainer_patch_syncs_on_the_plans_schedule(monkeypatch, case):
+    """The issue's GRPO case through hooks.py's train_step patch: broadcasts after 1, 2, 3, 5, 7, 9 (it used
+    to count from the run's start: 1, 2, 3, 4, 6, 8); a later stage's run counts from its own start."""
+    if case == "phases":
+        plan = plan_of("specs/grpo.yaml", PHASED)
+        run = {"name": "main", "segments": [0, 1], "plugin": {}}
+    else:
+        plan = plan_of("specs/int.yaml", ["stages.0.train.steps=3", "stages.1.train.steps=5",
+                                          "stages.1.sync.every=2", "stages.1.sync.off_policy_ok=true"])
+        run = {"name": "rl", "segments": [1], "plugin": {}}
+    s = Schedule(plan)
+    first = plan["segments"][run["segments"][0]]["start"]
+    n = plan["segments"][run["segments"][-1]]["end"] - first
+    trainer, broadcasts, hooks = _hooked_trainer(monkeypatch, plan, run)
+    try:
+        synced = []
+        for k in range(n):  # OpenRLHF's global_step counts from the run's start
+            trainer.done = first + k + 1
+            status, out = trainer.train_step(None, k)
+            assert out == k + 1 and trainer.samples_generator.composer_step == k + 1
+            synced.append(status["composer/synced"])
+    finally:
+        hooks._segments.cache_clear()
+        hooks._schedule.cache_clear()
+    want = [d for d in s.syncs() if first < d <= first + n]
+    assert broadcasts == want and synced == [float(first + k + 1 in want) for k in range(n)]
+    assert want == ([1, 2, 3, 5, 7, 9] if case == "phases" else [5, 7])
