@@ -59,7 +59,6 @@ class Source(Component):
     """Base of every privileged-information source."""
 
     pi: ClassVar[str] = "prior"  # prior: usable without the environment; posterior: needs it
-    example_level: ClassVar[bool] = False  # its text depends on the problem only (usable mid-rollout)
 
     def preflight(self, ctx, name: str) -> None:
         """Checks that must fail before any training (nothing by default)."""
@@ -88,7 +87,8 @@ class Source(Component):
         raise TypeError(f"a {self.kind_name()} source has no text")
 
     def example_text(self, example) -> str | None:
-        """Privileged text of a problem (sources with example_level = True)."""
+        """Privileged text of the problem alone (usable mid-rollout): a source whose text depends on the
+        problem only overrides this (the override is what declares it)."""
         raise TypeError(f"a {self.kind_name()} source has no per-problem text")
 
 
