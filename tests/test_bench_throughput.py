@@ -10,11 +10,19 @@ import json
 import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl (the bench extra)")
-TINY = ["--rounds", "1", "--steps", "1", "--warmup", "0", "--length", "4", "--prompts", "2", "--group", "2",
+TINY_ARGS = ["--rounds", "1", "--steps", "1", "--warmup", "0", "--length", "4", "--prompts", "2", "--group", "2",
         "--threads", "1"]
 
 
-def test_tiny_throughput_runs_both_sides_through_the_modules_step(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> list[str]:
+    """An untrained tiny policy (no bootstrapped checkpoint needed): the bench's arguments for it."""
+    from components.tasks.bootstrap import tiny_random_checkpoint
+
+    return [*TINY_ARGS, "--model", tiny_random_checkpoint(str(tmp_path_factory.mktemp("tiny") / "policy"))]
+
+
+def test_tiny_throughput_runs_both_sides_through_the_modules_step(tmp_path, monkeypatch, tiny):
     from composer import bench_throughput as bt
     from composer.backends.lightning.module import ComposerModule
 
@@ -27,7 +35,7 @@ def test_tiny_throughput_runs_both_sides_through_the_modules_step(tmp_path, monk
 
     monkeypatch.setattr(ComposerModule, "step_loss", spy)
     out = tmp_path / "tp.json"
-    assert bt.main(["--pairs", "grpo", *TINY, "--json", str(out)]) == 0
+    assert bt.main(["--pairs", "grpo", *tiny, "--json", str(out)]) == 0
     (res,) = json.loads(out.read_text())["results"]
     assert res["ours_error"] is None and res["trl_error"] is None, res
     assert len(res["ours_block_s"]) == 1 and len(res["trl_block_s"]) == 1
@@ -35,9 +43,9 @@ def test_tiny_throughput_runs_both_sides_through_the_modules_step(tmp_path, monk
     assert calls == [0, 1]  # the check step, then the timed block: the module's own step ran
 
 
-def test_throughput_exits_nonzero_when_a_side_did_not_run(tmp_path, capsys):
+def test_throughput_exits_nonzero_when_a_side_did_not_run(tmp_path, capsys, tiny):
     from composer import bench_throughput as bt
 
-    code = bt.main(["--pairs", "sft", *TINY, "--override", "train.no_such_field=1"])
+    code = bt.main(["--pairs", "sft", *tiny, "--override", "train.no_such_field=1"])
     assert code == 1
     assert "a side did not run: sft ours" in capsys.readouterr().err
