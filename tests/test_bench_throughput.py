@@ -43,9 +43,21 @@ def test_tiny_throughput_runs_both_sides_through_the_modules_step(tmp_path, monk
     assert calls == [0, 1]  # the check step, then the timed block: the module's own step ran
 
 
-def test_throughput_exits_nonzero_when_a_side_did_not_run(tmp_path, capsys, tiny):
+def test_throughput_exits_nonzero_when_a_side_did_not_run(tmp_path, capsys, monkeypatch, tiny):
+    """Our side's step fails (as the private copy of the step once did, with every pair), and TRL's trainer
+    cannot be built: the table says so and the exit status is 1 (it was 0)."""
     from composer import bench_throughput as bt
+    from composer.backends.lightning.module import ComposerModule
 
-    code = bt.main(["--pairs", "sft", *tiny, "--override", "train.no_such_field=1"])
+    def broken(self, step, optimizer):
+        raise TypeError("'Validated' object is not subscriptable")
+
+    def no_trl(*_a, **_k):
+        raise ImportError("trl is missing")
+
+    monkeypatch.setattr(ComposerModule, "step_loss", broken)
+    monkeypatch.setattr(bt, "trl_sft", no_trl)
+    code = bt.main(["--pairs", "sft", *tiny])
     assert code == 1
-    assert "a side did not run: sft ours" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "a side did not run: sft ours: TypeError" in err and "a side did not run: sft trl: ImportError" in err
