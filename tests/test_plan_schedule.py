@@ -204,23 +204,23 @@ def test_the_lightning_checks_can_fail(tmp_path, tiny):
 
 # ------------------------------------------------------------------------------------------- OpenRLHF
 
-def _bundle(spec: str, overrides, tmp: Path):
+def _bundle(spec: str, overrides, tmp: Path, model: str):
     from composer.backends.openrlhf.bundle import compile_bundle
     from composer.backends.openrlhf.flags import Layout
 
-    v = validate_file(ROOT / spec, list(overrides))
+    v = validate_file(ROOT / spec, [f"policy.model={model}", *overrides])
     compile_bundle(v, tmp / "bundle", Layout(nodes=1, gpus_per_node=1, cluster_dir=str(tmp / "cluster")))
     return json.loads((tmp / "bundle" / "plan.json").read_text())
 
 
-def test_openrlhf_refuses_initial_calls_after_the_first_broadcast(tmp_path):
+def test_openrlhf_refuses_initial_calls_after_the_first_broadcast(tmp_path, tiny):
     """GRPO first, POPE's search (the initial policy) from step 3: the rollout engine no longer holds the
     initial weights then; the bundle is refused with the reason (it used to serve updated weights)."""
     from composer.backends.openrlhf.flags import Unsupported
 
     with pytest.raises(Unsupported, match="initial weights"):
         _bundle("specs/pope.yaml", ["train.steps=6", "phases=[{until: 3, rollout: {guide: {kind: none}}}, "
-                                    "{until: 6}]"], tmp_path)
+                                    "{until: 6}]"], tmp_path, tiny)
 
 
 def test_openrlhf_agent_reads_initial_weights_from_the_schedule():
@@ -234,28 +234,32 @@ def test_openrlhf_agent_reads_initial_weights_from_the_schedule():
         agent._engine(object(), "initial", agent.schedule.sampler_is_initial(1))
 
 
-def test_a_guide_takes_the_composer_loss_not_native_grpo(tmp_path):
+def test_a_guide_takes_the_composer_loss_not_native_grpo(tmp_path, tiny):
     """OpenRLHF's group_norm groups by prompt only: under a guide (rows tagged guided / control, the Plan's
     `prompt x guide tag` groups) the bundle uses the composer's loss; plain GRPO stays native."""
-    plan = _bundle("specs/pope.yaml", ["train.steps=2"], tmp_path / "pope")
+    plan = _bundle("specs/pope.yaml", ["train.steps=2"], tmp_path / "pope", tiny)
     assert plan["schedule"]["ranges"][0]["terms"][0]["groups"] == "prompt x guide tag"
     assert plan["openrlhf"]["runs"][0]["plugin"].get("loss")
-    plan = _bundle("specs/grpo.yaml", ["train.steps=2"], tmp_path / "grpo")
+    plan = _bundle("specs/grpo.yaml", ["train.steps=2"], tmp_path / "grpo", tiny)
     assert plan["schedule"]["ranges"][0]["terms"][0]["groups"] == "prompt"
     assert not plan["openrlhf"]["runs"][0]["plugin"].get("loss")
 
 
 @pytest.mark.slow
-def test_openrlhf_fit_loop_syncs_on_the_plans_schedule(tmp_path):
+def test_openrlhf_fit_loop_syncs_on_the_plans_schedule(tmp_path, tiny):
     """OpenRLHF's own fit loop (CPU stand-ins): a phase with sync.every 2 from step 1 broadcasts after steps
     1 and 3 (the run-start count of old broadcast after 1, 2 and 4), and each rollout is sampled by the
     weights the Plan's schedule names."""
-    fitmod = pytest.importorskip("tests.test_openrlhf_fit")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("openrlhf_fit_harness", ROOT / "tests" / "test_openrlhf_fit.py")
+    fitmod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fitmod)  # the harness of tests/test_openrlhf_fit.py (its SPECS, its fit)
     if not fitmod.HAVE:
         pytest.skip("needs openrlhf, ray and deepspeed (the openrlhf-cpu extra)")
     fitmod.SPECS["oapl_phased"] = ("specs/oapl.yaml", [
         "train.steps=4", "train.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.temperature=1.5",
-        "phases=[{until: 1}, {until: 4, sync: {every: 2}}]"], None, [])
+        f"policy.model={tiny}", "phases=[{until: 1, sync: {every: 1}}, {until: 4, sync: {every: 2}}]"], None, [])
     out = fitmod.fit("oapl_phased", tmp_path)
     plan = json.loads((Path(out["bundle"]) / "plan.json").read_text())
     s = Schedule(plan)
