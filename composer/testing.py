@@ -51,7 +51,10 @@ def synthetic_batch(B: int = 8, T: int = 14, V: int = 11, seed: int = 0):
         if pad:
             origin[i, T - pad:] = CODE["pad"]
     origin[B - 1, 3:] = CODE["pad"]  # a row with nothing to train on
-    rand = lambda *shape: torch.rand(*shape, generator=g)  # noqa: E731
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=g)
+
     batch = TrajectoryBatch(
         tokens=tokens, origin=origin,
         behavior_logprobs=-rand(B, T) * 2 - 0.05,
@@ -185,4 +188,4 @@ def check_component(c) -> None:
     elif isinstance(c, Source):
         assert c.pi in ("prior", "posterior"), f"{c.kind_name()}: pi {c.pi!r}"
     else:
-        raise AssertionError(f"{type(c).__name__} is not a component of the contract")
+        raise TypeError(f"{type(c).__name__} is not a component of the contract")

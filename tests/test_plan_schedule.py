@@ -219,8 +219,8 @@ def test_openrlhf_refuses_initial_calls_after_the_first_broadcast(tmp_path, tiny
     from composer.backends.openrlhf.flags import Unsupported
 
     with pytest.raises(Unsupported, match="initial weights"):
-        _bundle("specs/pope.yaml", ["train.steps=6", "phases=[{until: 3, rollout: {guide: {kind: none}}}, "
-                                    "{until: 6}]"], tmp_path, tiny)
+        _bundle("specs/pope.yaml", ["train.steps=6", "phases=[{until: 3, rollout: {guide: {kind: none}}}, {until: 6}]"],
+                tmp_path, tiny)
 
 
 def test_openrlhf_agent_reads_initial_weights_from_the_schedule():
