@@ -165,8 +165,10 @@ def _calls(seg, models: list[dict]) -> list[Call]:
             out.append(Call(role, {"current": "policy"}.get(w, w)))
     for call, weights in seg.spec.rollout.guide.reads().items():
         out.append(Call(call, weights))
-    for mc in seg.spec.rollout.guide.model_calls(seg.spec):
-        out.append(Call(f"guide:{mc.source}", {"current": "sampler"}.get(mc.weights, mc.weights)))
+    for mc in seg.spec.rollout.guide.model_calls(seg.spec):  # a judge: the policy's own (sampler) or a model's
+        src = seg.spec.sources.get(mc.source)
+        own = getattr(src, "is_self", False)
+        out.append(Call(f"guide:{mc.source}", {"current": "sampler"}.get(mc.weights, mc.weights) if own else "frozen"))
     return out
 
 
