@@ -112,7 +112,7 @@ class Schedule:
         return self.ranges[-1] if step >= 0 else self.ranges[0]
 
     def sync_after(self, done: int) -> bool:
-        if done < 1:
+        if done < 1 or done > self.total_steps:
             return False
         r = self.at(done - 1)
         return (done - r.start) % r.sync_every == 0 or (r.sync_at_end and done == r.end)
@@ -128,7 +128,11 @@ class Schedule:
         for r in self.ranges:
             if r.start >= step:
                 break
-            last = max([last] + [d for d in r.syncs() if d <= step])
+            k = (min(r.end, step) - r.start) // r.sync_every  # syncs of this range at or before `step`
+            if k >= 1:
+                last = max(last, r.start + k * r.sync_every)
+            if r.sync_at_end and r.end <= step:
+                last = max(last, r.end)
         return last
 
     def initial_version(self, step: int) -> int:

@@ -60,6 +60,16 @@ def test_stages_sync_at_their_end_and_move_the_initial_weights():
     assert [Schedule(plan).initial_version(t) for t in range(7)] == [0] * 7
 
 
+@pytest.mark.parametrize("overrides", [PHASED, ["train.steps=7", "sync.every=3", "sync.off_policy_ok=true"],
+                                       ["train.steps=8",
+                                        "phases=[{until: 5, sync: {every: 4, off_policy_ok: true}}, {until: 8}]"]])
+def test_sampler_version_is_the_last_sync(overrides):
+    s = Schedule(plan_of("specs/grpo.yaml", overrides))
+    for t in range(s.total_steps + 2):
+        assert s.sampler_version(t) == max([0] + [d for d in s.syncs() if d <= t]), t
+        assert s.sync_after(t) == (t in s.syncs()), t
+
+
 def test_the_schedule_records_calls_groups_and_normalisers():
     r = Schedule(plan_of("specs/pope.yaml")).ranges[0]
     assert ("guide:prefix-search", "initial") in {(c.call, c.weights) for c in r.calls}
