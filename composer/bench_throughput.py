@@ -9,10 +9,11 @@ Pairs, each on the same model, the same prompts, the same rows per step and the 
     opd   specs/opd.yaml             vs  trl.experimental.gkd.GKDTrainer (lmbda 1: on-policy; beta 1: reverse KL)
     sft   specs/sft.yaml             vs  trl.SFTTrainer (prompt-completion data, completion-only loss)
 
-Our side is the Lightning backend's step without the Trainer around it: `ComposerModule.setup` builds
-the run context (rollout engine, initial policy) and `configure_optimizers` the optimiser, and every
-step does what `ComposerModule.training_step` plus the Trainer do: draw prompts, `step.collect`,
-`step.loss`, backward, gradient clipping, AdamW step, the rollout-weight sync on the schedule. What it
+Our side is the Lightning backend's own step without the Trainer around it: `ComposerModule.setup` builds
+the run context (rollout engine, initial policy), `configure_optimizers` the optimiser and LR scheduler,
+and every step calls `ComposerModule.step_loss` (the module's training step: segment, prompts,
+`step.collect`, `step.loss`), then does the Trainer's part (backward, gradient clipping, AdamW and
+scheduler step) and calls `ComposerModule.after_step` (EMA teachers, the Plan's sync schedule). What it
 leaves out is Lightning's own per-step bookkeeping (logging, progress bar, checkpoint callback).
 
 TRL's side is its own `Trainer.train()` loop on CPU (use_cpu, fp32, no vLLM, no logging, no saving);
@@ -110,6 +111,7 @@ class Ours:
         import torch
 
         from composer.backends.lightning.module import ComposerModule
+        from composer.plan import compile_plan
         from composer.runtime import step as run_step
         from composer.runtime.binding import bind_task
         from composer.runtime.models import load_model, load_tokenizer
@@ -122,12 +124,13 @@ class Ours:
         task = bind_task(spec)
         tok = load_tokenizer(spec.policy.tokenizer or spec.policy.model)
         policy = load_model(spec.policy.model, spec.policy.dtype)
-        self.module = ComposerModule(v, task, tok, policy)
+        self.module = ComposerModule(compile_plan(v, "lightning"), task, tok, policy, validated=v)
         self.module.setup("fit")
         self.ctx = self.module.ctx
         self.policy = policy
         self.ctx.task.sample_train = cycler(examples)
-        self.opt = self.module.configure_optimizers()
+        optim = self.module.configure_optimizers()
+        self.opt, self.lr_sched = optim["optimizer"], optim["lr_scheduler"]["scheduler"]
         self.train_model = self.ctx.forward_model(policy)  # compiled with train.compile, as in a run
         self.done = 0
         self.phases = Phases()
@@ -142,17 +145,24 @@ class Ours:
             self._use_fast_sampler(engine)
         self._wrap("generate", engine)
         self._wrap("score", engine)
-        orig_initial = run_step.initial_logprobs
+        self._orig = {}
+        for name, label in (("initial_logprobs", "initial_logprobs"), ("collect", "collect"),
+                            ("loss", "loss (policy forward + objective)")):
+            self._time(name, label)
 
-        def initial(ctx, batch):
-            with self._phase("initial_logprobs"):
-                return orig_initial(ctx, batch)
+    def _time(self, name: str, label: str) -> None:
+        """Time `composer.runtime.step.<name>` (what the module's step calls) as phase `label`."""
+        orig = self._orig[name] = getattr(self.run_step, name)
 
-        self._orig_initial = orig_initial
-        run_step.initial_logprobs = initial
+        def timed(*a, **kw):
+            with self._phase(label):
+                return orig(*a, **kw)
+
+        setattr(self.run_step, name, timed)
 
     def close(self):
-        self.run_step.initial_logprobs = self._orig_initial
+        for name, fn in self._orig.items():
+            setattr(self.run_step, name, fn)
 
     def _phase(self, name):
         return self.phases.timed(name) if self.measuring else contextlib.nullcontext()
@@ -185,40 +195,27 @@ class Ours:
         engine.generate = generate
 
     def step(self) -> None:
-        """One optimiser step, as ComposerModule.training_step + the Trainer + after_step do it."""
-        from composer.batch import to_device
-
-        torch, run_step, ctx = self.torch, self.run_step, self.ctx
-        t = ctx.spec.train
-        ctx.step = self.done
-        ctx.metrics = {}
+        """One optimiser step: the Lightning module's own step (`ComposerModule.step_loss`: segment, prompts,
+        rollouts, signals, loss), then what the Trainer does around it (backward, gradient clip, AdamW, the
+        LR scheduler) and the module's `after_step` (EMA teachers, the Plan's sync schedule)."""
+        torch = self.torch
         with self._phase("total"):
-            examples = ctx.next_prompts(t.prompts_per_step)
-            with self._phase("collect"):
-                batches = run_step.collect(ctx, list(examples))
-            device = next(self.policy.parameters()).device
-            batches = to_device(batches, device)
-            with self._phase("loss (policy forward + objective)"):
-                loss, metrics = run_step.loss(ctx, self.train_model, batches)
-            if not torch.isfinite(loss):
-                raise RuntimeError(f"the loss is not finite at step {self.done}")
-            metrics.update(ctx.metrics)
-            metrics["loss"] = float(loss.detach())
+            loss, metrics = self.module.step_loss(self.done, self.opt)
+            batches = metrics.pop("_batches")
+            metrics.pop("_eval", None)
             with self._phase("backward"):
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
             with self._phase("clip + optimizer"):
-                if t.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(self.policy.parameters(), t.grad_clip)
+                self.module.on_before_optimizer_step(self.opt)
+                clip = self.ctx.spec.train.grad_clip
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(self.policy.parameters(), clip)
                 self.opt.step()
+                self.lr_sched.step()
             self.done += 1
             with self._phase("sync + hooks"):
-                for rt in list(ctx.runtimes.values()):
-                    hook = getattr(rt, "after_optimizer_step", None)
-                    if hook is not None:
-                        hook(ctx)
-                if self.done % ctx.spec.sync.every == 0:
-                    ctx.engine.sync(self.policy, self.done)
+                self.module.after_step(self.done)
         if self.measuring:
             self.phases.steps += 1
             first = batches[0]
@@ -617,7 +614,12 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "results": results},
                                               indent=2, default=str))
-    return 0
+    failed = [f"{r['pair']} {side}: {r[side + '_error']}" for r in results for side in ("ours", "trl")
+              if r.get(side + "_error") or (side == "ours" and not r.get("ours_block_s"))
+              or (side == "trl" and not r.get("trl_block_s"))]
+    for f in failed:
+        print(f"[bench] a side did not run: {f}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -4,11 +4,11 @@ optional hook declared here with its default, so backends call hooks and never p
   Source     preflight(ctx, name)      checks before any training (tokenizers, paths)
              build(ctx, name)          the runtime a run uses (default: the config itself)
              text(ctx, batch, i)       privileged text for row i (text sources), None when it has none
-  Runtime    after_optimizer_step(ctx), on_sync(ctx), state_dict(), load_state_dict(state)
+  Runtime    after_optimizer_step(ctx), state_dict(), load_state_dict(state)
   Guide      writes                    the token origins it writes into rollouts
              prepare(ctx, examples)    a program run once per step before the rollouts (searches, caches)
              row(ctx, example, i, n)   the program of one rollout (composer/runtime/protocol.py)
-             on_sync(ctx)              after the rollout weights were refreshed
+             reads()                   its own model calls and the weights they read (the Plan's schedule)
              preflight(ctx), metrics(traces)
   Signal     origins(guide)            the token origins of the batch this signal's term trains on
              makes_batch / make_batch  a signal whose batch is not a rollout (SFT on references)
@@ -47,9 +47,6 @@ class Runtime:
     def after_optimizer_step(self, ctx) -> None:
         """After every optimiser step (EMA teachers)."""
 
-    def on_sync(self, ctx) -> None:
-        """After the rollout weights were refreshed from the trainer."""
-
     def state_dict(self) -> dict:
         """What a checkpoint must keep to continue exactly (tensors and plain data)."""
         return {}
@@ -62,7 +59,6 @@ class Source(Component):
     """Base of every privileged-information source."""
 
     pi: ClassVar[str] = "prior"  # prior: usable without the environment; posterior: needs it
-    example_level: ClassVar[bool] = False  # its text depends on the problem only (usable mid-rollout)
 
     def preflight(self, ctx, name: str) -> None:
         """Checks that must fail before any training (nothing by default)."""
@@ -91,7 +87,8 @@ class Source(Component):
         raise TypeError(f"a {self.kind_name()} source has no text")
 
     def example_text(self, example) -> str | None:
-        """Privileged text of a problem (sources with example_level = True)."""
+        """Privileged text of the problem alone (usable mid-rollout): a source whose text depends on the
+        problem only overrides this (the override is what declares it)."""
         raise TypeError(f"a {self.kind_name()} source has no per-problem text")
 
 
@@ -114,6 +111,11 @@ class Guide(Component):
         """Generations this guide asks of models other than the rollout (a model judge); none by default."""
         return []
 
+    def reads(self) -> dict[str, str]:
+        """The guide's own model calls besides the rollout and its judges' (`model_calls`), with the weights each
+        reads (`initial`, `sampler`): the Plan's schedule records them; none by default."""
+        return {}
+
     def describe(self, spec) -> str:
         """Who writes which tokens besides the policy, in a few words (explain's "what will happen")."""
         return f"the {self.kind_name()} guide writes {', '.join(self.writes_now()) or 'no'} tokens"
@@ -126,9 +128,6 @@ class Guide(Component):
     def row(self, ctx, example, index: int, n: int):
         """The program of rollout `index` (of n) of `example`; returns a protocol.Trace."""
         raise NotImplementedError
-
-    def on_sync(self, ctx) -> None:
-        """After the rollout weights were refreshed (nothing by default)."""
 
     def preflight(self, ctx) -> None:
         """Checks that must fail before any training, e.g. a judge prompt that drops declared context."""

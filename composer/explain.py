@@ -88,6 +88,10 @@ def text(plan: dict) -> str:
                         lines.append(f"    {'':<19} behaviour log-probs: {o['behaviour']}")
             masked = [o for o, v in t["origins"].items() if v.get("present", True) and not v["loss"]]
             lines.append(f"    no loss: {', '.join(masked) or '-'}")
+    if plan.get("schedule"):  # what both backends execute, step by step (composer/schedule.py)
+        from composer.schedule import lines as schedule_lines
+
+        lines += schedule_lines(plan)
     return "\n".join(lines)
 
 

@@ -1,7 +1,8 @@
 """Compile a validated spec into the Plan: the one intermediate form both backends read (DESIGN.md section 4).
 
 The Plan is plain JSON-able data: which models load, the per-step dataflow, the segments (phases and
-stages resolved to step ranges), for every token origin whether it gets loss and against which
+stages resolved to step ranges), the schedule both backends execute (composer/schedule.py: syncs, LR,
+the weights each model call reads, each term's advantage groups and normaliser), for every token origin whether it gets loss and against which
 anchor, and one rendered example of the prompts (`prompts`: the policy's, each teacher's and judge's).
 `composer explain` prints it; `composer run` writes it as plan.json.
 """
@@ -12,6 +13,7 @@ from composer import graph
 from composer.origins import ORIGINS
 from composer.runtime.prompts import example_prompts
 from composer.runtime.vllm_engine import engine_note
+from composer.schedule import compile_schedule
 from composer.terms import rolls_out, scored_origins, terms
 from composer.validate import Segment, Validated
 
@@ -210,6 +212,7 @@ def compile_plan(v: Validated, backend: str | None = None) -> dict:
         "policy": spec.policy.model or "toy:student",
         "sources": sources,
         "segments": [_segment(s) for s in v.segments],
+        "schedule": compile_schedule(v.segments, _models),
         "edges": edges,
         "train": train,
         "rollout": {k: v for k, v in spec.rollout.model_dump(mode="json").items() if k != "guide"},

@@ -1,7 +1,8 @@
 """The segments a run executes, read back from the compiled Plan: both backends run exactly what plan.json says.
 
 A segment is a step range with one resolved spec: the whole run (`main`), a phase (`phase<i>`), or a
-stage (its name). Steps are global and 0-based; a stage's steps follow the previous stage's.
+stage (its name). Steps are global and 0-based; a stage's steps follow the previous stage's. What happens
+at which step (syncs, LR, weights) is the Plan's schedule: composer/schedule.py.
 """
 
 from __future__ import annotations
@@ -39,14 +40,3 @@ def segment_at(segments: list[RunSegment], step: int) -> RunSegment:
         if seg.start <= step < seg.end:
             return seg
     return segments[-1]
-
-
-def sync_due(segments: list[RunSegment], done: int) -> bool:
-    """Whether the rollout weights are refreshed after `done` optimiser steps (global count): every
-    `sync.every` steps counted from the start of the segment the step belonged to, and at the end of every
-    stage (a stage starts from the weights the previous one ended with, like a new run)."""
-    seg = segment_at(segments, done - 1)
-    if (done - seg.start) % seg.spec.sync.every == 0:
-        return True
-    nxt = segment_at(segments, done)
-    return done == seg.end and nxt is not seg and nxt.stage != seg.stage

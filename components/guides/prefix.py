@@ -48,6 +48,9 @@ class PrefixGuide(Guide):
     def extra_tokens(self, spec, max_solution_tokens: int) -> int:
         return max_solution_tokens + len(self.instruction) + 8  # the prefix (never the whole reference) in the prompt
 
+    def reads(self) -> dict[str, str]:
+        return {"guide:prefix-search": "initial"} if self.search == "minimal" else {}
+
     def describe(self, spec) -> str:
         k = "the shortest prefix the initial policy can finish" if self.search == "minimal" else "a fixed prefix"
         where = "in the prompt" if self.placement == "prompt" else "as guide_prefix tokens at the start of the response"

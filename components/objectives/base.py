@@ -6,6 +6,7 @@ the lazy proxy so that importing this module (spec validation) never loads torch
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
@@ -19,6 +20,16 @@ if TYPE_CHECKING:
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"]
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How an objective's `loss` reduces per-token losses to one number (`aggregate`'s arguments): the step-wide
+    normaliser derives from it, so micro-batches and ranks add up to the loss of the whole step."""
+
+    mode: str  # one of AGGREGATIONS
+    norm_const: float | None = None  # C of seq-mean-token-sum-norm
+    weighted: bool = False  # sequence weights s_i = batch.weights() enter the aggregation
 
 
 class Objective(Component):
@@ -71,12 +82,30 @@ class Objective(Component):
     def loss(self, batch, view, adv) -> tuple[Tensor, dict[str, float]]:
         raise NotImplementedError
 
+    def reduction(self) -> Reduction | None:
+        """The aggregation `loss` uses; `normalizer` derives from it. An objective returns one, or overrides
+        `normalizer` (a loss that is not an `aggregate`); a class doing neither is refused when defined."""
+        return None
+
     def normalizer(self, batch) -> Tensor:
         """What `loss` divides its sum by on `batch` (a scalar tensor). A backend that splits a step into
-        micro-batches (OpenRLHF) scales each micro-batch's loss by normalizer(micro) / normalizer(step), so
-        the micro-batches add up to the loss of the whole step, as one batch would give it. Default: the
-        rows with at least one loss token (a mean over sequences)."""
-        return self.loss_mask(batch).any(-1).sum().float()
+        micro-batches (OpenRLHF) or ranks (DDP) scales each part's loss by normalizer(part) / normalizer(step),
+        so the parts add up to the loss of the whole step, as one batch would give it. Derived from
+        `reduction()` (aggregate_count of the same arguments)."""
+        r = self.reduction()
+        if r is None:
+            raise TypeError(f"{type(self).__name__} declares no reduction() and does not override normalizer()")
+        return aggregate_count(self.loss_mask(batch), r.mode, r.norm_const,
+                               seq_weight=batch.weights() if r.weighted else None)
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs):
+        super().__pydantic_init_subclass__(**kwargs)
+        concrete = cls.loss is not Objective.loss
+        if concrete and cls.reduction is Objective.reduction and cls.normalizer is Objective.normalizer:
+            raise TypeError(f"objective {cls.__name__}: return its aggregation from reduction() (normalizer derives "
+                            "from it) or override normalizer(); a defaulted normaliser would be silently wrong on "
+                            "micro-batches and under DDP")
 
     def loss_mask(self, batch) -> Tensor:
         """[B, T] bool: tokens of `loss_tokens` origins that are not padding."""

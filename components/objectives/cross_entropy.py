@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 
-from components.objectives.base import Aggregation, Objective, aggregate, aggregate_count
+from components.objectives.base import Aggregation, Objective, Reduction, aggregate
 from composer.origins import Origin
 from composer.registry import register
 
@@ -38,8 +38,8 @@ class CrossEntropy(Objective):
     def anchors(self) -> dict[str, str]:
         return {o: "target token (teacher-forced)" for o in self.loss_tokens}
 
-    def normalizer(self, batch: TrajectoryBatch) -> Tensor:
-        return aggregate_count(self.loss_mask(batch), self.aggregation)
+    def reduction(self) -> Reduction:
+        return Reduction(self.aggregation)
 
     def loss(self, batch: TrajectoryBatch, cur: PolicyView, adv=None) -> tuple[Tensor, dict[str, float]]:
         mask = self.loss_mask(batch)  # [B, T]

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 
-from components.objectives.base import Aggregation, Objective, aggregate, aggregate_count, masked_mean
+from components.objectives.base import Aggregation, Objective, Reduction, aggregate, masked_mean
 from composer.lazy import F, torch
 from composer.registry import register
 
@@ -114,8 +114,8 @@ class Divergence(Objective):
                 "full": "teacher distribution over the vocabulary", "top_k": "teacher distribution on the top-k + tail"}
         return {o: what[self.estimator] for o in self.loss_tokens}
 
-    def normalizer(self, batch: TrajectoryBatch) -> Tensor:
-        return aggregate_count(self.loss_mask(batch), self.aggregation, seq_weight=batch.weights())
+    def reduction(self) -> Reduction:
+        return Reduction(self.aggregation, weighted=True)
 
     def loss(self, batch: TrajectoryBatch, cur: PolicyView, adv=None) -> tuple[Tensor, dict[str, float]]:
         """Per-token divergence, weighted by SDPO's s_i (and w_t for full/top_k), aggregated:

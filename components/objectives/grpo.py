@@ -10,7 +10,7 @@ from components.objectives.base import (
     Aggregation,
     Objective,
     aggregate,
-    aggregate_count,
+    Reduction,
     group_advantages,
     masked_mean,
 )
@@ -87,8 +87,8 @@ class Grpo(Objective):
             raise ValueError("grpo: the batch has no rewards (a reward signal must fill batch.rewards)")
         return group_advantages(batch.rewards, batch.group, self.std_norm, self.std_eps)  # [B]
 
-    def normalizer(self, batch: TrajectoryBatch) -> Tensor:
-        return aggregate_count(self.loss_mask(batch), self.loss_agg, self.norm_const)
+    def reduction(self) -> Reduction:
+        return Reduction(self.loss_agg, self.norm_const)
 
     def loss(self, batch: TrajectoryBatch, cur: PolicyView, adv: Tensor) -> tuple[Tensor, dict[str, float]]:
         """-agg(min(rho A, clip(rho) A)) + kl_coef * agg(k(log pi_theta - log pi_init)) over the loss tokens."""

@@ -19,7 +19,6 @@ class ReferenceSolution(Source):
 
     provides: ClassVar = ("reference_text",)
     pi: ClassVar[str] = "prior"
-    example_level: ClassVar[bool] = True
 
     def example_text(self, example) -> str | None:
         """The solution of a problem: the `field` of its data row when set, else its solution."""

@@ -388,5 +388,8 @@ def _signals(spec):
 
 
 def _example_text(src, example) -> str:
-    text = src.example_text(example) if getattr(src, "example_level", False) else None
+    from composer.contract import Source
+
+    per_problem = type(src).example_text is not Source.example_text  # the source has text of the problem alone
+    text = src.example_text(example) if per_problem else None
     return text if text is not None else PLACEHOLDER.get(src.kind_name(), f"\u27e8{src.kind_name()}\u27e9")

@@ -7,7 +7,6 @@ and every component does its own part through the run context.
 
 from __future__ import annotations
 
-import math
 import random
 from pathlib import Path
 
@@ -17,7 +16,8 @@ from torch.utils.data import Dataset
 
 from composer.batch import to_device
 from composer.runtime import step as run_step
-from composer.segments import segment_at, segments_of, sync_due
+from composer.schedule import Schedule
+from composer.segments import segment_at, segments_of
 from composer.contract import Runtime
 from composer.runtime.context import RunContext
 from composer.runtime.engine import make_engine
@@ -50,6 +50,7 @@ class ComposerModule(L.LightningModule):
         self.plan = plan
         self.validated = validated  # recorded in checkpoints, so --resume can refuse another spec
         self.segments = segments_of(plan)
+        self.schedule = Schedule(plan)  # syncs, LR, weights: computed by compile_plan, read here
         self.recorder = recorder
         self.task = task
         self.tokenizer = tokenizer
@@ -91,8 +92,13 @@ class ComposerModule(L.LightningModule):
         return torch.utils.data.DataLoader(_Steps(self.total_steps), batch_size=None, shuffle=False)
 
     def configure_optimizers(self):
+        """AdamW at unit base LR under torch's LambdaLR, whose factor is the Plan's LR of the step (warm-up and
+        decay per segment, composer/schedule.py): the scheduler's state is checkpointed with the optimiser."""
         t = self.segments[0].spec.train
-        return torch.optim.AdamW(self.policy.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+        opt = torch.optim.AdamW(self.policy.parameters(), lr=1.0, betas=tuple(t.betas), weight_decay=t.weight_decay)
+        schedule = self.schedule
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule.lr(step))  # a function: not pickled
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """The gradient-norm clip of the segment in force (train.grad_clip; 0 disables)."""
@@ -101,36 +107,32 @@ class ComposerModule(L.LightningModule):
             self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
 
     # ---- the step ----
-    def _enter(self, step: int) -> None:
-        """Make the segment of `step` the one in force: its spec, its optimiser settings from this step on,
-        and at a stage's first step the reference weights (train.reference: stage_start)."""
+    def _enter(self, step: int, optimizer) -> None:
+        """Make the segment of `step` the one in force: its spec, its optimiser settings from this step on
+        (the LR is the scheduler's, from the Plan), and where the Plan moves the frozen initial weights (a
+        stage's start with train.reference: stage_start) a fresh copy of them."""
         seg = self.segment_at(step)
         ctx = self.ctx
         ctx.step = step
         ctx.segment_start, ctx.segment_end = seg.start, seg.end
         if seg.name != ctx.segment:
             first = ctx.segment == ""
-            new_stage = not first and seg.stage is not None and seg.stage != self.segment_at(step - 1).stage
             ctx.segment, ctx.spec = seg.name, seg.spec
-            if new_stage and seg.spec.train.reference == "stage_start":
+            if not first and self.schedule.initial_version(step) != self.schedule.initial_version(step - 1):
                 ctx.refresh_initial()
             ctx.record("segment", name=seg.name, start=seg.start, end=seg.end)
             for _n, sig, _o, _w in run_step.terms(seg.spec):
                 sig.start(ctx)
         t = ctx.spec.train
-        local = step - seg.start
-        factor = min(1.0, (local + 1) / t.warmup_steps) if t.warmup_steps else 1.0
-        if t.lr_schedule == "cosine":
-            span = max(seg.end - seg.start - t.warmup_steps, 1)
-            frac = min(max(local - t.warmup_steps, 0) / span, 1.0)
-            factor *= 0.5 * (1 + math.cos(math.pi * frac))
-        for group in self.optimizers().param_groups:
-            group.update(lr=t.lr * factor, betas=tuple(t.betas), weight_decay=t.weight_decay)
+        for group in optimizer.param_groups:
+            group.update(betas=tuple(t.betas), weight_decay=t.weight_decay)
 
-    def training_step(self, batch_idx, _):
-        step = self.global_step
+    def step_loss(self, step: int, optimizer) -> tuple[torch.Tensor, dict]:
+        """The loss of global step `step` and its metrics: the segment in force, evaluation when due, the
+        prompts, rollouts and signals (`step.collect`), the terms' loss. Everything of a step but the
+        optimiser's part, which the Trainer does (and `composer bench --throughput` without one)."""
         self.ctx.metrics = {}  # before _enter: a segment's start logs into its first step's row
-        self._enter(step)
+        self._enter(step, optimizer)
         ctx = self.ctx
         every = ctx.spec.train.eval_every
         if every and step % every == 0:  # pass@1 of the policy after `step` updates, in this step's row
@@ -149,7 +151,16 @@ class ComposerModule(L.LightningModule):
         metrics.update({f"cost/{k}": float(v) for k, v in ctx.costs.items()})  # cumulative, for compute matching
         metrics.update(metrics_eval)
         metrics["loss"] = float(loss.detach())
-        metrics["lr"] = self.optimizers().param_groups[0]["lr"]
+        metrics["lr"] = optimizer.param_groups[0]["lr"]
+        metrics["_eval"] = metrics_eval  # the training step shows the middle tier's pass@1; dropped before logging
+        metrics["_batches"] = batches  # for callers that count rows and tokens; dropped before logging
+        return loss, metrics
+
+    def training_step(self, batch_idx, _):
+        step = self.global_step
+        loss, metrics = self.step_loss(step, self.optimizers())
+        metrics.pop("_batches")
+        metrics_eval = metrics.pop("_eval")
         # Straight to the loggers: Lightning's result collection would repeat a key logged in an earlier
         # step (a guide metric, an evaluation) into rows where it was not measured. One name per metric in
         # every logger (report.metric_name: pass@1/eval -> pass_at_1/eval).
@@ -196,24 +207,21 @@ class ComposerModule(L.LightningModule):
             if p.grad is not None and not torch.isfinite(p.grad).all():
                 raise NonFiniteError(f"a gradient is not finite at step {self.global_step}")
 
-    def after_step(self) -> None:
-        """After every optimiser step: EMA teachers, the sync schedule, evaluation.
+    def after_step(self, done: int | None = None) -> None:
+        """After every optimiser step: EMA teachers, the sync schedule (the Plan's), evaluation.
 
         Called by the AfterStep callback, which Lightning runs before ModelCheckpoint saves,
         so that a checkpoint of step N holds the state after all of step N's bookkeeping.
+        `done`: optimiser steps taken so far (default: the Trainer's count).
         """
         ctx = self.ctx
-        done = self.global_step  # optimizer steps taken so far
+        done = self.global_step if done is None else done
         for rt in list(ctx.runtimes.values()):
             if isinstance(rt, Runtime):
                 rt.after_optimizer_step(ctx)
-        if sync_due(self.segments, done):
+        if self.schedule.sync_after(done):
             ctx.engine.sync(self.policy, done)
             ctx.record("sync", after=done)
-            ctx.spec.rollout.guide.on_sync(ctx)
-            for rt in list(ctx.runtimes.values()):
-                if isinstance(rt, Runtime):
-                    rt.on_sync(ctx)
 
     def _evaluate(self, step: int) -> dict[str, float]:
         """Evaluate the policy now; rank 0 keeps what was generated in eval_samples.jsonl (with `step`)."""

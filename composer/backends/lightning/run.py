@@ -251,7 +251,7 @@ def _fit(validated, out: Path, plan: dict, module, loggers, callbacks, ckpt, sto
          tokenizer, progress: bool) -> dict:
     t = validated.spec.train
     trainer = L.Trainer(
-        max_steps=validated.total_steps, max_epochs=-1, accelerator=t.accelerator, devices=t.devices,
+        max_steps=plan["total_steps"], max_epochs=-1, accelerator=t.accelerator, devices=t.devices,
         strategy=t.strategy, num_nodes=t.num_nodes, precision=t.precision,
         logger=loggers, callbacks=callbacks, log_every_n_steps=1,
         enable_progress_bar=progress, enable_model_summary=False, num_sanity_val_steps=0,

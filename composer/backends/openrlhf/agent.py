@@ -5,8 +5,9 @@ sample. The rollout itself is the guide's own program (components/guides, DESIGN
 the Lightning backend drives in lockstep: this module only answers the program's requests with
 `run_async` (composer/runtime/protocol.py) against the engines it has. "policy" is `llm_engine` (the
 rollout weights); an external judge is its named vLLM actor (`composer-judge-<source>`); "initial" (the
-frozen initial policy: POPE's minimal search, a `weights: initial` self-judge) is `llm_engine` while it
-still holds the initial weights, before the first broadcast, and an error with the reason after it.
+frozen initial policy: POPE's minimal search, a `weights: initial` self-judge) is `llm_engine` while the
+Plan's schedule says it holds the initial weights (`Schedule.sampler_is_initial`: before the run's first
+broadcast), and an error with the reason after it.
 
 The finished trace becomes OpenRLHF's sample: the tokens, `action_ranges` from the origins of the term's
 loss tokens (never empty: a row with nothing to train keeps one token at sequence weight 0, so that no
@@ -25,6 +26,7 @@ from typing import Optional
 from composer.backends.openrlhf.batch import action_ranges, decode_label, encode_label, example_of
 from composer.backends.openrlhf.loss import Segments
 from composer.runtime.protocol import INITIAL, POLICY, Generation, Score, Trace, run_async
+from composer.schedule import Schedule
 
 
 class ComposerAgent:
@@ -38,6 +40,7 @@ class ComposerAgent:
         name = run or os.environ.get("COMPOSER_RUN")
         self.run = next((r for r in runs if r["name"] == name), None) or next(r for r in runs if r["plugin"].get("agent"))
         self.segments = Segments(self.plan, self.run["segments"])
+        self.schedule = Schedule(self.plan)  # which weights the engine holds at a step (composer/schedule.py)
         specs = [s.spec for s in self.segments.items]
         self.trainable = {"policy"} | {o for s in specs for _, _, obj, _ in terms(s) for o in obj.loss_tokens}
         self.counts: dict = {}
@@ -135,12 +138,13 @@ class ComposerAgent:
         idx = self._index(prompt, label, spec.rollout.samples_per_prompt)
         ctx = copy.copy(self.context(spec, hf_tokenizer))  # shares caches; this call's step and room
         ctx.step = self.segments.offset + step
-        initial_ok = ctx.step < seg.start + spec.sync.every  # no broadcast yet: the engine holds the initial weights
+        # the engine serves "initial" calls only while the Plan says it holds the frozen initial weights
+        initial_ok = self.schedule.sampler_is_initial(ctx.step)
         engines = (llm_engine, sampling_params, max_length, hf_tokenizer)
         serve = self._serve_for(ctx, example, engines, initial_ok)
         ahead = [sig for _n, sig, _o, _w in terms(spec) if sig.builds_ahead]
         if ahead:  # targets built once at the segment's start (InT offline): this sample is one of them
-            trace, weight = await self._built_ahead(ctx, ahead[0], example, idx, seg, initial_ok, engines)
+            trace, weight = await self._built_ahead(ctx, ahead[0], example, idx, seg, engines)
         else:
             await self._prepare(ctx, guide, example, serve)
             trace = await run_async(guide.row(ctx, example, idx, spec.rollout.samples_per_prompt), serve)
@@ -163,7 +167,7 @@ class ComposerAgent:
         room = min(sp.max_tokens or max_length, ctx.max_new_tokens, max_length - n - 1)
         return self.server(llm_engine, sp, max_length, room, n, initial_ok)
 
-    async def _built_ahead(self, ctx, sig, example, idx: int, seg, initial_ok: bool, engines):
+    async def _built_ahead(self, ctx, sig, example, idx: int, seg, engines):
         """(trace, weight) of sample `idx` of `example` from the targets `sig` builds once (InT offline,
         components/signals/sft.py `attempt_program`): on the first call of the segment, before the first
         weight broadcast, for every training problem of this run (OpenRLHF draws the prompts); then the
@@ -176,15 +180,18 @@ class ComposerAgent:
         key = ("built_ahead", seg.name, sig.model_dump_json())
         async with self.lock:
             if key not in self.built:
-                if not initial_ok:
-                    raise RuntimeError("InT's offline targets are built from the weights at the stage's start, "
-                                       "before the first weight broadcast; this engine has already been updated")
+                held, wanted = self.schedule.sampler_version(ctx.step), self.schedule.sampler_version(seg.start)
+                if held != wanted:  # the Plan: the targets come from the sampler's weights at the segment's start
+                    raise RuntimeError(f"InT's offline targets are built from the sampler's weights at the segment's "
+                                       f"start (after step {wanted}); at step {ctx.step} this engine holds those "
+                                       f"after step {held}")
                 n = ctx.spec.rollout.samples_per_prompt
+                initial_ok = self.schedule.sampler_is_initial(seg.start)
                 problems = self._run_problems(ctx, sig)
                 if example.prompt not in {ex.prompt for ex in problems}:
                     problems.append(example)
                 statuses = await asyncio.gather(*(run_async(attempt_program(ctx, sig, ex, i, n),
-                                                            self._serve_for(ctx, ex, engines, True))
+                                                            self._serve_for(ctx, ex, engines, initial_ok))
                                                   for ex in problems for i in range(n)))
                 self.built[key] = collect_targets(problems, statuses, n)
         targets, _counts = self.built[key]
@@ -248,7 +255,7 @@ class ComposerAgent:
             "truncated": not (trace.response and trace.response[-1] == ctx.eos_id),
             "extra_logs": {"composer_guided": float(trace.guided), "composer_control": float(trace.control),
                            "composer_offpolicy_frac": off / max(len(trace.response), 1),
-                           "composer_reviews": float(len(trace.notes.get("verdicts", [])))},
+                           "composer_reviews": float(trace.notes.get("reviews", 0))},  # the guide's reviews
         }
 
 

@@ -82,9 +82,11 @@ def _is_reference_sft(sig, obj) -> bool:
 
 
 def _native_grpo(spec) -> bool:
-    """One reward term with a grpo objective whose every field has an OpenRLHF flag."""
+    """One reward term with a grpo objective whose every field has an OpenRLHF flag, under plain sampling:
+    OpenRLHF's group_norm groups rows by prompt only, so a guide (whose rows may carry a tag that splits a
+    prompt's rows into advantage groups, the Plan's `groups: prompt x guide tag`) takes the composer's loss."""
     terms = _terms(spec)
-    if len(terms) != 1:
+    if len(terms) != 1 or not type(spec.rollout.guide).plain:
         return False
     _, sig, obj, w = terms[0]
     return (sig.kind_name() == "reward" and obj.kind_name() == "grpo" and w == 1.0 and obj.loss_tokens == ["policy"]
@@ -155,6 +157,7 @@ def _run(name, group, segs, layout: Layout, inputs: Inputs, model: str) -> Run:
                               f"({', '.join(diff)}), which are fixed for a run",
                               "keep these settings equal across phases, or use `stages`")
     run.argv = args[0].argv
+    _check_initial_calls(segs, specs, where)
     if len(segs) > 1:
         run.via_plugin.append("phases: " + ", ".join(f"{s.name} = steps {s.start}-{s.end}" for s in segs)
                               + ", switched by the trainer's step (carried to the rollout workers in the label)")
@@ -162,6 +165,26 @@ def _run(name, group, segs, layout: Layout, inputs: Inputs, model: str) -> Run:
     run.via_plugin = list(dict.fromkeys(run.via_plugin))
     run.notes = list(dict.fromkeys(run.notes))
     return run
+
+
+def _check_initial_calls(segs, specs, where) -> None:
+    """A guide's calls that read the frozen initial weights are served by the rollout engine (agent.py), which
+    holds them only until the run's first broadcast (the Plan's `Schedule.sampler_is_initial`): a segment
+    that starts after it cannot have them."""
+    from composer.schedule import Schedule, compile_schedule
+    from composer.plan import _models
+
+    sched = Schedule(compile_schedule(segs, _models))
+    for seg, spec, w in zip(segs, specs, where):
+        guide = spec.rollout.guide
+        reads = [c for c, wts in guide.reads().items() if wts == "initial"]
+        reads += [f"judge '{c.source}'" for c in guide.model_calls(spec) if c.weights == "initial"]
+        if reads and not sched.sampler_is_initial(seg.start):
+            raise Unsupported(w + ("rollout", "guide"), f"{', '.join(reads)} of segment '{seg.name}' read the frozen "
+                              f"initial weights, but on OpenRLHF only the rollout engine serves them, and from step "
+                              f"{seg.start} on it holds the weights after step {sched.sampler_version(seg.start)}",
+                              "switch this guide on in the run's first segment, or start a `stage` for it "
+                              "(train.reference: stage_start)")
 
 
 def _flag_values(argv: list[str]) -> dict[str, tuple]:
@@ -448,8 +471,9 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
                               if kinds & {"advantage_regression", "grpo"} else ""))
     if p["sync"]:
         every = sorted({s.sync.every for s in specs})
-        run.via_plugin.append(f"sync: weights broadcast to vLLM every {'/'.join(map(str, every))} step(s) "
-                              "(OpenRLHF broadcasts after every step)")
+        run.via_plugin.append(f"sync: weights broadcast to vLLM every {'/'.join(map(str, every))} step(s), counted "
+                              "from each phase's start, after the steps the Plan's schedule names (OpenRLHF "
+                              "broadcasts after every step)")
         run.notes.append("between syncs each step trains on its own fresh rollouts from the lagged vLLM weights "
                          "(OpenRLHF clears its replay buffer every step, as the Lightning backend)")
 

@@ -11,7 +11,7 @@ What is patched, and only when the run's plugin section asks for it:
   samples_generator  SamplesGenerator._dispatch_prompts_to_vllm: the trainer step into every label (phases),
                      top_k into vLLM's SamplingParams
   ppo_trainer        BasePPOTrainer.train_step / broadcast_to_vllm / init_checkpoint_states: weights reach
-                     vLLM every sync.every steps; the step counter. Also the copies Ray made of them on the
+                     vLLM after the steps the Plan's schedule names; the step counter. Also the copies Ray made of them on the
                      actor classes built from it (PPOTrainer, TrainingActor): see reach_actor_classes
   experience_maker   RemoteExperienceMaker.make_experience_batch: step advantages and teacher prompts
   ppo_actor          ActorPPOTrainer.__init__ / training_step: the composer loss, self-teacher scores
@@ -114,6 +114,13 @@ def _segments():
     return Segments(_STATE["plan"], _STATE["run"]["segments"])
 
 
+@functools.lru_cache(maxsize=1)
+def _schedule():
+    from composer.schedule import Schedule
+
+    return Schedule(_STATE["plan"])
+
+
 def task_of(plan: dict, run: dict, spec):
     """The Lightning backend's Task for this run (toy: templates, step checker, response cap, verifier);
     for data the verifier only (the rows travel in the labels)."""
@@ -155,13 +162,14 @@ def _patch_trainer(mod) -> None:
     train_step, broadcast, init_states = cls.train_step, cls.broadcast_to_vllm, cls.init_checkpoint_states
 
     def train_step_(self, rollout_samples, global_step):
-        every = _segments().at(global_step).sync.every
-        self._composer_sync = (global_step + 1) % every == 0
+        # the Plan's sync rule (composer/schedule.py), at the global count of steps done after this one
+        sync = _schedule().sync_after(_segments().offset + global_step + 1)
+        self._composer_sync = sync
         try:
             status, step = train_step(self, rollout_samples, global_step)
         finally:
             self._composer_sync = True
-        status["composer/synced"] = float((global_step + 1) % every == 0)
+        status["composer/synced"] = float(sync)
         self.samples_generator.composer_step = step
         return status, step
 

@@ -85,6 +85,12 @@ def total_loss(term_list, batches, view: PolicyView, advs: dict, scale: dict | N
     return total, metrics
 
 
+def micro_scale(obj, micro: TrajectoryBatch, step_norm: float, dp_size: int = 1, gas: int = 1):
+    """c_k of a micro-batch: its share of the objective's step-wide normaliser, times the DP ranks (DeepSpeed
+    averages gradients over them) and the accumulation steps (DeepSpeed divides each backward by gas)."""
+    return obj.normalizer(micro) / max(float(step_norm), 1e-12) * dp_size * gas
+
+
 def take_step_inputs(info: dict) -> tuple[dict, dict]:
     """Pop what the advantage step left in a micro-batch's Experience.info: per-term advantages [b] and the
     step's normaliser of each term (the same value in every row) -> (advantages, normalisers)."""
@@ -154,7 +160,7 @@ class ComposerLoss:
         # DeepSpeed scales every micro-batch's backward by 1 / gas (gradient accumulation steps): x gas undoes it
         gas = self.ctx.get("gas", 1)
         if norms:  # each term's micro-batch share of the step's normaliser: micro-batches and DP ranks add up
-            scale = {i: obj.normalizer(b) / max(float(norms[i]), 1e-12) * dp_size * gas
+            scale = {i: micro_scale(obj, b, norms[i], dp_size, gas)
                      for i, ((_n, _s, obj, _w), b) in enumerate(zip(term_list, batches)) if i in norms}
         else:  # no advantage step ran (it records the normalisers): a mean over the step's sequences
             rows = (action_mask.sum(-1) > 0).sum()

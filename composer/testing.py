@@ -1,0 +1,191 @@
+"""The component contract's test kit, for plugin authors (and run over every built-in in tests/test_contract_kit.py).
+
+    from composer.testing import check_objective
+    check_objective(MyObjective())          # AssertionError naming what broke, else a dict of the figures
+
+What it checks of an objective, on synthetic batches that hold every token origin, padding, empty rows,
+sequence weights, several advantage groups and the fields a signal would fill:
+  1. micro-batches add up: the step's loss equals sum_m loss(m) * normalizer(m) / normalizer(step) over
+     any split of the rows (OpenRLHF's micro-batches, DDP's ranks), advantages taken over whole groups;
+  2. the normaliser matches the aggregation: with a declared `reduction()` the normaliser is its
+     `aggregate_count`, and the split into single rows adds up too (a loss that aggregates differently
+     from what its normaliser says fails here);
+  3. the backends agree: the Lightning path (one batch: `advantages`, then `loss`, as
+     composer/runtime/step.py runs a term) and the OpenRLHF path (composer/backends/openrlhf/loss.py:
+     `advantages` over the step, micro-batches scaled by `micro_scale` with gradient accumulation, each
+     backward divided by gas as DeepSpeed does) give the same loss and the same gradient.
+`check_component` checks the declared parts every component shares (hooks return what they declare).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from composer.origins import CODE
+
+TOL = 1e-5
+
+
+# ------------------------------------------------------------------------------------ synthetic data
+
+def synthetic_batch(B: int = 8, T: int = 14, V: int = 11, seed: int = 0):
+    """(batch, logits): a TrajectoryBatch over every origin and a leaf [B, T, V] logits tensor the policy view
+    is computed from (so gradients can be compared). Rows: 2 prompt groups x (control, guided), right
+    padding of varying length, one row with no response, sequence weights in {0, 0.5, 1}."""
+    import torch
+
+    from composer.batch import TrajectoryBatch
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, V, (B, T), generator=g)
+    origin = torch.full((B, T), CODE["policy"], dtype=torch.uint8)
+    origin[:, :3] = CODE["prompt"]
+    for i in range(B):
+        if i % 4 == 1:
+            origin[i, 3:5] = CODE["guide_prefix"]
+        if i % 4 == 2:
+            origin[i, 6:8] = CODE["guide_intervention"]
+        if i % 4 == 3:
+            origin[i, 3:6] = CODE["demonstration"]
+        pad = (i * 3) % 5
+        if pad:
+            origin[i, T - pad:] = CODE["pad"]
+    origin[B - 1, 3:] = CODE["pad"]  # a row with nothing to train on
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=g)
+
+    batch = TrajectoryBatch(
+        tokens=tokens, origin=origin,
+        behavior_logprobs=-rand(B, T) * 2 - 0.05,
+        group=torch.tensor([(i // 2) % 2 * 2 + (i % 2) for i in range(B)]),  # prompt x tag
+        control=torch.tensor([i % 2 == 0 for i in range(B)]),
+        rewards=(rand(B) > 0.5).float(),
+        teacher_logprobs=-rand(B, T) * 2 - 0.05,
+        teacher_logits=torch.randn(B, T, V, generator=g),
+        initial_logprobs=-rand(B, T) * 2 - 0.05,
+        seq_weight=torch.tensor([[1.0, 0.5, 0.0, 1.0][i % 4] for i in range(B)]),
+        prompt_index=torch.tensor([(i // 2) % 2 for i in range(B)]),
+        guided=torch.tensor([i % 2 == 1 for i in range(B)]),
+    )
+    logits = torch.randn(B, T, V, generator=g).requires_grad_(True)
+    return batch, logits
+
+
+def view_of(batch, logits, rows=None):
+    """PolicyView of the rows `rows` (all by default): log-probs of each token under `logits` (0 at t = 0)."""
+    import torch
+
+    from composer.batch import PolicyView
+
+    lg = logits if rows is None else logits[torch.as_tensor(rows)]
+    logp_all = torch.log_softmax(lg, -1)  # [b, T, V]
+    lp = logp_all.gather(-1, batch.tokens[..., None]).squeeze(-1)  # [b, T]
+    lp = torch.cat([torch.zeros_like(lp[:, :1]), lp[:, 1:]], 1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    return PolicyView(lp, logits=lg, entropy=ent)
+
+
+def _split(n: int, parts: int) -> list[list[int]]:
+    return [list(range(n))[k::parts] for k in range(parts)]  # interleaved: every micro-batch mixes groups
+
+
+def _step_loss(obj, batch, logits):
+    """The loss of the whole step as one batch (advantages over whole groups first)."""
+    adv = obj.advantages(batch)
+    return obj.loss(dataclasses.replace(batch, advantages=adv), view_of(batch, logits), adv)[0], adv
+
+
+def _close(a, b, what: str, tol: float = TOL) -> None:
+    a, b = (float(x.detach()) if hasattr(x, "detach") else float(x) for x in (a, b))
+    assert abs(a - b) <= tol * max(1.0, abs(a), abs(b)), f"{what}: {a!r} != {b!r}"
+
+
+# ------------------------------------------------------------------------------------------- checks
+
+def check_micro_batches(obj, batch, logits, parts: int = 3) -> float:
+    """Check 1: sum over micro-batches m of loss(m) * normalizer(m) / normalizer(step) == loss(step)."""
+    import torch
+
+    whole, adv = _step_loss(obj, batch, logits)
+    norm = float(obj.normalizer(batch))
+    total = 0.0
+    for rows in _split(batch.size, parts):
+        mb = batch.select(rows)
+        a = None if adv is None else adv[torch.as_tensor(rows)]
+        mb = dataclasses.replace(mb, advantages=a)
+        part = obj.loss(mb, view_of(mb, logits, rows), a)[0]
+        total = total + part * float(obj.normalizer(mb)) / max(norm, 1e-12)
+    _close(total, whole, f"{obj.kind_name()}: micro-batch losses ({parts} parts) do not add up to the step's loss")
+    return float(whole.detach())
+
+
+def check_normalizer(obj, batch, logits) -> None:
+    """Check 2: the normaliser is the declared aggregation's count, and rows one by one add up too."""
+    from components.objectives.base import aggregate_count
+
+    r = obj.reduction()
+    if r is not None:
+        want = aggregate_count(obj.loss_mask(batch), r.mode, r.norm_const,
+                               seq_weight=batch.weights() if r.weighted else None)
+        _close(obj.normalizer(batch), want, f"{obj.kind_name()}: normalizer() is not the count of reduction() {r}")
+    check_micro_batches(obj, batch, logits, parts=batch.size)
+
+
+def check_backends_agree(obj, batch, logits, micro: int = 2, gas: int = 2) -> None:
+    """Check 3: the Lightning path and the OpenRLHF path give the same loss and gradient on one step."""
+    import torch
+
+    from composer.backends.openrlhf.loss import advantages, micro_scale, total_loss
+
+    term = [("term0", None, obj, 1.0)]
+    lit, _ = _step_loss(obj, batch, logits)
+    (g_lit,) = torch.autograd.grad(lit, logits, allow_unused=True)
+    advs = advantages(term, batch)  # the experience maker's step over every sample
+    norm = float(obj.normalizer(batch))
+    rlhf = 0.0
+    for rows in _split(batch.size, micro):
+        mb = batch.select(rows)
+        a = {i: v[torch.as_tensor(rows)] for i, v in advs.items()}
+        scale = {0: micro_scale(obj, mb, norm, dp_size=1, gas=gas)}
+        loss, _m = total_loss(term, [mb], view_of(mb, logits, rows), a, scale)
+        rlhf = rlhf + loss / gas  # DeepSpeed divides every micro-batch's backward by gas
+    _close(rlhf, lit, f"{obj.kind_name()}: the OpenRLHF loss path differs from the Lightning step")
+    if g_lit is not None:
+        (g_rlhf,) = torch.autograd.grad(rlhf, logits, allow_unused=True)
+        diff = float((g_rlhf - g_lit).abs().max())
+        assert diff <= TOL * max(1.0, float(g_lit.abs().max())), \
+            f"{obj.kind_name()}: OpenRLHF and Lightning gradients differ by {diff}"
+
+
+def check_objective(obj, seeds=(0, 1)) -> dict:
+    """Every objective check on synthetic batches; returns {"loss": step loss of the first batch}."""
+    out = {}
+    for seed in seeds:
+        batch, logits = synthetic_batch(seed=seed)
+        loss = check_micro_batches(obj, batch, logits)
+        check_normalizer(obj, batch, logits)
+        check_backends_agree(obj, batch, logits)
+        out.setdefault("loss", loss)
+    return out
+
+
+def check_component(c) -> None:
+    """What every component declares is of the declared kind (a guide's reads, an objective's reduction)."""
+    from components.objectives.base import AGGREGATIONS, Objective
+    from composer.contract import Guide, Signal, Source
+
+    if isinstance(c, Objective):
+        r = c.reduction()
+        assert r is None or r.mode in AGGREGATIONS, f"{c.kind_name()}: reduction mode {r.mode!r} is not an aggregation"
+        assert r is not None or type(c).normalizer is not Objective.normalizer, \
+            f"{c.kind_name()}: neither reduction() nor normalizer()"
+    elif isinstance(c, Guide):
+        assert set(c.writes_now()) <= set(type(c).writes), f"{c.kind_name()}: writes_now() beyond `writes`"
+        assert all(w in ("initial", "sampler") for w in c.reads().values()), f"{c.kind_name()}: reads() {c.reads()}"
+    elif isinstance(c, Signal):
+        assert c.usage in ("", "target", "teacher", "reward"), f"{c.kind_name()}: usage {c.usage!r}"
+    elif isinstance(c, Source):
+        assert c.pi in ("prior", "posterior"), f"{c.kind_name()}: pi {c.pi!r}"
+    else:
+        raise TypeError(f"{type(c).__name__} is not a component of the contract")
