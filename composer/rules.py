@@ -301,6 +301,44 @@ def term_weight_positive(spec, segment):
             for i, t in enumerate(spec.terms or []) if t.weight <= 0]
 
 
+@rule("term_gates")
+def term_gates(spec, segment):
+    """A gate reads the step's rollout: it needs one, an outcome_reward source that decides success, and a
+    term whose batch holds the rollout's rows when it tests a row's own facts."""
+    from composer.gates import gate_source
+    from composer.terms import rolls_out
+
+    out = []
+    for i, t in enumerate(spec.terms or []):
+        g = t.gate
+        if g is None:
+            continue
+        path = ("terms", i, "gate")
+        rewards = sorted(n for n, s in spec.sources.items() if s.kind_name() == "outcome_reward")
+        src = gate_source(g, spec)
+        if src is None or src not in spec.sources or spec.sources[src].kind_name() != "outcome_reward":
+            where = path + (("source",) if g.source is not None else ())
+            if g.source is not None:
+                msg = f"the gate's source '{g.source}' is not an outcome_reward source"
+            elif rewards:
+                msg = f"the gate does not say which outcome_reward source decides success ({', '.join(rewards)})"
+            else:
+                msg = "the gate decides success with an outcome_reward source, and the spec has none"
+            hint = (f"set source: to one of {', '.join(rewards)}" if rewards else
+                    "add one under sources, e.g. verifier: {kind: outcome_reward}")
+            out.append(_d("term_gates", msg, where, hint))
+        if not rolls_out(spec):
+            out.append(_d("term_gates", "a gate selects rows by facts of the step's rollout, and no term of this "
+                          "segment samples rollouts", path,
+                          "add a term that trains on rollouts (e.g. a reward signal with grpo), or remove the gate"))
+        elif (t.signal.makes_batch or t.signal.targets_rows) and g.row_facts():
+            out.append(_d("term_gates", f"{', '.join(g.row_facts())} test a rollout's own row, but this term trains "
+                          f"on rows its {t.signal.kind_name()} signal builds (one per prompt), not on the rollout",
+                          path + (g.row_facts()[0],),
+                          "gate it by its prompt's rollouts: group_success_at_most / group_success_above"))
+    return out
+
+
 @rule("phases_run")
 def phases_run(spec, segment):
     """A phase that starts at or after train.steps never runs, and one whose `until` lies beyond it is cut

@@ -11,6 +11,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from composer import registry
+from composer.gates import Gate
 
 # Bounds: far beyond any real run, but inside what the runtime can count and allocate (int64 step
 # counters, one batch in memory). A value past them is a typo or an attack, refused before anything runs.
@@ -293,6 +294,7 @@ def spec_model(builtins_only: bool = False) -> type[BaseModel]:
         objective=(objective_u, Field(..., description="How the signal becomes a loss.")),
         weight=(float, Field(1.0, allow_inf_nan=False, description="Weight of this term in the summed loss.")),
         name=(Optional[Name], Field(None, description="Name used when logging this term, [a-z0-9_-]+ (default: term<i>).")),
+        gate=(Optional[Gate], Field(None, description="Train this term only on the rows a predicate of the rollout selects (outcome, group success rate, a successful sibling, entropy quantile); rows outside get no loss from it and do not count in its normaliser.")),
     )
     phase, stage = _segment_models(term, builtins_only)
     model = create_model(

@@ -79,8 +79,10 @@ class Objective(Component):
         return self.loss_mask(batch).any(-1).sum().float()
 
     def loss_mask(self, batch) -> Tensor:
-        """[B, T] bool: tokens of `loss_tokens` origins that are not padding."""
-        return batch.mask(self.loss_tokens) & batch.attention_mask
+        """[B, T] bool: tokens of `loss_tokens` origins that are not padding, in the rows the term's gate took
+        (batch.row_mask, composer/gates.py): a gated-out row gets no loss and no share of the normaliser."""
+        mask = batch.mask(self.loss_tokens) & batch.attention_mask
+        return mask if batch.row_mask is None else mask & batch.row_mask[:, None]
 
 
 def whole_batch_loss(obj: Objective, batch, view):

@@ -12,7 +12,7 @@ from composer.batch import PolicyView, TrajectoryBatch, concat
 from components.objectives.base import zero_advantage_fraction
 from composer.runtime.context import RunContext
 from composer.runtime.models import token_logprobs
-from composer.terms import terms  # noqa: F401  (re-exported: components read terms through step)
+from composer.terms import gates, terms  # noqa: F401  (re-exported: components read terms through step)
 
 
 def collect(ctx: RunContext, examples) -> list[TrajectoryBatch]:
@@ -55,7 +55,33 @@ def sample(ctx: RunContext, examples) -> list[TrajectoryBatch]:
         adv = obj.advantages(batch)
         batch.advantages = None if adv is None else adv.detach()
         out.append(batch)
+    apply_gates(ctx, out, rollout)
     return out
+
+
+def apply_gates(ctx: RunContext, batches: list[TrajectoryBatch], rollout: TrajectoryBatch | None) -> None:
+    """Each gated term's rows (composer/gates.py) as its batch's row_mask, from the step's rollout: success by
+    the gate's outcome_reward source, groups, surprisal of the behaviour log-probs. Logs each gate's fraction."""
+    from composer.gates import gate_by_prompt, gate_metrics, gate_rows, gate_source, row_surprisal
+
+    gated = [(i, g) for i, g in enumerate(gates(ctx.spec)) if g is not None]
+    if not gated:
+        return
+    names = [n for n, _s, _o, _w in terms(ctx.spec)]
+    success = {}
+    for i, gate in gated:
+        b = batches[i]
+        src = gate_source(gate, ctx.spec)
+        if src not in success:
+            success[src] = torch.tensor(ctx.source(src).success(ctx, rollout), dtype=torch.bool)
+        ok = success[src]
+        if b.tokens is rollout.tokens:  # a view of the rollout: its own rows
+            surprisal = row_surprisal(rollout.behavior_logprobs, rollout.policy_mask & rollout.known_mask) \
+                if gate.entropy_above_quantile is not None or gate.entropy_below_quantile is not None else None
+            b.row_mask = gate_rows(gate, ok, rollout.group, surprisal)
+        else:  # a batch the signal built (SFT on references): its prompt's rollouts decide
+            b.row_mask = gate_by_prompt(gate, ok, rollout.prompt_index, b.prompt_index)
+        ctx.log(**gate_metrics(names[i], b.row_mask, len(names) > 1))
 
 
 @torch.no_grad()

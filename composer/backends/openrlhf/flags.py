@@ -12,7 +12,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from composer.gates import gate_source
 from composer.graph import signal_objective_pairs
+from composer.terms import gates
 
 NATIVE_AGG = ("token-mean", "seq-mean-token-mean")  # --actor.loss_agg_mode choices
 
@@ -88,7 +90,7 @@ def _native_grpo(spec) -> bool:
         return False
     _, sig, obj, w = terms[0]
     return (sig.kind_name() == "reward" and obj.kind_name() == "grpo" and w == 1.0 and obj.loss_tokens == ["policy"]
-            and obj.loss_agg in NATIVE_AGG and spec.sync.every == 1)
+            and obj.loss_agg in NATIVE_AGG and spec.sync.every == 1 and all(g is None for g in gates(spec)))
 
 
 def _divisor_at_most(n: int, cap: int) -> int:
@@ -377,6 +379,11 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
         p["reward_source"], p["verifier"] = name, spec.sources[name].verifier
         if p["verifier"] == "auto":
             p["verifier"] = "toy" if inputs.toy else "math"
+    for i, g in enumerate(gates(spec)):  # the advantage step reads success from the one reward each sample carries
+        if g is not None and gate_source(g, spec) != p["reward_source"]:
+            raise Unsupported(where + ("terms", i, "gate"), f"term gate: OpenRLHF carries one reward per sample (from "
+                              f"'{p['reward_source']}'), and this gate decides success with "
+                              f"'{gate_source(g, spec)}'", f"set the gate's source to '{p['reward_source']}'")
     guided = any(not s.rollout.guide.plain for s in specs) or any(sig.targets_rows for _, sig, _, _ in terms)
     if guided:
         p["agent"] = True

@@ -21,7 +21,8 @@ from composer.backends.openrlhf.batch import decode_label, shift, to_batch
 from composer.batch import PolicyView, TrajectoryBatch
 from composer.lazy import F, torch
 from composer.origins import CODE
-from composer.terms import terms  # noqa: F401  (hooks and agent read terms here)
+from composer.gates import row_surprisal
+from composer.terms import gates, terms  # noqa: F401  (hooks and agent read terms here)
 
 
 class Segments:
@@ -109,6 +110,9 @@ def term_batches(term_list, batch: TrajectoryBatch, metas: list[dict]) -> list[T
         if any(w is not None for w in tw):
             s_i = torch.tensor([1.0 if w is None else float(w) for w in tw], device=batch.tokens.device)
             b = dataclasses.replace(batch, seq_weight=batch.weights() * s_i)
+        gate = [m.get("gate", {}).get(str(len(out))) for m in metas]  # the advantage step's gate_rows
+        if any(g is not None for g in gate):
+            b = dataclasses.replace(b, row_mask=torch.tensor([g is not False for g in gate], device=batch.tokens.device))
         out.append(b)
     return out
 
@@ -208,6 +212,27 @@ def teacher_prompts(spec, name: str, batch: TrajectoryBatch, tokenizer, task):
     return prompts_of(ctx, cfg, {c: spec.sources[c].kind for c in cfg.context}, name, batch)
 
 
+def gate_step(spec, batch: TrajectoryBatch, metas: list[dict], plugin: dict) -> None:
+    """Each gated term's rows over the whole step (composer/gates.py, as Lightning's step computes them) into
+    the labels: meta['gate'][term] per row; success is the sample's reward (from the run's one reward
+    source, which compile checked is the gate's) against that source's success_threshold."""
+    from composer.gates import gate_rows
+
+    for i, gate in enumerate(gates(spec)):
+        if gate is None:
+            continue
+        if batch.rewards is None:
+            raise ValueError("a term gate needs the samples' rewards, and this step has none")
+        src = spec.sources[plugin.get("reward_source")]
+        success = batch.rewards >= src.success_threshold  # [B]
+        surprisal = None
+        if gate.entropy_above_quantile is not None or gate.entropy_below_quantile is not None:
+            surprisal = row_surprisal(batch.behavior_logprobs, batch.policy_mask & batch.known_mask)
+        rows = gate_rows(gate, success, batch.group, surprisal)  # [B]
+        for meta, r in zip(metas, rows.tolist()):
+            meta.setdefault("gate", {})[str(i)] = bool(r)
+
+
 def prepare_step(experiences, segments: Segments, plugin: dict, tokenizer, task) -> None:
     """The advantage step over the whole step's experiences (in place): per-term advantages into
     `info['composer/adv<i>']` [b], and for self-teachers with a context the teacher prompt ids and the
@@ -226,6 +251,7 @@ def prepare_step(experiences, segments: Segments, plugin: dict, tokenizer, task)
             meta.setdefault("teacher", {})[name] = ids
             meta.setdefault("teacher_weight", {})[name] = w  # only this teacher's terms read it
     term_list = terms(spec)
+    gate_step(spec, batch, metas, plugin)
     loss_view = step_batch(experiences, tokenizer.pad_token_id, trainable_only=True, metas=metas)
     norms = {i: float(obj.normalizer(b)) for i, ((_n, _s, obj, _w), b)
              in enumerate(zip(term_list, term_batches(term_list, loss_view, metas))) if obj is not None}
