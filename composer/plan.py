@@ -22,6 +22,8 @@ PI_TYPE = {
     "oracle": ("step oracle", "prior"),
     "outcome_reward": ("outcome reward", "posterior"),
     "feedback": ("environment feedback", "posterior"),
+    "overlong_penalty": ("reward shaping by response length (no privileged information)", "posterior"),
+    "length_penalty": ("reward shaping by response length (no privileged information)", "posterior"),
     "sibling_success": ("a successful sibling rollout of the same group (never the row itself)", "posterior"),
 }
 
@@ -124,6 +126,8 @@ def _dataflow(spec) -> list[str]:
         g = spec.rollout.guide.kind_name()
         flow.append(f"rollout: {spec.rollout.samples_per_prompt} samples per prompt" +
                     ("" if g == "none" else f", guide {g}"))
+        if spec.rollout.filter.active:
+            flow.append("filter: " + spec.rollout.filter.describe())
     for (name, sig, obj, _w), gate in zip(terms(spec), gates(spec)):
         if sig is None or obj is None:
             continue

@@ -301,6 +301,44 @@ def term_weight_positive(spec, segment):
             for i, t in enumerate(spec.terms or []) if t.weight <= 0]
 
 
+@rule("reward_parts_are_rewards")
+def reward_parts_are_rewards(spec, segment):
+    """Every source a reward signal adds (`plus`) gives a reward per rollout."""
+    from composer import registry
+
+    out = []
+    for base, sig, _obj in _pairs_with_paths(spec):
+        for name in getattr(sig, "plus", None) or {}:
+            src = spec.sources.get(name)
+            if src is not None and "sequence_reward" not in type(src).provides:
+                kinds = sorted(k for k, c in registry.kinds("sources").items() if "sequence_reward" in c.provides)
+                out.append(_d("reward_parts_are_rewards", f"'{name}' is a {src.kind_name()} source, which gives no "
+                              "reward per rollout", base + ("signal", "plus", name),
+                              f"add a source of kind {', '.join(kinds)}"))
+    return out
+
+
+@rule("rollout_filter")
+def rollout_filter(spec, segment):
+    """A filter acts on rollouts (a segment must sample some) and equal groups are judged by a reward source."""
+    from composer.filters import filter_source
+    from composer.terms import rolls_out
+
+    flt = spec.rollout.filter
+    if not flt.active or (segment == "base" and spec.stages):
+        return []
+    if not rolls_out(spec):
+        return [_d("rollout_filter", "rollout.filter acts on the step's rollouts, and no term of this segment samples "
+                   "any", ("rollout", "filter"), "remove rollout.filter, or add a term that trains on rollouts")]
+    if flt.equal_groups == "drop":
+        src = filter_source(flt, spec)
+        if src is None or src not in spec.sources or "sequence_reward" not in type(spec.sources[src]).provides:
+            return [_d("rollout_filter", "equal_groups: drop needs a reward source to compare the rollouts of a prompt"
+                       + (f", and '{src}' gives no reward" if src else ""), ("rollout", "filter", "source"),
+                       "set rollout.filter.source to an outcome_reward source")]
+    return []
+
+
 @rule("term_gates")
 def term_gates(spec, segment):
     """A gate reads the step's rollout: it needs one, an outcome_reward source that decides success, and a

@@ -11,6 +11,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from composer import registry
+from composer.filters import RolloutFilter
 from composer.gates import Gate
 
 # Bounds: far beyond any real run, but inside what the runtime can count and allocate (int64 step
@@ -114,6 +115,7 @@ class Rollout(Strict):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM only: fraction of GPU memory the engine may take.")
     tensor_parallel_size: int = Field(1, ge=1, le=1024, description="vLLM only: tensor-parallel degree of the rollout engine.")
     guide: Any = Field(None, description="Who else writes tokens into rollouts (none, prefix, intervention).")
+    filter: RolloutFilter = Field(default_factory=RolloutFilter, description="Which rollouts a step trains on, decided after rewards and before advantages: drop prompts whose rewards are all equal and sample more (DAPO dynamic sampling), keep / mask / drop responses cut at max_new_tokens (overlong filtering).")
 
 
 class Sync(Strict):

@@ -12,7 +12,7 @@ from composer.batch import PolicyView, TrajectoryBatch, concat
 from components.objectives.base import zero_advantage_fraction
 from composer.runtime.context import RunContext
 from composer.runtime.models import token_logprobs
-from composer.terms import gates, terms  # noqa: F401  (re-exported: components read terms through step)
+from composer.terms import gates, rolls_out, terms  # noqa: F401  (re-exported: components read terms through step)
 
 
 def collect(ctx: RunContext, examples) -> list[TrajectoryBatch]:
@@ -37,6 +37,10 @@ def sample(ctx: RunContext, examples) -> list[TrajectoryBatch]:
     """Build one batch per term: one shared rollout for every term that needs rollouts; each term's signal
     fills its own view of it. Advantages are computed here, over the whole step's groups."""
     rollout: TrajectoryBatch | None = None
+    if ctx.spec.rollout.filter.active and rolls_out(ctx.spec):  # filters run before any term reads the rollout
+        from composer.filters import filtered_rollout
+
+        rollout, examples = filtered_rollout(ctx, examples, ctx.spec.rollout.samples_per_prompt)
     out = []
     for _name, sig, obj, _w in terms(ctx.spec):
         if sig.makes_batch:
@@ -78,7 +82,8 @@ def apply_gates(ctx: RunContext, batches: list[TrajectoryBatch], rollout: Trajec
         if b.tokens is rollout.tokens:  # a view of the rollout: its own rows
             surprisal = row_surprisal(rollout.behavior_logprobs, rollout.policy_mask & rollout.known_mask) \
                 if gate.entropy_above_quantile is not None or gate.entropy_below_quantile is not None else None
-            b.row_mask = gate_rows(gate, ok, rollout.group, surprisal)
+            rows = gate_rows(gate, ok, rollout.group, surprisal)
+            b.row_mask = rows if b.row_mask is None else rows & b.row_mask  # a filter may have masked rows
         else:  # a batch the signal built (SFT on references): its prompt's rollouts decide
             b.row_mask = gate_by_prompt(gate, ok, rollout.prompt_index, b.prompt_index)
         ctx.log(**gate_metrics(names[i], b.row_mask, len(names) > 1))

@@ -212,12 +212,19 @@ def teacher_prompts(spec, name: str, batch: TrajectoryBatch, tokenizer, task):
     return prompts_of(ctx, cfg, {c: spec.sources[c].kind for c in cfg.context}, name, batch)
 
 
-def gate_step(spec, batch: TrajectoryBatch, metas: list[dict], plugin: dict) -> None:
+def gate_step(spec, batch: TrajectoryBatch, metas: list[dict], plugin: dict, tokenizer=None) -> None:
     """Each gated term's rows over the whole step (composer/gates.py, as Lightning's step computes them) into
     the labels: meta['gate'][term] per row; success is the sample's reward (from the run's one reward
     source, which compile checked is the gate's) against that source's success_threshold."""
     from composer.gates import gate_rows
 
+    if plugin.get("mask_truncated"):  # rollout.filter.truncated: mask, for every term (composer/filters.py)
+        from composer.filters import truncated_rows
+
+        cut = truncated_rows(batch, plugin.get("eos_id", -1) if tokenizer is None else tokenizer.eos_token_id)
+        for i in range(len(gates(spec))):
+            for meta, c in zip(metas, cut.tolist()):
+                meta.setdefault("gate", {})[str(i)] = not c
     for i, gate in enumerate(gates(spec)):
         if gate is None:
             continue
@@ -230,7 +237,7 @@ def gate_step(spec, batch: TrajectoryBatch, metas: list[dict], plugin: dict) -> 
             surprisal = row_surprisal(batch.behavior_logprobs, batch.policy_mask & batch.known_mask)
         rows = gate_rows(gate, success, batch.group, surprisal)  # [B]
         for meta, r in zip(metas, rows.tolist()):
-            meta.setdefault("gate", {})[str(i)] = bool(r)
+            meta.setdefault("gate", {})[str(i)] = bool(r) and meta.get("gate", {}).get(str(i), True)
 
 
 def prepare_step(experiences, segments: Segments, plugin: dict, tokenizer, task) -> None:
@@ -251,7 +258,7 @@ def prepare_step(experiences, segments: Segments, plugin: dict, tokenizer, task)
             meta.setdefault("teacher", {})[name] = ids
             meta.setdefault("teacher_weight", {})[name] = w  # only this teacher's terms read it
     term_list = terms(spec)
-    gate_step(spec, batch, metas, plugin)
+    gate_step(spec, batch, metas, plugin, tokenizer)
     loss_view = step_batch(experiences, tokenizer.pad_token_id, trainable_only=True, metas=metas)
     norms = {i: float(obj.normalizer(b)) for i, ((_n, _s, obj, _w), b)
              in enumerate(zip(term_list, term_batches(term_list, loss_view, metas))) if obj is not None}
