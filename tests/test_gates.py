@@ -166,3 +166,29 @@ def test_explain_says_a_sibling_is_never_the_row_itself():
 
     plan = compile_plan(validate_file(ROOT / "specs/methods/srpo.yaml"))
     assert "never the row itself" in plan["sources"]["sibling"]["pi"]
+
+
+def test_a_gate_through_the_openrlhf_plugin_matches_the_hand_numbers():
+    """The advantage step computes the gate over the whole step and puts it into the labels; the loss of any
+    split into micro-batches is the gated token mean: rows 0 and 3 succeed (A = +a), rows 1 and 2 are out.
+    Current log-probs (.75, .25) against behaviour .5: rho = 1.5 (clipped to 1.2 for A > 0) and 0.5, so
+    L = -(1/4) * 2 * (1.2 a + 0.5 a) = -0.85 a; the normaliser counts the 4 tokens of the gated rows only."""
+    import math
+
+    from test_openrlhf import POL, PR, Segments, _Tok, experience, gather, loss_over, plan_for, prepare_step
+
+    lh = math.log(0.5)
+    plan = plan_for({"sources": {"verifier": {"kind": "outcome_reward"}},
+                     "terms": [{"signal": {"kind": "reward", "source": "verifier"}, "objective": {"kind": "grpo", "kl_coef": 0},
+                                "gate": {"outcome": "success"}}]})
+    full = experience([[PR, POL, POL]] * 4, [[0.0, lh, lh]] * 4, ["a", "a", "b", "b"], rewards=[1.0, 0.0, 0.0, 1.0])
+    step = [gather([full], [0, 1]), gather([full], [2, 3])]
+    prepare_step(step, Segments(plan, [0]), {"teachers": {}, "reward_source": "verifier"}, _Tok(), None)
+    assert [float(e.info["composer/norm0"][0]) for e in step] == [4.0, 4.0]
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)
+
+    def logp(e):
+        return torch.tensor([[math.log(0.75), math.log(0.25)]]).expand(e.action_mask.shape[0], 2)
+
+    for micro in (step, [gather(step, [0, 2]), gather(step, [1, 3])], [gather(step, [0, 1, 2, 3])]):
+        assert abs(float(loss_over(plan, {"ref": "initial"}, micro, logp, 4)) - (-0.85 * a)) < 1e-5

@@ -36,14 +36,14 @@ class OverlongPenalty(Source):
 
     kind: Literal["overlong_penalty"] = Field("overlong_penalty", description="Component kind.")
     buffer: int = Field(4096, ge=1, description="L_cache: the buffer zone before the length cap where the penalty grows linearly (DAPO: 4096).")
-    max_tokens: Optional[int] = Field(None, ge=1, description="L_max, the length cap (default: rollout.max_new_tokens; DAPO: 20480).")
+    max_tokens: Optional[int] = Field(None, ge=1, description="L_max, the length cap (default: the run's response cap, rollout.max_new_tokens or the toy testbed's lower cap; DAPO: 20480).")
     factor: float = Field(1.0, gt=0, description="The penalty at L_max and beyond (OpenRLHF overlong_penalty_factor).")
 
     provides: ClassVar = ("sequence_reward",)
     pi: ClassVar[str] = "posterior"
 
     def rewards(self, ctx, batch):
-        cap = self.max_tokens or ctx.spec.rollout.max_new_tokens
+        cap = self.max_tokens or ctx.max_new_tokens  # the cap generation actually ran under
         return overlong_penalty(response_lengths(batch), cap, min(self.buffer, cap), self.factor)
 
 

@@ -97,12 +97,13 @@ def _native_grpo(spec) -> bool:
 BINARY_VERIFIERS = ("toy", "math", "exact")  # rewards in {0, 1}: a mean strictly inside (0, 1) is a mixed group
 
 
-def _shaping_and_filter_flags(a: _Args, run: Run, spec, terms, where: tuple) -> None:
+def _shaping_and_filter_flags(a: _Args, run: Run, spec, terms, where: tuple, inputs) -> None:
     """Reward parts and rollout filters on OpenRLHF's native flags, or Unsupported naming the part and why:
     DAPO's overlong penalty -> --reward.overlong_buffer_len/overlong_penalty_factor (the same formula, applied
     to every sample's reward before the advantage step); equal_groups: drop -> --algo.dynamic_filtering_enable
     with range (0, 1) over the verifier's scores; truncated: mask -> the advantage step's row masks."""
     p = run.plugin
+    max_new = spec.rollout.max_new_tokens if not inputs.toy else min(spec.rollout.max_new_tokens, _toy_cap(spec))
     for i, (_n, sig, _o, _w) in enumerate(terms):
         plus = getattr(sig, "plus", None) or {}
         base = where + (("terms", i) if spec.terms else ()) + ("signal", "plus")
@@ -112,13 +113,13 @@ def _shaping_and_filter_flags(a: _Args, run: Run, spec, terms, where: tuple) -> 
                 raise Unsupported(base + (name,), f"OpenRLHF carries one reward per sample (reward.py's one verifier); "
                                   f"'{name}' ({src.kind_name()}) would be a second reward", "train it on the Lightning "
                                   "backend, or drop it from `plus`")
-            if src.max_tokens not in (None, spec.rollout.max_new_tokens):
-                raise Unsupported(base + (name,), "OpenRLHF's overlong penalty caps at rollout.max_new_tokens, and this "
-                                  f"source caps at {src.max_tokens}", "leave its max_tokens unset")
+            if src.max_tokens not in (None, max_new):
+                raise Unsupported(base + (name,), f"OpenRLHF's overlong penalty caps at the run's max_new_tokens ({max_new}), "
+                                  f"and this source caps at {src.max_tokens}", "leave its max_tokens unset")
             if any(g is not None for g in gates(spec)):
                 raise Unsupported(base + (name,), "on OpenRLHF a term gate reads success from the sample's reward, "
                                   "which the overlong penalty has already changed", "train it on the Lightning backend")
-            a.add("reward.overlong_buffer_len", min(src.buffer, spec.rollout.max_new_tokens))
+            a.add("reward.overlong_buffer_len", min(src.buffer, max_new))
             a.add("reward.overlong_penalty_factor", w * src.factor)
             run.native.append(f"reward shaping: OpenRLHF's DAPO overlong penalty (buffer {src.buffer}, factor "
                               f"{_fmt(w * src.factor)}) = the composer's overlong_penalty '{name}'")
@@ -196,6 +197,11 @@ def _run(name, group, segs, layout: Layout, inputs: Inputs, model: str) -> Run:
     ref_sft = [_is_reference_sft(s, o) for _, (_, s, o, _) in pairs]
     if any(ref_sft) and not all(ref_sft):
         w, (b, _, _, _) = pairs[ref_sft.index(True)]
+        spec_of = [spec for spec, ww in zip(specs, where) for _t in _terms(spec)][ref_sft.index(True)]
+        if b and spec_of.terms[b[-1]].gate is not None:  # HPT: the gate reads the same step's rollouts
+            raise Unsupported(w + b + ("signal",), "an SFT term on reference demonstrations runs through train_sft, "
+                              "which cannot be mixed with rollout terms in one OpenRLHF run, and its gate reads the "
+                              "rollouts of the same step, so stages cannot split them", "train it on the Lightning backend")
         raise Unsupported(w + b + ("signal",), "an SFT term on reference demonstrations runs through train_sft, "
                           "which cannot be mixed with rollout terms in one OpenRLHF run", "split them into `stages`")
     if all(ref_sft):
@@ -438,7 +444,7 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
             raise Unsupported(where + ("terms", i, "gate"), f"term gate: OpenRLHF carries one reward per sample (from "
                               f"'{p['reward_source']}'), and this gate decides success with "
                               f"'{gate_source(g, spec)}'", f"set the gate's source to '{p['reward_source']}'")
-    _shaping_and_filter_flags(a, run, spec, terms, where)
+    _shaping_and_filter_flags(a, run, spec, terms, where, inputs)
     guided = any(not s.rollout.guide.plain for s in specs) or any(sig.targets_rows for _, sig, _, _ in terms)
     if guided:
         p["agent"] = True
