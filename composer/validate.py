@@ -145,7 +145,7 @@ def load_plugins(loaded: LoadedSpec) -> tuple[list[Diagnostic], list[Diagnostic]
             importlib.import_module(name)
         except Exception as e:  # a plugin's own errors must become a diagnostic, not a traceback
             errors.append(Diagnostic("schema", f"plugin module '{name}' cannot be imported: {type(e).__name__}: {e}",
-                                     ("plugins", i), where, "install the package that provides it, or fix the module name"))
+                                     ("plugins", i), where, "install the package that provides it (pip install -e), put the folder that holds it on PYTHONPATH, or fix the module name"))
         registry.SPEC_PLUGIN_ERRORS.extend(registry.PLUGIN_ERRORS[before:])
         warnings += [Diagnostic("schema", f"plugin module '{name}': {msg}", ("plugins", i), where,
                                 "the built-in kind stays in use", severity="warning")
