@@ -76,7 +76,15 @@ def _in_segment(loaded: LoadedSpec, origin: tuple, path: tuple) -> bool:
     for p in origin:
         phase = phase[p] if _exists(phase, (p,)) else {}
     here = _depth(phase, path)
+    if any(isinstance(_get(phase, path[:k]), list) for k in range(1, here + 1)):
+        return True  # a list the phase wrote (its `terms`) replaces the base spec's whole: all under it is the phase's
     return here >= 1 and here >= _depth(loaded.data, path)
+
+
+def _get(data, path):
+    for p in path:
+        data = data[p]
+    return data
 
 
 def _exists(data, path) -> bool:

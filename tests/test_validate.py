@@ -202,6 +202,10 @@ CASES = [
     Case("reward_plus_not_a_reward", HEAD + "  reference: {kind: reference_solution}\n"
          "signal: {kind: reward, source: verifier, plus: {reference: 1.0}}\nobjective: {kind: grpo}\n",
          "signal.plus.reference", 5, "gives no reward per rollout", rule="reward_parts_are_rewards"),
+    Case("phase_partial_term", HEAD + "rollout: {samples_per_prompt: 4}\nterms:\n"
+         "  - {signal: {kind: reward, source: verifier}, objective: {kind: grpo}}\n"
+         "phases:\n  - {until: 5}\n  - until: 10\n    terms:\n      - objective: {clip: 0.3}\ntrain: {steps: 10}\n",
+         "phases[1].terms[0].signal", 11, "missing required field 'signal'"),
     Case("lagged_grpo", HEAD + GRPO + "sync: {every: 4}\n", "sync.every", 6, "assumes on-policy data",
          rule="lag_needs_correction"),
     Case("control_baseline_without_controls", HEAD + "  judge: {kind: oracle}\n"
