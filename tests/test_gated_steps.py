@@ -199,3 +199,27 @@ def test_dapo_dynamic_sampling_keeps_only_mixed_prompts_and_counts_the_extra_cos
     if sum(extra):
         assert float(by_step[1]["cost/filter_extra_tokens"]) > 0
     assert "reward/verifier" in by_step[0] and "reward/overlong" in by_step[0]
+
+
+def test_two_distillation_terms_log_their_teacher_gaps_each(tiny, other, tmp_path, monkeypatch):
+    """Each term's teacher_kl_estimate under its own name; no top-level value that is only the last term's."""
+    import csv
+
+    spec = tmp_path / "two.yaml"
+    spec.write_text(f"""
+name: two-teachers
+sources:
+  a: {{kind: policy_model, model: {tiny}}}
+  b: {{kind: policy_model, model: {other}}}
+terms:
+  - {{name: near, signal: {{kind: distillation, teacher: a}}, objective: {{kind: divergence}}}}
+  - {{name: far, signal: {{kind: distillation, teacher: b}}, objective: {{kind: divergence}}}}
+train: {{steps: 1}}
+""")
+    from composer.backends.lightning.run import train
+
+    train(validate_file(spec, [f"policy.model={tiny}"] + FAST), tmp_path / "run", progress=False)
+    row = next(r for r in csv.DictReader(open(tmp_path / "run" / "metrics.csv")) if r.get("loss"))
+    near, far = float(row["near/teacher_kl_estimate"]), float(row["far/teacher_kl_estimate"])
+    assert abs(near) < 1e-4 < abs(far)  # the policy is its own teacher 'a'; 'b' has other weights
+    assert not row.get("teacher_kl_estimate")

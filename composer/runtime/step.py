@@ -42,14 +42,21 @@ def sample(ctx: RunContext, examples) -> list[TrajectoryBatch]:
 
         rollout, examples = filtered_rollout(ctx, examples, ctx.spec.rollout.samples_per_prompt)
     out = []
-    for _name, sig, obj, _w in terms(ctx.spec):
+    names = [n for n, _s, _o, _w in terms(ctx.spec)]
+    by_term: dict[str, dict] = {}  # what each term's signal logged: per term when several terms log a key
+    for name, sig, obj, _w in terms(ctx.spec):
         if sig.makes_batch:
             batch = sig.make_batch(ctx, examples)
         else:
             if rollout is None:
                 rollout = ctx.spec.rollout.guide.rollout(ctx, examples, ctx.spec.rollout.samples_per_prompt)
             batch = rollout.term_view()
-        batch = sig.apply(ctx, batch)
+        step_metrics, ctx.metrics = ctx.metrics, {}
+        try:
+            batch = sig.apply(ctx, batch)
+        finally:
+            by_term[name], ctx.metrics = ctx.metrics, step_metrics
+        ctx.metrics.update(by_term[name])
         if obj.wants_initial and batch.initial_logprobs is None:
             shared = rollout is not None and batch.tokens is rollout.tokens  # computed once per rollout
             owner = rollout if shared else batch
@@ -59,6 +66,12 @@ def sample(ctx: RunContext, examples) -> list[TrajectoryBatch]:
         adv = obj.advantages(batch)
         batch.advantages = None if adv is None else adv.detach()
         out.append(batch)
+    if len(names) > 1:  # e.g. two distillation terms' teacher_kl_estimate: each under its term's name
+        for name, logged in by_term.items():
+            ctx.metrics.update({f"{name}/{k}": v for k, v in logged.items()})
+        for k in {k for logged in by_term.values() for k in logged}:
+            if sum(k in logged for logged in by_term.values()) > 1:
+                ctx.metrics.pop(k, None)  # no single value would be right
     apply_gates(ctx, out, rollout)
     return out
 
