@@ -72,7 +72,16 @@ def policy_gradient_on_guide_tokens(spec, segment):
     for base, sig, obj in _pairs_with_paths(spec):
         if obj is None or not type(obj).policy_gradient:
             continue
-        bad = [o for o in obj.loss_tokens if o in OFF_POLICY_ORIGINS]
+        bad = [o for o in obj.loss_tokens if o in OFF_POLICY_ORIGINS and o not in obj.exact_origins()]
+        if bad and "estimator" in type(obj).model_fields:  # an estimator choice: say which one is exact
+            exact = [e for e in ("full", "top_k") if bad[0] in obj.model_copy(update={"estimator": e}).exact_origins()]
+            if exact:
+                out.append(_d("policy_gradient_on_guide_tokens",
+                              f"{obj.kind_name()} with estimator '{obj.estimator}' is a single-sample estimate from "
+                              f"tokens the policy sampled (an importance-weighted policy gradient), but loss_tokens "
+                              f"includes {', '.join(bad)}, which the policy did not write", base + ("objective", "estimator"),
+                              f"use estimator: {' or '.join(exact)} (exact over the vocabulary at each position, no sample needed)"))
+                continue
         if bad:
             out.append(_d("policy_gradient_on_guide_tokens",
                           f"{obj.kind_name()} is a policy gradient, but loss_tokens includes {', '.join(bad)}: "
@@ -337,6 +346,22 @@ def rollout_filter(spec, segment):
                        + (f", and '{src}' gives no reward" if src else ""), ("rollout", "filter", "source"),
                        "set rollout.filter.source to an outcome_reward source")]
     return []
+
+
+@rule("off_policy_sequences_trained")
+def off_policy_sequences_trained(spec, segment):
+    """A distillation signal's sequences the policy did not write are `demonstration` tokens: an objective
+    that does not train on them would sample and score them for nothing."""
+    out = []
+    for base, sig, obj in _pairs_with_paths(spec):
+        if sig is None or obj is None or "off_policy" not in type(sig).model_fields or sig.off_policy == "none":
+            continue
+        if "demonstration" not in obj.loss_tokens:
+            out.append(_d("off_policy_sequences_trained", f"off_policy: {sig.off_policy} puts sequences the policy did "
+                          "not write into this term as demonstration tokens, and the objective's loss_tokens "
+                          f"({', '.join(obj.loss_tokens)}) leave them out", base + ("objective", "loss_tokens"),
+                          f"add demonstration: loss_tokens: [{', '.join([*obj.loss_tokens, 'demonstration'])}]"))
+    return out
 
 
 @rule("term_gates")

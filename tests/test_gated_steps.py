@@ -223,3 +223,43 @@ train: {{steps: 1}}
     near, far = float(row["near/teacher_kl_estimate"]), float(row["far/teacher_kl_estimate"])
     assert abs(near) < 1e-4 < abs(far)  # the policy is its own teacher 'a'; 'b' has other weights
     assert not row.get("teacher_kl_estimate")
+
+
+def test_gkd_mixes_reference_sequences_and_rollouts_with_an_exact_jsd(tiny, other, tmp_path, monkeypatch):
+    """lambda 0.5 per prompt: each prompt keeps its rollouts or gets its reference solution (+ EOS) as one row of
+    demonstration tokens; the loss is the token mean of JSD_0.5(teacher, student) over the full vocabulary,
+    weighted min(pi/pi_beh, 2) on the policy's tokens and 1 on the reference's."""
+    events = run("specs/methods/gkd.yaml", tmp_path, [f"policy.model={tiny}", f"sources.teacher.model={other}",
+                                                      "train.steps=2", "train.prompts_per_step=6"], monkeypatch)
+    import math
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny)
+    seen_off = seen_on = 0
+    for step in (0, 1):
+        e = losses(events, step)["term0"]
+        b, v = e["batch"], e["view"]
+        demo = b.mask(["demonstration"])
+        for i in range(b.size):
+            if demo[i].any():  # an off-policy row: exactly the reference solution and EOS
+                seen_off += 1
+                assert not b.policy_mask[i].any()
+                ids = b.tokens[i][demo[i]].tolist()
+                assert ids[-1] == tok.eos_token_id and tok.decode(ids[:-1]) == b.examples[i].solution
+            else:
+                seen_on += 1
+        num, n = 0.0, 0
+        for i in range(b.size):
+            for t in range(b.tokens.shape[1]):
+                if not (b.policy_mask[i, t] or demo[i, t]):
+                    continue
+                ls = torch.log_softmax(v.logits[i, t].detach().double(), -1)
+                lt = torch.log_softmax(b.teacher_logits[i, t].double(), -1)
+                lm = torch.log(0.5 * ls.exp() + 0.5 * lt.exp())
+                jsd = 0.5 * float((lt.exp() * (lt - lm)).sum()) + 0.5 * float((ls.exp() * (ls - lm)).sum())
+                w = 1.0 if demo[i, t] else min(math.exp(float(v.logprobs[i, t] - b.behavior_logprobs[i, t])), 2.0)
+                num += w * jsd
+                n += 1
+        assert abs(float(e["loss"]) - num / n) < 1e-4
+    assert seen_off and seen_on, "lambda 0.5 over 12 prompts should give both kinds of rows"

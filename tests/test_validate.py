@@ -206,6 +206,14 @@ CASES = [
          "  - {signal: {kind: reward, source: verifier}, objective: {kind: grpo}}\n"
          "phases:\n  - {until: 5}\n  - until: 10\n    terms:\n      - objective: {clip: 0.3}\ntrain: {steps: 10}\n",
          "phases[1].terms[0].signal", 11, "missing required field 'signal'"),
+    Case("gkd_sampled_on_references", HEAD + "  teacher: {kind: policy_model, model: t}\n  ref: {kind: reference_solution}\n"
+         "signal: {kind: distillation, teacher: teacher, off_policy: reference, reference: ref, lambda: 0.5}\n"
+         "objective: {kind: divergence, loss_tokens: [policy, demonstration]}\n", "objective.estimator", 7,
+         "use estimator: full or top_k", rule="policy_gradient_on_guide_tokens"),
+    Case("gkd_references_untrained", HEAD + "  teacher: {kind: policy_model, model: t}\n  ref: {kind: reference_solution}\n"
+         "signal: {kind: distillation, teacher: teacher, off_policy: reference, reference: ref, lambda: 0.5}\n"
+         "objective: {kind: divergence, estimator: full}\n", "objective.loss_tokens", 7,
+         "add demonstration", rule="off_policy_sequences_trained"),
     Case("lagged_grpo", HEAD + GRPO + "sync: {every: 4}\n", "sync.every", 6, "assumes on-policy data",
          rule="lag_needs_correction"),
     Case("control_baseline_without_controls", HEAD + "  judge: {kind: oracle}\n"

@@ -114,6 +114,11 @@ class Divergence(Objective):
                 "full": "teacher distribution over the vocabulary", "top_k": "teacher distribution on the top-k + tail"}
         return {o: what[self.estimator] for o in self.loss_tokens}
 
+    def exact_origins(self) -> set[str]:
+        """full / top_k compare whole distributions at each position: no sample of the policy is needed, so they
+        train on tokens the policy did not write (GKD's dataset or teacher sequences) with weight 1."""
+        return set() if self.estimator == "sampled" else {"demonstration", "guide_prefix", "guide_intervention"}
+
     def normalizer(self, batch: TrajectoryBatch) -> Tensor:
         return aggregate_count(self.loss_mask(batch), self.aggregation, seq_weight=batch.weights())
 
@@ -143,7 +148,9 @@ class Divergence(Objective):
                 s_lp, t_lp = top_k_with_tail(s_lp, t_lp, self.k)  # [N, k+1]
             div_n = token_divergence(s_lp, t_lp, self.measure, self.beta)  # [N]
             div_tok = torch.zeros(mask.shape, dtype=div_n.dtype, device=div_n.device).index_put((rows, cols), div_n)
-            loss_tok = is_weight(cur.logprobs, beh, self.is_clip).to(div_tok.dtype) * div_tok  # [B, T]
+            w_is = is_weight(cur.logprobs, beh, self.is_clip).to(div_tok.dtype)  # [B, T]
+            w_is = torch.where(batch.policy_mask, w_is, torch.ones_like(w_is))  # 1 on tokens the policy did not write
+            loss_tok = w_is * div_tok  # [B, T]
             teacher_tok = batch.teacher_logprobs
             if teacher_tok is None:
                 teacher_tok = F.log_softmax(batch.teacher_logits.detach().float(), -1).gather(

@@ -105,6 +105,11 @@ def _shaping_and_filter_flags(a: _Args, run: Run, spec, terms, where: tuple, inp
     p = run.plugin
     max_new = spec.rollout.max_new_tokens if not inputs.toy else min(spec.rollout.max_new_tokens, _toy_cap(spec))
     for i, (_n, sig, _o, _w) in enumerate(terms):
+        if "off_policy" in type(sig).model_fields and sig.off_policy != "none":
+            raise Unsupported(where + (("terms", i) if spec.terms else ()) + ("signal", "off_policy"),
+                              "OpenRLHF trains on the samples its vLLM engines draw from the policy; sequences from a "
+                              "dataset or another model (GKD's off-policy branch) are not samples of the step",
+                              "train it on the Lightning backend")
         plus = getattr(sig, "plus", None) or {}
         base = where + (("terms", i) if spec.terms else ()) + ("signal", "plus")
         for name, w in plus.items():
