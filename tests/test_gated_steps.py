@@ -263,3 +263,40 @@ def test_gkd_mixes_reference_sequences_and_rollouts_with_an_exact_jsd(tiny, othe
                 n += 1
         assert abs(float(e["loss"]) - num / n) < 1e-4
     assert seen_off and seen_on, "lambda 0.5 over 12 prompts should give both kinds of rows"
+
+
+def test_prefixrl_samples_each_prompts_prefix_length_from_an_accepted_teacher_trace(tiny, other, tmp_path, monkeypatch):
+    """Guided rows start with the first k tokens of the teacher's first accepted trace (parity verifier), as
+    guide_prefix tokens with no loss; k = kmin + floor(u (kmax - kmin + 1)) with u from the hash of (prompt,
+    step, seed, 'k'), kmin = ceil(0 n) = 0, kmax = min(floor(0.75 n), n - 1), n the trace's token count."""
+    import hashlib
+    import math
+
+    from transformers import AutoTokenizer
+
+    events = run("specs/methods/prefixrl.yaml", tmp_path, [f"policy.model={tiny}", f"sources.teacher.model={other}",
+                                                           "train.steps=1", "rollout.guide.guided_fraction=1.0",
+                                                           "rollout.max_new_tokens=12"], monkeypatch)
+    tok = AutoTokenizer.from_pretrained(tiny)
+    e = losses(events, 0)["term0"]
+    b = e["batch"]
+    pre = b.mask(["guide_prefix"])
+    rollout = next(x for x in events if x["kind"] == "rollout")
+    guided = 0
+    for i, tr in enumerate(rollout["traces"]):
+        k = tr.notes["prefix_steps"]
+        n = tr.notes["ref_steps"]
+        if n == 0:  # no trace accepted for this prompt: unguided
+            assert k == 0 and not pre[i].any()
+            continue
+        kmax = max(0, min(math.floor(0.75 * n), n - 1))
+        key = f"{b.examples[i].prompt}|0|0|k".encode()
+        u = int(hashlib.sha256(key).hexdigest()[:8], 16) / 16 ** 8
+        assert k == min(int(u * (kmax + 1)), kmax)
+        assert int(pre[i].sum()) == k
+        guided += k > 0
+        ids = b.tokens[i][pre[i]].tolist()
+        assert ids == tr.pieces[0].tokens and tok.decode(ids)  # the trace's first k tokens, as guide_prefix
+    assert guided, "some prompt should have an accepted trace and a non-empty prefix"
+    mask = e["objective"].loss_mask(b)
+    assert not (mask & pre).any()  # prefix tokens get no loss
