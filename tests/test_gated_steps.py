@@ -300,3 +300,16 @@ def test_prefixrl_samples_each_prompts_prefix_length_from_an_accepted_teacher_tr
     assert guided, "some prompt should have an accepted trace and a non-empty prefix"
     mask = e["objective"].loss_mask(b)
     assert not (mask & pre).any()  # prefix tokens get no loss
+
+
+def test_truncated_responses_are_masked_on_lightning(tiny, tmp_path, monkeypatch):
+    """rollout.filter.truncated: mask: a row whose last response token is not EOS gets no loss."""
+    from transformers import AutoTokenizer
+
+    events = run("specs/grpo.yaml", tmp_path, [f"policy.model={tiny}", "train.steps=1", "rollout.filter.truncated=mask",
+                                               "rollout.max_new_tokens=6"], monkeypatch)
+    eos = AutoTokenizer.from_pretrained(tiny).eos_token_id
+    b = losses(events, 0)["term0"]["batch"]
+    last = [b.tokens[i][b.response_mask[i]].tolist()[-1] for i in range(b.size)]
+    assert b.row_mask.tolist() == [t == eos for t in last]
+    assert not b.row_mask.all()  # 6 tokens of a random model: most responses are cut

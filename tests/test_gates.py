@@ -192,3 +192,33 @@ def test_a_gate_through_the_openrlhf_plugin_matches_the_hand_numbers():
 
     for micro in (step, [gather(step, [0, 2]), gather(step, [1, 3])], [gather(step, [0, 1, 2, 3])]):
         assert abs(float(loss_over(plan, {"ref": "initial"}, micro, logp, 4)) - (-0.85 * a)) < 1e-5
+
+
+def test_truncated_rows_are_masked_in_the_openrlhf_loss_as_on_lightning():
+    """rollout.filter.truncated: mask on OpenRLHF: the advantage step marks rows whose response does not end in
+    EOS, and every term's loss and normaliser leave them out (the same composer/filters.py rule)."""
+    import math
+
+    from test_openrlhf import POL, PR, Segments, experience, gather, loss_over, plan_for, prepare_step
+
+    lh = math.log(0.5)
+    plan = plan_for({"sources": {"verifier": {"kind": "outcome_reward"}}, "rollout": {"filter": {"truncated": "mask"}},
+                     "signal": {"kind": "reward", "source": "verifier"}, "objective": {"kind": "grpo", "kl_coef": 0}})
+    full = experience([[PR, POL, POL]] * 4, [[0.0, lh, lh]] * 4, ["a", "a", "b", "b"], rewards=[1.0, 0.0, 0.0, 1.0])
+
+    class Tok:
+        pad_token_id = 0
+        eos_token_id = int(full.sequences[0, -1])  # row 0 ends in EOS; the others end in other tokens
+
+    assert [int(x) for x in full.sequences[:, -1]].count(Tok.eos_token_id) == 1
+    step = [gather([full], [0, 1]), gather([full], [2, 3])]
+    prepare_step(step, Segments(plan, [0]), {"teachers": {}, "reward_source": "verifier", "mask_truncated": True},
+                 Tok(), None)
+    assert [float(e.info["composer/norm0"][0]) for e in step] == [2.0, 2.0]  # row 0's two tokens only
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)
+
+    def logp(e):
+        return torch.tensor([[math.log(0.75), math.log(0.25)]]).expand(e.action_mask.shape[0], 2)
+
+    # row 0 alone, A = +a: -(1/2)(1.2 a + 0.5 a) = -0.85 a
+    assert abs(float(loss_over(plan, {"ref": "initial"}, step, logp, 4)) - (-0.85 * a)) < 1e-5
