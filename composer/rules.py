@@ -394,7 +394,8 @@ def term_gates(spec, segment):
             out.append(_d("term_gates", "a gate selects rows by facts of the step's rollout, and no term of this "
                           "segment samples rollouts", path,
                           "add a term that trains on rollouts (e.g. a reward signal with grpo), or remove the gate"))
-        elif (t.signal.makes_batch or t.signal.targets_rows) and g.row_facts():
+        elif (t.signal.makes_batch or t.signal.targets_rows or getattr(t.signal, "off_policy", "none") != "none") \
+                and g.row_facts():
             out.append(_d("term_gates", f"{', '.join(g.row_facts())} test a rollout's own row, but this term trains "
                           f"on rows its {t.signal.kind_name()} signal builds (one per prompt), not on the rollout",
                           path + (g.row_facts()[0],),

@@ -98,6 +98,9 @@ def apply_gates(ctx: RunContext, batches: list[TrajectoryBatch], rollout: Trajec
             rows = gate_rows(gate, ok, rollout.group, surprisal)
             b.row_mask = rows if b.row_mask is None else rows & b.row_mask  # a filter may have masked rows
         else:  # a batch the signal built (SFT on references): its prompt's rollouts decide
+            if gate.row_facts():
+                raise ValueError(f"term {names[i]}: its gate tests {', '.join(gate.row_facts())} of rollout rows, and "
+                                 "its signal trains on rows it built (validation refuses this)")
             b.row_mask = gate_by_prompt(gate, ok, rollout.prompt_index, b.prompt_index)
         ctx.log(**gate_metrics(names[i], b.row_mask, len(names) > 1))
 
