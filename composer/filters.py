@@ -104,10 +104,11 @@ def filtered_rollout(ctx, examples: list, n: int):
             rows = (batch.prompt_index == k).nonzero().flatten().tolist()
             part = (_rows(batch, rows), ex)
             (dropped if equal.get(k, False) else kept).append(part)
-        if len(kept) >= want or flt.equal_groups != "drop" or (flt.max_rounds is not None and rounds >= flt.max_rounds):
+        missing = _most_missing(ctx, max(want - len(kept), 0))  # the same on every rank: one data stream
+        if missing == 0 or flt.equal_groups != "drop" or (flt.max_rounds is not None and rounds >= flt.max_rounds):
             break
         rounds += 1
-        todo = ctx.next_prompts(want - len(kept))
+        todo = ctx.next_prompts(missing)
     kept_frac = len(kept) / max(sampled, 1)
     unfilled = max(want - len(kept), 0)
     parts = kept[:want] + dropped[:unfilled]
@@ -129,6 +130,16 @@ def filtered_rollout(ctx, examples: list, n: int):
                         "filter/extra_prompts": float(sampled - len(examples)), "filter/unfilled": float(unfilled)})
     ctx.log(**metrics)
     return out, [ex for _b, ex in parts]
+
+
+def _most_missing(ctx, missing: int) -> int:
+    """The largest number of missing prompts over the ranks (DDP): every rank draws that many, so the ranks'
+    data streams stay one global stream (a rank that needs fewer keeps its first ones)."""
+    if ctx.world <= 1:
+        return missing
+    t = torch.tensor([missing], dtype=torch.long)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t)
 
 
 def _rows(batch, rows: list[int]):
