@@ -112,6 +112,11 @@ def test_srpo_routes_successes_to_grpo_and_failures_with_a_sibling_to_distillati
     assert b.row_mask.tolist() == ok.tolist()
     assert dist["batch"].row_mask.tolist() == ((~ok) & sib).tolist()
     assert 0 < int(ok.sum()) < b.size, "the parity verifier should give mixed groups"
+    import csv
+
+    row = next(r for r in csv.DictReader(open(tmp_path / "run" / "metrics.csv")) if r.get("loss"))
+    assert float(row["rl/gate_frac"]) == pytest.approx(float(ok.float().mean()))  # each term logs its fraction
+    assert float(row["distill/gate_frac"]) == pytest.approx(float(((~ok) & sib).float().mean()))
     # the GRPO loss by hand over the successful rows only (defaults: clip 0.2, kl 0.001 k3, token-mean)
     adv = hand_advantages(b.rewards.tolist(), b.group)
     want = hand_grpo(b, rl["view"].logprobs.detach(), adv, 0.2, 0.2, 0.001, ok.nonzero().flatten().tolist())
