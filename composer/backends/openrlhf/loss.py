@@ -165,6 +165,11 @@ class ComposerLoss:
             share = rows / global_batch_size * dp_size if global_batch_size is not None else 1.0
             scale = {i: share for i in range(len(term_list))}
         loss, metrics = total_loss(term_list, batches, view, advs, scale)
+        from composer.gates import gate_metrics
+
+        for (name, _s, _o, _w), b in zip(term_list, batches):  # the gate's share of this micro-batch's rows
+            if b.row_mask is not None:
+                metrics.update(gate_metrics(name, b.row_mask, len(term_list) > 1))
         for k, v in metrics.items():
             exp.info[f"composer/{k}"] = torch.tensor(float(v))
         if not getattr(loss, "requires_grad", False):  # no loss token in this micro-batch: a zero with a graph
