@@ -34,6 +34,7 @@ class TrajectoryBatch:
     behavior_known: Optional["torch.Tensor"] = None  # [B, T] bool: behavior_logprobs holds a real value (None: all)
     notes: list = field(default_factory=list)  # [B] dict: what the guide saw and did for each row
     advantages: Optional["torch.Tensor"] = None  # [B]: the term's per-trajectory advantage (objectives that use one)
+    row_mask: Optional["torch.Tensor"] = None  # [B] bool: the rows this term trains on (its gate); None: all
 
     @property
     def size(self) -> int:

@@ -19,6 +19,9 @@ def story(plan: dict) -> list[str]:
             weight = f" (weight {t['weight']:g})" if t["weight"] != 1 else ""
             out.append(f"  learns: {t['objective']} on the {t['signal']} signal{weight}, on "
                        f"{', '.join(trained) or 'no'} tokens")
+            if t.get("gate"):
+                out.append(f"    gate: {t['term']} trains only on rows where {t['gate']}; other rows get no loss "
+                           "from it and do not count in its normaliser")
         out.append("  loads: " + ", ".join(_load(m) for m in seg["models"]))
     return out
 
@@ -80,6 +83,8 @@ def text(plan: dict) -> str:
             lines.append(f"    {m['role']:<16} {m['model']}{' [trained]' if m['trainable'] else ''}{note}")
         for t in seg["token_origins"]:
             lines.append(f"  {t['term']}: {t['signal']} -> {t['objective']} (weight {t['weight']})")
+            if t.get("gate"):
+                lines.append(f"    gate: only rows where {t['gate']}")
             for origin, o in t["origins"].items():
                 if o["loss"]:
                     anchor = f", anchor: {o['anchor']}" if o["anchor"] else ""

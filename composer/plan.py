@@ -13,8 +13,9 @@ from composer import graph
 from composer.origins import ORIGINS
 from composer.runtime.prompts import example_prompts
 from composer.runtime.vllm_engine import engine_note
+from composer.gates import gate_source
 from composer.schedule import compile_schedule
-from composer.terms import rolls_out, scored_origins, terms
+from composer.terms import gates, rolls_out, scored_origins, terms
 from composer.validate import Segment, Validated
 
 PI_TYPE = {
@@ -23,7 +24,9 @@ PI_TYPE = {
     "oracle": ("step oracle", "prior"),
     "outcome_reward": ("outcome reward", "posterior"),
     "feedback": ("environment feedback", "posterior"),
-    "sibling_success": ("own successful rollout", "posterior"),
+    "overlong_penalty": ("reward shaping by response length (no privileged information)", "posterior"),
+    "length_penalty": ("reward shaping by response length (no privileged information)", "posterior"),
+    "sibling_success": ("a successful sibling rollout of the same group (never the row itself)", "posterior"),
 }
 
 
@@ -104,7 +107,7 @@ def _origins(spec) -> list[dict]:
     each origin's behaviour log-probs come from."""
     out = []
     guide = spec.rollout.guide
-    for name, sig, obj, weight in terms(spec):
+    for (name, sig, obj, weight), gate in zip(terms(spec), gates(spec)):
         if obj is None or sig is None:
             continue
         anchors = obj.anchors()
@@ -114,7 +117,8 @@ def _origins(spec) -> list[dict]:
                      "behaviour": _behaviour(o, spec) if o in present else None}
                  for o in ORIGINS[1:]}
         out.append({"term": name, "signal": sig.kind_name(), "objective": obj.kind_name(), "weight": weight,
-                    "batch": "built by the signal" if sig.makes_batch else "rollout", "origins": table})
+                    "batch": "built by the signal" if sig.makes_batch else "rollout", "origins": table,
+                    "gate": None if gate is None else gate.describe()})
     return out
 
 
@@ -124,10 +128,14 @@ def _dataflow(spec) -> list[str]:
         g = spec.rollout.guide.kind_name()
         flow.append(f"rollout: {spec.rollout.samples_per_prompt} samples per prompt" +
                     ("" if g == "none" else f", guide {g}"))
-    for _n, sig, obj, _w in terms(spec):
+        if spec.rollout.filter.active:
+            flow.append("filter: " + spec.rollout.filter.describe())
+    for (name, sig, obj, _w), gate in zip(terms(spec), gates(spec)):
         if sig is None or obj is None:
             continue
         flow.append(sig.describe(spec))
+        if gate is not None:
+            flow.append(f"gate {name}: only rows where {gate.describe()}")
         flow.append(f"{obj.kind_name()} loss")
     flow.append("optimizer step")
     if rolls_out(spec):
@@ -172,7 +180,10 @@ def _segment(seg: Segment) -> dict:
         "name": seg.name, "start": seg.start, "end": seg.end, "stage": seg.stage,
         "guide": _component(spec.rollout.guide) if rolls_out(spec) else None,
         "terms": [{"name": n, "weight": w, "signal": _component(s) if s else None,
-                   "objective": _component(o) if o else None} for n, s, o, w in terms(spec)],
+                   "objective": _component(o) if o else None,
+                   "gate": None if g is None else {**g.model_dump(mode="json", exclude_none=True),
+                                                   "rows": g.describe(), "success_source": gate_source(g, spec)}}
+                  for (n, s, o, w), g in zip(terms(spec), gates(spec))],
         "reference": spec.train.reference,
         "sync": spec.sync.model_dump(mode="json"),
         "dataflow": _dataflow(spec),

@@ -72,7 +72,16 @@ def policy_gradient_on_guide_tokens(spec, segment):
     for base, sig, obj in _pairs_with_paths(spec):
         if obj is None or not type(obj).policy_gradient:
             continue
-        bad = [o for o in obj.loss_tokens if o in OFF_POLICY_ORIGINS]
+        bad = [o for o in obj.loss_tokens if o in OFF_POLICY_ORIGINS and o not in obj.exact_origins()]
+        if bad and "estimator" in type(obj).model_fields:  # an estimator choice: say which one is exact
+            exact = [e for e in ("full", "top_k") if bad[0] in obj.model_copy(update={"estimator": e}).exact_origins()]
+            if exact:
+                out.append(_d("policy_gradient_on_guide_tokens",
+                              f"{obj.kind_name()} with estimator '{obj.estimator}' is a single-sample estimate from "
+                              f"tokens the policy sampled (an importance-weighted policy gradient), but loss_tokens "
+                              f"includes {', '.join(bad)}, which the policy did not write", base + ("objective", "estimator"),
+                              f"use estimator: {' or '.join(exact)} (exact over the vocabulary at each position, no sample needed)"))
+                continue
         if bad:
             out.append(_d("policy_gradient_on_guide_tokens",
                           f"{obj.kind_name()} is a policy gradient, but loss_tokens includes {', '.join(bad)}: "
@@ -299,6 +308,99 @@ def term_weight_positive(spec, segment):
                + ("ignored" if t.weight == 0 else "maximised, not minimised"), ("terms", i, "weight"),
                "use a positive weight, or remove the term", severity="warning")
             for i, t in enumerate(spec.terms or []) if t.weight <= 0]
+
+
+@rule("reward_parts_are_rewards")
+def reward_parts_are_rewards(spec, segment):
+    """Every source a reward signal adds (`plus`) gives a reward per rollout."""
+    from composer import registry
+
+    out = []
+    for base, sig, _obj in _pairs_with_paths(spec):
+        for name in getattr(sig, "plus", None) or {}:
+            src = spec.sources.get(name)
+            if src is not None and "sequence_reward" not in type(src).provides:
+                kinds = sorted(k for k, c in registry.kinds("sources").items() if "sequence_reward" in c.provides)
+                out.append(_d("reward_parts_are_rewards", f"'{name}' is a {src.kind_name()} source, which gives no "
+                              "reward per rollout", base + ("signal", "plus", name),
+                              f"add a source of kind {', '.join(kinds)}"))
+    return out
+
+
+@rule("rollout_filter")
+def rollout_filter(spec, segment):
+    """A filter acts on rollouts (a segment must sample some) and equal groups are judged by a reward source."""
+    from composer.filters import filter_source
+    from composer.terms import rolls_out
+
+    flt = spec.rollout.filter
+    if not flt.active or (segment == "base" and spec.stages):
+        return []
+    if not rolls_out(spec):
+        return [_d("rollout_filter", "rollout.filter acts on the step's rollouts, and no term of this segment samples "
+                   "any", ("rollout", "filter"), "remove rollout.filter, or add a term that trains on rollouts")]
+    if flt.equal_groups == "drop":
+        src = filter_source(flt, spec)
+        if src is None or src not in spec.sources or "sequence_reward" not in type(spec.sources[src]).provides:
+            return [_d("rollout_filter", "equal_groups: drop needs a reward source to compare the rollouts of a prompt"
+                       + (f", and '{src}' gives no reward" if src else ""), ("rollout", "filter", "source"),
+                       "set rollout.filter.source to an outcome_reward source")]
+    return []
+
+
+@rule("off_policy_sequences_trained")
+def off_policy_sequences_trained(spec, segment):
+    """A distillation signal's sequences the policy did not write are `demonstration` tokens: an objective
+    that does not train on them would sample and score them for nothing."""
+    out = []
+    for base, sig, obj in _pairs_with_paths(spec):
+        if sig is None or obj is None or "off_policy" not in type(sig).model_fields or sig.off_policy == "none":
+            continue
+        if "demonstration" not in obj.loss_tokens:
+            out.append(_d("off_policy_sequences_trained", f"off_policy: {sig.off_policy} puts sequences the policy did "
+                          "not write into this term as demonstration tokens, and the objective's loss_tokens "
+                          f"({', '.join(obj.loss_tokens)}) leave them out", base + ("objective", "loss_tokens"),
+                          f"add demonstration: loss_tokens: [{', '.join([*obj.loss_tokens, 'demonstration'])}]"))
+    return out
+
+
+@rule("term_gates")
+def term_gates(spec, segment):
+    """A gate reads the step's rollout: it needs one, an outcome_reward source that decides success, and a
+    term whose batch holds the rollout's rows when it tests a row's own facts."""
+    from composer.gates import gate_source
+    from composer.terms import rolls_out
+
+    out = []
+    for i, t in enumerate(spec.terms or []):
+        g = t.gate
+        if g is None:
+            continue
+        path = ("terms", i, "gate")
+        rewards = sorted(n for n, s in spec.sources.items() if s.kind_name() == "outcome_reward")
+        src = gate_source(g, spec)
+        if src is None or src not in spec.sources or spec.sources[src].kind_name() != "outcome_reward":
+            where = path + (("source",) if g.source is not None else ())
+            if g.source is not None:
+                msg = f"the gate's source '{g.source}' is not an outcome_reward source"
+            elif rewards:
+                msg = f"the gate does not say which outcome_reward source decides success ({', '.join(rewards)})"
+            else:
+                msg = "the gate decides success with an outcome_reward source, and the spec has none"
+            hint = (f"set source: to one of {', '.join(rewards)}" if rewards else
+                    "add one under sources, e.g. verifier: {kind: outcome_reward}")
+            out.append(_d("term_gates", msg, where, hint))
+        if not rolls_out(spec):
+            out.append(_d("term_gates", "a gate selects rows by facts of the step's rollout, and no term of this "
+                          "segment samples rollouts", path,
+                          "add a term that trains on rollouts (e.g. a reward signal with grpo), or remove the gate"))
+        elif (t.signal.makes_batch or t.signal.targets_rows or getattr(t.signal, "off_policy", "none") != "none") \
+                and g.row_facts():
+            out.append(_d("term_gates", f"{', '.join(g.row_facts())} test a rollout's own row, but this term trains "
+                          f"on rows its {t.signal.kind_name()} signal builds (one per prompt), not on the rollout",
+                          path + (g.row_facts()[0],),
+                          "gate it by its prompt's rollouts: group_success_at_most / group_success_above"))
+    return out
 
 
 @rule("phases_run")

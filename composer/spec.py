@@ -11,6 +11,8 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from composer import registry
+from composer.filters import RolloutFilter
+from composer.gates import Gate
 
 # Bounds: far beyond any real run, but inside what the runtime can count and allocate (int64 step
 # counters, one batch in memory). A value past them is a typo or an attack, refused before anything runs.
@@ -119,6 +121,7 @@ class Rollout(Strict):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM only: fraction of GPU memory the engine may take.")
     tensor_parallel_size: int = Field(1, ge=1, le=1024, description="vLLM only: tensor-parallel degree of the rollout engine.")
     guide: Any = Field(None, description="Who else writes tokens into rollouts (none, prefix, intervention).")
+    filter: RolloutFilter = Field(default_factory=RolloutFilter, description="Which rollouts a step trains on, decided after rewards and before advantages: drop prompts whose rewards are all equal and sample more (DAPO dynamic sampling), keep / mask / drop responses cut at max_new_tokens (overlong filtering).")
 
 
 class Sync(Strict):
@@ -313,6 +316,7 @@ def spec_model(builtins_only: bool = False) -> type[BaseModel]:
         objective=(objective_u, Field(..., description="How the signal becomes a loss.")),
         weight=(float, Field(1.0, allow_inf_nan=False, description="Weight of this term in the summed loss.")),
         name=(Optional[Name], Field(None, description="Name used when logging this term, [a-z0-9_-]+ (default: term<i>).")),
+        gate=(Optional[Gate], Field(None, description="Train this term only on the rows a predicate of the rollout selects (outcome, group success rate, a successful sibling, entropy quantile); rows outside get no loss from it and do not count in its normaliser.")),
     )
     phase, stage = _segment_models(term, builtins_only)
     model = create_model(

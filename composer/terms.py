@@ -10,6 +10,13 @@ def terms(spec) -> list[tuple[str, object, object, float]]:
     return [("term0", spec.signal, spec.objective, 1.0)]
 
 
+def gates(spec) -> list:
+    """The gate of every term (a composer.gates.Gate or None), aligned with `terms(spec)`."""
+    if spec.terms:
+        return [t.gate for t in spec.terms]
+    return [None]
+
+
 def rolls_out(spec) -> bool:
     """Whether this spec samples rollouts (some term's signal does not build its own batch)."""
     return any(sig is not None and not sig.makes_batch for _n, sig, _o, _w in terms(spec))

@@ -76,7 +76,15 @@ def _in_segment(loaded: LoadedSpec, origin: tuple, path: tuple) -> bool:
     for p in origin:
         phase = phase[p] if _exists(phase, (p,)) else {}
     here = _depth(phase, path)
+    if any(isinstance(_get(phase, path[:k]), list) for k in range(1, here + 1)):
+        return True  # a list the phase wrote (its `terms`) replaces the base spec's whole: all under it is the phase's
     return here >= 1 and here >= _depth(loaded.data, path)
+
+
+def _get(data, path):
+    for p in path:
+        data = data[p]
+    return data
 
 
 def _exists(data, path) -> bool:
@@ -145,7 +153,7 @@ def load_plugins(loaded: LoadedSpec) -> tuple[list[Diagnostic], list[Diagnostic]
             importlib.import_module(name)
         except Exception as e:  # a plugin's own errors must become a diagnostic, not a traceback
             errors.append(Diagnostic("schema", f"plugin module '{name}' cannot be imported: {type(e).__name__}: {e}",
-                                     ("plugins", i), where, "install the package that provides it, or fix the module name"))
+                                     ("plugins", i), where, "install the package that provides it (pip install -e), put the folder that holds it on PYTHONPATH, or fix the module name"))
         registry.SPEC_PLUGIN_ERRORS.extend(registry.PLUGIN_ERRORS[before:])
         warnings += [Diagnostic("schema", f"plugin module '{name}': {msg}", ("plugins", i), where,
                                 "the built-in kind stays in use", severity="warning")

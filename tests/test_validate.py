@@ -135,7 +135,7 @@ CASES = [
          "sources.verifier.verifer", 3, "did you mean 'verifier'?"),
     Case("unknown_top_level_key", HEAD + GRPO + "trian: {steps: 3}\n", "trian", 6, "did you mean 'train'?"),
     Case("bad_kind_lists_kinds", HEAD.replace("outcome_reward", "outcome_rewrd") + GRPO, "sources.verifier.kind", 3,
-         "Valid kinds: feedback, oracle, outcome_reward, policy_model, reference_solution, sibling_success"),
+         "Valid kinds: feedback, oracle, outcome_reward, policy_model, reference_solution, overlong_penalty, length_penalty, sibling_success"),
     Case("missing_kind", HEAD + "signal: {source: verifier}\nobjective: {kind: grpo}\n", "signal", 4,
          "missing `kind`"),
     Case("missing_required_field", HEAD + "  teacher: {kind: policy_model}\n" + GRPO, "sources.teacher.model", 4,
@@ -192,6 +192,28 @@ CASES = [
          "rollout: {guide: {kind: intervention, judge: judge}}\nsignal: {kind: reward, source: verifier}\n"
          "objective: {kind: grpo, loss_tokens: [policy, guide_intervention]}\n", "objective.loss_tokens", 7,
          "advantage_regression", rule="policy_gradient_on_guide_tokens"),
+    Case("gate_row_fact_on_sft", HEAD + "  reference: {kind: reference_solution}\nterms:\n"
+         "  - {signal: {kind: reward, source: verifier}, objective: {kind: grpo}}\n"
+         "  - {signal: {kind: sft, target: reference}, objective: {kind: cross_entropy}, gate: {outcome: failure}}\n",
+         "terms[1].gate.outcome", 7, "group_success_at_most", rule="term_gates"),
+    Case("filter_source_gives_no_reward", HEAD + "  reference: {kind: reference_solution}\n"
+         "rollout: {filter: {equal_groups: drop, source: reference}}\n" + GRPO, "rollout.filter.source", 5,
+         "needs a reward source", rule="rollout_filter"),
+    Case("reward_plus_not_a_reward", HEAD + "  reference: {kind: reference_solution}\n"
+         "signal: {kind: reward, source: verifier, plus: {reference: 1.0}}\nobjective: {kind: grpo}\n",
+         "signal.plus.reference", 5, "gives no reward per rollout", rule="reward_parts_are_rewards"),
+    Case("phase_partial_term", HEAD + "rollout: {samples_per_prompt: 4}\nterms:\n"
+         "  - {signal: {kind: reward, source: verifier}, objective: {kind: grpo}}\n"
+         "phases:\n  - {until: 5}\n  - until: 10\n    terms:\n      - objective: {clip: 0.3}\ntrain: {steps: 10}\n",
+         "phases[1].terms[0].signal", 11, "missing required field 'signal'"),
+    Case("gkd_sampled_on_references", HEAD + "  teacher: {kind: policy_model, model: t}\n  ref: {kind: reference_solution}\n"
+         "signal: {kind: distillation, teacher: teacher, off_policy: reference, reference: ref, lambda: 0.5}\n"
+         "objective: {kind: divergence, loss_tokens: [policy, demonstration]}\n", "objective.estimator", 7,
+         "use estimator: full or top_k", rule="policy_gradient_on_guide_tokens"),
+    Case("gkd_references_untrained", HEAD + "  teacher: {kind: policy_model, model: t}\n  ref: {kind: reference_solution}\n"
+         "signal: {kind: distillation, teacher: teacher, off_policy: reference, reference: ref, lambda: 0.5}\n"
+         "objective: {kind: divergence, estimator: full}\n", "objective.loss_tokens", 7,
+         "add demonstration", rule="off_policy_sequences_trained"),
     Case("lagged_grpo", HEAD + GRPO + "sync: {every: 4}\n", "sync.every", 6, "assumes on-policy data",
          rule="lag_needs_correction"),
     Case("control_baseline_without_controls", HEAD + "  judge: {kind: oracle}\n"

@@ -6,9 +6,9 @@ import hashlib
 import math
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from composer.contract import Guide
+from composer.contract import Guide, ModelCall
 from composer.registry import register
 from composer.runtime.protocol import INITIAL, Sample, Trace
 
@@ -30,20 +30,41 @@ class PrefixGuide(Guide):
     """
 
     kind: Literal["prefix"] = Field("prefix", description="Component kind.")
-    reference: str = Field(..., description="The reference_solution source the prefix is taken from.")
+    reference: str = Field(..., description="Where prefixes come from: a reference_solution source (a data field: the reference, or a column of off-policy traces via its `field`), or a policy_model source whose generations are the traces (rejection-sampled: the first of `trace_samples` that the verifier accepts, generated once per problem and cached).")
     placement: Literal["prompt", "response"] = Field("prompt", description="`prompt`: after an instruction to continue from it (POPE); `response`: as the start of the response, origin guide_prefix, no loss.")
     max_fraction: float = Field(0.25, gt=0, le=1, description="Longest prefix, as a fraction of the reference's steps (floor; never exceeded).")
-    search: Literal["minimal", "fixed"] = Field("minimal", description="`minimal`: per problem, the shortest step prefix the initial policy can finish (searched once, cached); `fixed`: always max_fraction.")
+    search: Literal["minimal", "fixed", "random"] = Field("minimal", description="`minimal`: per problem, the shortest step prefix the initial policy can finish (searched once, cached); `fixed`: always max_fraction; `random`: per problem and step, a length drawn uniformly between min_fraction and max_fraction of the reference (PrefixRL), the same for every rollout of the prompt.")
+    min_fraction: float = Field(0.0, ge=0, lt=1, description="With search: random, the shortest prefix as a fraction of the reference (ceil).")
+    unit: Literal["steps", "tokens"] = Field("steps", description="What fractions count: reference steps (split on the task's step separator) or tokens; `tokens` needs placement: response.")
+    trace_samples: int = Field(8, ge=1, description="With a policy_model reference: generations per problem to find one the verifier accepts.")
     search_samples: int = Field(8, ge=1, description="Samples per candidate prefix in the minimal search (solved if at least one succeeds).")
     guided_fraction: float = Field(0.5, ge=0, le=1, description="Fraction of prompts that are guided; guided and unguided rollouts form separate advantage groups.")
     instruction: str = Field("Continue from this partial solution:\n", description="Text placed before the prefix with placement `prompt`.")
 
-    refs: ClassVar = {"reference": ("reference_solution",)}
+    refs: ClassVar = {"reference": ("reference_solution", "policy_model")}
+
+    @model_validator(mode="after")
+    def _settings_apply(self):
+        if self.unit == "tokens" and self.placement != "response":
+            raise ValueError("unit: tokens cuts the reference mid-step, which only placement: response can show "
+                             "(as guide_prefix tokens)")
+        if self.search != "random" and "min_fraction" in self.model_fields_set:
+            raise ValueError("min_fraction applies to search: random")
+        if self.min_fraction > self.max_fraction:
+            raise ValueError(f"min_fraction {self.min_fraction:g} is above max_fraction {self.max_fraction:g}")
+        return self
     provides: ClassVar = ("guided_tokens",)
     writes: ClassVar = ("guide_prefix",)
 
     def writes_now(self) -> tuple[str, ...]:
         return ("guide_prefix",) if self.placement == "response" else ()
+
+    def model_calls(self, spec) -> list[ModelCall]:
+        """A policy_model reference writes the traces: one generation of up to rollout.max_new_tokens each."""
+        src = spec.sources.get(self.reference)
+        if src is None or src.kind_name() != "policy_model":
+            return []
+        return [ModelCall(self.reference, spec.rollout.max_new_tokens, "\n", src.weights)]
 
     def extra_tokens(self, spec, max_solution_tokens: int) -> int:
         return max_solution_tokens + len(self.instruction) + 8  # the prefix (never the whole reference) in the prompt
@@ -52,7 +73,9 @@ class PrefixGuide(Guide):
         return {"guide:prefix-search": "initial"} if self.search == "minimal" else {}
 
     def describe(self, spec) -> str:
-        k = "the shortest prefix the initial policy can finish" if self.search == "minimal" else "a fixed prefix"
+        k = {"minimal": "the shortest prefix the initial policy can finish", "fixed": "a fixed prefix",
+             "random": f"a prefix whose length is drawn per problem uniformly from {self.min_fraction:g} to "
+                       f"{self.max_fraction:g} of the {self.unit} of"}[self.search]
         where = "in the prompt" if self.placement == "prompt" else "as guide_prefix tokens at the start of the response"
         return (f"{self.guided_fraction:.0%} of prompts carry {k} of '{self.reference}' (at most "
                 f"{self.max_fraction:g} of its steps) {where}")
@@ -60,11 +83,12 @@ class PrefixGuide(Guide):
     # ---- the protocol ----
     def prepare(self, ctx, examples):
         """The minimal search for every guided problem not searched before (one program per problem)."""
+        traces = self.trace_programs(ctx, examples)
         if self.search != "minimal":
-            return []
+            return traces
         cache = self.cache(ctx)
         todo = {ex.prompt: ex for ex in examples if self.chosen(ctx, ex) and ex.prompt not in cache}
-        return [self.search_program(ctx, ex) for ex in todo.values()]
+        return traces + [self.search_program(ctx, ex) for ex in todo.values()]
 
     def row(self, ctx, example, index: int, n: int):
         """One rollout: k = 0 for an unguided prompt, else the cached (or largest) k; the policy writes the rest."""
@@ -73,7 +97,7 @@ class PrefixGuide(Guide):
         prompt, prefix = self.conditioned(ctx, example, k)
         trace = Trace(prompt, control=k == 0, guided=k > 0, tag="guided" if k > 0 else "")
         trace.add(prefix, "guide_prefix")
-        trace.notes.update(prefix_steps=k, chosen=chosen, ref_steps=len(self.ref_steps(ctx, example)))
+        trace.notes.update(prefix_steps=k, chosen=chosen, ref_steps=len(self.ref_units(ctx, example)))
         [gen] = yield Sample(trace.tokens, ctx.max_new_tokens - len(prefix))
         trace.add(gen.tokens, "policy", gen.logprobs)
         return trace
@@ -96,9 +120,45 @@ class PrefixGuide(Guide):
         key = f"{example.prompt}|{ctx.step}|{ctx.spec.train.seed}".encode()
         return int(hashlib.sha256(key).hexdigest()[:8], 16) / 16 ** 8 < self.guided_fraction
 
+    def ref_text(self, ctx, ex) -> str:
+        """The reference of a problem: the reference_solution's text, or the cached accepted trace of a
+        policy_model reference ('' when none was accepted: the prompt stays unguided)."""
+        if ctx.spec.sources[self.reference].kind_name() == "policy_model":
+            return self.traces(ctx).get(ex.prompt) or ""
+        return ctx.source(self.reference).example_text(ex) or ""
+
+    def traces(self, ctx) -> dict:
+        """prompt -> accepted trace text of a policy_model reference (kept in checkpoints with the searches)."""
+        return ctx.cache.setdefault(("guide", "prefix-search", "traces", self.model_dump_json()), {})
+
+    def trace_programs(self, ctx, examples) -> list:
+        """For a policy_model reference: per problem without a trace yet, `trace_samples` generations of that
+        model from the policy's prompt; the first the verifier accepts is the trace (none: '')."""
+        if ctx.spec.sources[self.reference].kind_name() != "policy_model":
+            return []
+        done = self.traces(ctx)
+        todo = {ex.prompt: ex for ex in examples if ex.prompt not in done}
+        return [self.trace_program(ctx, ex) for ex in todo.values()]
+
+    def trace_program(self, ctx, ex):
+        from components.guides.intervention import successes
+
+        gens = yield Sample(ctx.prompt_ids(ex), ctx.max_new_tokens, n=self.trace_samples, model=self.reference,
+                            purpose="teacher")
+        texts = [ctx.decode([t for t in g.tokens if t != ctx.eos_id]) for g in gens]
+        ok = successes(ctx, [ex] * len(texts), texts)
+        self.traces(ctx)[ex.prompt] = next((t for t, good in zip(texts, ok) if good), "")
+        return ok
+
+    def ref_units(self, ctx, ex) -> list:
+        """The reference in the units prefixes count: steps (strings) or token ids."""
+        if self.unit == "tokens":
+            return ctx.encode(self.ref_text(ctx, ex))
+        return self.ref_steps(ctx, ex)
+
     def ref_steps(self, ctx, ex) -> list[str]:
         """The reference solution split into steps on the task's step separator."""
-        steps = (ctx.source(self.reference).example_text(ex) or "").split(ctx.task.step_split)
+        steps = self.ref_text(ctx, ex).split(ctx.task.step_split)
         while steps and not steps[-1].strip():
             steps.pop()
         return steps
@@ -111,6 +171,8 @@ class PrefixGuide(Guide):
         """(prompt tokens, response-prefix tokens) showing the first k reference steps; k = 0: the plain prompt."""
         if k == 0:
             return ctx.prompt_ids(ex), []
+        if self.unit == "tokens":  # placement response (validated): the reference's first k tokens
+            return ctx.prompt_ids(ex), self.ref_units(ctx, ex)[:k]
         sep = ctx.task.step_split
         prefix = sep.join(self.ref_steps(ctx, ex)[:k])
         if self.placement == "response":
@@ -128,9 +190,15 @@ class PrefixGuide(Guide):
         return ctx.cache.setdefault(("guide", "prefix-search", self.model_dump_json()), {})
 
     def steps_for(self, ctx, example) -> int:
-        kmax = self.max_steps(len(self.ref_steps(ctx, example)))
+        n = len(self.ref_units(ctx, example))
+        kmax = self.max_steps(n)
         if self.search == "fixed":
             return kmax
+        if self.search == "random":  # uniform over [ceil(min_fraction n), kmax], by hash: every rollout agrees
+            kmin = min(math.ceil(self.min_fraction * n), kmax)
+            key = f"{example.prompt}|{ctx.step}|{ctx.spec.train.seed}|k".encode()
+            u = int(hashlib.sha256(key).hexdigest()[:8], 16) / 16 ** 8
+            return kmin + min(int(u * (kmax - kmin + 1)), kmax - kmin)
         return self.cache(ctx).get(example.prompt, kmax)
 
     def search_program(self, ctx, ex):
@@ -138,7 +206,7 @@ class PrefixGuide(Guide):
         k with a success under the verifier, k_max if none succeeds. Cached for the run."""
         from components.guides.intervention import successes
 
-        kmax = self.max_steps(len(self.ref_steps(ctx, ex)))
+        kmax = self.max_steps(len(self.ref_units(ctx, ex)))
         cands = [self.conditioned(ctx, ex, k) for k in range(kmax + 1)]
         answers = yield [Sample(p + q, ctx.max_new_tokens - len(q), n=self.search_samples, model=INITIAL,
                                 purpose="search") for p, q in cands]

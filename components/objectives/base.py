@@ -62,7 +62,12 @@ class Objective(Component):
     def behavior_origins(self) -> set[str]:
         """Token origins whose behaviour log-probs `loss` reads (the rollout weights score guide tokens of
         these origins). Default: the loss tokens of a policy-gradient objective."""
-        return set(self.loss_tokens) if type(self).policy_gradient else set()
+        return set(self.loss_tokens) - self.exact_origins() if type(self).policy_gradient else set()
+
+    def exact_origins(self) -> set[str]:
+        """Origins this objective trains on exactly, with no importance ratio to a behaviour log-prob, so tokens
+        the policy did not write are fine there (an exact divergence over the vocabulary). None by default."""
+        return set()
 
     def anchors(self) -> dict[str, str]:
         """What each loss origin is anchored to, in words, for `explain` and plan.json."""
@@ -108,8 +113,10 @@ class Objective(Component):
                             "micro-batches and under DDP")
 
     def loss_mask(self, batch) -> Tensor:
-        """[B, T] bool: tokens of `loss_tokens` origins that are not padding."""
-        return batch.mask(self.loss_tokens) & batch.attention_mask
+        """[B, T] bool: tokens of `loss_tokens` origins that are not padding, in the rows the term's gate took
+        (batch.row_mask, composer/gates.py): a gated-out row gets no loss and no share of the normaliser."""
+        mask = batch.mask(self.loss_tokens) & batch.attention_mask
+        return mask if batch.row_mask is None else mask & batch.row_mask[:, None]
 
 
 def whole_batch_loss(obj: Objective, batch, view):

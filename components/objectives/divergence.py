@@ -117,6 +117,11 @@ class Divergence(Objective):
     def reduction(self) -> Reduction:
         return Reduction(self.aggregation, weighted=True)
 
+    def exact_origins(self) -> set[str]:
+        """full / top_k compare whole distributions at each position: no sample of the policy is needed, so they
+        train on tokens the policy did not write (GKD's dataset or teacher sequences) with weight 1."""
+        return set() if self.estimator == "sampled" else {"demonstration", "guide_prefix", "guide_intervention"}
+
     def loss(self, batch: TrajectoryBatch, cur: PolicyView, adv=None) -> tuple[Tensor, dict[str, float]]:
         """Per-token divergence, weighted by SDPO's s_i (and w_t for full/top_k), aggregated:
         token-mean is sum m s w l / sum m s (SDPO `compute_self_distillation_loss`)."""
@@ -143,7 +148,9 @@ class Divergence(Objective):
                 s_lp, t_lp = top_k_with_tail(s_lp, t_lp, self.k)  # [N, k+1]
             div_n = token_divergence(s_lp, t_lp, self.measure, self.beta)  # [N]
             div_tok = torch.zeros(mask.shape, dtype=div_n.dtype, device=div_n.device).index_put((rows, cols), div_n)
-            loss_tok = is_weight(cur.logprobs, beh, self.is_clip).to(div_tok.dtype) * div_tok  # [B, T]
+            w_is = is_weight(cur.logprobs, beh, self.is_clip).to(div_tok.dtype)  # [B, T]
+            w_is = torch.where(batch.policy_mask, w_is, torch.ones_like(w_is))  # 1 on tokens the policy did not write
+            loss_tok = w_is * div_tok  # [B, T]
             teacher_tok = batch.teacher_logprobs
             if teacher_tok is None:
                 teacher_tok = F.log_softmax(batch.teacher_logits.detach().float(), -1).gather(

@@ -16,16 +16,31 @@ class RewardSignal(Signal):
 
     kind: Literal["reward"] = Field("reward", description="Component kind.")
     source: str = Field(..., description="The outcome_reward source.")
+    plus: dict[str, float] = Field(default_factory=dict, description="Further reward sources added with weights, r = r_source + sum_k w_k r_k: another outcome_reward (a format verifier), overlong_penalty (DAPO), length_penalty, or a plugin's; each is logged as reward/<name>.")
 
     refs: ClassVar = {"source": ("outcome_reward",)}
     needs: ClassVar = ("sequence_reward",)
     provides: ClassVar = ("reward",)
     usage: ClassVar[str] = "reward"
 
+    def ref_names(self) -> dict[str, list[str]]:
+        return {"source": [self.source], **({"plus": list(self.plus)} if self.plus else {})}
+
     def describe(self, spec) -> str:
-        return f"score with '{self.source}' ({spec.sources[self.source].verifier} verifier)"
+        out = f"score with '{self.source}' ({spec.sources[self.source].verifier} verifier)"
+        if self.plus:
+            out += " plus " + " + ".join(f"{w:g} x '{n}' ({spec.sources[n].kind_name()})" for n, w in self.plus.items())
+        return out
 
     def apply(self, ctx, batch):
-        """Fill batch.rewards from the outcome_reward source."""
-        batch.rewards = ctx.source(self.source).rewards(ctx, batch)
+        """Fill batch.rewards [B]: the source's reward plus each `plus` source's times its weight; with parts,
+        each part's mean (unweighted) is logged as reward/<name>."""
+        r = ctx.source(self.source).rewards(ctx, batch)  # [B]
+        if self.plus:
+            ctx.log(**{f"reward/{self.source}": float(r.float().mean())})
+            for name, w in self.plus.items():
+                part = ctx.source(name).rewards(ctx, batch).to(r.dtype)  # [B]
+                ctx.log(**{f"reward/{name}": float(part.mean())})
+                r = r + w * part
+        batch.rewards = r
         return batch

@@ -37,6 +37,8 @@ def serve(ctx, key: tuple, requests: list) -> list:
     generated = sum(len(g.tokens) for g in gens)
     if purpose == "judge":
         ctx.costs["judge_tokens"] += generated + sum(len(r.tokens) for _, r in flat)
+    elif purpose == "teacher":  # a teacher writing sequences (GKD's off-policy branch)
+        ctx.costs["teacher_tokens"] += generated + sum(len(r.tokens) for _, r in flat)
     else:
         ctx.costs["policy_tokens"] += generated
     return answers

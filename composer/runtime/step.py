@@ -12,7 +12,7 @@ from composer.batch import PolicyView, TrajectoryBatch, concat
 from components.objectives.base import zero_advantage_fraction
 from composer.runtime.context import RunContext
 from composer.runtime.models import token_logprobs
-from composer.terms import terms  # noqa: F401  (re-exported: components read terms through step)
+from composer.terms import gates, rolls_out, terms  # noqa: F401  (re-exported: components read terms through step)
 
 
 def collect(ctx: RunContext, examples) -> list[TrajectoryBatch]:
@@ -37,15 +37,26 @@ def sample(ctx: RunContext, examples) -> list[TrajectoryBatch]:
     """Build one batch per term: one shared rollout for every term that needs rollouts; each term's signal
     fills its own view of it. Advantages are computed here, over the whole step's groups."""
     rollout: TrajectoryBatch | None = None
+    if ctx.spec.rollout.filter.active and rolls_out(ctx.spec):  # filters run before any term reads the rollout
+        from composer.filters import filtered_rollout
+
+        rollout, examples = filtered_rollout(ctx, examples, ctx.spec.rollout.samples_per_prompt)
     out = []
-    for _name, sig, obj, _w in terms(ctx.spec):
+    names = [n for n, _s, _o, _w in terms(ctx.spec)]
+    by_term: dict[str, dict] = {}  # what each term's signal logged: per term when several terms log a key
+    for name, sig, obj, _w in terms(ctx.spec):
         if sig.makes_batch:
             batch = sig.make_batch(ctx, examples)
         else:
             if rollout is None:
                 rollout = ctx.spec.rollout.guide.rollout(ctx, examples, ctx.spec.rollout.samples_per_prompt)
             batch = rollout.term_view()
-        batch = sig.apply(ctx, batch)
+        step_metrics, ctx.metrics = ctx.metrics, {}
+        try:
+            batch = sig.apply(ctx, batch)
+        finally:
+            by_term[name], ctx.metrics = ctx.metrics, step_metrics
+        ctx.metrics.update(by_term[name])
         if obj.wants_initial and batch.initial_logprobs is None:
             shared = rollout is not None and batch.tokens is rollout.tokens  # computed once per rollout
             owner = rollout if shared else batch
@@ -55,7 +66,43 @@ def sample(ctx: RunContext, examples) -> list[TrajectoryBatch]:
         adv = obj.advantages(batch)
         batch.advantages = None if adv is None else adv.detach()
         out.append(batch)
+    if len(names) > 1:  # e.g. two distillation terms' teacher_kl_estimate: each under its term's name
+        for name, logged in by_term.items():
+            ctx.metrics.update({f"{name}/{k}": v for k, v in logged.items()})
+        for k in {k for logged in by_term.values() for k in logged}:
+            if sum(k in logged for logged in by_term.values()) > 1:
+                ctx.metrics.pop(k, None)  # no single value would be right
+    apply_gates(ctx, out, rollout)
     return out
+
+
+def apply_gates(ctx: RunContext, batches: list[TrajectoryBatch], rollout: TrajectoryBatch | None) -> None:
+    """Each gated term's rows (composer/gates.py) as its batch's row_mask, from the step's rollout: success by
+    the gate's outcome_reward source, groups, surprisal of the behaviour log-probs. Logs each gate's fraction."""
+    from composer.gates import gate_by_prompt, gate_metrics, gate_rows, gate_source, row_surprisal
+
+    gated = [(i, g) for i, g in enumerate(gates(ctx.spec)) if g is not None]
+    if not gated:
+        return
+    names = [n for n, _s, _o, _w in terms(ctx.spec)]
+    success = {}
+    for i, gate in gated:
+        b = batches[i]
+        src = gate_source(gate, ctx.spec)
+        if src not in success:
+            success[src] = torch.tensor(ctx.source(src).success(ctx, rollout), dtype=torch.bool)
+        ok = success[src]
+        if b.tokens is rollout.tokens:  # a view of the rollout: its own rows
+            surprisal = row_surprisal(rollout.behavior_logprobs, rollout.policy_mask & rollout.known_mask) \
+                if gate.entropy_above_quantile is not None or gate.entropy_below_quantile is not None else None
+            rows = gate_rows(gate, ok, rollout.group, surprisal)
+            b.row_mask = rows if b.row_mask is None else rows & b.row_mask  # a filter may have masked rows
+        else:  # a batch the signal built (SFT on references): its prompt's rollouts decide
+            if gate.row_facts():
+                raise ValueError(f"term {names[i]}: its gate tests {', '.join(gate.row_facts())} of rollout rows, and "
+                                 "its signal trains on rows it built (validation refuses this)")
+            b.row_mask = gate_by_prompt(gate, ok, rollout.prompt_index, b.prompt_index)
+        ctx.log(**gate_metrics(names[i], b.row_mask, len(names) > 1))
 
 
 @torch.no_grad()

@@ -12,7 +12,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from composer.gates import gate_source
 from composer.graph import signal_objective_pairs
+from composer.terms import gates
 
 NATIVE_AGG = ("token-mean", "seq-mean-token-mean")  # --actor.loss_agg_mode choices
 
@@ -90,7 +92,67 @@ def _native_grpo(spec) -> bool:
         return False
     _, sig, obj, w = terms[0]
     return (sig.kind_name() == "reward" and obj.kind_name() == "grpo" and w == 1.0 and obj.loss_tokens == ["policy"]
-            and obj.loss_agg in NATIVE_AGG and spec.sync.every == 1)
+            and obj.loss_agg in NATIVE_AGG and spec.sync.every == 1 and all(g is None for g in gates(spec))
+            and spec.rollout.filter.truncated == "keep")
+
+
+BINARY_VERIFIERS = ("toy", "math", "exact")  # rewards in {0, 1}: a mean strictly inside (0, 1) is a mixed group
+
+
+def _shaping_and_filter_flags(a: _Args, run: Run, spec, terms, where: tuple, inputs) -> None:
+    """Reward parts and rollout filters on OpenRLHF's native flags, or Unsupported naming the part and why:
+    DAPO's overlong penalty -> --reward.overlong_buffer_len/overlong_penalty_factor (the same formula, applied
+    to every sample's reward before the advantage step); equal_groups: drop -> --algo.dynamic_filtering_enable
+    with range (0, 1) over the verifier's scores; truncated: mask -> the advantage step's row masks."""
+    p = run.plugin
+    max_new = spec.rollout.max_new_tokens if not inputs.toy else min(spec.rollout.max_new_tokens, _toy_cap(spec))
+    for i, (_n, sig, _o, _w) in enumerate(terms):
+        if "off_policy" in type(sig).model_fields and sig.off_policy != "none":
+            raise Unsupported(where + (("terms", i) if spec.terms else ()) + ("signal", "off_policy"),
+                              "OpenRLHF trains on the samples its vLLM engines draw from the policy; sequences from a "
+                              "dataset or another model (GKD's off-policy branch) are not samples of the step",
+                              "train it on the Lightning backend")
+        plus = getattr(sig, "plus", None) or {}
+        base = where + (("terms", i) if spec.terms else ()) + ("signal", "plus")
+        for name, w in plus.items():
+            src = spec.sources[name]
+            if src.kind_name() != "overlong_penalty":
+                raise Unsupported(base + (name,), f"OpenRLHF carries one reward per sample (reward.py's one verifier); "
+                                  f"'{name}' ({src.kind_name()}) would be a second reward", "train it on the Lightning "
+                                  "backend, or drop it from `plus`")
+            if src.max_tokens not in (None, max_new):
+                raise Unsupported(base + (name,), f"OpenRLHF's overlong penalty caps at the run's max_new_tokens ({max_new}), "
+                                  f"and this source caps at {src.max_tokens}", "leave its max_tokens unset")
+            if any(g is not None for g in gates(spec)):
+                raise Unsupported(base + (name,), "on OpenRLHF a term gate reads success from the sample's reward, "
+                                  "which the overlong penalty has already changed", "train it on the Lightning backend")
+            a.add("reward.overlong_buffer_len", min(src.buffer, max_new))
+            a.add("reward.overlong_penalty_factor", w * src.factor)
+            run.native.append(f"reward shaping: OpenRLHF's DAPO overlong penalty (buffer {src.buffer}, factor "
+                              f"{_fmt(w * src.factor)}) = the composer's overlong_penalty '{name}'")
+    flt = spec.rollout.filter
+    if flt.equal_groups == "drop":
+        from composer.filters import filter_source
+
+        path = where + ("rollout", "filter")
+        if flt.max_rounds is not None:
+            raise Unsupported(path + ("max_rounds",), "OpenRLHF's dynamic filtering replaces a dropped prompt until "
+                              "the data runs out: it has no cap on extra sampling rounds",
+                              "set rollout.filter.max_rounds: null to accept the uncapped refill")
+        if filter_source(flt, spec) != p["reward_source"] or p["verifier"] not in BINARY_VERIFIERS:
+            raise Unsupported(path + ("equal_groups",), "OpenRLHF's dynamic filtering keeps a prompt whose mean score "
+                              "lies strictly inside (0, 1), which is 'not all equal' only for 0/1 rewards of the "
+                              f"run's one verifier ({', '.join(BINARY_VERIFIERS)})", "train it on the Lightning backend")
+        a.add("algo.dynamic_filtering_enable")
+        a.add("algo.dynamic_filtering_range", 0.0, 1.0)
+        run.native.append("dynamic sampling: --algo.dynamic_filtering_enable, range (0, 1): a prompt whose 0/1 "
+                          "scores are all equal is replaced by a new one (OpenRLHF logs dynamic_filtering_pass_rate)")
+    if flt.truncated == "drop":
+        raise Unsupported(where + ("rollout", "filter", "truncated"), "OpenRLHF trains on every sample of a step "
+                          "(the composer's loss can mask a row, not remove it before advantages)",
+                          "use truncated: mask")
+    if flt.truncated == "mask":
+        p["mask_truncated"] = True  # _native_grpo is False: the composer's loss reads the row masks
 
 
 def _divisor_at_most(n: int, cap: int) -> int:
@@ -142,6 +204,11 @@ def _run(name, group, segs, layout: Layout, inputs: Inputs, model: str) -> Run:
     ref_sft = [_is_reference_sft(s, o) for _, (_, s, o, _) in pairs]
     if any(ref_sft) and not all(ref_sft):
         w, (b, _, _, _) = pairs[ref_sft.index(True)]
+        spec_of = [spec for spec, ww in zip(specs, where) for _t in _terms(spec)][ref_sft.index(True)]
+        if b and spec_of.terms[b[-1]].gate is not None:  # HPT: the gate reads the same step's rollouts
+            raise Unsupported(w + b + ("signal",), "an SFT term on reference demonstrations runs through train_sft, "
+                              "which cannot be mixed with rollout terms in one OpenRLHF run, and its gate reads the "
+                              "rollouts of the same step, so stages cannot split them", "train it on the Lightning backend")
         raise Unsupported(w + b + ("signal",), "an SFT term on reference demonstrations runs through train_sft, "
                           "which cannot be mixed with rollout terms in one OpenRLHF run", "split them into `stages`")
     if all(ref_sft):
@@ -400,8 +467,8 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
     _common(a, run, spec, layout, "actor.")
 
     # ---- signals: reward, teachers, guides ----
-    rewards = {n for _, sig, _, _ in terms for names in sig.ref_names().values() for n in names
-               if "sequence_reward" in type(spec.sources[n]).provides}
+    rewards = {n for _, sig, _, _ in terms for field, names in sig.ref_names().items() for n in names
+               if field != "plus" and "sequence_reward" in type(spec.sources[n]).provides}
     if len(rewards) > 1:
         raise Unsupported(("terms",), "OpenRLHF carries one reward per sample; these terms read "
                           f"{len(rewards)} reward sources ({', '.join(sorted(rewards))})", "use one outcome_reward")
@@ -411,6 +478,12 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
         p["reward_source"], p["verifier"] = name, spec.sources[name].verifier
         if p["verifier"] == "auto":
             p["verifier"] = "toy" if inputs.toy else "math"
+    for i, g in enumerate(gates(spec)):  # the advantage step reads success from the one reward each sample carries
+        if g is not None and gate_source(g, spec) != p["reward_source"]:
+            raise Unsupported(where + ("terms", i, "gate"), f"term gate: OpenRLHF carries one reward per sample (from "
+                              f"'{p['reward_source']}'), and this gate decides success with "
+                              f"'{gate_source(g, spec)}'", f"set the gate's source to '{p['reward_source']}'")
+    _shaping_and_filter_flags(a, run, spec, terms, where, inputs)
     guided = any(not s.rollout.guide.plain for s in specs) or any(sig.targets_rows for _, sig, _, _ in terms)
     if guided:
         p["agent"] = True

@@ -21,7 +21,8 @@ from composer.backends.openrlhf.batch import decode_label, shift, to_batch
 from composer.batch import PolicyView, TrajectoryBatch
 from composer.lazy import F, torch
 from composer.origins import CODE
-from composer.terms import terms  # noqa: F401  (hooks and agent read terms here)
+from composer.gates import row_surprisal
+from composer.terms import gates, terms  # noqa: F401  (hooks and agent read terms here)
 
 
 class Segments:
@@ -115,6 +116,9 @@ def term_batches(term_list, batch: TrajectoryBatch, metas: list[dict]) -> list[T
         if any(w is not None for w in tw):
             s_i = torch.tensor([1.0 if w is None else float(w) for w in tw], device=batch.tokens.device)
             b = dataclasses.replace(batch, seq_weight=batch.weights() * s_i)
+        gate = [m.get("gate", {}).get(str(len(out))) for m in metas]  # the advantage step's gate_rows
+        if any(g is not None for g in gate):
+            b = dataclasses.replace(b, row_mask=torch.tensor([g is not False for g in gate], device=batch.tokens.device))
         out.append(b)
     return out
 
@@ -167,6 +171,11 @@ class ComposerLoss:
             share = rows / global_batch_size * dp_size if global_batch_size is not None else 1.0
             scale = {i: share for i in range(len(term_list))}
         loss, metrics = total_loss(term_list, batches, view, advs, scale)
+        from composer.gates import gate_metrics
+
+        for (name, _s, _o, _w), b in zip(term_list, batches):  # the gate's share of this micro-batch's rows
+            if b.row_mask is not None:
+                metrics.update(gate_metrics(name, b.row_mask, len(term_list) > 1))
         for k, v in metrics.items():
             exp.info[f"composer/{k}"] = torch.tensor(float(v))
         if not getattr(loss, "requires_grad", False):  # no loss token in this micro-batch: a zero with a graph
@@ -214,6 +223,34 @@ def teacher_prompts(spec, name: str, batch: TrajectoryBatch, tokenizer, task):
     return prompts_of(ctx, cfg, {c: spec.sources[c].kind for c in cfg.context}, name, batch)
 
 
+def gate_step(spec, batch: TrajectoryBatch, metas: list[dict], plugin: dict, tokenizer=None) -> None:
+    """Each gated term's rows over the whole step (composer/gates.py, as Lightning's step computes them) into
+    the labels: meta['gate'][term] per row; success is the sample's reward (from the run's one reward
+    source, which compile checked is the gate's) against that source's success_threshold."""
+    from composer.gates import gate_rows
+
+    if plugin.get("mask_truncated"):  # rollout.filter.truncated: mask, for every term (composer/filters.py)
+        from composer.filters import truncated_rows
+
+        cut = truncated_rows(batch, plugin.get("eos_id", -1) if tokenizer is None else tokenizer.eos_token_id)
+        for i in range(len(gates(spec))):
+            for meta, c in zip(metas, cut.tolist()):
+                meta.setdefault("gate", {})[str(i)] = not c
+    for i, gate in enumerate(gates(spec)):
+        if gate is None:
+            continue
+        if batch.rewards is None:
+            raise ValueError("a term gate needs the samples' rewards, and this step has none")
+        src = spec.sources[plugin.get("reward_source")]
+        success = batch.rewards >= src.success_threshold  # [B]
+        surprisal = None
+        if gate.entropy_above_quantile is not None or gate.entropy_below_quantile is not None:
+            surprisal = row_surprisal(batch.behavior_logprobs, batch.policy_mask & batch.known_mask)
+        rows = gate_rows(gate, success, batch.group, surprisal)  # [B]
+        for meta, r in zip(metas, rows.tolist()):
+            meta.setdefault("gate", {})[str(i)] = bool(r) and meta.get("gate", {}).get(str(i), True)
+
+
 def prepare_step(experiences, segments: Segments, plugin: dict, tokenizer, task) -> None:
     """The advantage step over the whole step's experiences (in place): per-term advantages into
     `info['composer/adv<i>']` [b], and for self-teachers with a context the teacher prompt ids and the
@@ -232,6 +269,7 @@ def prepare_step(experiences, segments: Segments, plugin: dict, tokenizer, task)
             meta.setdefault("teacher", {})[name] = ids
             meta.setdefault("teacher_weight", {})[name] = w  # only this teacher's terms read it
     term_list = terms(spec)
+    gate_step(spec, batch, metas, plugin, tokenizer)
     loss_view = step_batch(experiences, tokenizer.pad_token_id, trainable_only=True, metas=metas)
     norms = {i: float(obj.normalizer(b)) for i, ((_n, _s, obj, _w), b)
              in enumerate(zip(term_list, term_batches(term_list, loss_view, metas))) if obj is not None}

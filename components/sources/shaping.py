@@ -1,0 +1,61 @@
+"""Reward shaping sources: rewards computed from a rollout's form, not its correctness (DAPO's soft overlong
+punishment, a length penalty). A reward signal adds them to its outcome reward with weights (`plus`), and
+logs each as reward/<name>. Both read only the response's token count, so they need no model."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal, Optional
+
+from pydantic import Field
+
+from composer.contract import Source
+from composer.lazy import torch
+from composer.registry import register
+
+
+def response_lengths(batch):
+    """[B] float: tokens after the prompt in each row (every response origin, pad excluded)."""
+    return batch.response_mask.sum(-1).float()
+
+
+def overlong_penalty(length, max_tokens: int, buffer: int, factor: float = 1.0):
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13; OpenRLHF
+    `apply_overlong_penalty`): with L_max = max_tokens and L_cache = buffer,
+      R(|o|) = 0                                    if |o| <= L_max - L_cache
+             = ((L_max - L_cache) - |o|) / L_cache  if L_max - L_cache < |o| <= L_max
+             = -1                                   beyond L_max,
+    times `factor`. length [B] -> [B]."""
+    start = max_tokens - buffer
+    over = (length - start).clamp(min=0, max=buffer)  # [B]
+    return -factor * over / buffer
+
+
+@register("sources")
+class OverlongPenalty(Source):
+    """DAPO's soft overlong punishment: 0 up to L_max - L_cache tokens, linear down to -factor at L_max."""
+
+    kind: Literal["overlong_penalty"] = Field("overlong_penalty", description="Component kind.")
+    buffer: int = Field(4096, ge=1, description="L_cache: the buffer zone before the length cap where the penalty grows linearly (DAPO: 4096).")
+    max_tokens: Optional[int] = Field(None, ge=1, description="L_max, the length cap (default: the run's response cap, rollout.max_new_tokens or the toy testbed's lower cap; DAPO: 20480).")
+    factor: float = Field(1.0, gt=0, description="The penalty at L_max and beyond (OpenRLHF overlong_penalty_factor).")
+
+    provides: ClassVar = ("sequence_reward",)
+    pi: ClassVar[str] = "posterior"
+
+    def rewards(self, ctx, batch):
+        cap = self.max_tokens or ctx.max_new_tokens  # the cap generation actually ran under
+        return overlong_penalty(response_lengths(batch), cap, min(self.buffer, cap), self.factor)
+
+
+@register("sources")
+class LengthPenalty(Source):
+    """A linear length penalty: -coef per response token (any length-controlled RL recipe's simplest form)."""
+
+    kind: Literal["length_penalty"] = Field("length_penalty", description="Component kind.")
+    coef: float = Field(0.001, gt=0, description="Reward -coef x the response's token count.")
+
+    provides: ClassVar = ("sequence_reward",)
+    pi: ClassVar[str] = "posterior"
+
+    def rewards(self, ctx, batch):
+        return -self.coef * response_lengths(batch)

@@ -1,0 +1,149 @@
+"""Rollout filters (DESIGN.md section 9): run after rewards and before advantages.
+
+`equal_groups: drop` is DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476; verl `filter_groups`):
+a prompt whose rollouts all got the same reward gives GRPO no signal (A = 0 for every row), so it is dropped
+and more prompts are sampled until the step holds train.prompts_per_step prompts with mixed rewards, at most
+`max_rounds` extra rounds (then the step is filled up with dropped prompts, counted as filter/unfilled).
+The extra rounds' tokens count in the run's cost columns (cost/policy_tokens, and cost/filter_extra_tokens,
+cost/filter_extra_prompts on their own).
+
+`truncated` is DAPO's overlong filtering: a response that stopped at the length cap (no EOS at its end)
+is kept, masked (no loss in any term, outside every normaliser) or dropped (removed before advantages).
+
+The config is validated without torch; the helpers are shared by both backends.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from composer.lazy import torch
+
+
+class RolloutFilter(BaseModel):
+    """Which rollouts of a step are trained on, decided after rewards and before advantages."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    equal_groups: Literal["keep", "drop"] = Field("keep", description="`drop`: a prompt whose rollouts all got the same reward is dropped and more prompts are sampled until the step is full (DAPO dynamic sampling).")
+    max_rounds: Optional[int] = Field(4, ge=1, le=1000, description="With equal_groups: drop, the most extra sampling rounds per step (null: no cap, as OpenRLHF's dynamic filtering); past it the step is filled up with dropped prompts.")
+    truncated: Literal["keep", "mask", "drop"] = Field("keep", description="A response cut at max_new_tokens (no EOS at its end): `keep`, `mask` (no loss from any term, outside every normaliser; DAPO overlong filtering) or `drop` (removed before advantages).")
+    source: Optional[str] = Field(None, description="The outcome_reward source whose rewards decide equal groups (default: the reward signal's source).")
+
+    @property
+    def active(self) -> bool:
+        return self.equal_groups == "drop" or self.truncated != "keep"
+
+    def describe(self) -> str:
+        parts = []
+        if self.equal_groups == "drop":
+            cap = "no cap" if self.max_rounds is None else f"at most {self.max_rounds} extra round(s)"
+            parts.append(f"drop prompts whose rewards are all equal and sample more until the step is full ({cap})")
+        if self.truncated != "keep":
+            parts.append(f"{self.truncated} responses cut at max_new_tokens")
+        return "; ".join(parts)
+
+
+def filter_source(flt: RolloutFilter, spec) -> str | None:
+    """The source whose rewards decide equal groups: the declared one, else the first reward signal's."""
+    if flt.source is not None:
+        return flt.source
+    from composer.terms import terms
+
+    for _n, sig, _o, _w in terms(spec):
+        if sig is not None and sig.kind_name() == "reward":
+            return sig.source
+    names = [n for n, s in spec.sources.items() if s.kind_name() == "outcome_reward"]
+    return names[0] if len(names) == 1 else None
+
+
+def truncated_rows(batch, eos_id: int):
+    """[B] bool: rows whose response does not end in EOS (cut at the length cap), as the OpenRLHF agent
+    reports `truncated`."""
+    resp = batch.response_mask  # [B, T]
+    T = resp.shape[1]
+    pos = torch.arange(T, device=resp.device).expand_as(resp)
+    last = torch.where(resp, pos, torch.full_like(pos, -1)).max(-1).values  # [B] last response position
+    tok = batch.tokens.gather(1, last.clamp(min=0)[:, None]).squeeze(1)  # [B]
+    return (last < 0) | (tok != eos_id)
+
+
+def equal_prompts(rewards, prompt_index) -> dict[int, bool]:
+    """{prompt: whether all its rollouts got the same reward} over rewards [N], prompt_index [N]."""
+    out = {}
+    for p in sorted(set(prompt_index.tolist())):
+        r = rewards[prompt_index == p]
+        out[p] = bool((r == r[0]).all())
+    return out
+
+
+def filtered_rollout(ctx, examples: list, n: int):
+    """The step's rollout under the spec's rollout.filter (Lightning): -> (batch, examples of its prompts).
+    Rows keep their groups; prompt_index is renumbered 0..P-1 in the order of the returned examples."""
+    from composer.batch import concat
+
+    spec = ctx.spec
+    flt, guide = spec.rollout.filter, spec.rollout.guide
+    want = len(examples)
+    kept, dropped = [], []  # (batch of one prompt's rows, example)
+    todo, rounds, sampled = list(examples), 0, 0
+    extra_tokens = 0
+    while True:
+        before = ctx.costs["policy_tokens"]
+        batch = guide.rollout(ctx, todo, n)
+        if rounds:
+            extra_tokens += ctx.costs["policy_tokens"] - before
+        sampled += len(todo)
+        equal = {}
+        if flt.equal_groups == "drop":
+            rewards = ctx.source(filter_source(flt, spec)).rewards(ctx, batch)  # [B]
+            equal = equal_prompts(rewards, batch.prompt_index)
+        for k, ex in enumerate(todo):
+            rows = (batch.prompt_index == k).nonzero().flatten().tolist()
+            part = (_rows(batch, rows), ex)
+            (dropped if equal.get(k, False) else kept).append(part)
+        missing = _most_missing(ctx, max(want - len(kept), 0))  # the same on every rank: one data stream
+        if missing == 0 or flt.equal_groups != "drop" or (flt.max_rounds is not None and rounds >= flt.max_rounds):
+            break
+        rounds += 1
+        todo = ctx.next_prompts(missing)
+    kept_frac = len(kept) / max(sampled, 1)
+    unfilled = max(want - len(kept), 0)
+    parts = kept[:want] + dropped[:unfilled]
+    for i, (b, _ex) in enumerate(parts):
+        b.prompt_index = torch.full((b.size,), i, dtype=torch.long)
+    out = concat([b for b, _ in parts], ctx.pad_id)
+    out.info = {"temperature": batch.info.get("temperature", 1.0)}
+    truncated = truncated_rows(out, ctx.eos_id)  # [B]
+    if flt.truncated == "drop" and truncated.any() and not truncated.all():
+        out = _rows(out, (~truncated).nonzero().flatten().tolist())
+        truncated = torch.zeros(out.size, dtype=torch.bool)
+    elif flt.truncated != "keep":
+        out.row_mask = ~truncated  # `drop` of every row falls back to masking them: a step needs rows
+    metrics = {"filter/truncated_frac": float(truncated.float().mean())}
+    if flt.equal_groups == "drop":
+        ctx.costs["filter_extra_prompts"] = ctx.costs.get("filter_extra_prompts", 0) + (sampled - len(examples))
+        ctx.costs["filter_extra_tokens"] = ctx.costs.get("filter_extra_tokens", 0) + extra_tokens
+        metrics.update({"filter/kept_frac": kept_frac, "filter/rounds": float(rounds),
+                        "filter/extra_prompts": float(sampled - len(examples)), "filter/unfilled": float(unfilled)})
+    ctx.log(**metrics)
+    return out, [ex for _b, ex in parts]
+
+
+def _most_missing(ctx, missing: int) -> int:
+    """The largest number of missing prompts over the ranks (DDP): every rank draws that many, so the ranks'
+    data streams stay one global stream (a rank that needs fewer keeps its first ones)."""
+    if ctx.world <= 1:
+        return missing
+    t = torch.tensor([missing], dtype=torch.long)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t)
+
+
+def _rows(batch, rows: list[int]):
+    """Rows of a rollout batch, without its per-row caches (verdicts, texts: recomputed for the new rows)."""
+    out = batch.select(rows)
+    out.info = {k: v for k, v in out.info.items() if not isinstance(v, list)}
+    return out
