@@ -479,9 +479,14 @@ def check_numbers(v, plan: dict, rec: Recorder, tokenizer_of) -> dict:
 
 @pytest.mark.parametrize("path", SPECS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_spec_runs_as_declared(path, tmp_path):
+    check_run(path, tmp_path)
+
+
+def check_run(path: Path, tmp_path: Path, extra=()):
+    """Run `path` (short, recorded) and check everything above; `extra` overrides come last."""
     from composer.terms import scored_origins, terms
 
-    v, plan, rec, rows = run_recorded(path, tmp_path)
+    v, plan, rec, rows = run_recorded(path, tmp_path, extra)
     events = rec.events
 
     # 1. behaviour log-probs: a fresh forward pass of the rollout weights that sampled
@@ -677,6 +682,11 @@ def test_example_spec_runs_as_declared(path, tmp_path):
 # Each divergence of issue 26, introduced on purpose, fails the check (and names what it saw).
 # ------------------------------------------------------------------------------------------------
 
+# InT with the toy's step oracle as proposer: every failed attempt gets an intervention, so the SFT stage moves
+# the weights whatever the proposer model would write
+ORACLE_INT = ["sources.oracle.kind=oracle", "rollout.guide.judge=oracle", "stages.0.signal.filter_samples=0"]
+
+
 def test_conformance_catches_batch_normalised_advantages(tmp_path, monkeypatch):
     """GRPO's advantages normalised over the whole batch instead of each prompt's group fail the
     recomputation of the advantages."""
@@ -738,8 +748,8 @@ def test_conformance_catches_a_stale_stage_reference(tmp_path, monkeypatch):
     from composer.runtime.context import RunContext
 
     monkeypatch.setattr(RunContext, "refresh_initial", lambda self: None)
-    with pytest.raises(AssertionError, match="reference log-probs"):
-        test_spec_runs_as_declared(ROOT / "specs" / "hybrids" / "sft-opd-grpo.yaml", tmp_path)
+    with pytest.raises(AssertionError, match="reference log-probs"):  # InT's RL stage after its SFT stage
+        check_run(ROOT / "specs" / "int.yaml", tmp_path, ORACLE_INT)
 
 
 def test_conformance_catches_a_sampler_one_sync_behind(tmp_path, monkeypatch):
