@@ -55,7 +55,7 @@ from composer.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = sorted((ROOT / "specs").glob("**/*.yaml"))  # every folder under specs/, new ones included
-FAST = ["train.prompts_per_step=4", "rollout.max_new_tokens=16", "train.eval_every=0", "train.eval_samples=2",
+FAST = ["train.prompts_per_step=4", "rollout.max_new_tokens=32", "train.eval_every=0", "train.eval_samples=2",
         "train.checkpoint_every=1000"]
 GUIDE_ORIGINS = ("guide_prefix", "guide_intervention")
 TOL = 2e-3  # float32 forward passes of different shapes (KV cache vs one pass)
