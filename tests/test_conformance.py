@@ -55,6 +55,8 @@ from composer.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = sorted((ROOT / "specs").glob("**/*.yaml"))  # every folder under specs/, new ones included
+# Hot enough to test the numbers: 4 prompts per step and 32 new tokens (the toy's 2- and 4-step chains fit, so
+# groups mix and the weights move); the test fails if they did not.
 FAST = ["train.prompts_per_step=4", "rollout.max_new_tokens=32", "train.eval_every=0", "train.eval_samples=2",
         "train.checkpoint_every=1000"]
 GUIDE_ORIGINS = ("guide_prefix", "guide_intervention")
