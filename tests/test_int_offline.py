@@ -7,6 +7,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import pytest
+
 from components.signals.sft import _load, leaks
 from composer.origins import CODE
 from composer.runtime.protocol import Trace
@@ -146,6 +148,7 @@ def test_a_proposal_holds_verification_error_and_intervention_in_one_answer():
     assert parse_proposal("REVISE 2\n", 3, "\n").kind == MALFORMED  # no intervention
 
 
+@pytest.mark.slow
 def test_the_toy_settings_yield_targets(tmp_path):
     """int.yaml as shipped (the policy proposes, 4 sampled proposals, the leak filter, 8 continuations) builds
     SFT targets on the toy testbed: the stage trains on something (32 problems x 4 attempts here)."""
