@@ -108,7 +108,7 @@ def test_the_first_proposal_that_survives_the_filters_is_kept():
     ctx = RunContext(task=toy.toy_task(), tokenizer=tok, policy=None, engine=None,
                      spec=validate_file(ROOT / "specs" / "int.yaml").segments[0].spec)
     ex = toy.make_example("7+3-5+1")  # 7+3=0, 0-5=5, 5+1=6, #6
-    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    enc = lambda text: tok.encode(text, add_special_tokens=False)
     attempt = enc("7+3=0\n0-5=1\n1+1=2\n#2")
     trace = Trace(enc(ex.prompt), guided=True)
     trace.add(attempt[:6], "policy", [-0.5] * 6)  # what the rollout kept: step 1 and the first proposal

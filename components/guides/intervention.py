@@ -114,7 +114,7 @@ class InterventionGuide(Guide):
         s.trace.notes["reviews"] = s.reviews
         return s.trace
 
-    def review_pending(self, ctx, judge, example, s: "Live"):
+    def review_pending(self, ctx, judge, example, s: Live):
         """Review the complete new steps of `s`; apply KEEP / REVISE."""
         steps = split_steps(ctx, s.pending, self.step_split, final=s.done)
         if not steps:
@@ -131,7 +131,7 @@ class InterventionGuide(Guide):
             return
         self.revise(ctx, s, steps, texts, d)
 
-    def propose_pending(self, ctx, judge, example, s: "Live"):
+    def propose_pending(self, ctx, judge, example, s: Live):
         """InT: `proposals` sampled proposals for the finished, failed attempt in `s` (all its steps). The
         attempt and every readable proposal are noted on the trace (`proposals`: where the kept steps end and
         the intervention), so an SFT target can take the first that survives its filters; the rollout goes
@@ -154,7 +154,7 @@ class InterventionGuide(Guide):
             return
         self.revise(ctx, s, steps, texts, revs[0])
 
-    def revise(self, ctx, s: "Live", steps, texts: list[str], d) -> None:
+    def revise(self, ctx, s: Live, steps, texts: list[str], d) -> None:
         """Apply REVISE d: keep the steps before d.index, drop the rest, append the correction."""
         keep = steps[d.index - 1][1] if d.index else 0
         s.trace.notes["dropped_tokens"] = s.trace.notes.get("dropped_tokens", 0) + len(s.pending) - keep
