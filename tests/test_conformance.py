@@ -223,7 +223,7 @@ def segment_of(plan: dict, step: int) -> dict:
 # The numbers, recomputed (issue 26): formulas written here, weights from the recorder's own copies.
 # ------------------------------------------------------------------------------------------------
 
-ADVANTAGES: dict = {}  # objective kind -> f(objective, rewards, groups, control) -> advantages (plain floats)
+ADVANTAGES: dict = {}  # objective kind -> f(objective, rewards, groups, control, policy tokens per row) -> advantages
 
 
 def estimator(kind: str):
@@ -241,7 +241,7 @@ def _groups(group: list) -> dict:
 
 
 @estimator("grpo")
-def grpo_advantages(obj, r: list, group: list, control: list) -> list:
+def grpo_advantages(obj, r: list, group: list, control: list, n_policy: list) -> list:
     """GRPO (Shao et al. 2024): A_i = (r_i - mean_g r) / (std_g r + eps), std over the group with n - 1;
     Dr. GRPO (std_norm false): r_i - mean_g r. A group whose rewards are all equal gets exactly 0."""
     out = [0.0] * len(r)
@@ -257,7 +257,7 @@ def grpo_advantages(obj, r: list, group: list, control: list) -> list:
 
 
 @estimator("advantage_regression")
-def regression_advantages(obj, r: list, group: list, control: list) -> list:
+def regression_advantages(obj, r: list, group: list, control: list, n_policy: list) -> list:
     """A*PO / OAPL / MInTRL: A_i = r_i - V(x_i), V = beta1 ln((1/n) sum_j exp(r_j / beta1)) over the group's
     baseline rows (baseline control: its control rows; all its rows when it has none); beta1 = inf: their
     mean; beta1 = 0: their max."""
@@ -275,6 +275,12 @@ def regression_advantages(obj, r: list, group: list, control: list) -> list:
         for i in rows:
             out[i] = r[i] - v
     return out
+
+
+@estimator("length_penalized_grpo")  # examples/custom_component: GRPO on r - penalty * max(0, n - free_tokens)
+def length_penalized_advantages(obj, r: list, group: list, control: list, n_policy: list) -> list:
+    shaped = [x - obj.penalty * max(0.0, n - obj.free_tokens) for x, n in zip(r, n_policy)]
+    return grpo_advantages(obj, shaped, group, control, n_policy)
 
 
 GRADIENTS: dict = {}  # objective kind -> f(objective, batch, cur, sampler, reference, advantages) -> (grad, unit)
@@ -322,6 +328,9 @@ def grpo_gradient(obj, b, cur, sampler, ref, adv):
         kl = obj.kl_coef * dk
     unit = 1.0 / float(w[mask].max()) if mask.any() else 1.0
     return w * (pg + kl) * mask, unit
+
+
+GRADIENTS["length_penalized_grpo"] = grpo_gradient  # the plugin keeps GRPO's loss
 
 
 @gradient("advantage_regression")
@@ -424,7 +433,7 @@ def check_numbers(v, plan: dict, rec: Recorder, tokenizer_of) -> dict:
             assert obj.kind_name() in ADVANTAGES, \
                 f"{obj.kind_name()} has advantages but no independent formula: add one to ADVANTAGES"
             r, g, c = b.rewards.double().tolist(), b.group.tolist(), b.control.tolist()
-            adv = ADVANTAGES[obj.kind_name()](obj, r, g, c)
+            adv = ADVANTAGES[obj.kind_name()](obj, r, g, c, b.mask(("policy",)).sum(-1).tolist())
             got = b.advantages.double().tolist()
             bad = [(i, got[i], adv[i]) for i in range(len(adv)) if abs(got[i] - adv[i]) > 1e-4 * (1 + abs(adv[i]))]
             assert not bad, f"step {step} {e['term']}: advantages (row, run, formula) differ: {bad[:4]}"
