@@ -69,7 +69,7 @@ def short(path: Path) -> list[str]:
     v = validate_file(path)
     out = list(FAST)
     if data.get("stages"):
-        out += [f"stages.{i}.train.steps=2" for i in range(len(data["stages"]))]
+        out += [f"stages.{i}.train.steps=3" for i in range(len(data["stages"]))]
     elif data.get("phases"):
         out += [f"train.steps={2 * len(data['phases'])}"]
         out += [f"phases.{i}.until={2 * (i + 1)}" for i in range(len(data["phases"]))]
