@@ -170,6 +170,14 @@ class Signal(Component):
         return None
 
     @property
+    def loss_temperature(self) -> float | None:
+        """The temperature the objective reads the policy's log-probs at on this signal's batches (logits /
+        temperature); None: the rollout's sampling temperature (where the behaviour log-probs were taken).
+        Lightning reads it from the batch the signal builds; OpenRLHF sets the actor's temperature to it for
+        the training step."""
+        return None
+
+    @property
     def builds_ahead(self) -> bool:
         """Builds its batches once, when its segment starts (`start`), not from each step's rollouts (InT's
         offline targets): a backend without such a pass refuses it."""

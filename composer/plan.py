@@ -140,7 +140,7 @@ def _dataflow(spec) -> list[str]:
     flow.append("optimizer step")
     if rolls_out(spec):
         flow.append(f"sync rollout weights every {spec.sync.every} step(s)" +
-                    (", clearing the buffer" if spec.sync.clear_buffer and spec.sync.every > 1 else ""))
+                    (", clearing the buffer" if spec.sync.reuse and spec.sync.clear_buffer and spec.sync.every > 1 else ""))
     return flow
 
 

@@ -429,3 +429,18 @@ def check(spec, segment: str) -> list[Diagnostic]:
     for fn in RULES.values():
         out.extend(fn(spec, segment))
     return out
+
+
+@rule("buffer_needs_reuse")
+def buffer_needs_reuse(spec, segment):
+    """`sync.clear_buffer` acts only on the stored rollouts of `sync.reuse`: without reuse every step samples
+    fresh rollouts from the (lagged) engine and trains on them once, so no rollout outlives its step and a
+    sync has nothing to clear. Set explicitly without reuse, it would describe a buffer that does not run."""
+    if spec.sync.reuse or "clear_buffer" not in spec.sync.model_fields_set:
+        return []
+    return [_d("buffer_needs_reuse",
+               "sync.clear_buffer does nothing without sync.reuse: every step samples fresh rollouts from the "
+               "rollout weights and trains on them once, so no stored rollout is left for a sync to clear",
+               ("sync", "clear_buffer"),
+               "remove clear_buffer (the default streaming run already trains each rollout once), or set "
+               "sync.reuse: true to sample once per sync interval into a buffer that the steps reuse")]

@@ -126,7 +126,7 @@ class Rollout(Strict):
 
 class Sync(Strict):
     every: int = Field(1, ge=1, le=MAX_STEPS, description="Refresh the rollout weights from the trainer every this many optimiser steps (1 = on-policy).")
-    clear_buffer: bool = Field(True, description="With reuse: drop the stored rollouts of older weights at each sync (false: keep them next to the new ones).")
+    clear_buffer: bool = Field(True, description="With reuse: drop the stored rollouts of older weights at each sync (false: keep them next to the new ones). Refused without reuse: then every rollout is trained on once, in its own step, and nothing is stored to clear.")
     reuse: bool = Field(False, description="Sample once per sync interval and train on the stored rollouts at every step until the next sync (offline rounds), instead of sampling fresh from the lagged weights each step.")
     off_policy_ok: bool = Field(False, description="Allow every > 1 with an objective that assumes on-policy data (to study the lag on purpose).")
 

@@ -16,14 +16,33 @@ read what actually ran and recompute it independently of the code that produced 
   - the objective in force at each step is the one plan.json gives the step's segment, and a segment
     without a guide writes no guide tokens;
   - offpolicy_token_frac in metrics.csv recounts from the trained batch.
-A divergence reintroduced anywhere (a zeroed log-prob, a dropped context, a missed sync, a stale phase)
-fails here.
+And it recomputes the numbers (issue 26), with formulas written here and fresh forward passes of the
+weights the plan declares, never with the run's own helpers:
+  - each term's advantages from the batch's rewards, groups and control rows (ADVANTAGES: one entry per
+    estimator), and the groups hold one prompt each;
+  - every reference log-prob (batch.initial_logprobs) by a forward pass of the policy's weights at the
+    stage's start (or the run's, train.reference: run_start);
+  - the per-token gradient each term's loss puts on the policy's log-probs, from its formula (GRPO's clipped
+    surrogate and KL to the stage-start weights; advantage regression's residual with every anchor as the
+    spec declares it: the sampler's fresh log-prob for policy and Proxy tokens, kappa for Const tokens, the
+    stage-start weights for A*PO);
+  - teacher log-probs of self-teachers by a forward pass of the weights they declare (current, initial at
+    the stage start, an EMA recomputed here from the policy's weights at every step);
+  - every token labelled `policy` was sampled by the rollout weights, from exactly the text before it
+    (never reference, prefix or judge text relabelled).
+The runs are long and hot enough that weights move and groups are mixed, and the test asserts that they
+did: a check that saw no update, no mixed group or no intervention fails rather than passes.
+A divergence reintroduced anywhere (a zeroed log-prob, a dropped context, a missed sync, a stale phase,
+batch-normalised advantages, a prefix trained as policy text, a substituted anchor, a stale reference, a
+sampler one sync behind) fails here; each has a `catches` test below.
 """
 
 from __future__ import annotations
 
+import copy
 import csv
 import hashlib
+import math
 from pathlib import Path
 
 import pytest
@@ -35,8 +54,10 @@ from composer.plan import compile_plan
 from composer.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
-SPECS = sorted((ROOT / "specs").glob("*.yaml")) + sorted((ROOT / "specs" / "hybrids").glob("*.yaml"))
-FAST = ["train.prompts_per_step=2", "rollout.max_new_tokens=16", "train.eval_every=0", "train.eval_samples=2",
+SPECS = sorted((ROOT / "specs").glob("**/*.yaml"))  # every folder under specs/, new ones included
+# Hot enough to test the numbers: 4 prompts per step and 32 new tokens (the toy's 2- and 4-step chains fit, so
+# groups mix and the weights move); the test fails if they did not.
+FAST = ["train.prompts_per_step=4", "rollout.max_new_tokens=32", "train.eval_every=0", "train.eval_samples=2",
         "train.checkpoint_every=1000"]
 GUIDE_ORIGINS = ("guide_prefix", "guide_intervention")
 TOL = 2e-3  # float32 forward passes of different shapes (KV cache vs one pass)
@@ -48,7 +69,7 @@ def short(path: Path) -> list[str]:
     v = validate_file(path)
     out = list(FAST)
     if data.get("stages"):
-        out += [f"stages.{i}.train.steps=2" for i in range(len(data["stages"]))]
+        out += [f"stages.{i}.train.steps=3" for i in range(len(data["stages"]))]
     elif data.get("phases"):
         out += [f"train.steps={2 * len(data['phases'])}"]
         out += [f"phases.{i}.until={2 * (i + 1)}" for i in range(len(data["phases"]))]
@@ -67,40 +88,88 @@ def fingerprint(model) -> str:
     return h.hexdigest()
 
 
+def fresh_logprobs(model, tokens, attention_mask, temperature: float):
+    """[B, T] log p(tokens[b, t] | tokens[b, :t]) by one forward pass of `model` at `temperature` (0 at t = 0)."""
+    dev = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(input_ids=tokens.to(dev), attention_mask=attention_mask.long().to(dev)).logits
+    lp = torch.log_softmax(logits.float() / temperature, -1)
+    out = torch.zeros(tokens.shape)
+    out[:, 1:] = lp[:, :-1].gather(-1, tokens[:, 1:, None].to(dev)).squeeze(-1).cpu()
+    return out
+
+
 class Recorder:
     def __init__(self):
         self.events: list[tuple[str, dict]] = []
         self.logprob_errors: list[tuple] = []
         self.policy_at: dict[int, str] = {}  # step -> the trained weights before that step's update
         self.rollout_at: dict[int, str] = {}  # step -> the weights that sampled that step's rollouts
+        self.weights_at: dict[int, dict] = {}  # step -> a copy of the trained weights before that step's update
+        self.sampler_lp: dict[int, torch.Tensor] = {}  # id(rollout tokens) -> the sampler's fresh log-probs
+        self.keep: list = []  # the rollout tensors whose ids key sampler_lp (kept alive)
+        self.scratch = None  # a copy of the policy's architecture: fresh forwards of recorded weights
+        self.sampled: set[tuple] = set()  # every prefix + sampled token the rollout weights produced this step
+        self.not_sampled: list[tuple] = []  # (step, row, position) of `policy` tokens the policy never sampled
+        self.policy_tokens_checked = 0
+        self.tokenizer = None
 
     def __call__(self, kind, **data):
         if kind == "rollout":  # check now: the rollout weights are the ones that sampled this batch
             self.check_behaviour(data["batch"], data["engine"], data["step"])
+            self.check_sampled(data["batch"], data["step"])
             self.policy_at.setdefault(data["step"], fingerprint(data["policy"]))
             self.rollout_at.setdefault(data["step"], fingerprint(data["engine"].model))
+            if data["step"] not in self.weights_at:
+                self.weights_at[data["step"]] = {k: t.detach().clone() for k, t in data["policy"].state_dict().items()}
+            if self.scratch is None:
+                self.scratch = copy.deepcopy(data["policy"]).eval().requires_grad_(False)
+                self.tokenizer = data["engine"].tok
         if kind == "term_loss":  # now, before backward frees the graph
-            data["grad_origins"] = self.grad_origins(data["loss"], data["view"], data["batch"])
+            data["grad_origins"], data["grad"] = self.grad_origins(data["loss"], data["view"], data["batch"])
         self.events.append((kind, data))
+
+    def on_sample(self, requests, answers) -> None:
+        """The rollout weights' sampled continuations (served by the run's driver): every prefix they extend."""
+        for req, gens in zip(requests, answers):
+            for g in gens:
+                seq = tuple(req.tokens) + tuple(g.tokens)
+                self.sampled.update(seq[: t + 1] for t in range(len(req.tokens), len(seq)))
+
+    def check_sampled(self, batch, step):
+        """Every token labelled `policy` was sampled by the rollout weights right after exactly the tokens
+        before it in its row (so reference, prefix or judge text relabelled `policy` is caught)."""
+        from composer.origins import CODE
+
+        n_tok = batch.attention_mask.sum(1).tolist()
+        for b in range(batch.size):
+            row = tuple(batch.tokens[b, : n_tok[b]].tolist())
+            for t in (batch.origin[b, : n_tok[b]] == CODE["policy"]).nonzero().flatten().tolist():
+                self.policy_tokens_checked += 1
+                if row[: t + 1] not in self.sampled:
+                    self.not_sampled.append((step, b, t))
+        self.sampled = set()
+
+    def weights(self, step: int):
+        """The scratch model holding the trained weights before step `step`'s update."""
+        self.scratch.load_state_dict(self.weights_at[step])
+        return self.scratch
 
     @staticmethod
     def grad_origins(loss, view, batch):
-        """Origins of the tokens whose log-prob the term's loss actually depends on (autograd, not masks)."""
+        """Origins of the tokens whose log-prob the term's loss actually depends on (autograd, not masks),
+        and that gradient [B, T]."""
         if not loss.requires_grad or not view.logprobs.requires_grad:
-            return None
+            return None, None
         (grad,) = torch.autograd.grad(loss, view.logprobs, retain_graph=True, allow_unused=True)
         if grad is None:
-            return set()
-        return {ORIGINS[c] for c in batch.origin[grad.abs() > 0].unique().tolist()}
+            return set(), torch.zeros_like(view.logprobs)
+        return {ORIGINS[c] for c in batch.origin[grad.abs() > 0].unique().tolist()}, grad.detach().cpu()
 
     def check_behaviour(self, batch, engine, step):
-        model = engine.model
-        dev = next(model.parameters()).device
-        with torch.no_grad():
-            logits = model(input_ids=batch.tokens.to(dev), attention_mask=batch.attention_mask.long().to(dev)).logits
-        lp = torch.log_softmax(logits.float() / batch.info.get("temperature", 1.0), -1)
-        fresh = torch.zeros(batch.tokens.shape)
-        fresh[:, 1:] = lp[:, :-1].gather(-1, batch.tokens[:, 1:, None].to(dev)).squeeze(-1).cpu()
+        fresh = fresh_logprobs(engine.model, batch.tokens, batch.attention_mask, batch.info.get("temperature", 1.0))
+        self.sampler_lp[id(batch.tokens)] = fresh
+        self.keep.append(batch.tokens)
         known = batch.known_mask & batch.response_mask
         err = (fresh - batch.behavior_logprobs.cpu()).abs()[known.cpu()]
         if err.numel() and float(err.max()) > TOL:
@@ -108,11 +177,25 @@ class Recorder:
 
 
 def run_recorded(path: Path, tmp_path: Path, extra=()):
+    import composer.runtime.rollout as rollout_mod
     from composer.backends.lightning.run import train
+    from composer.runtime.protocol import POLICY
 
     v = validate_file(path, short(path) + list(extra))
     rec = Recorder()
-    train(v, tmp_path / "run", progress=False, recorder=rec)
+    real = rollout_mod.serve
+
+    def serve(ctx, key, requests):  # watch what the rollout weights sample (not how the run labels it)
+        answers = real(ctx, key, requests)
+        if key[0] == "sample" and key[1] == POLICY and not key[2] and key[3] == "rollout":
+            rec.on_sample(requests, answers)
+        return answers
+
+    rollout_mod.serve = serve
+    try:
+        train(v, tmp_path / "run", progress=False, recorder=rec)
+    finally:
+        rollout_mod.serve = real
     with open(tmp_path / "run" / "metrics.csv", newline="") as f:
         rows = {int(r["step"]): r for r in csv.DictReader(f)}
     return v, compile_plan(v), rec, rows
@@ -136,11 +219,285 @@ def segment_of(plan: dict, step: int) -> dict:
     return next(s for s in plan["segments"] if s["start"] <= step < s["end"])
 
 
+# ------------------------------------------------------------------------------------------------
+# The numbers, recomputed (issue 26): formulas written here, weights from the recorder's own copies.
+# ------------------------------------------------------------------------------------------------
+
+ADVANTAGES: dict = {}  # objective kind -> f(objective, rewards, groups, control, policy tokens per row) -> advantages
+
+
+def estimator(kind: str):
+    def deco(fn):
+        ADVANTAGES[kind] = fn
+        return fn
+    return deco
+
+
+def _groups(group: list) -> dict:
+    out: dict = {}
+    for i, g in enumerate(group):
+        out.setdefault(g, []).append(i)
+    return out
+
+
+@estimator("grpo")
+def grpo_advantages(obj, r: list, group: list, control: list, n_policy: list) -> list:
+    """GRPO (Shao et al. 2024): A_i = (r_i - mean_g r) / (std_g r + eps), std over the group with n - 1;
+    Dr. GRPO (std_norm false): r_i - mean_g r. A group whose rewards are all equal gets exactly 0."""
+    out = [0.0] * len(r)
+    for rows in _groups(group).values():
+        rs = [r[i] for i in rows]
+        if max(rs) == min(rs):
+            continue
+        mean = sum(rs) / len(rs)
+        std = math.sqrt(sum((x - mean) ** 2 for x in rs) / (len(rs) - 1))
+        for i in rows:
+            out[i] = (r[i] - mean) / (std + obj.std_eps) if obj.std_norm else r[i] - mean
+    return out
+
+
+@estimator("advantage_regression")
+def regression_advantages(obj, r: list, group: list, control: list, n_policy: list) -> list:
+    """A*PO / OAPL / MInTRL: A_i = r_i - V(x_i), V = beta1 ln((1/n) sum_j exp(r_j / beta1)) over the group's
+    baseline rows (baseline control: its control rows; all its rows when it has none); beta1 = inf: their
+    mean; beta1 = 0: their max."""
+    out = [0.0] * len(r)
+    for rows in _groups(group).values():
+        base = [i for i in rows if control[i]] if obj.baseline == "control" else rows
+        rs = [r[i] for i in (base or rows)]
+        if math.isinf(obj.beta1):
+            v = sum(rs) / len(rs)
+        elif obj.beta1 == 0:
+            v = max(rs)
+        else:
+            m = max(rs)
+            v = m + obj.beta1 * math.log(sum(math.exp((x - m) / obj.beta1) for x in rs) / len(rs))
+        for i in rows:
+            out[i] = r[i] - v
+    return out
+
+
+@estimator("length_penalized_grpo")  # examples/custom_component: GRPO on r - penalty * max(0, n - free_tokens)
+def length_penalized_advantages(obj, r: list, group: list, control: list, n_policy: list) -> list:
+    shaped = [x - obj.penalty * max(0.0, n - obj.free_tokens) for x, n in zip(r, n_policy)]
+    return grpo_advantages(obj, shaped, group, control, n_policy)
+
+
+GRADIENTS: dict = {}  # objective kind -> f(objective, batch, cur, sampler, reference, advantages) -> (grad, unit)
+
+
+def gradient(kind: str):
+    def deco(fn):
+        GRADIENTS[kind] = fn
+        return fn
+    return deco
+
+
+def _token_weights(mask, agg: str):
+    """[B, T] d(aggregate)/d(loss_t) of the aggregations; None for one this check does not cover."""
+    m = mask.double()
+    if agg == "token-mean":
+        return m / m.sum().clamp(min=1)
+    if agg == "seq-mean-token-mean":
+        n = m.sum(-1, keepdim=True)
+        rows = float((n > 0).sum())
+        return torch.where(n > 0, m / n.clamp(min=1), torch.zeros_like(m)) / max(rows, 1.0)
+    return None
+
+
+@gradient("grpo")
+def grpo_gradient(obj, b, cur, sampler, ref, adv):
+    """d loss / d log pi(y_t) of GRPO on its loss tokens, with rho_t = exp(lp_t - lp_sampler_t):
+    w_t * (-A_i rho_t [where the clip does not bind] + kl_coef * d k(lp_t - lp_ref_t)), k3' = 1 - exp(ref - lp).
+    Unit: 1 / w_t (a coefficient of order A)."""
+    mask = b.mask(obj.loss_tokens) & b.attention_mask
+    w = _token_weights(mask, obj.loss_agg)
+    if w is None:
+        return None, None
+    lo = obj.clip if obj.clip_low is None else obj.clip_low
+    hi = obj.clip if obj.clip_high is None else obj.clip_high
+    A = torch.tensor(adv, dtype=torch.float64)[:, None]  # [B, 1]
+    rho = torch.exp(cur.double() - sampler.double())  # [B, T]
+    inside = (rho >= 1 - lo) & (rho <= 1 + hi)
+    unclipped_min = rho * A <= rho.clamp(1 - lo, 1 + hi) * A
+    pg = torch.where(inside | unclipped_min, -A * rho, torch.zeros_like(rho))
+    kl = torch.zeros_like(rho)
+    if obj.kl_coef > 0:
+        d = cur.double() - ref.double()
+        dk = {"k1": torch.ones_like(d), "k2": d, "k3": 1 - torch.exp(-d)}[obj.kl_estimator]
+        kl = obj.kl_coef * dk
+    unit = 1.0 / float(w[mask].max()) if mask.any() else 1.0
+    return w * (pg + kl) * mask, unit
+
+
+GRADIENTS["length_penalized_grpo"] = grpo_gradient  # the plugin keeps GRPO's loss
+
+
+@gradient("advantage_regression")
+def regression_gradient(obj, b, cur, sampler, ref, adv):
+    """L = sum_i w_i (beta2 [sum_t m_t (lp_t - anchor_t)] - A_i)^2 / sum_i w_i, so on a loss token of row i
+    d L / d lp_t = 2 beta2 w_i (beta2 lr_i - A_i) / sum_i w_i. The anchor as the spec declares it: policy
+    tokens the sampler's log-prob (reference initial, A*PO: the stage-start weights'); another origin a
+    constant kappa where the spec gives a number (Const), else the sampler's log-prob (Proxy).
+    Unit: 1 / (2 beta2 w_i / W), i.e. the comparison is on each row's residual."""
+    from composer.origins import CODE
+
+    mask = b.mask(obj.loss_tokens) & b.attention_mask
+    anchor = sampler.double().clone()
+    if obj.reference == "initial":
+        anchor = torch.where(b.origin == CODE["policy"], ref.double(), anchor)
+    for origin, a in obj.anchor.items():
+        if not isinstance(a, str):
+            anchor = torch.where(b.origin == CODE[origin], torch.full_like(anchor, float(a)), anchor)
+    lr = torch.where(mask, cur.double() - anchor, torch.zeros_like(anchor)).sum(-1)  # [B]
+    w = (b.seq_weight if b.seq_weight is not None else torch.ones(b.size)).double()
+    coef = 2 * obj.beta2 * w * (obj.beta2 * lr - torch.tensor(adv, dtype=torch.float64)) / w.sum()
+    unit = float(w.sum()) / (2 * obj.beta2 * float(w.max()))
+    return coef[:, None] * mask, unit
+
+
+def stage_start(plan: dict, spec, step: int) -> int:
+    """The step whose starting weights are the reference of `step`: its stage's first step (the run's
+    start without stages or with train.reference: run_start)."""
+    seg = segment_of(plan, step)
+    if seg.get("stage") is None or spec.train.reference == "run_start":
+        return 0
+    return min(s["start"] for s in plan["segments"] if s.get("stage") == seg["stage"])
+
+
+def ema_weights(rec: Recorder, start: int, step: int, rate: float) -> dict:
+    """theta_T at `step`: the weights at `start`, then theta_T <- (1 - rate) theta_T + rate theta after every
+    optimiser step (SDPO), from the recorder's copies of the policy at every step."""
+    ema = {k: t.clone().double() for k, t in rec.weights_at[start].items()}
+    for s in range(start + 1, step + 1):
+        for k, t in rec.weights_at[s].items():
+            ema[k] = (1 - rate) * ema[k] + rate * t.double()
+    return {k: t.to(rec.weights_at[start][k].dtype) for k, t in ema.items()}
+
+
+def teacher_model(rec: Recorder, spec, plan: dict, name: str, step: int, cache: dict):
+    """The weights teacher `name` declares, at `step`: its own checkpoint, or for `self` the policy's
+    current weights, those at the stage start (initial) or their EMA."""
+    from composer.runtime.models import load_model, resolve
+
+    src = spec.sources[name]
+    if not src.is_self:
+        if name not in cache:
+            cache[name] = load_model(resolve(src.model), spec.policy.dtype).eval()
+        return cache[name]
+    if src.weights == "current":
+        return rec.weights(step)
+    start = stage_start(plan, spec, step)
+    if src.weights == "initial":
+        return rec.weights(start)
+    rec.scratch.load_state_dict(ema_weights(rec, start, step, src.ema_rate))
+    return rec.scratch
+
+
+def teacher_logprobs(model, b, prompt_ids: list, temperature: float):
+    """Each row's response tokens scored by `model` after its own prompt ids (None: the row's prompt), as
+    one sequence per row: [B, T] aligned with b.tokens, 0 off the response."""
+    from composer.origins import CODE
+
+    out = torch.zeros(b.tokens.shape)
+    n_tok = b.attention_mask.sum(1).tolist()
+    for i in range(b.size):
+        P = int((b.origin[i] == CODE["prompt"]).sum())
+        prompt = b.tokens[i, :P].tolist() if prompt_ids[i] is None else prompt_ids[i]
+        seq = torch.tensor([prompt + b.tokens[i, P: n_tok[i]].tolist()])
+        lp = fresh_logprobs(model, seq, torch.ones_like(seq), temperature)[0]
+        out[i, P: n_tok[i]] = lp[len(prompt):]
+    return out
+
+
+def check_numbers(v, plan: dict, rec: Recorder, tokenizer_of) -> dict:
+    """Every recomputation over the recorded term losses; returns what was seen (counts)."""
+    from composer.origins import CODE
+    from composer.terms import terms
+
+    seen = {"advantages": 0, "mixed_groups": 0, "reference": 0, "gradient": 0, "teacher": 0, "interventions": 0}
+    models: dict = {}
+    for kind, e in rec.events:
+        if kind != "term_loss":
+            continue
+        b, obj, step = e["batch"], e["objective"], e["step"]
+        seg = segment_of(plan, step)
+        spec = next(s.spec for s in v.segments if s.name == seg["name"])
+        sig = next(s for n, s, _o, _w in terms(spec) if n == e["term"])
+        temp = b.info.get("temperature", 1.0)
+        resp = b.response_mask
+        seen["interventions"] += int((b.origin == CODE["guide_intervention"]).sum())
+
+        adv = None
+        if b.advantages is not None:
+            assert obj.kind_name() in ADVANTAGES, \
+                f"{obj.kind_name()} has advantages but no independent formula: add one to ADVANTAGES"
+            r, g, c = b.rewards.double().tolist(), b.group.tolist(), b.control.tolist()
+            adv = ADVANTAGES[obj.kind_name()](obj, r, g, c, b.mask(("policy",)).sum(-1).tolist())
+            got = b.advantages.double().tolist()
+            bad = [(i, got[i], adv[i]) for i in range(len(adv)) if abs(got[i] - adv[i]) > 1e-4 * (1 + abs(adv[i]))]
+            assert not bad, f"step {step} {e['term']}: advantages (row, run, formula) differ: {bad[:4]}"
+            for rows in _groups(g).values():
+                assert len({b.examples[i].prompt for i in rows}) == 1, f"step {step}: a group mixes prompts"
+                seen["mixed_groups"] += len({r[i] for i in rows}) > 1
+            seen["advantages"] += 1
+
+        ref = None
+        start = stage_start(plan, spec, step)
+        if b.initial_logprobs is not None:
+            assert start in rec.weights_at, f"step {step}: no record of the weights at step {start} (the reference)"
+            ref = fresh_logprobs(rec.weights(start), b.tokens, b.attention_mask, temp)
+            err = float((ref - b.initial_logprobs.cpu()).abs()[resp].max()) if resp.any() else 0.0
+            assert err <= TOL, (f"step {step} {e['term']}: reference log-probs are not those of the weights at the "
+                                f"stage's start (step {start}): off by {err:.3g}")
+            seen["reference"] += 1
+
+        if b.teacher_logprobs is not None and sig.kind_name() == "distillation":
+            src = spec.sources[sig.teacher]
+            if not src.is_self or step in rec.weights_at:
+                if src.context:  # the teacher prompts the run recorded, in row order, for rows with a text
+                    texts = [p["text"] for k, p in rec.events if k == "prompt" and p["step"] == step
+                             and p["source"] == sig.teacher and p["usage"] == "teacher"]
+                    rows = [i for i in range(b.size) if float(b.weights()[i]) > 0]
+                    assert len(texts) == len(rows), f"step {step}: {len(texts)} teacher prompts for {len(rows)} rows"
+                    ids = [None] * b.size
+                    for i, text in zip(rows, texts):
+                        ids[i] = tokenizer_of(src).encode(text, add_special_tokens=False)
+                else:
+                    rows, ids = list(range(b.size)), [None] * b.size
+                model = teacher_model(rec, spec, plan, sig.teacher, step, models)
+                want = teacher_logprobs(model, b, ids, src.temperature)
+                m = resp.clone()
+                m[[i for i in range(b.size) if i not in rows]] = False
+                err = float((want - b.teacher_logprobs.cpu()).abs()[m].max()) if m.any() else 0.0
+                assert err <= TOL, (f"step {step}: teacher '{sig.teacher}' log-probs are not those of the weights "
+                                    f"it declares ({src.weights if src.is_self else src.model}): off by {err:.3g}")
+                seen["teacher"] += bool(m.any())
+
+        if e["grad"] is not None and obj.kind_name() in GRADIENTS and id(b.tokens) in rec.sampler_lp:
+            if ref is None and start in rec.weights_at:
+                ref = fresh_logprobs(rec.weights(start), b.tokens, b.attention_mask, temp)
+            cur = e["view"].logprobs.detach().cpu()
+            want, unit = GRADIENTS[obj.kind_name()](obj, b, cur, rec.sampler_lp[id(b.tokens)], ref, adv)
+            if want is not None:
+                err = float((want - e["grad"].double()).abs().max()) * unit
+                assert err <= 5e-3, (f"step {step} {e['term']}: the loss's gradient differs from "
+                                     f"{obj.kind_name()}'s formula with the declared advantages and anchors "
+                                     f"(by {err:.3g} per unit)")
+                seen["gradient"] += 1
+    return seen
+
+
 @pytest.mark.parametrize("path", SPECS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_spec_runs_as_declared(path, tmp_path):
-    from composer.terms import scored_origins
+    check_run(path, tmp_path)
 
-    v, plan, rec, rows = run_recorded(path, tmp_path)
+
+def check_run(path: Path, tmp_path: Path, extra=()):
+    """Run `path` (short, recorded) and check everything above; `extra` overrides come last."""
+    from composer.terms import scored_origins, terms
+
+    v, plan, rec, rows = run_recorded(path, tmp_path, extra)
     events = rec.events
 
     # 1. behaviour log-probs: a fresh forward pass of the rollout weights that sampled
@@ -208,6 +565,45 @@ def test_spec_runs_as_declared(path, tmp_path):
         last = max([d for d in declared if d <= s] + [0])
         if last in rec.policy_at:  # an SFT stage samples nothing, so its weights are not seen
             assert fp == rec.policy_at[last], f"step {s}: rollouts sampled by weights other than those after step {last}"
+
+    # 7. every `policy` token was sampled by the rollout weights from the tokens before it
+    assert not rec.not_sampled, ("tokens labelled policy that the rollout weights never sampled after the text "
+                                 f"before them (step, row, position): {rec.not_sampled[:5]}")
+    rolls = bool(rec.rollout_at)
+    assert not rolls or rec.policy_tokens_checked, "rollouts without a single policy token checked"
+
+    # 8. the numbers, recomputed: advantages, references, teachers, each loss's gradient
+    def tokenizer_of(src):
+        from composer.runtime.models import load_tokenizer, resolve
+
+        return rec.tokenizer if src.is_self or src.shares_tokenizer else load_tokenizer(resolve(src.model))
+
+    seen = check_numbers(v, plan, rec, tokenizer_of)
+    objectives = [(seg, obj) for seg in v.segments for _n, _s, obj, _w in terms(seg.spec) if obj is not None]
+    if any(type(obj).uses_group_baseline for _seg, obj in objectives) and rolls:
+        assert seen["advantages"] and seen["mixed_groups"], f"no mixed group seen: nothing tested the advantages {seen}"
+    if any(obj.wants_initial for _seg, obj in objectives) and rolls:
+        assert seen["reference"], f"no reference log-prob checked {seen}"
+    if any(obj.kind_name() in GRADIENTS for _seg, obj in objectives) and rolls:
+        assert seen["gradient"], f"no gradient checked against its formula {seen}"
+    if any(sig is not None and sig.kind_name() == "distillation" for seg in v.segments
+           for _n, sig, _o, _w in terms(seg.spec)):
+        assert seen["teacher"], f"no teacher log-prob checked {seen}"
+    if any("guide_intervention" in obj.loss_tokens and obj.kind_name() in GRADIENTS for _seg, obj in objectives):
+        assert seen["interventions"], f"no intervention token trained: the anchors of interventions went untested {seen}"
+
+    # 9. the weights moved, and the sampler check compared weights that differ from the sync before
+    if len(rec.rollout_at) >= 2:
+        assert len(set(rec.policy_at.values())) >= 2, "the policy's weights never moved: the sync checks saw nothing"
+        effective = 0
+        for s in rec.rollout_at:
+            syncs = [0] + [d for d in declared if d <= s]
+            last, prev = syncs[-1], syncs[-2] if len(syncs) > 1 else None
+            if prev is not None and last in rec.policy_at and prev in rec.policy_at:
+                effective += rec.policy_at[last] != rec.policy_at[prev]
+        if len([d for d in declared if d <= max(rec.rollout_at)]) >= 1 and any(
+                d in rec.policy_at for d in declared):
+            assert effective, "no step's sampler could be told from the sampler of the sync before it"
 
     # 6. offpolicy_token_frac recounts from the batch that trained
     for kind, e in events:
@@ -291,3 +687,93 @@ def test_example_spec_runs_as_declared(path, tmp_path):
            "PYTHONPATH": os.pathsep.join(src + [str(ROOT / "tests"), str(ROOT)])}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# Each divergence of issue 26, introduced on purpose, fails the check (and names what it saw).
+# ------------------------------------------------------------------------------------------------
+
+# InT with the toy's step oracle as proposer: every failed attempt gets an intervention, so the SFT stage moves
+# the weights whatever the proposer model would write
+ORACLE_INT = ["sources.oracle.kind=oracle", "rollout.guide.judge=oracle", "stages.0.signal.filter_samples=0"]
+
+
+def test_conformance_catches_batch_normalised_advantages(tmp_path, monkeypatch):
+    """GRPO's advantages normalised over the whole batch instead of each prompt's group fail the
+    recomputation of the advantages."""
+    from components.objectives import grpo
+
+    real = grpo.group_advantages
+    monkeypatch.setattr(grpo, "group_advantages", lambda r, g, *a: real(r, torch.zeros_like(g), *a))
+    with pytest.raises(AssertionError, match="advantages"):
+        test_spec_runs_as_declared(ROOT / "specs" / "grpo.yaml", tmp_path)
+
+
+def test_conformance_catches_a_prefix_trained_as_policy_text(tmp_path, monkeypatch):
+    """POPE's reference prefix written into the response as `policy` tokens, with exact log-probs of the
+    rollout weights (so the behaviour check passes and the prefix gets loss), fails the sampled-by-policy
+    check."""
+    from components.guides.prefix import PrefixGuide
+    from composer.runtime.protocol import POLICY, Sample, Score, Trace
+
+    def row(self, ctx, example, index, n):
+        chosen = self.chosen(ctx, example)
+        k = self.steps_for(ctx, example) if chosen else 0
+        sep = ctx.task.step_split
+        prompt = ctx.prompt_ids(example)
+        prefix = ctx.encode(sep.join(self.ref_steps(ctx, example)[:k]) + sep) if k else []
+        trace = Trace(prompt, control=k == 0, guided=k > 0, tag="guided" if k else "")
+        if prefix:
+            lps = yield Score(prompt + prefix, len(prompt), POLICY)
+            trace.add(prefix, "policy", lps)
+        trace.notes.update(prefix_steps=k, chosen=chosen, ref_steps=len(self.ref_steps(ctx, example)))
+        [gen] = yield Sample(trace.tokens, ctx.max_new_tokens - len(prefix))
+        trace.add(gen.tokens, "policy", gen.logprobs)
+        return trace
+
+    monkeypatch.setattr(PrefixGuide, "row", row)
+    with pytest.raises(AssertionError, match="never sampled"):
+        test_spec_runs_as_declared(ROOT / "specs" / "pope.yaml", tmp_path)
+
+
+def test_conformance_catches_a_substituted_anchor(tmp_path, monkeypatch):
+    """The Proxy anchor (the spec's `guide_intervention: policy`) silently replaced by a Const anchor fails
+    the recomputation of the loss's gradient from the declared anchors."""
+    from components.objectives.advantage_regression import AdvantageRegression
+    from composer.origins import CODE
+
+    real = AdvantageRegression.anchor_logprobs
+
+    def const(self, batch):
+        a = real(self, batch)
+        return torch.where(batch.origin == CODE["guide_intervention"], torch.full_like(a, -0.2), a)
+
+    monkeypatch.setattr(AdvantageRegression, "anchor_logprobs", const)
+    with pytest.raises(AssertionError, match="gradient differs"):  # MInTRL-Proxy (the oracle judge intervenes)
+        check_run(ROOT / "specs" / "mintrl.yaml", tmp_path, ["objective.anchor.guide_intervention=policy"])
+
+
+def test_conformance_catches_a_stale_stage_reference(tmp_path, monkeypatch):
+    """A later stage whose KL reference is not refreshed to the weights at its start fails the fresh forward
+    of the stage-start weights."""
+    from composer.runtime.context import RunContext
+
+    monkeypatch.setattr(RunContext, "refresh_initial", lambda self: None)
+    with pytest.raises(AssertionError, match="reference log-probs"):  # InT's RL stage after its SFT stage
+        check_run(ROOT / "specs" / "int.yaml", tmp_path, ORACLE_INT)
+
+
+def test_conformance_catches_a_sampler_one_sync_behind(tmp_path, monkeypatch):
+    """A rollout engine that loads, at each sync, the weights of the sync before (one sync behind) fails on
+    the first spec: the runs move the weights, and the test asserts that they did."""
+    from composer.runtime.engine import HFEngine
+
+    def sync(self, policy, step):
+        if getattr(self, "_previous", None) is not None:
+            self.model.load_state_dict(self._previous)
+        self._previous = {k: t.detach().clone() for k, t in policy.state_dict().items()}
+        self.last_sync = step
+
+    monkeypatch.setattr(HFEngine, "sync", sync)
+    with pytest.raises(AssertionError, match="rollouts sampled by weights other than"):
+        test_spec_runs_as_declared(ROOT / "specs" / "grpo.yaml", tmp_path)

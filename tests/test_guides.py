@@ -287,6 +287,28 @@ def test_end_review_rewrites_first_wrong_step_of_failed_rollouts(tmp_path):
     assert len(eng.calls) == 2  # sample everything, then continue the revised rows
 
 
+def test_int_proposer_sees_the_numbered_attempt_and_samples_k_proposals(tmp_path):
+    """InT's proposer (a model judge with review: end): one prompt with the whole failed attempt in numbered
+    steps and the reference (whose last line is the answer); 4 sampled answers, each with its verification,
+    'REVISE k' and the intervention; the rollout goes on from the first readable one, and all are noted."""
+    ex = toy.make_example("5-1+2")  # 5-1=4 / 4+2=6 / #6
+    replies = iter(["no idea", "Step 1 holds.\nREVISE 2\n4+2=6", "REVISE 1\n5-1=4", "KEEP"])
+    prompts = []
+    eng = FakeEngine(err={1}, judge=lambda text: prompts.append(text) or next(replies))
+    guide = END.replace("control_samples: 1", "control_samples: 1, proposals: 4, proposal_tokens: 40")
+    ctx = make_ctx(tmp_path, guide, eng, n=2, baseline="all", judge="{kind: policy_model, model: self, context: [reference]}")
+    batch = ctx.spec.rollout.guide.rollout(ctx, [ex], 2)
+    assert prompts == ["R:5-1=4\n4+2=6\n#6\nJ:5-1+2\nC:\nN:\n1:5-1=4\n2:4+2=7\n3:#7\nV:"] * 4
+    assert (4, 40) in eng.calls  # one request for 4 sampled proposals
+    assert pieces(batch, 0)[1:] == [("5-1=4\n4+2=7\n#7<eos>", "policy")]  # the control row
+    assert pieces(batch, 1)[1:] == [("5-1=4\n", "policy"), ("4+2=6\n", "guide_intervention"), ("#6<eos>", "policy")]
+    notes = batch.notes[1]
+    assert [p["correction"] for p in notes["proposals"]] == ["4+2=6", "5-1=4"]
+    assert [p["keep"] for p in notes["proposals"]] == [6, 0]
+    assert TOK.decode(notes["attempt"]["tokens"]) == "5-1=4\n4+2=7\n#7<eos>"
+    assert ctx.metrics["guide/malformed"] == 1  # "no idea"; KEEP is no proposal
+
+
 def test_sft_targets_truncate_after_intervention_and_filter(tmp_path):
     ex = toy.make_example("5-1+2+3")  # 5-1=4 / 4+2=6 / 6+3=9 / #9
     eng = FakeEngine(err={1})

@@ -7,6 +7,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import pytest
+
 from components.signals.sft import _load, leaks
 from composer.origins import CODE
 from composer.runtime.protocol import Trace
@@ -85,4 +87,79 @@ def test_an_intervention_that_states_the_final_answer_is_a_leak():
         return t
 
     assert leaks(ctx, ex, trace("7+3=0\n0-5=5\n", "#5"))  # the correction hands over the answer
-    assert not leaks(ctx, ex, trace("7+3=0\n", "0-5=5"))  # a corrected step: the policy still has to finish
+    # InT's filter: any intervention containing the gold answer (5) is dropped, even a right step
+    assert leaks(ctx, ex, trace("7+3=0\n", "0-5=5"))
+    assert not leaks(ctx, ex, trace("", "7+3=0"))  # a corrected step without the answer: the policy has to finish
+    ex2 = toy.make_example("7+3-5+8")  # answer 3: '13' or '3.5' do not contain it, '=3' does
+    assert not leaks(ctx, ex2, trace("", "x=13")) and not leaks(ctx, ex2, trace("", "x=3.5"))
+    assert leaks(ctx, ex2, trace("", "x=3"))
+
+
+def test_the_first_proposal_that_survives_the_filters_is_kept():
+    """InT's K proposals per failed attempt: a proposal containing the answer is dropped, one from which no
+    continuation succeeds is filtered, and the first that passes both is the target (prefix + intervention)."""
+    from components.signals.sft import target_program
+    from components.tasks import toy
+    from components.tasks.tokenizer import char_tokenizer
+    from composer.runtime.context import RunContext
+    from composer.runtime.protocol import Generation, drive
+
+    tok = char_tokenizer()
+    ctx = RunContext(task=toy.toy_task(), tokenizer=tok, policy=None, engine=None,
+                     spec=validate_file(ROOT / "specs" / "int.yaml").segments[0].spec)
+    ex = toy.make_example("7+3-5+1")  # 7+3=0, 0-5=5, 5+1=6, #6
+    enc = lambda text: tok.encode(text, add_special_tokens=False)
+    attempt = enc("7+3=0\n0-5=1\n1+1=2\n#2")
+    trace = Trace(enc(ex.prompt), guided=True)
+    trace.add(attempt[:6], "policy", [-0.5] * 6)  # what the rollout kept: step 1 and the first proposal
+    trace.add(enc("#6\n"), "guide_intervention")
+    trace.notes.update(attempt={"tokens": attempt, "logprobs": [-0.5] * len(attempt)}, proposals=[
+        {"keep": 6, "correction": "#6"},  # states the answer: a leak
+        {"keep": 6, "correction": "0-5=4"},  # wrong: no continuation succeeds
+        {"keep": 6, "correction": "0-5=5"},  # kept
+        {"keep": 0, "correction": "7+3=0"}])  # never tried
+
+    def serve(key, requests):
+        assert key[0] == "sample" and key[3] == "filter"
+        out = []
+        for r in requests:
+            good = tok.decode(r.tokens).endswith("0-5=5\n")
+            out.append([Generation(enc("5+1=6\n#6" if good else "4+1=5\n#5") + [tok.eos_token_id], True)] * r.n)
+        return out
+
+    [(status, cut)] = drive([target_program(ctx, ex, trace, filter_samples=2)], serve)
+    assert status == "kept"
+    assert tok.decode(cut.response) == "7+3=0\n0-5=5\n"
+    assert [p.origin for p in cut.pieces] == ["policy", "guide_intervention"] and cut.pieces[0].logprobs == [-0.5] * 6
+    [(status, _)] = drive([target_program(ctx, ex, trace, filter_samples=2)], lambda k, rs: [
+        [Generation(enc("#0"), True)] * r.n for r in rs])
+    assert status == "filtered"
+
+
+def test_a_proposal_holds_verification_error_and_intervention_in_one_answer():
+    from components.guides.judges import KEEP, MALFORMED, REVISE, parse_proposal
+
+    d = parse_proposal("Step 1 checks out.\nStep 2 subtracts wrongly.\nREVISE 2\n0-5=5\n5+1=6", 4, "\n")
+    assert (d.kind, d.index, d.correction) == (REVISE, 1, "0-5=5")
+    d = parse_proposal("REVISE 1\nfirst\n\nREVISE 3\nWe should add 4.\n\nrest", 3, "\n\n")  # the last tag counts
+    assert (d.kind, d.index, d.correction) == (REVISE, 2, "We should add 4.")
+    assert parse_proposal("KEEP", 3, "\n").kind == KEEP
+    assert parse_proposal("REVISE 9\nx", 3, "\n").kind == MALFORMED  # no such step
+    assert parse_proposal("REVISE 2\n", 3, "\n").kind == MALFORMED  # no intervention
+
+
+@pytest.mark.slow
+def test_the_toy_settings_yield_targets(tmp_path):
+    """int.yaml as shipped (the policy proposes, 4 sampled proposals, the leak filter, 8 continuations) builds
+    SFT targets on the toy testbed: the stage trains on something (32 problems x 4 attempts here)."""
+    from composer.backends.lightning.run import train
+
+    rec = Recorder()
+    v = validate_file(ROOT / "specs" / "int.yaml", ["stages.0.train.steps=1", "stages.1.train.steps=1",
+                                                    "stages.0.signal.problems=32", "train.eval_every=0",
+                                                    "train.eval_samples=2", "train.checkpoint_every=1000"])
+    train(v, tmp_path / "run", progress=False, recorder=rec)
+    [built] = [e for k, e in rec.events if k == "int_targets"]
+    counts = built["counts"]
+    assert counts["attempts"] == 128 and counts["interventions"] > 0, counts
+    assert counts["kept"] > 0, counts

@@ -557,9 +557,10 @@ def agent_for(spec: str, overrides=(), segments=None):
     return ComposerAgent(plan, "main")
 
 
-def run_agent(agent, engine, tok, prompt, label, n):
+def run_agent(agent, engine, tok, prompt, label, n, max_length=64):
     async def go():
-        return await asyncio.gather(*[agent.execute(prompt, label, Params(max_tokens=40, logprobs=1), 64, tok, engine)
+        return await asyncio.gather(*[agent.execute(prompt, label, Params(max_tokens=40, logprobs=1), max_length, tok,
+                                                    engine)
                                       for _ in range(n)])
 
     return asyncio.run(go())
@@ -675,27 +676,25 @@ def test_agent_int_offline_targets_are_built_once_for_the_training_problems():
     from components.tasks.tokenizer import char_tokenizer
 
     tok = char_tokenizer()
-    fixable, leaky = toy.make_example("7+3-5"), toy.make_example("4+4")
-    bad = {fixable.prompt: "7+3=0\n0-5=1\n#1", leaky.prompt: "4+4=8\n#0"}
+    fixable, leaky = toy.make_example("7+3-5+1"), toy.make_example("4+4")  # 7+3=0, 0-5=5, 5+1=6, #6
+    bad = {fixable.prompt: "7+3=0\n0-5=1\n1+1=2\n#2", leaky.prompt: "4+4=8\n#0"}
 
-    def scripts(text):  # a verdict on the judge prompt; the correction; else the policy's own (wrong) attempt
-        if text.endswith("V:"):
-            return ["REVISE 2"]
-        if text.startswith("R:"):  # the correction: the right step (the leaky problem's is its final answer line)
-            return [fixable.solution] if "7+3" in text else ["4+4=8\n#8"]
+    def scripts(text):  # InT's proposal (first error and intervention in one answer); else the policy's attempt
+        if text.endswith("V:"):  # the right step (the leaky problem's is its final answer line)
+            return ["REVISE 2\n0-5=5" if "7+3" in text else "REVISE 2\n#8"]
         return [bad.get(p, "") for p in bad if text.startswith(p)] + [fixable.solution, "4+4=8\n#8"]
 
     agent = agent_for("specs/int.yaml", segments=[0])
     spec = agent.segments.at(0)
     agent.context(spec, tok).task.train = [fixable, leaky]  # this run's training problems
     engine = FakeEngine(tok, scripts)
-    outs = run_agent(agent, engine, tok, fixable.prompt, ob.encode_label(ob.label_of(fixable, step=0)), 4)
+    outs = run_agent(agent, engine, tok, fixable.prompt, ob.encode_label(ob.label_of(fixable, step=0)), 4, 128)
     (targets, counts), = agent.built.values()
     assert counts["problems"] == 2 and counts["attempts"] == 8 and counts["leaks"] == 4 and counts["kept"] == 4
     assert set(targets) == {fixable.prompt}
     assert all(ob.decode_label(o["label"])["weight"] == 1.0 for o in outs)
     calls = engine.calls
-    again = run_agent(agent, engine, tok, leaky.prompt, ob.encode_label(ob.label_of(leaky, step=0)), 4)
+    again = run_agent(agent, engine, tok, leaky.prompt, ob.encode_label(ob.label_of(leaky, step=0)), 4, 128)
     assert engine.calls == calls  # built once: nothing generated for later samples
     assert all(ob.decode_label(o["label"])["weight"] == 0.0 for o in again)
 

@@ -216,6 +216,9 @@ CASES = [
          "add demonstration", rule="off_policy_sequences_trained"),
     Case("lagged_grpo", HEAD + GRPO + "sync: {every: 4}\n", "sync.every", 6, "assumes on-policy data",
          rule="lag_needs_correction"),
+    Case("clear_buffer_without_reuse", HEAD + "signal: {kind: reward, source: verifier}\n"
+         "objective: {kind: advantage_regression}\nsync: {every: 4, clear_buffer: true}\n", "sync.clear_buffer", 6,
+         "does nothing without sync.reuse", rule="buffer_needs_reuse"),
     Case("control_baseline_without_controls", HEAD + "  judge: {kind: oracle}\n"
          "rollout: {guide: {kind: intervention, judge: judge}}\nsignal: {kind: reward, source: verifier}\n"
          "objective: {kind: advantage_regression, baseline: control}\n", "objective.baseline", 7,

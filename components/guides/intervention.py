@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from components.guides.judges import MALFORMED, REVISE, VERDICT_TOKENS, check_judge_placement, make_judge
 from composer.contract import Guide, ModelCall
@@ -37,6 +37,17 @@ class InterventionGuide(Guide):
     max_reviews: int = Field(4, ge=0, description="Most reviews per trajectory.")
     max_correction_tokens: int = Field(64, ge=1, description="Longest correction the judge may write.")
     control_samples: int = Field(0, ge=0, description="Of samples_per_prompt, how many are never guided (control rollouts).")
+    proposals: int = Field(4, ge=1, le=64, description="With `review: end` (InT): proposals sampled per failed attempt, each one answer with the verification, the first error and the intervention; the rollout continues from the first, and an SFT target keeps the first that survives its filters (InT: K = 4).")
+    proposal_tokens: int = Field(256, ge=1, description="With `review: end`: the longest proposal answer (verification, 'REVISE k' and the intervention).")
+
+    @model_validator(mode="after")
+    def _end_only(self):
+        """`proposals` and `proposal_tokens` act only on InT's end-of-rollout review."""
+        set_ = {"proposals", "proposal_tokens"} & self.model_fields_set
+        if self.review != "end" and set_:
+            raise ValueError(f"{', '.join(sorted(set_))} apply to `review: end` (InT's proposals); a chunk review "
+                             "asks its judge for one verdict and one correction")
+        return self
 
     refs: ClassVar = {"judge": ("policy_model", "oracle")}
     provides: ClassVar = ("guided_tokens",)
@@ -53,8 +64,8 @@ class InterventionGuide(Guide):
         src = spec.sources[self.judge]
         if src.needs_step_checker or self.max_reviews == 0:
             return []
-        return [ModelCall(self.judge, max(VERDICT_TOKENS, self.max_correction_tokens), self.step_split,
-                          src.weights)]
+        answer = self.proposal_tokens if self.review == "end" else max(VERDICT_TOKENS, self.max_correction_tokens)
+        return [ModelCall(self.judge, answer, self.step_split, src.weights)]
 
     def describe(self, spec) -> str:
         src = spec.sources[self.judge]
@@ -62,7 +73,7 @@ class InterventionGuide(Guide):
         which = (f"{spec.rollout.samples_per_prompt - self.control_samples} of every "
                  f"{spec.rollout.samples_per_prompt} rollouts") if self.control_samples else "every rollout"
         when = (f"every {self.chunk_tokens} policy tokens" if self.review == "chunk" else "once, when a rollout "
-                "ends wrong")
+                f"ends wrong ({self.proposals} sampled proposals)")
         if self.max_reviews == 0:
             return f"judge {who} never reviews (max_reviews 0)"
         return (f"judge {who} reviews {which} {when} (at most {self.max_reviews} review{'s' if self.max_reviews > 1 else ''}) and replaces the first "
@@ -96,14 +107,14 @@ class InterventionGuide(Guide):
             yield from s.extend(ctx, s.room)
             if not s.trace.control and self.max_reviews >= 1 and not success(ctx, example, ctx.decode(s.pending)):
                 s.done = True  # the whole response is final: its last partial step is a step too
-                yield from self.review_pending(ctx, judge, example, s)
+                yield from self.propose_pending(ctx, judge, example, s)
                 if not s.done:
                     yield from s.extend(ctx, s.room)
         s.accept(len(s.pending), [])  # whatever is left unreviewed is the policy's
         s.trace.notes["reviews"] = s.reviews
         return s.trace
 
-    def review_pending(self, ctx, judge, example, s: "Live"):
+    def review_pending(self, ctx, judge, example, s: Live):
         """Review the complete new steps of `s`; apply KEEP / REVISE."""
         steps = split_steps(ctx, s.pending, self.step_split, final=s.done)
         if not steps:
@@ -118,6 +129,33 @@ class InterventionGuide(Guide):
         if d.kind != REVISE:  # KEEP, or an unreadable answer acted on as KEEP
             s.accept(steps[-1][1], texts)
             return
+        self.revise(ctx, s, steps, texts, d)
+
+    def propose_pending(self, ctx, judge, example, s: Live):
+        """InT: `proposals` sampled proposals for the finished, failed attempt in `s` (all its steps). The
+        attempt and every readable proposal are noted on the trace (`proposals`: where the kept steps end and
+        the intervention), so an SFT target can take the first that survives its filters; the rollout goes
+        on from the first one."""
+        steps = split_steps(ctx, s.pending, self.step_split, final=True)
+        texts = [t for t, _ in steps]
+        if not steps or not any(t.strip() for t in texts):
+            if steps:
+                s.accept(steps[-1][1], texts)
+            return
+        ds = yield from judge.propose(ctx, example, texts, s.trace, self.proposals, self.proposal_tokens)
+        s.reviews += 1
+        s.trace.notes["malformed"] = s.trace.notes.get("malformed", 0) + sum(d.kind == MALFORMED for d in ds)
+        revs = [d for d in ds if d.kind == REVISE]
+        s.trace.notes["attempt"] = {"tokens": list(s.pending), "logprobs": list(s.pending_lp)}
+        s.trace.notes["proposals"] = [{"keep": steps[d.index - 1][1] if d.index else 0, "correction": d.correction}
+                                      for d in revs]
+        if not revs:  # no error found, or nothing readable: the attempt stays as it is
+            s.accept(steps[-1][1], texts)
+            return
+        self.revise(ctx, s, steps, texts, revs[0])
+
+    def revise(self, ctx, s: Live, steps, texts: list[str], d) -> None:
+        """Apply REVISE d: keep the steps before d.index, drop the rest, append the correction."""
         keep = steps[d.index - 1][1] if d.index else 0
         s.trace.notes["dropped_tokens"] = s.trace.notes.get("dropped_tokens", 0) + len(s.pending) - keep
         s.accept(keep, texts[: d.index])
@@ -203,8 +241,13 @@ def correction_tokens(ctx, guide: InterventionGuide, s: Live, text: str) -> list
 
     An empty correction (the oracle's "the response should have ended here") is EOS.
     """
+    return correction_ids(ctx, guide, text, s.room)
+
+
+def correction_ids(ctx, guide: InterventionGuide, text: str, room: int) -> list[int]:
+    """`correction_tokens` for a response with `room` tokens left."""
     ids = ctx.encode(text + guide.step_split) if text else [ctx.eos_id]
-    return ids[: min(guide.max_correction_tokens, s.room)]
+    return ids[: min(guide.max_correction_tokens, room)]
 
 
 def success(ctx, example, text: str) -> bool:

@@ -7,7 +7,10 @@ KEEP and counted).
 
   oracle         the task's step checker (toy: ToyStepChecker): the first wrong step and its right
                  text; no model, no request.
-  policy_model   two greedy calls, as MInTRL's notes describe (Chen et al. 2026, Algorithm 1): a verdict
+  policy_model   review end (InT): `propose`, K sampled answers to one prompt (the attempt's steps numbered,
+                 the declared context, the gold answer), each with its verification, the first error and
+                 the intervention (`parse_proposal`). review chunk (MInTRL):
+                 two greedy calls, as MInTRL's notes describe (Chen et al. 2026, Algorithm 1): a verdict
                  on the judge prompt (problem, accepted steps, the new steps numbered, declared context;
                  the user message of the policy's prompt format, e.g. its chat template)
                  whose first line is exactly "KEEP" or "REVISE k"; after REVISE k, the correction,
@@ -53,6 +56,20 @@ def parse_correction(text: str, step_split: str) -> str:
     return text.split(step_split)[0].strip()
 
 
+def parse_proposal(text: str, n_steps: int, step_split: str) -> Decision:
+    """InT's one-answer proposal (Yang et al. 2026, arXiv 2601.14209): any verification text, then a line
+    'REVISE k' (the first critical error, 1 <= k <= n_steps; the last such line counts, as InT takes the last
+    tag), then the intervention: the text after it up to the step separator. 'KEEP' alone on the first line:
+    no error found. Anything else, or an empty intervention, is MALFORMED."""
+    lines = text.split("\n")
+    for j in range(len(lines) - 1, -1, -1):
+        m = re.fullmatch(r"REVISE (\d+)", lines[j].strip())
+        if m and 1 <= int(m.group(1)) <= n_steps:
+            correction = parse_correction("\n".join(lines[j + 1:]).lstrip("\n"), step_split)
+            return Decision(REVISE, int(m.group(1)) - 1, correction) if correction else Decision(MALFORMED)
+    return Decision(KEEP) if text.strip().split("\n", 1)[0].strip() == "KEEP" else Decision(MALFORMED)
+
+
 class OracleJudge:
     """The task's programmatic step checker as a judge (no model, no tokens)."""
 
@@ -66,6 +83,11 @@ class OracleJudge:
             return Decision(KEEP)
         return Decision(REVISE, bad - len(accepted), self.checker.correct_step(example, steps[:bad], bad))
         yield  # noqa: unreachable - a program that asks for nothing
+
+    def propose(self, ctx, example, steps: list[str], trace, n: int, max_tokens: int):
+        """The checker's one proposal for a finished attempt (deterministic: n copies would be equal)."""
+        d = yield from self.decide(ctx, example, [], steps, trace)
+        return [d]
 
 
 class ModelJudge:
@@ -102,6 +124,29 @@ class ModelJudge:
         ctx.record("prompt", source=self.name, usage=f"judge_{usage}", text=text, context=texts)
         [gen] = yield Sample(ids, max_tokens, model=self.model, greedy=True, purpose="judge")
         return self.tok.decode(gen.tokens, skip_special_tokens=True)
+
+    def proposal_render(self, ctx, example, steps: list[str]):
+        """The proposal prompt function of the context texts (InT): the failed attempt's steps numbered."""
+        from composer.runtime.prompts import Render, proposal_prompt, which_template
+
+        task, cfg, fmt = ctx.task, self.cfg, self.fmt
+        return Render(lambda t: proposal_prompt(task, cfg, self.kinds, example, steps, t, fmt),
+                      list(cfg.context), which_template(task, cfg, "proposal", self.kinds))
+
+    def propose(self, ctx, example, steps: list[str], trace, n: int, max_tokens: int):
+        """InT's proposer: n sampled answers to one prompt showing the problem, the declared context (the
+        reference solution), the gold answer and the failed attempt in numbered steps; each answer writes
+        its verification, the first error and the intervention (`parse_proposal`). -> n Decisions."""
+        texts = self.texts(ctx, example)
+        text = self.proposal_render(ctx, example, steps)(texts)
+        ids = self.tok.encode(text, add_special_tokens=False)
+        trace.note("judge_proposal_prompt", text)
+        ctx.record("prompt", source=self.name, usage="judge_proposal", text=text, context=texts)
+        gens = yield Sample(ids, max_tokens, n=n, model=self.model, greedy=False, purpose="judge")
+        answers = [self.tok.decode(g.tokens, skip_special_tokens=True) for g in gens]
+        out = [parse_proposal(a, len(steps), self.guide.step_split) for a in answers]
+        trace.note("verdicts", f"{sum(d.kind == REVISE for d in out)}/{n} proposals")
+        return out
 
     def decide(self, ctx, example, accepted: list[str], new: list[str], trace):
         texts = self.texts(ctx, example)
@@ -142,5 +187,8 @@ def check_judge_placement(ctx, name: str, guide) -> None:
     judge = make_judge(ctx, name, guide)
     ex = ctx.task.train[0] if ctx.task.train else Example(prompt="?", answer="?")
     verdict, correction = judge.renders(ctx, ex, ["a"], ["b"], ["a"])
+    if guide.review == "end":  # InT: one proposal prompt instead of a verdict and a correction
+        check_placement(name, "proposal", judge.proposal_render(ctx, ex, ["a", "b"]))
+        return
     check_placement(name, "judge verdict", verdict)
     check_placement(name, "judge correction", correction)

@@ -19,7 +19,8 @@ class SftSignal(Signal):
     filter_samples: int = Field(8, ge=0, description="With `guided`: keep a target only if at least one of this many continuations from it succeeds (InT used 32); 0 keeps all.")
     targets: Literal["offline", "online"] = Field("offline", description="With `guided`: `offline` (InT as published) builds the targets once, when the segment starts, from the weights at that point: rollout.samples_per_prompt attempts at each of `problems` training problems, the guide's interventions on the failed ones, the filters; cached in the run folder, then SFT on them. `online` builds them from every step's rollouts by the weights being trained.")
     problems: int | None = Field(None, ge=1, description="With `targets: offline`: training problems the targets are built from (default: the segment's steps x train.prompts_per_step, the problems an online run would see).")
-    leak_filter: bool = Field(True, description="With `guided`: drop a target whose intervention alone passes the verifier, i.e. states the reference's final answer instead of fixing a step (counted as sft_leaks).")
+    leak_filter: bool = Field(True, description="With `guided`: drop an intervention that contains the gold answer (InT's leakage filter: the answer as a standalone term of its text), counted as sft_leaks; the next proposal is tried.")
+    temperature: float = Field(1.0, gt=0, allow_inf_nan=False, description="Softmax temperature of the cross-entropy (logits / temperature). 1 is plain SFT (InT's stage 1, whatever the temperature its attempts were sampled at).")
 
     refs: ClassVar = {"target": ("reference_solution",)}
     provides: ClassVar = ("sft_target",)
@@ -50,6 +51,11 @@ class SftSignal(Signal):
     @property
     def builds_ahead(self) -> bool:
         return self.target == "guided" and self.targets == "offline"
+
+    @property
+    def loss_temperature(self) -> float:
+        """Cross-entropy at `temperature` (1: plain SFT), whatever the sampling temperature of the attempts."""
+        return self.temperature
 
     def start(self, ctx) -> None:
         """Offline InT targets: built once from the weights at the segment's start (see `offline_targets`)."""
@@ -86,12 +92,12 @@ class SftSignal(Signal):
             trace.add(ctx.encode(ref.example_text(ex)) + [ctx.eos_id], "demonstration")
             traces.append(trace)
         batch = assemble(traces, list(examples), list(range(len(examples))), ctx.pad_id)
-        batch.info["temperature"] = 1.0
+        batch.info["temperature"] = self.temperature
         return batch
 
     def apply(self, ctx, batch):
         if self.target == "guided" and not self.builds_ahead:
-            return guided_targets(ctx, batch, self.filter_samples, self.leak_filter)
+            return guided_targets(ctx, batch, self.filter_samples, self.leak_filter, self.temperature)
         return batch
 
     @property
@@ -131,26 +137,60 @@ def keep_program(ctx, example, trace, filter_samples: int):
     return any(successes(ctx, [example] * len(texts), texts))
 
 
-def leaks(ctx, example, trace) -> bool:
-    """The intervention alone passes the verifier: it states the final answer rather than fixing a step."""
-    from components.guides.intervention import successes
+def contains_answer(text: str, answer: str | None) -> bool:
+    """InT's leakage filter: the gold answer occurs in `text` as a standalone term (not as part of a longer
+    number or word: '12' is not in '123', it is in 'x = 12.')."""
+    import re
 
+    a = (answer or "").strip()
+    return bool(a) and re.search(rf"(?<![0-9A-Za-z]){re.escape(a)}(?![0-9A-Za-z]|\.[0-9])", text) is not None
+
+
+def leaks(ctx, example, trace) -> bool:
+    """The intervention contains the gold answer (InT drops every such proposal)."""
     text = ctx.decode([t for p in trace.pieces if p.origin == "guide_intervention" for t in p.tokens])
-    return bool(text.strip()) and successes(ctx, [example], [text])[0]
+    return contains_answer(text, example.answer)
+
+
+def target_cuts(ctx, trace) -> list:
+    """The candidate targets of a finished rollout, in order: with InT's proposals noted on the trace
+    (components/guides/intervention.py `propose_pending`), one per proposal: the attempt's steps before its
+    first error (policy tokens, with their log-probs) + its intervention; otherwise the trace cut right after
+    its last intervention token."""
+    from components.guides.intervention import correction_ids
+    from composer.runtime.protocol import Trace
+
+    proposals, attempt = trace.notes.get("proposals"), trace.notes.get("attempt")
+    if not trace.guided:
+        return []
+    if not proposals or attempt is None:
+        cut = cut_after_intervention(trace)
+        return [] if cut is None else [cut]
+    guide, out = ctx.spec.rollout.guide, []
+    for p in proposals:
+        t = Trace(list(trace.prompt), control=False, guided=True, tag=trace.tag)
+        t.add(attempt["tokens"][: p["keep"]], "policy", attempt["logprobs"][: p["keep"]])
+        t.add(correction_ids(ctx, guide, p["correction"], ctx.max_new_tokens - p["keep"]), "guide_intervention")
+        out.append(t)
+    return out
 
 
 def target_program(ctx, example, trace, filter_samples: int, leak_filter: bool = True):
-    """Program: InT's target of a finished rollout -> (status, cut): `none` (no intervention), `leak` (the
-    intervention states the answer), `filtered` (no continuation from it succeeds) or `kept`, with the
-    trace cut right after its intervention (None unless kept). Every InT path uses it (online and offline,
-    on both backends)."""
-    cut = cut_after_intervention(trace) if trace.guided else None
-    if cut is None:
+    """Program: InT's target of a finished rollout -> (status, cut): `none` (no intervention), `leak` (every
+    intervention contains the gold answer), `filtered` (no continuation from any of the others succeeds) or
+    `kept`: the first candidate (`target_cuts`: one per proposal, in order) that passes both filters. Every
+    InT path uses it (online and offline, on both backends)."""
+    cuts = target_cuts(ctx, trace)
+    if not cuts:
         return "none", None
-    if leak_filter and leaks(ctx, example, cut):
-        return "leak", None
-    kept = yield from keep_program(ctx, example, cut, filter_samples)
-    return ("kept", cut) if kept else ("filtered", None)
+    status = "leak"
+    for cut in cuts:
+        if leak_filter and leaks(ctx, example, cut):
+            continue
+        status = "filtered"
+        if (yield from keep_program(ctx, example, cut, filter_samples)):
+            return "kept", cut
+    return status, None
 
 
 def row_target_program(ctx, example, trace, filter_samples: int, leak_filter: bool = True):
@@ -158,7 +198,7 @@ def row_target_program(ctx, example, trace, filter_samples: int, leak_filter: bo
     return (cut, 1.0) if status == "kept" else (trace, 0.0)
 
 
-def guided_targets(ctx, batch, filter_samples: int, leak_filter: bool = True):
+def guided_targets(ctx, batch, filter_samples: int, leak_filter: bool = True, temperature: float = 1.0):
     """InT's SFT targets (Yang et al. 2026, arXiv 2601.14209, pipeline steps 4-5), from this step's rollouts.
 
     From each guided row: prompt + policy prefix + intervention, cut right after the last intervention
@@ -183,7 +223,7 @@ def guided_targets(ctx, batch, filter_samples: int, leak_filter: bool = True):
         cands = [(i, Trace(batch.tokens[i, :plen].tolist()))]
     out = assemble([t for _, t in cands], [batch.examples[i] for i, _ in cands],
                    [int(batch.prompt_index[i]) for i, _ in cands], ctx.pad_id)
-    out.info["temperature"] = batch.info.get("temperature", 1.0)
+    out.info["temperature"] = temperature  # the cross-entropy's (signal.temperature), not the sampler's
     if empty:
         out.seq_weight = torch.zeros(out.size)
     return out
@@ -206,7 +246,8 @@ def candidates(batch) -> list:
         ids, org = batch.tokens[i, :cut].tolist(), batch.origin[i, :cut].tolist()
         lps, kn = batch.behavior_logprobs[i, :cut].tolist(), known[i, :cut].tolist()
         plen = sum(o == CODE["prompt"] for o in org)
-        trace = Trace(ids[:plen], control=False, guided=True)
+        notes = batch.notes[i] if i < len(batch.notes or []) and isinstance(batch.notes[i], dict) else {}
+        trace = Trace(ids[:plen], control=False, guided=True, notes=dict(notes))
         for t in range(plen, cut):
             trace.add([ids[t]], ORIGINS[org[t]], [lps[t]] if kn[t] else None)
         out.append((i, trace))
@@ -237,13 +278,24 @@ def attempt_program(ctx, sig: SftSignal, example, index: int, n: int):
 def collect_targets(examples: list, statuses: list, n: int) -> tuple[dict, dict]:
     """{prompt: [kept traces]} and the counts, from attempt_program's results (n per example, in order)."""
     targets: dict[str, list] = {}
-    counts = {"problems": len(examples), "attempts": len(statuses), "interventions": 0, "leaks": 0, "kept": 0}
+    counts = {"problems": len(examples), "attempts": len(statuses), "interventions": 0, "leaks": 0, "filtered": 0,
+              "kept": 0}
     for k, (status, trace) in enumerate(statuses):
         counts["interventions"] += status != "none"
         counts["leaks"] += status == "leak"
+        counts["filtered"] += status == "filtered"
         counts["kept"] += status == "kept"
         if status == "kept":
             targets.setdefault(examples[k // n].prompt, []).append(trace)
+    if not counts["kept"]:
+        import logging
+
+        logging.getLogger("composer").warning(
+            "InT: the SFT stage has no target and will train on nothing: %d problems, %d attempts, %d with an "
+            "intervention, %d whose every intervention contains the answer (leak filter), %d where no continuation "
+            "succeeded (filter_samples); more attempts (problems, samples_per_prompt), more proposals or a "
+            "larger filter_samples may find some", counts["problems"], counts["attempts"], counts["interventions"],
+            counts["leaks"], counts["filtered"])
     return targets, counts
 
 
@@ -331,5 +383,5 @@ def offline_batch(ctx, sig: SftSignal, examples: list):
         out.seq_weight = torch.zeros(1)
     else:
         out = assemble([t for _, _, t in rows], [ex for _, ex, _ in rows], [k for k, _, _ in rows], ctx.pad_id)
-    out.info["temperature"] = ctx.spec.rollout.temperature
+    out.info["temperature"] = sig.temperature  # plain SFT at 1 by default, not the attempts' sampling temperature
     return out

@@ -43,6 +43,16 @@ JUDGE_TEMPLATE = (
     "If every new step is correct, answer KEEP. Otherwise answer REVISE k, where k is the number of the first "
     "wrong new step. Answer on one line.\n"
 )
+# InT's proposal prompt for tasks without their own (Yang et al. 2026, arXiv 2601.14209, pipeline step 2): the
+# failed attempt in numbered steps, the reference (context) and the gold answer; one answer holds the
+# verification, the first critical error and the intervention (components/guides/judges.py parse_proposal).
+PROPOSAL_TEMPLATE = (
+    "{context}Problem:\n{problem}\n\nThe correct final answer: {answer}\n\nAn incorrect attempt, in numbered "
+    "steps:\n{steps}\n\nVerify the attempt step by step. Find its first critical error: a factual or logical "
+    "error that is never recovered from later. Then write one intervention step, from the student's "
+    "perspective, to replace that step; it must not reveal the final answer. Write your verification first, "
+    "then a line REVISE k (k: the number of the step with the first critical error), then the intervention.\n"
+)
 TEMPLATE_FIELDS = {"teacher": ("problem", "prompt"), "judge": ("problem", "prompt", "accepted", "steps")}
 
 
@@ -236,6 +246,25 @@ def judge_prompt(task, cfg, kinds: dict[str, str], example, accepted: list[str],
                                           steps=steps))
 
 
+def proposal_prompt(task, cfg, kinds: dict[str, str], example, steps: list[str], texts: dict[str, str | None],
+                    fmt: PromptFormat = TASK_FORMAT) -> str:
+    """InT's proposal prompt: the failed attempt's steps numbered from 1, the declared context and the gold
+    answer. A source `template` renders it (accepted empty); a task's `proposal` template, else its `judge`
+    template (the toy's judge answers 'REVISE k' and the right step in one answer; its reference line ends
+    with the answer), else PROPOSAL_TEMPLATE."""
+    numbered = "\n".join(f"{i + 1}:{s}" for i, s in enumerate(steps))
+    if cfg.template is not None:
+        return fmt.wrap(_format(cfg.template, problem=example.problem, prompt=fmt.user(example), accepted="",
+                                steps=numbered, **{n: (t or "") for n, t in texts.items()}))
+    block = context_block(task, kinds, texts)
+    for name in ("proposal", "judge"):
+        if name in task.templates:
+            return fmt.wrap(block + task.templates[name].format(problem=example.problem, accepted="", steps=numbered,
+                                                                answer=example.answer or ""))
+    return fmt.wrap(PROPOSAL_TEMPLATE.format(context=block, problem=example.problem, answer=example.answer or "",
+                                             steps=numbered))
+
+
 def correction_prompt(task, cfg, kinds: dict[str, str], example, kept: list[str], step_split: str,
                       texts: dict[str, str | None], fmt: PromptFormat = TASK_FORMAT) -> str:
     """The prompt the judge's correction continues: its context prompt (or the policy's prompt without
@@ -273,6 +302,9 @@ def which_template(task, cfg, usage: str, kinds: dict[str, str]) -> str:
         return "the source's own template"
     if usage == "judge" and "judge" in task.templates:
         return f"the {task.name} task's judge template"
+    if usage == "proposal":
+        return next((f"the {task.name} task's {n} template" for n in ("proposal", "judge") if n in task.templates),
+                    "InT's proposal template")
     if "question" in task.templates:
         return f"the {task.name} task's context template"
     kinds_present = set(kinds.values())

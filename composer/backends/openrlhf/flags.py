@@ -213,6 +213,14 @@ def _run(name, group, segs, layout: Layout, inputs: Inputs, model: str) -> Run:
                           "which cannot be mixed with rollout terms in one OpenRLHF run", "split them into `stages`")
     if all(ref_sft):
         run.trainer = "sft"
+    for w, (b, sig, _o, _w) in pairs:  # one actor temperature per training step
+        spec = specs[where.index(w)]
+        temps = {t.loss_temperature if t.loss_temperature is not None else spec.rollout.temperature
+                 for _, t, _, _ in _terms(spec) if t is not None}
+        if len(temps) > 1:
+            raise Unsupported(w + b + ("signal",), "its terms read the policy's log-probs at different temperatures "
+                              f"({', '.join(f'{t:g}' for t in sorted(temps))}), and OpenRLHF's actor computes one "
+                              "forward per step at one temperature", "make the temperatures equal, or use `stages`")
     args = [_Args() for _ in specs]
     for a, spec, w in zip(args, specs, where):
         (_sft_flags if run.trainer == "sft" else _ppo_flags)(a, run, spec, specs, w, layout, inputs, model)

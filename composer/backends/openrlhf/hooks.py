@@ -305,11 +305,18 @@ def _patch_actor(mod) -> None:
                        "gas": max(int(getattr(self.strategy, "accumulated_gradient", 1) or 1), 1),
                        "teachers": teacher_scores(self, experience, spec)}
         undo = _capture_logits(self.actor, loss_fn.ctx) if any(o.wants_logits for _, _, o, _ in terms(spec)) else None
+        # a signal's own loss temperature (SFT: 1) for this step's forward; the sampler's otherwise
+        temps = {sig.loss_temperature for _, sig, _, _ in terms(spec) if sig is not None} - {None}
+        sampling = getattr(self.actor, "temperature", 1.0)
+        if temps:
+            self.actor.temperature = temps.pop()
         try:  # the composer's terms own every KL: OpenRLHF's KL loss (reference slot) gets weight 0
             return training_step(self, experience, 0.0, step, loss_batch_info)
         finally:
             if undo:
                 undo()
+            if hasattr(self.actor, "temperature"):
+                self.actor.temperature = sampling
             loss_fn.ctx = {}
 
     cls.__init__, cls.training_step = __init__, training_step_
