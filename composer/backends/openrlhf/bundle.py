@@ -236,11 +236,10 @@ def compile_bundle(v, out: Path, layout: Layout) -> dict:
 
 
 def _relocate(obj, moves: dict[str, str]):
-    """`obj` (argv lists, plugin dicts) with every string that starts with a moved path rewritten."""
+    """`obj` (argv lists, plugin dicts, notes) with every moved path in its strings rewritten."""
     if isinstance(obj, str):
         for src, dst in moves.items():
-            if obj == src or obj.startswith(src + "/"):
-                return dst + obj[len(src):]
+            obj = obj.replace(src, dst)
         return obj
     if isinstance(obj, list):
         return [_relocate(x, moves) for x in obj]
@@ -265,7 +264,8 @@ def ship_toy_models(out: Path, runs: list[Run], inputs: Inputs) -> tuple[str, di
                 shutil.copytree(real, out / rel)
             moves[path] = rel
     for run in runs:
-        run.argv, run.plugin = _relocate(run.argv, moves), _relocate(run.plugin, moves)
+        for f in dataclasses.fields(run):
+            setattr(run, f.name, _relocate(getattr(run, f.name), moves))
     inputs.policy_path = _relocate(inputs.policy_path, moves)
     inputs.source_paths = _relocate(inputs.source_paths, moves)
     return inputs.policy_path, inputs.source_paths
