@@ -165,7 +165,10 @@ SMALL = ["train.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.te
 
 @pytest.fixture(scope="module")
 def oapl(head, tmp_path_factory):
-    bundle = compile_for_cpu("specs/oapl.yaml", ["sync.every=2", "train.steps=4", "train.micro_batch_size=4", *SMALL],
+    # lr 0.02: the lagged steps (1 and 3) then sample with weights far from the trainer's, so OAPL's log-ratio
+    # term is far from 0 there and the loss comparison says something even where every reward is 0
+    bundle = compile_for_cpu("specs/oapl.yaml", ["sync.every=2", "train.steps=4", "train.micro_batch_size=4",
+                                                 "train.lr=0.02", *SMALL],
                              tmp_path_factory.mktemp("oapl"))
     return bundle, job(head, bundle)
 

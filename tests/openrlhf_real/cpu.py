@@ -16,6 +16,7 @@ The patches (nothing else of OpenRLHF, Ray, DeepSpeed or transformers is changed
   P6 vLLM           vllm.AsyncLLMEngine / AsyncEngineArgs -> hf_vllm.HFEngine (THE replaced part); the rest of
                     the `vllm` import stub (tests/openrlhf_cpu_stubs) is names only
   P7 torchdata      StatefulDataLoader with state_dict / load_state_dict (the import stub has none)
+  P9 EMA copy       DeepspeedStrategy.moving_average on "cpu" (OpenRLHF's actor asks for "cuda")
   P8 shm all-reduce DeepSpeed's optional CPU shared-memory all-reduce kernel (a JIT compile) is not built:
                     DeepSpeed then uses torch.distributed's gloo collectives, as where the kernel is unavailable
 The recorder (only with COMPOSER_REAL_OUT set) writes fits.jsonl: per PolicyModelActor fit, the loss the
@@ -102,6 +103,12 @@ def p2_strategy(mod) -> None:
         return backward(self, loss, model, optimizer, **kw)
 
     cls.backward = recorded_backward
+    moving_average = cls.moving_average  # P9: ActorPPOTrainer passes device "cuda" for the EMA copy
+
+    def moving_average_(self, model, model_ema, beta=0.992, device="cpu"):
+        return moving_average(self, model, model_ema, beta, "cpu")
+
+    cls.moving_average = moving_average_
 
 
 def p3_deepspeed(ds) -> None:
@@ -188,7 +195,7 @@ def record_fits(mod) -> None:
         rec = {"pid": os.getpid(), "weights_before": fingerprint(module.named_parameters()),
                "gas": int(self.strategy.accumulated_gradient), "rows": len(self.replay_buffer.items)}
         try:
-            rec.update(lightning(module, [make_experience_batch(list(self.replay_buffer.items), False)],
+            rec.update(lightning(self, module, make_experience_batch(list(self.replay_buffer.items), False),
                                  self.tokenizer.pad_token_id))
         except Exception as e:  # noqa: BLE001 - reported; the test names it
             import traceback
@@ -207,10 +214,33 @@ def record_fits(mod) -> None:
     cls.ppo_train = ppo_train_
 
 
-def lightning(module, experiences, pad_id: int) -> dict:
+def teacher_forward(trainer, info: dict):
+    """Raw next-token logits of a term's teacher, as the Lightning backend scores it: an external teacher is
+    its checkpoint loaded here with transformers (bf16, the engine's dtype), not the reference actor's slot;
+    a self-teacher is the policy module (current weights) or the trainer's frozen initial copy."""
+    if info["self"]:
+        model = trainer.actor if info["weights"] == "current" else trainer.ema_model
+        return lambda ids, mask: model(ids, action_mask=None, attention_mask=mask, return_output=True)["logits"] * \
+            getattr(model, "temperature", 1.0)  # OpenRLHF's Actor divides by the rollout temperature: undone
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(info["path"], dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    return lambda ids, mask: hf(input_ids=ids, attention_mask=mask).logits
+
+
+def lightning(trainer, module, exp, pad_id: int) -> dict:
     """The Lightning backend's loss of this step (composer/runtime/step.py `loss`) on the same batch and the
-    same pre-update module: the batch rebuilt with loss.step_batch, each objective's own advantages."""
+    same pre-update module: the batch rebuilt with loss.step_batch, each objective's own advantages, teacher
+    log-probs scored by the composer's score_responses (both backends' scorer) with teacher_forward."""
+    import dataclasses
     from types import SimpleNamespace
+
+    from components.sources.policy_model import score_responses
+    from composer.backends.openrlhf.batch import to_batch
+    from composer.backends.openrlhf.loss import prompt_lengths
+
+    experiences = [exp]
 
     import torch
 
@@ -236,6 +266,17 @@ def lightning(module, experiences, pad_id: int) -> dict:
     batches = term_batches(term_list, full, metas)
     for (_n, _s, obj, _w), b in zip(term_list, batches):
         b.advantages = obj.advantages(whole) if whole.rewards is not None or not obj.needs else None
+    plugin = run["plugin"]
+    for k, ((_n, sig, obj, _w), b) in enumerate(zip(term_list, batches)):
+        name = sig.teacher_source
+        if name is None:
+            continue
+        info = plugin["teachers"][name]
+        whole_rows = to_batch(exp.sequences, exp.attention_mask, exp.action_mask, exp.prompts, exp.labels)
+        prompts = [(m.get("teacher") or {}).get(name) for m in metas]
+        lp, lg = score_responses(teacher_forward(trainer, info), exp.sequences, exp.attention_mask,
+                                 prompt_lengths(whole_rows), prompts, info["temperature"], pad_id, obj.wants_logits)
+        batches[k] = dataclasses.replace(b, teacher_logprobs=lp, teacher_logits=lg)
     ctx = SimpleNamespace(spec=spec, record=lambda *a, **k: None)
     was = module.training
     with torch.no_grad():
