@@ -165,10 +165,11 @@ SMALL = ["train.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.te
 
 @pytest.fixture(scope="module")
 def oapl(head, tmp_path_factory):
-    # lr 0.02: the lagged steps (1 and 3) then sample with weights far from the trainer's, so OAPL's log-ratio
-    # term is far from 0 there and the loss comparison says something even where every reward is 0
+    # lr 0.02 and beta2 1: the lagged steps (1 and 3) then sample with weights far from the trainer's, so
+    # OAPL's beta2 * log-ratio term is far from 0 there and the loss comparison says something even where
+    # every reward is 0 (the spec's beta2 1e-3 leaves ~1e-6)
     bundle = compile_for_cpu("specs/oapl.yaml", ["sync.every=2", "train.steps=4", "train.micro_batch_size=4",
-                                                 "train.lr=0.02", *SMALL],
+                                                 "train.lr=0.02", "objective.beta2=1.0", *SMALL],
                              tmp_path_factory.mktemp("oapl"))
     return bundle, job(head, bundle)
 
@@ -233,6 +234,11 @@ opd_job, test_opd_losses_equal_lightning = _method("opd", "specs/opd.yaml", SMAL
 # a self-teacher (the policy's initial weights with the reference solution in its prompt), scored in the
 # training actor
 opsd_job, test_opsd_losses_equal_lightning = _method("opsd", "specs/opsd.yaml", SMALL, 2)
+# the agent (the oracle judge's chunked reviews spliced into the rollouts, control rows), the kappa anchor on
+# the intervention tokens, two micro-batches per step, and the phase switch (guide off) at step 1
+mintrl_job, test_mintrl_losses_equal_lightning = _method(
+    "mintrl", "specs/mintrl.yaml", [*SMALL, "rollout.guide.control_samples=2", "phases[0].until=1",
+                                    "phases[1].until=2", "train.micro_batch_size=4"], 2)
 
 
 def test_check_names_the_gpus_the_cluster_lacks(head, tmp_path):
