@@ -25,8 +25,10 @@ validate: $(STAMP)
 run: validate
 	$(BIN)/composer run specs/mintrl.yaml
 
+# two calls: the suite, then the real-job tier (tests/test_openrlhf_real.py, marked cluster: Ray, DeepSpeed, OpenRLHF)
 test: $(STAMP)
 	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m cluster tests/test_openrlhf_real.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -309,7 +309,7 @@ def fake_step0(bundle: Path, folder: Path, micro: int = 2) -> list[dict]:
     from composer.runtime.models import load_tokenizer
 
     plan = json.loads((bundle / "plan.json").read_text())
-    tok = load_tokenizer(plan["openrlhf"]["policy_path"])
+    tok = load_tokenizer(str(bundle / plan["openrlhf"]["policy_path"]))  # toy checkpoints ship in the bundle
     rows = [json.loads(x) for x in (bundle / "data" / "train.jsonl").read_text().splitlines()[:2]]
     samples = [(r, resp, float(i % 2)) for r in rows for i, resp in enumerate(["1+2=3\n#3", "9-9=0\n#7"])]
     ids = [(tok.encode(r["prompt"], add_special_tokens=False), tok.encode(resp, add_special_tokens=False)
@@ -355,7 +355,7 @@ def test_smoke_loss_check_recomputes_the_lightning_figure(smoke, spec, tmp_path)
     bundle = small_bundle(spec, tmp_path)
     job = smoke.Job(spec, bundle)
     recs = fake_step0(bundle, job.capture)
-    ours, what = smoke.lightning_loss(json.loads((bundle / "plan.json").read_text()), recs)
+    ours, what = smoke.lightning_loss(smoke.read_plan(bundle), recs)
     assert ours is not None and math.isfinite(ours) and ours != 0, what
     assert "4 rows of step 0, 2 micro-batch(es)" == what
     for value, ok in ((ours, True), (ours + 1.0, False)):
@@ -372,7 +372,7 @@ def test_smoke_teacher_check_tells_the_teacher_from_the_student(smoke, tmp_path)
     import torch
 
     bundle = small_bundle("opd", tmp_path)
-    plan = json.loads((bundle / "plan.json").read_text())
+    plan = smoke.read_plan(bundle)
     job = smoke.Job("opd", bundle)
     recs = fake_step0(bundle, job.capture)
     files = sorted(job.capture.glob("step0-*.pt"))

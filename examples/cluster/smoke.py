@@ -312,6 +312,20 @@ def _logprobs(model, seqs, att, temperature: float):
         return token_logprobs(model, seqs, att.bool(), temperature)[0]
 
 
+def read_plan(bundle: Path) -> dict:
+    """The bundle's plan.json with its model paths as this machine reaches them (a toy bundle ships its
+    checkpoints under models/, relative to the bundle)."""
+    plan = json.loads((bundle / "plan.json").read_text())
+    o = plan["openrlhf"]
+    o["policy_path"] = os.path.join(bundle, o["policy_path"])
+    o["source_paths"] = {k: v if v == "self" else os.path.join(bundle, v) for k, v in o["source_paths"].items()}
+    for run in o["runs"]:
+        for t in (run["plugin"].get("teachers") or {}).values():
+            if t.get("path"):
+                t["path"] = os.path.join(bundle, t["path"])
+    return plan
+
+
 def lightning_loss(plan: dict, recs: list[dict]) -> tuple[float | None, str]:
     """The Lightning backend's step-0 loss on the recorded tokens: (value or None, what was compared)."""
     import dataclasses
@@ -358,7 +372,7 @@ def check_loss(job: Job) -> list[str]:
     if not recs:
         return [(f"{job.name}: the training actor recorded no step-0 micro-batch in {job.capture} "
                  "(no 'composer-smoke-capture:' line in the log?)")]
-    plan = json.loads((job.bundle / "plan.json").read_text())
+    plan = read_plan(job.bundle)
     rows = sum(len(r["prompts"]) for r in recs)
     gbs = recs[0]["global_batch_size"]
     if gbs is not None and rows != gbs:
@@ -383,7 +397,7 @@ def check_teacher(job: Job) -> list[str]:
     recs = captured(job)
     if not recs or any(r["base_action_log_probs"] is None for r in recs):
         return ["no reference-slot log-probs (base_action_log_probs) were recorded at step 0"]
-    plan = json.loads((job.bundle / "plan.json").read_text())
+    plan = read_plan(job.bundle)
     info = plan["openrlhf"]["runs"][0]["plugin"]["teachers"]["teacher"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch, seqs, att = step0_batch(recs, load_tokenizer(plan["openrlhf"]["policy_path"]).pad_token_id, device)

@@ -79,6 +79,22 @@ def _probe() -> dict:
             "composer": os.path.dirname(os.path.abspath(composer.__file__)), "cwd": os.getcwd()}
 
 
+def cluster_fit(layout: dict, nodes: list[dict]) -> tuple[dict, list[str]]:
+    """(what the cluster has, what it lacks) for the bundle's layout: `nodes` alive Ray nodes with at least
+    `gpus_per_node` GPUs each. OpenRLHF would otherwise wait forever in `ray.get(pg.ready())`."""
+    want_nodes, per_node = int(layout.get("nodes", 1)), int(layout.get("gpus_per_node", 1))
+    gpus = sorted((int(n.get("Resources", {}).get("GPU", 0)) for n in nodes if n.get("Alive")), reverse=True)
+    have = {"nodes": len(gpus), "gpus_per_node": gpus, "gpus": sum(gpus)}
+    fit = sum(1 for g in gpus if g >= per_node)
+    if fit >= want_nodes:
+        return have, []
+    return have, [f"the bundle was compiled for {want_nodes} node(s) x {per_node} GPU(s) "
+                  f"({want_nodes * per_node} GPUs); the Ray cluster has {len(gpus)} node(s) with "
+                  f"{', '.join(map(str, gpus)) or 'no'} GPU(s): missing {want_nodes - fit} node(s) with "
+                  f"{per_node} GPU(s) each (OpenRLHF would wait for them forever); start them, or recompile "
+                  f"with --nodes / --gpus-per-node for this cluster"]
+
+
 def check(plan_path: str, plan: dict, run: dict, args: list[str]) -> int:
     """--check: everything the run needs before a model loads, on the machine it runs on; 0 when all holds."""
     import composer
@@ -99,6 +115,8 @@ def check(plan_path: str, plan: dict, run: dict, args: list[str]) -> int:
         import ray
 
         ray.init(runtime_env=runtime_env(plan_path, run))
+        report["cluster"], missing = cluster_fit(plan["openrlhf"].get("layout") or {}, ray.nodes())
+        problems += missing
         report["worker"] = w = ray.get(ray.remote(num_cpus=0)(_probe).remote())
         if not w["setup_hook_ran"] or w["run"] != run["name"]:
             problems.append(f"the worker setup hook did not install run '{run['name']}' in a Ray worker: {w}")

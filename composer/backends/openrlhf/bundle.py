@@ -208,6 +208,7 @@ def compile_bundle(v, out: Path, layout: Layout) -> dict:
         _launch_checks(run, args)
         warnings[run.name] = printed
     plugins = plugin_sources(v, runs)  # before anything else is written: a plugin that cannot ship refuses
+    policy, sources = ship_toy_models(out, runs, inputs)
     name_plugins(plan, plugins)
     plan["openrlhf"] = {
         "version": OPENRLHF_VERSION, "toy": inputs.toy, "policy_path": policy, "source_paths": sources,
@@ -232,6 +233,42 @@ def compile_bundle(v, out: Path, layout: Layout) -> dict:
         (out / "agent.py").write_text(agent_file(v.spec.name))
     (out / "README.md").write_text(readme(v, plan, runs, layout, inputs, warnings, commands))
     return plan
+
+
+def _relocate(obj, moves: dict[str, str]):
+    """`obj` (argv lists, plugin dicts, notes) with every moved path in its strings rewritten."""
+    if isinstance(obj, str):
+        for src, dst in moves.items():
+            obj = obj.replace(src, dst)
+        return obj
+    if isinstance(obj, list):
+        return [_relocate(x, moves) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _relocate(x, moves) for k, x in obj.items()}
+    return obj
+
+
+def ship_toy_models(out: Path, runs: list[Run], inputs: Inputs) -> tuple[str, dict[str, str]]:
+    """Copy the toy testbed's checkpoints the runs use into `models/` of the bundle and point every argument
+    and plugin setting at them relative to the bundle (the job's working directory on every node), so a toy
+    bundle runs anywhere and holds no path of the compiling machine. Returns (policy, sources) paths."""
+    from components.tasks.bootstrap import cache_folder
+
+    root = os.path.realpath(cache_folder())
+    moves = {}
+    for path in [inputs.policy_path, *inputs.source_paths.values()]:
+        real = os.path.realpath(path) if path and path != "self" else ""
+        if real.startswith(root + os.sep) and os.path.isdir(real):
+            rel = "models/" + os.path.relpath(real, root).replace(os.sep, "/")
+            if not (out / rel).exists():
+                shutil.copytree(real, out / rel)
+            moves[path] = rel
+    for run in runs:
+        for f in dataclasses.fields(run):
+            setattr(run, f.name, _relocate(getattr(run, f.name), moves))
+    inputs.policy_path = _relocate(inputs.policy_path, moves)
+    inputs.source_paths = _relocate(inputs.source_paths, moves)
+    return inputs.policy_path, inputs.source_paths
 
 
 # ---------------------------------------------------------------------------------------- plugin modules
@@ -473,6 +510,25 @@ AgentExecutor = executor_class("plan.json")
 '''
 
 
+def node_paths(runs: list[Run], inputs: Inputs, layout: Layout) -> list[tuple[str, str]]:
+    """Every path a run reads or writes on the nodes: the models, the data files, the output folders (all of
+    them named in the runs' arguments, so none is missed), with what each is."""
+    out = {inputs.policy_path: "the policy model (read)"}
+    out.update({p: f"the model of source `{n}` (read)" for n, p in inputs.source_paths.items() if p != "self"})
+    keys = {"--data.dataset": "training data (read)", "--data.prompt_dataset": "training prompts (read)",
+            "--eval.dataset": "evaluation prompts (read)", "--reward.remote_url": "the reward function (read)",
+            "--train.agent_func_path": "the agent (read)",
+            "--actor.model_name_or_path": "the policy model (read)", "--model.model_name_or_path": "the model (read)",
+            "--ckpt.path": "checkpoints (written)", "--ckpt.output_dir": "the final model (written)",
+            "--logger.tensorboard_dir": "TensorBoard logs (written)"}
+    for run in runs:
+        for i, a in enumerate(run.argv[:-1]):
+            if a in keys:
+                out.setdefault(run.argv[i + 1], f"{keys[a]}, run `{run.name}`")
+    out.setdefault(layout.cluster_dir, "writable: checkpoints, final models, logs")
+    return [(p, what) for p, what in out.items() if p and not p.startswith("env:")]
+
+
 def readme(v, plan, runs: list[Run], layout: Layout, inputs: Inputs, warnings: dict, commands: list[str]) -> str:
     spec = v.spec
     lines = [f"# OpenRLHF bundle: {spec.name}", "", spec.summary, "",
@@ -493,15 +549,15 @@ def readme(v, plan, runs: list[Run], layout: Layout, inputs: Inputs, warnings: d
               f"- OpenRLHF {OPENRLHF_VERSION} with its GPU stack: vLLM, DeepSpeed, flash-attn (and Ray on every node).",
               "- Python packages of the composer itself: pydantic, omegaconf, networkx, PyYAML, transformers "
               "(and math-verify for the `math` verifier).",
-              f"- The policy model at `{inputs.policy_path}` on every node (a local path: it must exist there)."]
-    for name, path in inputs.source_paths.items():
-        if path != "self":
-            lines.append(f"- The model of source `{name}` at `{path}` on every node.")
+              "",
+              "Paths that must exist on every node (relative ones are inside this bundle, the job's working "
+              "directory):", ""]
+    lines += [f"- `{p}`: {what}" for p, what in node_paths(runs, inputs, layout)]
     shipped = plan["openrlhf"].get("plugins") or {}
     if shipped:
         lines.append(f"- Whatever the plugin module(s) {', '.join(f'`{m}`' for m in shipped)} import besides the "
                      f"composer (the modules themselves are in this bundle: {', '.join(shipped.values())}).")
-    lines += [f"- Writable `{layout.cluster_dir}` on the nodes (checkpoints, final models, TensorBoard logs).", ""]
+    lines += [""]
     if layout.wandb_project:
         lines += [f"W&B project `{layout.wandb_project}`: export WANDB_API_KEY before ./launch.sh.", ""]
     lines += ["## Prompts", ""]

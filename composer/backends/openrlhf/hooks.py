@@ -27,6 +27,7 @@ import importlib.machinery
 import json
 import os
 import sys
+import threading
 import types
 
 _STATE: dict = {}
@@ -39,15 +40,22 @@ class _PostImport(importlib.abc.MetaPathFinder):
 
     def __init__(self):
         self.hooks: dict[str, list] = {}
+        self.busy = threading.local()  # names this thread is resolving now (re-entrancy guard)
 
     def find_spec(self, name, path, target=None):
-        if name not in self.hooks:
+        busy = self.busy.__dict__.setdefault("names", set())
+        if name not in self.hooks or name in busy:  # a delegating finder asking back: let the others answer
             return None
-        spec = next((s for f in sys.meta_path if f is not self and hasattr(f, "find_spec")
-                     for s in [f.find_spec(name, path, target)] if s is not None), None)
+        busy.add(name)
+        try:
+            spec = next((s for f in list(sys.meta_path) if f is not self and hasattr(f, "find_spec")
+                         for s in [f.find_spec(name, path, target)] if s is not None), None)
+        finally:
+            busy.discard(name)
         if spec is None or spec.loader is None:
             return None
-        loader, hooks = spec.loader, self.hooks.pop(name)
+        loader, pending = spec.loader, self.hooks  # popped when the module runs: a bare find_spec (an
+        # availability check such as importlib.util.find_spec) must not use up the hooks
 
         class Loader(importlib.abc.Loader):
             def create_module(self, spec):
@@ -55,7 +63,7 @@ class _PostImport(importlib.abc.MetaPathFinder):
 
             def exec_module(self, module):
                 loader.exec_module(module)
-                for hook in hooks:
+                for hook in pending.pop(name, []):
                     hook(module)
 
         spec.loader = Loader()
@@ -179,7 +187,9 @@ def _patch_trainer(mod) -> None:
 
     def init_checkpoint_states_(self):
         states = init_states(self)
-        self.samples_generator.composer_step = states.get("global_step", 0)
+        step = states.get("global_step", 0)
+        self.samples_generator.composer_step = step
+        self._composer_sync = resume_sync(step)  # fit() broadcasts on resume, outside train_step
         return states
 
     patched = {"train_step": train_step_, "broadcast_to_vllm": broadcast_to_vllm_,
@@ -188,6 +198,23 @@ def _patch_trainer(mod) -> None:
         setattr(cls, name, fn)
     reach_actor_classes(mod, cls, patched)  # PPOTrainer, built in this module before this hook ran
     when_imported("openrlhf.trainer.ppo_trainer_async", lambda m: reach_actor_classes(m, cls, patched))
+
+
+def resume_sync(step: int) -> bool:
+    """Whether fit()'s broadcast on resuming after `step` finished steps keeps the sync schedule: yes when
+    step `step - 1` was a sync step (the checkpoint holds exactly the weights the engine had); no broadcast
+    before the first sync (the engine starts from the initial weights, as scheduled). A resume between two
+    later syncs needs weights the checkpoint does not hold: refused, never sampled with newer weights."""
+    if step <= 0:
+        return True
+    every = _segments().at(step - 1).sync.every
+    if step % every == 0:
+        return True
+    if step < every:
+        return False
+    raise RuntimeError(f"resume after step {step}: the lagged rollout engine should hold the weights of the sync "
+                       f"after step {step - step % every}, which the checkpoint does not keep (sync.every {every}); "
+                       f"resume from a checkpoint at a sync step (train.checkpoint_every a multiple of {every})")
 
 
 def reach_actor_classes(mod, base: type, patched: dict) -> list[str]:
@@ -261,7 +288,7 @@ def _patch_actor(mod) -> None:
     from composer.backends.openrlhf.loss import ComposerLoss, prompt_lengths, step_of, take_step_inputs, terms
 
     cls = mod.ActorPPOTrainer
-    init, training_step = cls.__init__, cls.training_step
+    init, training_step, ppo_train = cls.__init__, cls.training_step, cls.ppo_train
     plugin = _STATE["run"]["plugin"]
 
     def __init__(self, *args, **kwargs):
@@ -311,15 +338,31 @@ def _patch_actor(mod) -> None:
         if temps:
             self.actor.temperature = temps.pop()
         try:  # the composer's terms own every KL: OpenRLHF's KL loss (reference slot) gets weight 0
-            return training_step(self, experience, 0.0, step, loss_batch_info)
+            status = training_step(self, experience, 0.0, step, loss_batch_info)
         finally:
             if undo:
                 undo()
             if hasattr(self.actor, "temperature"):
                 self.actor.temperature = sampling
             loss_fn.ctx = {}
+        self.__dict__.setdefault("_composer_losses", []).append(float(status["metrics"]["policy_loss"]))
+        return status
 
-    cls.__init__, cls.training_step = __init__, training_step_
+    def ppo_train_(self, kl_ctl):
+        """OpenRLHF logs `policy_loss` as a token-weighted mean of the micro-batch losses, which is not the
+        objective under gradient accumulation (each micro-batch loss is its share x gas). Logged instead:
+        the composer objective's own value, what DeepSpeed back-propagates (sum of micro-batch loss / gas)
+        per optimizer step, averaged over the steps of this call and over the data-parallel ranks."""
+        self._composer_losses = []
+        status = ppo_train(self, kl_ctl)
+        losses = self.__dict__.pop("_composer_losses", [])
+        if losses and status:
+            gas = max(int(getattr(self.strategy, "accumulated_gradient", 1) or 1), 1)
+            value = self.strategy.all_reduce(sum(losses) / gas / max(len(losses) / gas, 1.0))
+            status["policy_loss"] = status["composer/loss"] = value
+        return status
+
+    cls.__init__, cls.training_step, cls.ppo_train = __init__, training_step_, ppo_train_
 
 
 def _patch_reference_slot(mod) -> None:

@@ -1,0 +1,308 @@
+"""CPU patches for a real OpenRLHF 0.11.2 job, and the harness's recorder. Installed in every Python process
+of the test's Ray head (head, job driver, every actor's worker) by site/sitecustomize.py, lazily: each patch
+runs right after the module it changes is imported, so a process that never imports OpenRLHF is untouched.
+
+The patches (nothing else of OpenRLHF, Ray, DeepSpeed or transformers is changed):
+  P1 torch.cuda     current_device() -> "cpu"; set_device / synchronize / empty_cache / current_stream: no-ops
+                    (OpenRLHF calls them unconditionally; torch's CPU build raises)
+  P2 device mesh    DeepspeedStrategy's init_device_mesh("cuda", ...) -> the same mesh on "cpu" (gloo)
+  P3 optimizer      DeepSpeed's own `torch_adam: true` optimizer setting (torch.optim.AdamW inside the real
+                    DeepSpeed engine, ZeRO-2, bf16): DeepSpeed's FusedAdam needs CUDA and its CPU Adam a
+                    ~6.5 min compile
+  P4 weight sync    the colocated CUDA-IPC path runs as is on CPU tensors: torch's "file_system" sharing
+                    strategy (a handle that can cross Ray's pickling) and get_physical_gpu_id() -> "cpu"
+  P5 sleep mode     DeepSpeed's offload_states / reload_states (move optimizer state GPU <-> CPU): no-ops,
+                    the state already lives on the CPU
+  P6 vLLM           vllm.AsyncLLMEngine / AsyncEngineArgs -> hf_vllm.HFEngine (THE replaced part); the rest of
+                    the `vllm` import stub (tests/openrlhf_cpu_stubs) is names only
+  P7 torchdata      StatefulDataLoader with state_dict / load_state_dict (the import stub has none)
+  P9 EMA copy       DeepspeedStrategy.moving_average on "cpu" (OpenRLHF's actor asks for "cuda")
+  P8 shm all-reduce DeepSpeed's optional CPU shared-memory all-reduce kernel (a JIT compile) is not built:
+                    DeepSpeed then uses torch.distributed's gloo collectives, as where the kernel is unavailable
+The recorder (only with COMPOSER_REAL_OUT set) writes fits.jsonl: per PolicyModelActor fit, the loss the
+real DeepSpeed engine back-propagated and the Lightning backend's loss of the same batch and weights.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import json
+import os
+import sys
+import threading
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class _After(importlib.abc.MetaPathFinder):
+    """Runs callbacks right after a named module executes (re-entrant: other finders may call back)."""
+
+    def __init__(self, hooks: dict):
+        self.hooks, self.busy = hooks, threading.local()
+
+    def find_spec(self, name, path, target=None):
+        busy = self.busy.__dict__.setdefault("names", set())
+        if name not in self.hooks or name in busy:
+            return None
+        busy.add(name)
+        try:
+            spec = next((s for f in list(sys.meta_path) if f is not self and hasattr(f, "find_spec")
+                         for s in [f.find_spec(name, path, target)] if s is not None), None)
+        finally:
+            busy.discard(name)
+        if spec is None or spec.loader is None:
+            return None
+        loader, hooks = spec.loader, self.hooks  # popped when the module runs: a bare find_spec (e.g.
+        # transformers' is_deepspeed_available) must not use up the hook
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                loader.exec_module(module)
+                hook = hooks.pop(name, None)
+                if hook is not None:
+                    hook(module)
+
+        spec.loader = Loader()
+        return spec
+
+
+# ------------------------------------------------------------------------------------------- patches
+
+class CpuDevice(str):
+    """torch.cuda.current_device() here: "cpu" for `.to(device)`, "0" inside an f-string (cuda:{...})."""
+
+    def __new__(cls):
+        return str.__new__(cls, "cpu")
+
+    def __format__(self, spec):
+        return "0"
+
+
+def p1_torch(torch) -> None:
+    torch.cuda.current_device = lambda: CpuDevice()
+    for name in ("set_device", "synchronize", "empty_cache", "current_stream"):
+        setattr(torch.cuda, name, lambda *a, **k: None)
+    import torch.multiprocessing
+
+    torch.multiprocessing.set_sharing_strategy("file_system")  # P4
+
+
+def p2_strategy(mod) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mod.init_device_mesh = lambda device_type, shape, mesh_dim_names=None: init_device_mesh(
+        "cpu", shape, mesh_dim_names=mesh_dim_names)
+    cls = mod.DeepspeedStrategy
+    backward = cls.backward
+
+    def recorded_backward(self, loss, model, optimizer, **kw):  # the recorder: what DeepSpeed back-propagates
+        BACKWARDS.append(float(loss.detach()))
+        return backward(self, loss, model, optimizer, **kw)
+
+    cls.backward = recorded_backward
+    moving_average = cls.moving_average  # P9: ActorPPOTrainer passes device "cuda" for the EMA copy
+
+    def moving_average_(self, model, model_ema, beta=0.992, device="cpu"):
+        return moving_average(self, model, model_ema, beta, "cpu")
+
+    cls.moving_average = moving_average_
+
+
+def p3_deepspeed(ds) -> None:
+    initialize = ds.initialize
+
+    def initialize_(*args, config=None, **kw):
+        if isinstance(config, dict) and "optimizer" in config:
+            config = {**config, "optimizer": {**config["optimizer"],
+                                              "params": {**config["optimizer"].get("params", {}), "torch_adam": True}}}
+        return initialize(*args, config=config, **kw)
+
+    ds.initialize = initialize_
+
+
+def p8_shm(mod) -> None:
+    mod.build_shm_op = lambda: None
+
+
+def p4_gpu_id(mod) -> None:
+    mod.get_physical_gpu_id = lambda: "cpu"
+
+
+def p5_offload(mod) -> None:
+    mod.offload_deepspeed_states = lambda *a, **k: None
+    mod.reload_deepspeed_states = lambda *a, **k: None
+
+
+def p6_vllm(vllm) -> None:
+    sys.path.insert(0, HERE)
+    import hf_vllm
+
+    vllm.AsyncEngineArgs, vllm.AsyncLLMEngine = hf_vllm.EngineArgs, hf_vllm.HFEngine
+
+
+def p7_torchdata(mod) -> None:
+    from torch.utils.data import DataLoader
+
+    class StatefulDataLoader(DataLoader):
+        """torchdata's StatefulDataLoader as OpenRLHF uses it: iteration, state_dict, load_state_dict (the
+        batches served this epoch; a loaded state skips them, in the same seeded order)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._served, self._skip = 0, 0
+
+        def __iter__(self):
+            skip, self._skip, self._served = self._skip, 0, 0
+            for i, batch in enumerate(super().__iter__()):
+                self._served = i + 1
+                if i >= skip:
+                    yield batch
+
+        def state_dict(self):
+            return {"batches_served": self._served}
+
+        def load_state_dict(self, state):
+            self._skip = int(state.get("batches_served", 0))
+
+    mod.StatefulDataLoader = StatefulDataLoader
+
+
+def p_actor(mod) -> None:
+    p4_gpu_id(mod)  # ppo_actor binds get_physical_gpu_id by name
+    p5_offload(mod)
+    if os.environ.get("COMPOSER_REAL_OUT"):
+        record_fits(mod)
+
+
+# ------------------------------------------------------------------------------------------ recorder
+
+BACKWARDS: list[float] = []
+
+
+def record_fits(mod) -> None:
+    cls = mod.ActorPPOTrainer
+    ppo_train = cls.ppo_train
+
+    def ppo_train_(self, kl_ctl):
+        from openrlhf.trainer.ppo_utils.replay_buffer import make_experience_batch
+
+        from hf_vllm import fingerprint
+
+        module = self.actor.model.module
+        rec = {"pid": os.getpid(), "weights_before": fingerprint(module.named_parameters()),
+               "gas": int(self.strategy.accumulated_gradient), "rows": len(self.replay_buffer.items)}
+        try:
+            rec.update(lightning(self, module, make_experience_batch(list(self.replay_buffer.items), False),
+                                 self.tokenizer.pad_token_id))
+        except Exception as e:  # noqa: BLE001 - reported; the test names it
+            import traceback
+
+            rec["lightning_error"] = traceback.format_exc()
+        start = len(BACKWARDS)
+        status = ppo_train(self, kl_ctl)
+        losses = BACKWARDS[start:]
+        rec.update(micro_batches=len(losses), openrlhf_loss=sum(losses) / rec["gas"],
+                   logged_policy_loss=(status or {}).get("policy_loss"),
+                   weights_after=fingerprint(module.named_parameters()))
+        with open(os.path.join(os.environ["COMPOSER_REAL_OUT"], "fits.jsonl"), "a") as f:
+            f.write(json.dumps(rec, default=float) + "\n")
+        return status
+
+    cls.ppo_train = ppo_train_
+
+
+def teacher_forward(trainer, info: dict):
+    """Raw next-token logits of a term's teacher, as the Lightning backend scores it: an external teacher is
+    its checkpoint loaded here with transformers (bf16, the engine's dtype), not the reference actor's slot;
+    a self-teacher is the policy module (current weights) or the trainer's frozen initial copy."""
+    if info["self"]:
+        model = trainer.actor if info["weights"] == "current" else trainer.ema_model
+        return lambda ids, mask: model(ids, action_mask=None, attention_mask=mask, return_output=True)["logits"] * \
+            getattr(model, "temperature", 1.0)  # OpenRLHF's Actor divides by the rollout temperature: undone
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(info["path"], dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    return lambda ids, mask: hf(input_ids=ids, attention_mask=mask).logits
+
+
+def lightning(trainer, module, exp, pad_id: int) -> dict:
+    """The Lightning backend's loss of this step (composer/runtime/step.py `loss`) on the same batch and the
+    same pre-update module: the batch rebuilt with loss.step_batch, each objective's own advantages, teacher
+    log-probs scored by the composer's score_responses (both backends' scorer) with teacher_forward."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from components.sources.policy_model import score_responses
+    from composer.backends.openrlhf.batch import to_batch
+    from composer.backends.openrlhf.loss import prompt_lengths
+
+    experiences = [exp]
+
+    import torch
+
+    from composer.backends.openrlhf import hooks
+    from composer.backends.openrlhf.batch import decode_label, shift
+    from composer.backends.openrlhf.loss import _pad_cat, step_batch, step_of, term_batches
+    from composer.runtime import step as lightning_step
+    from composer.terms import terms
+
+    segments, run = hooks._segments(), hooks._STATE["run"]
+    labels = [x for e in experiences for x in e.labels]
+    metas = [decode_label(x) for x in labels]
+    spec = segments.at(step_of(labels))
+    full = step_batch(experiences, pad_id, trainable_only=True)
+    whole = step_batch(experiences, pad_id)
+    full.info["temperature"] = spec.rollout.temperature  # what the Lightning rollout records
+    if not run["plugin"].get("loss"):  # native route: OpenRLHF's PPO reads the trainer's own rollout log-probs
+        full.behavior_logprobs = shift(_pad_cat([e.action_log_probs for e in experiences]).float())
+        base = [e.base_action_log_probs for e in experiences]
+        if all(b is not None for b in base):
+            full.initial_logprobs = shift(_pad_cat(base).float())
+    term_list = terms(spec)
+    batches = term_batches(term_list, full, metas)
+    for (_n, _s, obj, _w), b in zip(term_list, batches):
+        b.advantages = obj.advantages(whole) if whole.rewards is not None or not obj.needs else None
+    plugin = run["plugin"]
+    for k, ((_n, sig, obj, _w), b) in enumerate(zip(term_list, batches)):
+        name = sig.teacher_source
+        if name is None:
+            continue
+        info = plugin["teachers"][name]
+        whole_rows = to_batch(exp.sequences, exp.attention_mask, exp.action_mask, exp.prompts, exp.labels)
+        prompts = [(m.get("teacher") or {}).get(name) for m in metas]
+        lp, lg = score_responses(teacher_forward(trainer, info), exp.sequences, exp.attention_mask,
+                                 prompt_lengths(whole_rows), prompts, info["temperature"], pad_id, obj.wants_logits)
+        batches[k] = dataclasses.replace(b, teacher_logprobs=lp, teacher_logits=lg)
+    ctx = SimpleNamespace(spec=spec, record=lambda *a, **k: None)
+    was = module.training
+    with torch.no_grad():
+        total, _metrics = lightning_step.loss(ctx, module, batches)
+    module.train(was)
+    return {"lightning_loss": float(total), "label_steps": sorted({int(m.get("step", -1)) for m in metas})}
+
+
+HOOKS = {
+    "torch": p1_torch,
+    "openrlhf.utils.deepspeed.deepspeed": p2_strategy,
+    "deepspeed": p3_deepspeed,
+    "deepspeed.comm.torch": p8_shm,
+    "openrlhf.trainer.ray.utils": p4_gpu_id,
+    "openrlhf.utils.deepspeed.deepspeed_utils": p5_offload,
+    "openrlhf.trainer.ray.ppo_actor": p_actor,
+    "vllm": p6_vllm,
+    "torchdata.stateful_dataloader": p7_torchdata,
+}
+
+
+def install() -> None:
+    pending = {}
+    for name, hook in HOOKS.items():
+        if name in sys.modules:
+            hook(sys.modules[name])
+        else:
+            pending[name] = hook
+    sys.meta_path.insert(0, _After(pending))
