@@ -21,20 +21,32 @@ HAVE_OPENRLHF = importlib.util.find_spec("openrlhf") is not None
 
 # ------------------------------------------------------------------------------- resume and the schedule
 
+def _schedule_of(monkeypatch, every: int, steps: int = 12):
+    """hooks' schedule and segments from a real compiled Plan of GRPO with `sync.every`."""
+    from composer.backends.openrlhf.loss import Segments
+    from composer.plan import compile_plan
+    from composer.schedule import Schedule
+    from composer.validate import validate_file
+
+    v = validate_file(ROOT / "specs" / "grpo.yaml", [f"sync.every={every}", "sync.off_policy_ok=true",
+                                                      f"train.steps={steps}"])
+    plan = json.loads(json.dumps(compile_plan(v)))  # as plan.json
+    monkeypatch.setattr(hooks, "_schedule", lambda: Schedule(plan))
+    monkeypatch.setattr(hooks, "_segments", lambda: Segments(plan, list(range(len(plan["segments"])))))
+
+
 @pytest.mark.parametrize("every,step,want", [(2, 0, True), (2, 2, True), (2, 4, True), (3, 1, False), (3, 2, False),
                                              (3, 3, True), (3, 6, True), (1, 5, True)])
 def test_resume_broadcasts_only_where_the_schedule_synced(monkeypatch, every, step, want):
-    """fit()'s broadcast on resuming after `step` finished steps: allowed when step-1 was a sync step; before
+    """fit()'s broadcast on resuming after `step` finished steps: allowed when the Plan synced after step; before
     the first sync the engine keeps the initial weights, as scheduled."""
-    monkeypatch.setattr(hooks, "_segments", lambda: SimpleNamespace(at=lambda s: SimpleNamespace(
-        sync=SimpleNamespace(every=every))))
+    _schedule_of(monkeypatch, every)
     assert hooks.resume_sync(step) is want
 
 
 def test_resume_between_two_later_syncs_is_refused(monkeypatch):
-    monkeypatch.setattr(hooks, "_segments", lambda: SimpleNamespace(at=lambda s: SimpleNamespace(
-        sync=SimpleNamespace(every=3))))
-    with pytest.raises(RuntimeError, match=r"resume after step 4: .* sync after step 3, .* multiple of 3"):
+    _schedule_of(monkeypatch, 3)
+    with pytest.raises(RuntimeError, match=r"resume after step 4: .* sync after step 3, .*checkpoint at a sync step"):
         hooks.resume_sync(4)
 
 

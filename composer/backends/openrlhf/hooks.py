@@ -201,20 +201,22 @@ def _patch_trainer(mod) -> None:
 
 
 def resume_sync(step: int) -> bool:
-    """Whether fit()'s broadcast on resuming after `step` finished steps keeps the sync schedule: yes when
-    step `step - 1` was a sync step (the checkpoint holds exactly the weights the engine had); no broadcast
-    before the first sync (the engine starts from the initial weights, as scheduled). A resume between two
-    later syncs needs weights the checkpoint does not hold: refused, never sampled with newer weights."""
+    """Whether fit()'s broadcast on resuming after `step` finished steps (of this stage) keeps the Plan's sync
+    schedule: yes when the schedule synced after that step (the checkpoint holds exactly the weights the engine
+    had); no broadcast before the first sync (the engine starts from the initial weights, as scheduled). A
+    resume between two later syncs needs weights the checkpoint does not hold: refused, never sampled with
+    newer weights."""
     if step <= 0:
         return True
-    every = _segments().at(step - 1).sync.every
-    if step % every == 0:
+    sched, done = _schedule(), _segments().offset + step
+    if sched.sync_after(done):
         return True
-    if step < every:
+    last = sched.sampler_version(done)
+    if last <= _segments().offset:
         return False
-    raise RuntimeError(f"resume after step {step}: the lagged rollout engine should hold the weights of the sync "
-                       f"after step {step - step % every}, which the checkpoint does not keep (sync.every {every}); "
-                       f"resume from a checkpoint at a sync step (train.checkpoint_every a multiple of {every})")
+    raise RuntimeError(f"resume after step {done}: the lagged rollout engine should hold the weights of the sync "
+                       f"after step {last}, which the checkpoint does not keep; resume from a checkpoint at a "
+                       f"sync step (syncs: {sched.syncs()[:8]}...)")
 
 
 def reach_actor_classes(mod, base: type, patched: dict) -> list[str]:
