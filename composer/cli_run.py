@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from composer.cli import EXIT_INVALID, allow_plugins_option, main, split_args, validated_or_exit
+from composer.cli import EXIT_INVALID, allow_plugins_option, main, split_args, trust_remote_code_option, validated_or_exit
 from composer.errors import SpecError
 
 
@@ -244,14 +244,15 @@ def _print_samples(rows: list[dict], total: int, step: int, steps: list[int]) ->
               help="Folder for the transformers model directory (new, empty, or an earlier export).")
 @click.option("--base", default=None, help="The model directory the run was trained from, for its config and "
               "tokenizer (default: the one the checkpoint's spec names).")
+@trust_remote_code_option
 def export(source, out, base):
     """Write a checkpoint's policy (SOURCE: a .ckpt file or a run folder) as a transformers directory."""
-    from composer.export import MODEL_DIR
+    from composer.export import MODEL_DIR, target_problem
 
     folder = Path(out)
-    if folder.exists() and (not folder.is_dir() or (any(folder.iterdir()) and not (folder / "config.json").exists())):
-        click.echo(f"{out}: error: the folder already holds files that are not an exported model; choose a new or "
-                   "empty folder", err=True)
+    why = target_problem(folder)
+    if why:
+        click.echo(f"{out}: error: {why}", err=True)
         sys.exit(EXIT_INVALID)
     try:
         with _deferred_signals():

@@ -22,9 +22,35 @@ class ExportError(Exception):
     """A checkpoint that cannot be exported, or a destination that cannot be written: says which and why."""
 
 
+MARK = "composer_export.json"  # written into every export: only a folder holding it is ever replaced
+
+
+def target_problem(dest: Path | str) -> str | None:
+    """Why `dest` may not receive an export (None: it is new, empty, or an earlier export, which is replaced).
+
+    A folder holding a `config.json` is not enough: a base model's folder has one, and replacing it would
+    delete its README, extra shards and anything else the user keeps there."""
+    dest = Path(dest)
+    if dest.is_symlink():
+        return "it is a symbolic link; give the real folder"
+    if not dest.exists():
+        return None
+    if not dest.is_dir():
+        return "it is a file, not a folder"
+    if not any(dest.iterdir()):
+        return None
+    if (dest / MARK).is_file() and not (dest / MARK).is_symlink():
+        return None
+    return (f"the folder already holds files and is not an earlier export (no {MARK}); choose a new or empty "
+            "folder")
+
+
 def save_policy(model, tokenizer, dest: Path | str) -> Path:
     """model + tokenizer via save_pretrained into `dest`, replacing it whole (an earlier export) or not at all."""
     dest = Path(dest)
+    why = target_problem(dest)
+    if why:
+        raise ExportError(f"{dest}: {why}")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.partial-{os.getpid()}"
     old = dest.parent / f".{dest.name}.old-{os.getpid()}"
@@ -33,6 +59,7 @@ def save_policy(model, tokenizer, dest: Path | str) -> Path:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        (tmp / MARK).write_text(json.dumps({"written_by": "composer", "format": "transformers"}) + "\n")
         if dest.exists():
             os.rename(dest, old)
         os.rename(tmp, dest)
@@ -70,6 +97,7 @@ def export_checkpoint(src: Path | str, dest: Path | str, base: str | None = None
 
     from composer.backends.lightning import checkpoint as ckpt_format
     from composer.paths import model_problem, tokenizer_problem
+    from composer.registry import remote_code_allowed
     from composer.runtime.models import load_tokenizer, resolve
 
     ckpt = checkpoint_of(src)
@@ -78,10 +106,11 @@ def export_checkpoint(src: Path | str, dest: Path | str, base: str | None = None
     if not weights:
         raise ExportError(f"{ckpt}: the checkpoint holds no policy weights")
     policy = {} if base else _spec_policy(state, ckpt)
-    trust = bool(policy.get("trust_remote_code", False))
+    # trust comes from this command's user only (--trust-remote-code), never from the checkpoint's spec
+    trust = remote_code_allowed()
     candidates = [base] if base else [policy.get("model") or "toy:student"]
     run_model = ckpt.parent.parent / MODEL_DIR  # a run folder's own export: same architecture, same tokenizer
-    if not base and (run_model / "config.json").is_file():
+    if not base and not trust and (run_model / "config.json").is_file():  # its code never runs
         candidates.append(str(run_model))
     arch = None
     for name in candidates:

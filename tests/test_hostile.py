@@ -191,9 +191,10 @@ def test_a_model_folder_with_custom_code_is_refused_without_asking(tiny, tmp_pat
     assert not marker.exists() and "[y/N]" not in r.stdout + r.stderr
 
 
-def test_trust_remote_code_is_passed_through(tiny, tmp_path):
+def test_trust_remote_code_is_passed_through(tiny, tmp_path, monkeypatch):
     from composer.runtime.models import load_model
 
+    monkeypatch.setenv("COMPOSER_TRUST_REMOTE_CODE", "1")  # the user's opt-in
     marker = tmp_path / "RAN"
     folder = _custom_code_folder(tiny, tmp_path / "custom", marker)
     assert type(load_model(str(folder), trust_remote_code=True)).__name__ == "CustomModel"

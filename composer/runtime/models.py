@@ -26,7 +26,18 @@ def resolve(name: str) -> str:
 
 
 REMOTE_CODE_HINT = ("the folder ships its own Python code (config.json `auto_map`), which is not run unless the spec "
-                    "says `policy.trust_remote_code: true`: set that only for a folder you trust")
+                    "says `policy.trust_remote_code: true` and the command has --trust-remote-code (or "
+                    "COMPOSER_TRUST_REMOTE_CODE=1): only for a folder you trust")
+
+
+def _trusted(requested: bool) -> bool:
+    """Remote code runs only when asked for and allowed by the user (command line or environment)."""
+    from composer.registry import remote_code_allowed
+
+    if requested and not remote_code_allowed():
+        raise ModelLoadError("a model folder's own Python code was asked for without --trust-remote-code "
+                             "(or COMPOSER_TRUST_REMOTE_CODE=1); not run")
+    return bool(requested)
 
 
 def _load_error(what: str, path: str, e: Exception) -> ModelLoadError:
@@ -46,7 +57,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
         if why:
             raise ModelLoadError(why)
     try:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=bool(trust_remote_code))
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=_trusted(trust_remote_code))
     except Exception as e:
         raise _load_error("tokenizer", path, e) from None
     if tok.pad_token_id is None:
@@ -66,7 +77,7 @@ def load_model(name: str, dtype: str = "float32", trust_remote_code: bool = Fals
             raise ModelLoadError(why)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
-                                                     trust_remote_code=bool(trust_remote_code))
+                                                     trust_remote_code=_trusted(trust_remote_code))
     except Exception as e:
         raise _load_error("model", path, e) from None
     return model

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
+import secrets
 import shutil
+import stat
 import time
 from pathlib import Path
 
@@ -58,6 +61,20 @@ def last_checkpoint(out: Path) -> Path | None:
 LOCK = ".lock"
 
 
+def _open_lock(path: Path):
+    """The run folder's lock file, never through a symbolic link (that would truncate the file it points to)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(e.errno, f"its {LOCK} is a symbolic link (not followed; remove it)") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"its {LOCK} is not a regular file (remove it)")
+    return os.fdopen(fd, "r+")
+
+
 @contextlib.contextmanager
 def claim_folder(out: Path, resume: bool):
     """Own the run folder for the run's duration: created if needed, locked against a second run, and
@@ -69,8 +86,8 @@ def claim_folder(out: Path, resume: bool):
         out.mkdir(parents=True, exist_ok=True)
         if not out.is_dir():
             raise NotADirectoryError(20, "not a directory")
-        lock = open(out / LOCK, "a+")
-    except (OSError, ValueError) as e:  # /proc, /sys, a file, a name too long, a NUL byte
+        lock = _open_lock(out / LOCK)
+    except (OSError, ValueError) as e:  # /proc, /sys, a file, a name too long, a NUL byte, a .lock link
         raise RunError(f"{out}: cannot use it as the run folder: {getattr(e, 'strerror', None) or e}\n"
                        "    hint: give --out a writable folder path") from None
     try:
@@ -78,13 +95,15 @@ def claim_folder(out: Path, resume: bool):
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             lock.seek(0)
-            owner = lock.read().strip() or "?"
+            owner = (lock.read().split() or ["?"])[0]
             raise RunError(f"{out}: another run (pid {owner}) is using this folder; wait for it to finish, or "
                            "choose another --out") from None
+        token = secrets.token_hex(16)  # proves to the ranks rank 0 starts that this run owns the folder
         lock.seek(0)
         lock.truncate()
-        lock.write(str(os.getpid()))
+        lock.write(f"{os.getpid()} {token}")
         lock.flush()
+        os.environ[RUN_ENV + "_TOKEN"] = token
         held = sorted(p.name for p in out.iterdir() if p.name != LOCK)
         if held and not resume:
             shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
@@ -158,10 +177,39 @@ RUN_ENV = "COMPOSER_RUN_DIR"  # set by rank 0 for the processes Lightning starts
 def launched_child() -> dict | None:
     """{out, resume, rank} when this process is another rank of a run that rank 0 owns (started by Lightning's
     launcher, which passes rank 0's environment on, or by torchrun/SLURM with RANK > 0), else None."""
-    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
-    if RUN_ENV in os.environ and (rank > 0 or "LOCAL_RANK" in os.environ):
-        return {"out": os.environ[RUN_ENV], "resume": os.environ.get(RUN_ENV + "_RESUME") == "1", "rank": rank}
-    return None
+    try:
+        rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
+    except ValueError:
+        return None
+    if RUN_ENV not in os.environ or not (rank > 0 or "LOCAL_RANK" in os.environ):
+        return None
+    out = os.environ[RUN_ENV]
+    if rank <= 0 or not _owned_by_parent(Path(out), os.environ.get(RUN_ENV + "_TOKEN", "")):
+        return None  # not started by the run that holds that folder: an ordinary run (its own --out and lock)
+    return {"out": out, "resume": os.environ.get(RUN_ENV + "_RESUME") == "1", "rank": rank}
+
+
+def _owned_by_parent(out: Path, token: str) -> bool:
+    """The folder's lock is held right now by this process's parent, which wrote `token` into it: the
+    environment alone (COMPOSER_RUN_DIR and LOCAL_RANK set by hand) never hands over another run's folder."""
+    if not token:
+        return False
+    try:
+        fd = os.open(out / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        pid, _, written = os.read(fd, 200).decode("ascii", "replace").partition(" ")
+        if not secrets.compare_digest(written.strip(), token) or pid.strip() != str(os.getppid()):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return True  # held (by rank 0)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
 
 
 def train(validated, out: Path, resume: bool = False, progress: bool = True, final_eval=None, recorder=None) -> dict:

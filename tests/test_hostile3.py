@@ -1,0 +1,166 @@
+"""Hostile and careless input, third round (issue 29): each finding kept fixed.
+
+Builtin-shadowing code rewards are in tests/test_sandbox.py (test_a_program_cannot_shadow_what_the_tests_call).
+Here: the trust boundary (remote code and plugins need the user's command line or environment), files a
+command must never lose, inputs that used to hang, silently wrong results and tracebacks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from composer.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+FAST = ["train.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8",
+        "train.eval_every=0", "train.eval_samples=2"]
+HEAD = "name: x\nsources:\n  verifier: {kind: outcome_reward}\nsignal: {kind: reward, source: verifier}\n" \
+       "objective: {kind: grpo}\n"
+NO_TRUST = {"COMPOSER_TRUST_REMOTE_CODE": "", "COMPOSER_ALLOW_PLUGINS": ""}
+
+
+def cli(*args, env=None):
+    return CliRunner(env={**NO_TRUST, **(env or {})}).invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def composer(*args, cwd=REPO, env=None, timeout=300, input=None):
+    full = {**os.environ, "PYTHONPATH": str(REPO), **NO_TRUST, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "composer", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=full, timeout=timeout, input=input)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    from components.tasks.bootstrap import tiny_random_checkpoint
+
+    return tiny_random_checkpoint(str(tmp_path_factory.mktemp("tiny")))
+
+
+def custom_code_folder(tiny: str, folder: Path, marker: Path) -> Path:
+    """A copy of `tiny` whose config names its own Python, which writes `marker` when imported."""
+    shutil.copytree(tiny, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(model_type="composer_custom", auto_map={"AutoConfig": "custom_code.CustomConfig",
+                                                       "AutoModelForCausalLM": "custom_code.CustomModel"})
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (folder / "custom_code.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\nfrom transformers import Qwen3Config, Qwen3ForCausalLM\n"
+        "class CustomConfig(Qwen3Config):\n    model_type = 'composer_custom'\n"
+        "class CustomModel(Qwen3ForCausalLM):\n    config_class = CustomConfig\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny, tmp_path_factory) -> Path:
+    """A one-step run on the tiny model: a checkpoint and model/ to export, tamper with and resume."""
+    out = tmp_path_factory.mktemp("run") / "run"
+    r = cli("run", "specs/sft.yaml", f"policy.model={tiny}", "train.steps=1", "train.prompts_per_step=2",
+            "train.eval_every=0", "train.eval_samples=2", "--no-progress", "--out", out)
+    assert r.exit_code == 0, r.output
+    return out
+
+
+# ------------------------------------------------------------------------------ 2. one trust boundary
+
+
+@pytest.mark.parametrize("command", ["validate", "explain", "compile"])
+def test_a_spec_alone_cannot_turn_on_remote_code(tiny, tmp_path, command):
+    marker = tmp_path / "RAN"
+    folder = custom_code_folder(tiny, tmp_path / "custom", marker)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"extends: {REPO / 'specs' / 'grpo.yaml'}\npolicy:\n  model: {folder}\n  trust_remote_code: true\n")
+    extra = {"compile": ["--backend", "openrlhf", "--out", tmp_path / "b"]}.get(command, [])
+    r = composer(command, spec, *extra)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "policy.trust_remote_code" in r.stderr and "--trust-remote-code" in r.stderr, r.stderr[-2000:]
+    assert not marker.exists()
+    assert composer("validate", spec, "--trust-remote-code").returncode == 0  # the user's explicit choice
+    assert composer("validate", spec, env={"COMPOSER_TRUST_REMOTE_CODE": "1"}).returncode == 0
+
+
+def test_export_takes_no_trust_from_the_checkpoint_or_the_run_folder(tiny, tmp_path):
+    marker = tmp_path / "RAN"
+    folder = custom_code_folder(tiny, tmp_path / "custom", marker)
+    out = tmp_path / "run"
+    r = composer("run", "specs/sft.yaml", f"policy.model={folder}", "policy.trust_remote_code=true", "train.steps=1",
+                 "train.prompts_per_step=2", "train.eval_every=0", "train.eval_samples=2", "--no-progress",
+                 "--out", out, env={"COMPOSER_TRUST_REMOTE_CODE": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    marker.unlink()
+    r = composer("export", out, "--out", tmp_path / "exp")  # the checkpoint says trust: not this command's user
+    assert r.returncode == 2 and "Traceback" not in r.stderr and not marker.exists(), r.stderr[-2000:]
+    # the run folder's own model/, swapped for a folder with code, never runs either
+    shutil.rmtree(folder)
+    shutil.rmtree(out / "model")
+    custom_code_folder(tiny, out / "model", marker)
+    r = composer("export", out, "--out", tmp_path / "exp2")
+    assert r.returncode == 2 and not marker.exists(), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("module", ["logging", "json", "yaml", "os.path"])
+def test_an_imported_module_does_not_pass_the_plugin_gate(tmp_path, module):
+    spec = tmp_path / "s.yaml"
+    spec.write_text(HEAD + f"plugins: [{module}]\n")
+    r = cli("validate", spec)
+    assert r.exit_code == 2, r.output
+    assert ("standard-library module" in r.stderr) or ("--allow-plugins" in r.stderr), r.stderr
+
+
+def test_compile_ships_no_stdlib_module(tmp_path):
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"extends: {REPO / 'specs' / 'grpo.yaml'}\nplugins: [json]\n")
+    r = composer("compile", spec, "--backend", "openrlhf", "--out", tmp_path / "b", "--allow-plugins")
+    assert r.returncode == 2 and "standard-library module" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "b" / "json").exists()
+
+
+# ------------------------------------------------------------------------------ 3. files never lost
+
+
+def test_export_never_replaces_a_folder_that_is_not_an_export(finished_run, tmp_path, tiny):
+    base = tmp_path / "base"
+    shutil.copytree(tiny, base)
+    (base / "README.md").write_text("my notes")
+    (base / "extra-00002.safetensors").write_bytes(b"x")
+    before = sorted(p.name for p in base.iterdir())
+    r = cli("export", finished_run, "--out", base)
+    assert r.exit_code == 2 and "not an earlier export" in r.stderr, r.output
+    assert sorted(p.name for p in base.iterdir()) == before and (base / "README.md").read_text() == "my notes"
+    # an earlier export is replaced whole
+    assert cli("export", finished_run, "--out", tmp_path / "e").exit_code == 0
+    (tmp_path / "e" / "stale.txt").write_text("old")
+    assert cli("export", finished_run, "--out", tmp_path / "e").exit_code == 0
+    assert not (tmp_path / "e" / "stale.txt").exists() and (tmp_path / "e" / "config.json").is_file()
+
+
+def test_a_lock_symlink_never_truncates_its_target(tmp_path):
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".lock").symlink_to(victim)
+    r = cli("run", "specs/sft.yaml", "train.steps=1", "--out", out, "--no-progress")
+    assert r.exit_code == 2 and "symbolic link" in r.stderr, r.output
+    assert victim.read_text() == "keep me"
+
+
+def test_the_environment_never_hands_over_another_runs_folder(finished_run, tiny, tmp_path):
+    """COMPOSER_RUN_DIR + LOCAL_RANK set by hand: the run keeps its own --out and lock."""
+    before = (finished_run / "checkpoints" / "last.ckpt").read_bytes()
+    out = tmp_path / "mine"
+    for env in ({"COMPOSER_RUN_DIR": str(finished_run), "LOCAL_RANK": "0"},
+                {"COMPOSER_RUN_DIR": str(finished_run), "LOCAL_RANK": "1", "RANK": "1"}):
+        shutil.rmtree(out, ignore_errors=True)
+        r = composer("run", "specs/sft.yaml", f"policy.model={tiny}", "train.steps=1", "train.prompts_per_step=2",
+                     "train.eval_every=0", "train.eval_samples=2", "--no-progress", "--out", out, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert (out / "checkpoints" / "last.ckpt").is_file()
+        assert (finished_run / "checkpoints" / "last.ckpt").read_bytes() == before
