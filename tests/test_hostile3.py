@@ -164,3 +164,63 @@ def test_the_environment_never_hands_over_another_runs_folder(finished_run, tiny
         assert r.returncode == 0, r.stderr[-2000:]
         assert (out / "checkpoints" / "last.ckpt").is_file()
         assert (finished_run / "checkpoints" / "last.ckpt").read_bytes() == before
+
+
+# ------------------------------------------------------------------------------ 5. hangs: chat templates
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory) -> dict:
+    import realmodel
+
+    return realmodel.built(tmp_path_factory)
+
+
+def _bind_with_template(real, tmp_path, template: str, **data):
+    import realmodel
+    from transformers import AutoTokenizer
+
+    from composer.loader import load_text
+    from composer.runtime.binding import bind_task
+    from composer.validate import validate_loaded
+
+    tok = AutoTokenizer.from_pretrained(real["tokenizer"])
+    tok.chat_template = template
+    tok.save_pretrained(tmp_path / "tok")
+    text = (f"name: t\npolicy: {json.dumps({'model': real['model'], 'tokenizer': str(tmp_path / 'tok')})}\n"
+            + realmodel.data_block(real, **data) + "sources: {verifier: {kind: outcome_reward}}\n"
+            "signal: {kind: reward, source: verifier}\nobjective: {kind: grpo}\n")
+    return bind_task(validate_loaded(load_text(text)).spec)
+
+
+HOSTILE_TEMPLATES = {
+    "nested_loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+                    "{{ messages[-1]['content'] }}",
+    "huge_repeat": "{{ 'x' * 10000000000 }}{{ messages[-1]['content'] }}",
+    "huge_center": "{{ 'x'.center(1000000000) }}{{ messages[-1]['content'] }}",
+    "huge_format": "{{ '%2000000000d' % 1 }}{{ messages[-1]['content'] }}",
+    "huge_power": "{{ 10 ** 100000000 }}{{ messages[-1]['content'] }}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
+def test_a_chat_template_is_rendered_with_time_and_size_limits(real, tmp_path, monkeypatch, name):
+    from composer.runtime import template_limits
+    from composer.runtime.binding import DataError
+
+    monkeypatch.setattr(template_limits, "SECONDS", 2.0)
+    with pytest.raises(DataError, match="chat template"):
+        _bind_with_template(real, tmp_path, HOSTILE_TEMPLATES[name])
+
+
+def test_chat_template_kwargs_only_set_variables_the_template_reads(real, tmp_path):
+    from composer.runtime.binding import DataError
+
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}<nothink>{% endif %}<assistant>")
+    task = _bind_with_template(real, tmp_path, template, chat_template_kwargs={"enable_thinking": False})
+    assert task.train[0].prompt.endswith("<nothink><assistant>")
+    with pytest.raises(DataError, match="chat_template, an argument of apply_chat_template"):
+        _bind_with_template(real, tmp_path, template, chat_template_kwargs={"chat_template": "{{ 'pwned' }}"})
+    with pytest.raises(DataError, match="sets thinking_budget, which the chat template does not read"):
+        _bind_with_template(real, tmp_path, template, chat_template_kwargs={"thinking_budget": 3})
