@@ -7,7 +7,9 @@ Light on purpose (no torch, no transformers): `composer run` calls it before it 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import stat
 from pathlib import Path
 
 
@@ -81,13 +83,30 @@ def tokenizer_problem(name: str, what: str = "the tokenizer directory") -> str |
     return None
 
 
-def data_problem(name: str) -> str | None:
+SPECIAL_FILESYSTEMS = ("/proc", "/sys", "/dev")  # files there block (/proc/kmsg), never end, or are not data
+
+
+def data_path_problem(name: str | Path) -> str | None:
+    """Why `name` cannot be read as data (None: a regular file, or a folder for `datasets`, outside /proc,
+    /sys and /dev). Every data loader calls this before it opens a path: a FIFO or /proc/kmsg would block
+    the run, /dev/zero would fill memory. Links are followed: where they lead is what counts."""
     path = Path(name)
-    if not path.exists():
-        return f"no such data file: {name}"
-    if not path.is_file() and not path.is_dir():
-        return f"{name}: not a regular file or a `datasets` folder"
+    try:
+        real = os.path.realpath(path)
+        st = os.stat(real)
+    except (OSError, ValueError) as e:
+        return f"no such data file: {name}" if isinstance(e, FileNotFoundError) else f"{name}: cannot be read ({e})"
+    root = next((r for r in SPECIAL_FILESYSTEMS if real == r or real.startswith(r + "/")), None)
+    if root:
+        return (f"{name}: not a regular file or a `datasets` folder ({real} is under {root}, whose files block, "
+                "never end or are not data)")
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        return f"{name}: not a regular file or a `datasets` folder (a FIFO, socket or device would block the run)"
     return None
+
+
+def data_problem(name: str) -> str | None:
+    return data_path_problem(name)
 
 
 def _specs(validated):

@@ -224,3 +224,42 @@ def test_chat_template_kwargs_only_set_variables_the_template_reads(real, tmp_pa
         _bind_with_template(real, tmp_path, template, chat_template_kwargs={"chat_template": "{{ 'pwned' }}"})
     with pytest.raises(DataError, match="sets thinking_budget, which the chat template does not read"):
         _bind_with_template(real, tmp_path, template, chat_template_kwargs={"thinking_budget": 3})
+
+
+# ------------------------------------------------------------------------------ 5. hangs: data paths
+
+
+@pytest.mark.parametrize("path", ["/proc/kmsg", "/proc/self/status", "/sys/kernel/notes", "/dev/zero", "fifo",
+                                  "link_to_proc"])
+def test_data_paths_are_regular_files_outside_proc_and_sys(tmp_path, path):
+    from composer.paths import data_path_problem
+    from composer.runtime.binding import DataError, bind_task
+    from composer.validate import validate_file
+
+    if path == "fifo":
+        path = tmp_path / "f.jsonl"
+        os.mkfifo(path)
+    elif path == "link_to_proc":
+        path = tmp_path / "l.jsonl"
+        path.symlink_to("/proc/self/status")
+    assert "not a regular file" in data_path_problem(path)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(HEAD.replace("{kind: outcome_reward}", "{kind: outcome_reward, verifier: exact}")
+                    + f"data: {{train: {json.dumps(str(path))}, prompt_field: q, answer_field: a}}\n")
+    with pytest.raises(DataError, match="not a regular file"):
+        bind_task(validate_file(spec).spec)
+    r = composer("run", spec, "--out", tmp_path / "o", "--no-progress", timeout=120)
+    assert r.returncode == 2 and "not a regular file" in r.stderr and not (tmp_path / "o").exists()
+
+
+def test_a_jsonl_row_with_a_duplicate_key_is_refused(tmp_path):
+    from composer.runtime.binding import DataError, bind_task
+    from composer.validate import validate_file
+
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"q": "1+1", "a": "2"}\n{"q": "2+2", "a": "5", "a": "4"}\n')
+    spec = tmp_path / "s.yaml"
+    spec.write_text(HEAD.replace("{kind: outcome_reward}", "{kind: outcome_reward, verifier: exact}")
+                    + f"data: {{train: {json.dumps(str(train))}, prompt_field: q, answer_field: a}}\n")
+    with pytest.raises(DataError, match="row 2: .*the key 'a' appears twice"):
+        bind_task(validate_file(spec).spec)
