@@ -217,25 +217,26 @@ def _print_samples(rows: list[dict], total: int, step: int, steps: list[int]) ->
     else:
         click.echo(head)
         click.echo("[[...]]: tokens the guide wrote (guide_prefix, guide_intervention, demonstration)")
+    p = s.printable  # a prompt or response may hold escape sequences: never sent to the terminal raw
     for r in rows:
         if styled:
             console.print()
-            console.print(Text(s.row_header(r), style="bold"))
-            console.print(Text("prompt: " + str(r.get("prompt", "")), style="dim"))
+            console.print(Text(p(s.row_header(r)), style="bold"))
+            console.print(Text("prompt: " + p(r.get("prompt", "")), style="dim"))
             response = Text()
             response.append("response: ", style="dim")
             for span in r.get("spans", []):
-                response.append(str(span.get("text", "")), style=GUIDE_STYLES.get(span.get("origin"), ""))
+                response.append(p(span.get("text", "")), style=GUIDE_STYLES.get(str(span.get("origin")), ""))
             console.print(response)
             for line in s.guide_lines(r):
-                console.print(Text(line, style="yellow"))
+                console.print(Text(p(line), style="yellow"))
         else:
             click.echo("")
-            click.echo(s.row_header(r))
-            click.echo(f"prompt: {r.get('prompt', '')}")
-            click.echo(f"response: {s.marked(r)}")
+            click.echo(p(s.row_header(r)))
+            click.echo(f"prompt: {p(r.get('prompt', ''))}")
+            click.echo(f"response: {p(s.marked(r))}")
             for line in s.guide_lines(r):
-                click.echo(line)
+                click.echo(p(line))
 
 
 @main.command("export")

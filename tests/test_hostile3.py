@@ -263,3 +263,46 @@ def test_a_jsonl_row_with_a_duplicate_key_is_refused(tmp_path):
                     + f"data: {{train: {json.dumps(str(train))}, prompt_field: q, answer_field: a}}\n")
     with pytest.raises(DataError, match="row 2: .*the key 'a' appears twice"):
         bind_task(validate_file(spec).spec)
+
+
+# ------------------------------------------------------------------------------ 5./6. composer samples
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
+def test_samples_on_a_fifo_or_dev_zero_does_not_hang(tmp_path, kind):
+    target = tmp_path / "samples.jsonl"
+    if kind == "fifo":
+        os.mkfifo(target)
+    else:
+        target.symlink_to("/dev/zero")
+    r = composer("samples", tmp_path, timeout=60)
+    assert r.returncode == 2 and "not a regular file" in r.stderr and "Traceback" not in r.stderr
+
+
+GOOD = {"step": 1, "row": 1, "prompt": "p", "spans": [{"text": "a", "origin": "policy"}], "reward": 1.0}
+MALFORMED = [
+    {**GOOD, "spans": "text"},
+    {**GOOD, "spans": [1, 2]},
+    {**GOOD, "spans": [{"text": 5}]},
+    {**GOOD, "reward": "high"},
+    {**GOOD, "guide": [1]},
+    {**GOOD, "verifier": "ok"},
+    {**GOOD, "guide": {"verdicts": 3, "reviews": 1}},
+    {**GOOD, "step": True},
+    {**GOOD, "spans": [{"text": "x", "origin": {"a": 1}}]},
+]
+
+
+@pytest.mark.parametrize("i", range(len(MALFORMED)))
+def test_samples_skips_malformed_rows_without_a_traceback(tmp_path, i):
+    (tmp_path / "samples.jsonl").write_text(json.dumps(GOOD) + "\n" + json.dumps(MALFORMED[i]) + "\n")
+    r = cli("samples", tmp_path)
+    assert r.exit_code == 0 and "1 unreadable line skipped" in r.stderr, r.output
+
+
+def test_samples_never_sends_escape_bytes_to_the_terminal(tmp_path):
+    row = {**GOOD, "prompt": "\x1b]0;pwned\x07\x1b[2J", "spans": [{"text": "\x1b[31mred\x9b", "origin": "policy"}]}
+    (tmp_path / "samples.jsonl").write_text(json.dumps(row) + "\n")
+    r = cli("samples", tmp_path)
+    assert r.exit_code == 0 and "\x1b" not in r.stdout and "\x07" not in r.stdout and "\x9b" not in r.stdout
+    assert "\\x1b[31mred" in r.stdout
