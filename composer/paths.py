@@ -159,6 +159,31 @@ def logger_problems(validated) -> list[str]:
     return out
 
 
+def tracking_problem(validated, timeout: float = 5.0) -> str | None:
+    """mlflow with an http(s) MLFLOW_TRACKING_URI: the server must answer now (a closed port would otherwise be
+    retried silently for minutes, the run waiting before its first step)."""
+    if "mlflow" not in validated.spec.train.loggers:
+        return None
+    import socket
+    from urllib.parse import urlsplit
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https"):
+        return None
+    try:
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as e:
+        return f"train.loggers: mlflow: MLFLOW_TRACKING_URI {uri!r} is not a URL ({e})"
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        why = e.strerror or type(e).__name__ if not isinstance(e, TimeoutError) else f"no answer in {timeout:g}s"
+        return (f"train.loggers: mlflow: the tracking server at {uri} does not answer ({why})\n"
+                "    hint: start the server, fix MLFLOW_TRACKING_URI, or leave mlflow out of train.loggers")
+    return None
+
+
 def installed(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -169,6 +194,8 @@ def installed(module: str) -> bool:
 def check_run_inputs(validated) -> None:
     """Raise PathError naming every missing model, tokenizer or data path and every missing logger package."""
     found = problems(validated) + logger_problems(validated)
+    if not found:
+        found = [p for p in [tracking_problem(validated)] if p]
     if found:
         head = "the run cannot start (nothing was written):" if len(found) > 1 else ""
         raise PathError("\n  ".join([head] + [f.replace("\n", "\n  ") for f in found]) if head else found[0])

@@ -306,3 +306,20 @@ def test_samples_never_sends_escape_bytes_to_the_terminal(tmp_path):
     r = cli("samples", tmp_path)
     assert r.exit_code == 0 and "\x1b" not in r.stdout and "\x07" not in r.stdout and "\x9b" not in r.stdout
     assert "\\x1b[31mred" in r.stdout
+
+
+# ------------------------------------------------------------------------------ 5. hangs: MLflow at a closed port
+
+
+def test_mlflow_at_a_closed_port_is_a_clear_error(tmp_path):
+    pytest.importorskip("mlflow")
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    r = composer("run", "specs/sft.yaml", "train.steps=1", "train.loggers=[csv,mlflow]", "--out", tmp_path / "o",
+                 "--no-progress", env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"}, timeout=120)
+    assert r.returncode == 2 and "tracking server" in r.stderr and "does not answer" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "o").exists()

@@ -378,6 +378,9 @@ def build_loggers(validated, out: Path, resumed_at: int | None) -> list:
             uri = os.environ.get("MLFLOW_TRACKING_URI") or (out.resolve() / "mlruns").as_uri()
             if uri.startswith("file:") or "://" not in uri:  # a folder: MLflow 3 wants this said out loud
                 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            # a server that stops answering: a few short retries, not MLflow's default of minutes
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
             try:
                 lg = MLFlowLogger(experiment_name=os.environ.get("MLFLOW_EXPERIMENT_NAME") or spec.name,
                                   run_name=out.name, tracking_uri=uri, run_id=ids.get("mlflow"))
