@@ -323,3 +323,48 @@ def test_mlflow_at_a_closed_port_is_a_clear_error(tmp_path):
                  "--no-progress", env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"}, timeout=120)
     assert r.returncode == 2 and "tracking server" in r.stderr and "does not answer" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------ 4. overrides and extends
+
+
+@pytest.mark.parametrize("override, path, expected", [
+    ("train.steps=010", ("train", "steps"), 10),  # YAML 1.1 would read octal 8
+    ("train.seed=0o17", ("train", "seed"), 15),
+    ("train.lr=1e-3", ("train", "lr"), 0.001),  # YAML 1.1 would read the string '1e-3'
+    ("data.system_prompt=yes", ("data", "system_prompt"), "yes"),  # YAML 1.1 would read True
+    ("name=on", ("name",), "on"),
+])
+def test_overrides_read_values_as_files_do(override, path, expected):
+    from composer.loader import load_spec
+
+    data = load_spec(REPO / "specs" / "grpo.yaml", [override]).data
+    for p in path:
+        data = data[p]
+    assert data == expected and type(data) is type(expected)
+
+
+def test_a_base_60_override_is_refused_like_in_a_file(tmp_path):
+    r = cli("validate", REPO / "specs" / "grpo.yaml", "train.steps=1:30")  # YAML 1.1 would read 90
+    assert r.exit_code == 2 and "'1:30'" in r.stderr
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"extends: {REPO / 'specs' / 'grpo.yaml'}\ntrain: {{steps: 1:30}}\n")
+    assert cli("validate", spec).exit_code == 2
+
+
+def test_extends_is_not_an_override():
+    r = cli("validate", REPO / "specs" / "grpo.yaml", "extends=sft.yaml")
+    assert r.exit_code == 2 and "`extends` cannot be overridden" in r.stderr
+
+
+def test_extends_through_a_link_is_relative_to_the_real_file(tmp_path):
+    from composer.loader import load_spec
+
+    real, elsewhere = tmp_path / "real", tmp_path / "elsewhere"
+    real.mkdir()
+    elsewhere.mkdir()
+    (real / "base.yaml").write_text(HEAD + "train: {steps: 7}\n")
+    (elsewhere / "base.yaml").write_text(HEAD + "train: {steps: 99}\n")  # next to the link: not the author's base
+    (real / "child.yaml").write_text("extends: base.yaml\nname: child\n")
+    (elsewhere / "child.yaml").symlink_to(real / "child.yaml")
+    assert load_spec(elsewhere / "child.yaml").data["train"]["steps"] == 7
