@@ -368,3 +368,34 @@ def test_extends_through_a_link_is_relative_to_the_real_file(tmp_path):
     (real / "child.yaml").write_text("extends: base.yaml\nname: child\n")
     (elsewhere / "child.yaml").symlink_to(real / "child.yaml")
     assert load_spec(elsewhere / "child.yaml").data["train"]["steps"] == 7
+
+
+# ------------------------------------------------------------------------------ 4. LoRA on a tied lm_head
+
+
+def test_lora_on_a_tied_lm_head_exports_the_trained_model(tiny, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from composer.runtime.models import load_model, merged, prepare_policy
+    from composer.spec import Policy
+
+    base = load_model(tiny)
+    assert base.get_output_embeddings().weight is base.get_input_embeddings().weight  # tied
+    embed_before = base.get_input_embeddings().weight.detach().clone()
+    policy = prepare_policy(base, Policy(lora={"r": 4, "target_modules": ["q_proj", "lm_head"]}))
+    torch.manual_seed(0)
+    with torch.no_grad():  # "training": every adapter moves
+        for name, p in policy.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn_like(p) * 0.05)
+    tokens = torch.randint(0, base.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        trained = policy(input_ids=tokens).logits
+    plain = merged(policy)
+    plain.save_pretrained(tmp_path / "m")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    with torch.no_grad():
+        exported = loaded(input_ids=tokens).logits
+    assert torch.allclose(exported, trained, atol=1e-4), (exported - trained).abs().max()
+    assert torch.equal(loaded.get_input_embeddings().weight, embed_before)

@@ -136,7 +136,27 @@ def merged(model):
         return model
     import copy
 
-    return copy.deepcopy(model).merge_and_unload()
+    model = copy.deepcopy(model)
+    _untie_adapted_outputs(model)
+    return model.merge_and_unload()
+
+
+def _untie_adapted_outputs(peft_model) -> None:
+    """An adapter on an output layer whose weight is tied to the input embeddings trained the output side
+    only: merging into the shared weight would change the embeddings too, so the copy's output layer gets
+    its own weight first (and the config says the two are no longer tied)."""
+    base = peft_model.get_base_model()
+    out, inp = base.get_output_embeddings(), base.get_input_embeddings()
+    if out is None or inp is None:
+        return
+    layer = getattr(out, "base_layer", None)  # a LoRA-wrapped output layer
+    if layer is None or getattr(layer, "weight", None) is None:
+        return
+    if layer.weight is inp.weight or layer.weight.data_ptr() == inp.weight.data_ptr():
+        layer.weight = torch.nn.Parameter(layer.weight.detach().clone(), requires_grad=layer.weight.requires_grad)
+        for cfg in (base.config, getattr(base.config, "text_config", None)):
+            if cfg is not None and hasattr(cfg, "tie_word_embeddings"):
+                cfg.tie_word_embeddings = False
 
 
 def same_vocabulary(tok_a, tok_b) -> bool:
