@@ -105,6 +105,11 @@ def export_checkpoint(src: Path | str, dest: Path | str, base: str | None = None
     weights = {k[len(PREFIX):]: v for k, v in state["state_dict"].items() if k.startswith(PREFIX)}
     if not weights:
         raise ExportError(f"{ckpt}: the checkpoint holds no policy weights")
+    bad = ckpt_format.first_non_finite(weights)
+    if bad:
+        raise ExportError(f"{ckpt}: the policy weight {bad} holds NaN or inf; such a model only produces garbage, "
+                          "so it is not exported\n    hint: export an earlier checkpoint, or rerun with a lower "
+                          "train.lr / train.grad_clip")
     policy = {} if base else _spec_policy(state, ckpt)
     # trust comes from this command's user only (--trust-remote-code), never from the checkpoint's spec
     trust = remote_code_allowed()

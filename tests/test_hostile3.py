@@ -399,3 +399,31 @@ def test_lora_on_a_tied_lm_head_exports_the_trained_model(tiny, tmp_path):
         exported = loaded(input_ids=tokens).logits
     assert torch.allclose(exported, trained, atol=1e-4), (exported - trained).abs().max()
     assert torch.equal(loaded.get_input_embeddings().weight, embed_before)
+
+
+# ------------------------------------------------------------------------------ 4. bundles and exports
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("openrlhf") is None, reason="openrlhf is not installed")
+def test_a_relative_model_path_is_absolute_in_the_bundle(tiny, tmp_path):
+    shutil.copytree(tiny, tmp_path / "mymodel")
+    r = composer("compile", REPO / "specs" / "grpo.yaml", "policy.model=mymodel", "--backend", "openrlhf", "--out",
+                 "b", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    args = json.loads((tmp_path / "b" / "args.json").read_text())
+    text = json.dumps(args) + (tmp_path / "b" / "plan.json").read_text()
+    assert str(tmp_path / "mymodel") in text and '"mymodel"' not in text
+
+
+def test_export_refuses_non_finite_weights(finished_run, tmp_path):
+    import torch
+
+    from composer.backends.lightning import checkpoint as ckpt_format
+
+    state = ckpt_format.load(finished_run / "checkpoints" / "last.ckpt")
+    key = next(k for k, v in state["state_dict"].items() if k.startswith("policy.") and v.is_floating_point())
+    state["state_dict"][key] = torch.full_like(state["state_dict"][key], float("nan"))
+    bad = tmp_path / "bad.ckpt"
+    torch.save(state, bad)
+    r = cli("export", bad, "--out", tmp_path / "e")
+    assert r.exit_code == 2 and "NaN or inf" in r.stderr and not (tmp_path / "e").exists(), r.output
