@@ -56,9 +56,14 @@ def save_policy(model, tokenizer, dest: Path | str) -> Path:
     old = dest.parent / f".{dest.name}.old-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        try:
+            model.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+        except Exception as e:  # a full disk: OSError, or safetensors' / torch's own error types
+            why = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [""])[0][:300]
+            raise ExportError(f"{dest}: cannot write the model ({type(e).__name__}: {why}; a full disk?); "
+                              f"{dest} is as it was") from None
         (tmp / MARK).write_text(json.dumps({"written_by": "composer", "format": "transformers"}) + "\n")
         if dest.exists():
             os.rename(dest, old)

@@ -489,3 +489,92 @@ def test_an_int_targets_cache_of_another_signal_is_refused(tmp_path):
     path, ctx, sig = _int_cache(tmp_path)
     with pytest.raises(DataError, match="built for another segment or signal"):
         _load(path, SimpleNamespace(segment="other"), sig)
+
+
+# ------------------------------------------------------------------------------ 6. tracebacks
+
+
+def _copy_run(finished_run, tmp_path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out, ignore=shutil.ignore_patterns(".lock"))
+    return out
+
+
+def test_resume_with_a_bad_step_cell_in_metrics_csv(finished_run, tmp_path):
+    out = _copy_run(finished_run, tmp_path)
+    with open(out / "metrics.csv", "a") as f:
+        f.write("not-a-step" + "," * (len((out / "metrics.csv").read_text().splitlines()[0].split(",")) - 1) + "\n")
+    r = cli("run", "--resume", out, "train.steps=2", "--no-progress")
+    assert r.exit_code == 0, r.output[-2000:]
+    assert "not-a-step" not in (out / "metrics.csv").read_text()
+
+
+def test_resume_with_a_damaged_rng_entry(finished_run, tmp_path):
+    import torch
+
+    from composer.backends.lightning import checkpoint as ckpt_format
+
+    out = _copy_run(finished_run, tmp_path)
+    ckpt = out / "checkpoints" / "last.ckpt"
+    state = ckpt_format.load(ckpt)
+    state["composer"]["rng"] = "not a random state"
+    torch.save(state, ckpt)
+    r = cli("run", "--resume", out, "train.steps=2", "--no-progress")
+    assert r.exit_code == 2 and "training state is damaged" in r.stderr, r.output[-2000:]
+    assert "internal error" not in r.stderr
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.strategy=fsdp", "Lightning cannot run this here"),
+    ("train.devices=[0,1]", "Lightning cannot run this here"),
+    ("policy.lora.target_modules=[nope_proj]", "the model's linear modules are"),
+    ("policy.lora.target_modules=[]", "at least 1 item"),
+])
+def test_settings_this_machine_or_model_cannot_honour(tiny, tmp_path, override, message):
+    import torch
+
+    if "strategy" in override or "devices" in override:
+        if torch.cuda.is_available():
+            pytest.skip("a GPU machine can honour it")
+    r = cli("run", "specs/sft.yaml", f"policy.model={tiny}", "train.steps=1", "train.prompts_per_step=2",
+            "train.eval_every=0", "train.eval_samples=2", override, "--out", tmp_path / "o", "--no-progress")
+    assert r.exit_code == 2 and message in r.stderr and "internal error" not in r.stderr, r.output[-2000:]
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_full_disk_inside_torchs_zip_writer_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import torch
+
+    from composer.backends.lightning import callbacks
+    from composer.backends.lightning.checkpoint import CheckpointError
+
+    path = tmp_path / "last.ckpt"
+    path.write_bytes(b"previous")
+
+    def full(*a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(CheckpointError, match="the previous checkpoint is kept"):
+        callbacks.AtomicCheckpointIO().save_checkpoint({"state_dict": {}}, path)
+    assert path.read_bytes() == b"previous" and not (tmp_path / "last.ckpt.tmp").exists()
+
+
+def test_a_full_disk_during_export_is_a_message_and_keeps_the_folder(finished_run, tmp_path, monkeypatch):
+    from transformers import PreTrainedModel
+
+    assert cli("export", finished_run, "--out", tmp_path / "e").exit_code == 0
+    before = sorted(p.name for p in (tmp_path / "e").iterdir())
+
+    class SafetensorError(Exception):  # what safetensors raises for ENOSPC (not an OSError)
+        pass
+
+    def full(self, *a, **k):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full)
+    r = cli("export", finished_run, "--out", tmp_path / "e")
+    assert r.exit_code == 2 and "cannot write the model" in r.stderr and "internal error" not in r.stderr, r.output
+    assert sorted(p.name for p in (tmp_path / "e").iterdir()) == before
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]

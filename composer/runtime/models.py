@@ -92,8 +92,15 @@ def prepare_policy(model, cfg):
         from peft import LoraConfig, get_peft_model
 
         lora = cfg.lora
-        model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                 target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+        try:
+            model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                     target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+        except ValueError as e:  # peft's NoMatchingPeftModuleError: a name the model does not have
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                             if isinstance(m, torch.nn.Linear)})
+            raise ModelLoadError(f"policy.lora.target_modules {lora.target_modules}: "
+                                 f"{(str(e).splitlines() or [''])[0]}\n    hint: the model's linear modules are "
+                                 f"{', '.join(linear) or 'none'} (or write target_modules: all-linear)") from None
     return model
 
 

@@ -71,8 +71,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.replace(tmp, path)
         except BaseException as e:
             tmp.unlink(missing_ok=True)  # a partial file would keep filling the disk
-            if isinstance(e, OSError):
-                raise CheckpointError(f"cannot write the checkpoint {path}: {e.strerror or e}; the previous "
+            # torch's zip writer reports a full disk as RuntimeError ("PytorchStreamWriter failed writing file")
+            if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "PytorchStreamWriter" in str(e)):
+                why = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [""])[0]
+                raise CheckpointError(f"cannot write the checkpoint {path}: {why} (a full disk?); the previous "
                                       "checkpoint is kept") from None
             raise
 
@@ -127,6 +129,14 @@ class GracefulStop(L.Callback):
             pl_module.stopped_by = self.requested
 
 
+
+def _step_cell(row: dict) -> int | None:
+    """A metrics.csv row's step, None when the cell is not a whole number (an edited or damaged file)."""
+    try:
+        return int(str(row.get("step")).strip())
+    except (TypeError, ValueError):
+        return None
+
 class _KeepingWriter(_ExperimentWriter):
     """Lightning's CSV writer deletes an existing metrics.csv; on resume keep the rows before the resumed step."""
 
@@ -142,7 +152,7 @@ class _KeepingWriter(_ExperimentWriter):
                 with open(self.metrics_file_path, newline="") as f:
                     reader = csv.DictReader(f)
                     keys = list(reader.fieldnames or [])
-                    rows = [r for r in reader if r.get("step") not in (None, "") and int(r["step"]) < keep_before]
+                    rows = [r for r in reader if (st := _step_cell(r)) is not None and st < keep_before]
             self.metrics_keys = keys if rows else []
             self._write_all(rows)
 

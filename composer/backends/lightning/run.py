@@ -291,14 +291,21 @@ def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop:
 def _fit(validated, out: Path, plan: dict, module, loggers, callbacks, ckpt, stop: GracefulStop, final_eval,
          tokenizer, progress: bool) -> dict:
     t = validated.spec.train
-    trainer = L.Trainer(
-        max_steps=validated.total_steps, max_epochs=-1, accelerator=t.accelerator, devices=t.devices,
-        strategy=t.strategy, num_nodes=t.num_nodes, precision=t.precision,
-        logger=loggers, callbacks=callbacks, log_every_n_steps=1,
-        enable_progress_bar=progress, enable_model_summary=False, num_sanity_val_steps=0,
-        enable_checkpointing=True, default_root_dir=str(out), limit_val_batches=0,
-        plugins=[AtomicCheckpointIO()],
-    )
+    try:
+        trainer = L.Trainer(
+            max_steps=validated.total_steps, max_epochs=-1, accelerator=t.accelerator, devices=t.devices,
+            strategy=t.strategy, num_nodes=t.num_nodes, precision=t.precision,
+            logger=loggers, callbacks=callbacks, log_every_n_steps=1,
+            enable_progress_bar=progress, enable_model_summary=False, num_sanity_val_steps=0,
+            enable_checkpointing=True, default_root_dir=str(out), limit_val_batches=0,
+            plugins=[AtomicCheckpointIO()],
+        )
+    except (ValueError, TypeError) as e:  # Lightning's refusal of a setting this machine cannot honour
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise RunError(f"train.accelerator {t.accelerator}, devices {t.devices}, strategy {t.strategy}, precision "
+                       f"{t.precision}: Lightning cannot run this here: {first}\n    hint: on a machine without "
+                       "GPUs use strategy auto or ddp and a device count (train.devices=2), not a list of "
+                       "indices") from None
     stop.deferred = True  # inside fit a signal stops the run after the current step
     try:
         trainer.fit(module, ckpt_path=str(ckpt) if ckpt else None)
