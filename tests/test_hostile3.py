@@ -578,3 +578,41 @@ def test_a_full_disk_during_export_is_a_message_and_keeps_the_folder(finished_ru
     assert r.exit_code == 2 and "cannot write the model" in r.stderr and "internal error" not in r.stderr, r.output
     assert sorted(p.name for p in (tmp_path / "e").iterdir()) == before
     assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+
+
+# ------------------------------------------------------------------------------ 5. hangs: a node that never comes
+
+
+def test_sigterm_stops_a_run_waiting_for_a_second_node(tiny, tmp_path):
+    import signal
+    import socket
+    import time
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = {**os.environ, "PYTHONPATH": str(REPO), **NO_TRUST, "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    p = subprocess.Popen([sys.executable, "-m", "composer", "run", "specs/sft.yaml", f"policy.model={tiny}",
+                          "train.steps=1", "train.prompts_per_step=2", "train.eval_every=0", "train.eval_samples=2",
+                          "train.num_nodes=2", "train.accelerator=cpu", "--out", str(tmp_path / "o"),
+                          "--no-progress"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and p.poll() is None:  # rank 0 listens: it waits for node 1 now
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        assert p.poll() is None, p.communicate()[1][-2000:]
+        time.sleep(2)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)  # before: waited forever, SIGTERM ignored
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0 and "Traceback" not in err, err[-2000:]
