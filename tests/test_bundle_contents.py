@@ -213,6 +213,9 @@ def test_compiled_reward_file_carries_trust_remote_code(tmp_path):
                     "--trust-remote-code")
     assert r.returncode == 0, r.stderr
     assert "trust_remote_code=True" in (tmp_path / "b" / "reward.py").read_text()
+    # the user's opt-in travels with the bundle: the cluster's loaders honour it
+    env = json.loads((tmp_path / "b" / "runtime_env.json").read_text())
+    assert env["env_vars"]["COMPOSER_TRUST_REMOTE_CODE"] == "1"
 
 
 # ---------------------------------------------------------------------------------------- verifiers

@@ -203,14 +203,16 @@ HOSTILE_TEMPLATES = {
 }
 
 
+@pytest.mark.parametrize("kwargs", [None, {"enable_thinking": False}])  # with kwargs: the variables are analysed
 @pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
-def test_a_chat_template_is_rendered_with_time_and_size_limits(real, tmp_path, monkeypatch, name):
+def test_a_chat_template_is_rendered_with_time_and_size_limits(real, tmp_path, monkeypatch, name, kwargs):
     from composer.runtime import template_limits
     from composer.runtime.binding import DataError
 
     monkeypatch.setattr(template_limits, "SECONDS", 2.0)
     with pytest.raises(DataError, match="chat template"):
-        _bind_with_template(real, tmp_path, HOSTILE_TEMPLATES[name])
+        _bind_with_template(real, tmp_path, HOSTILE_TEMPLATES[name],
+                            **({"chat_template_kwargs": kwargs} if kwargs else {}))
 
 
 def test_chat_template_kwargs_only_set_variables_the_template_reads(real, tmp_path):

@@ -100,10 +100,12 @@ def template_variables(template: str) -> set[str]:
     """The variables a template reads (undeclared names, Jinja's own analysis)."""
     import jinja2
     from jinja2 import meta
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    env = _safe_env_class(ImmutableSandboxedEnvironment)()  # the analysis folds constants: never `'x' * 10**10`
     try:
-        return set(meta.find_undeclared_variables(jinja2.Environment().parse(template)))
-    except jinja2.TemplateError:
+        return set(meta.find_undeclared_variables(env.parse(template)))
+    except (jinja2.TemplateError, TemplateLimitError):
         return set()
 
 
