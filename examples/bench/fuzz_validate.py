@@ -9,6 +9,19 @@ alias bombs, Python and other tags, random bytes, truncation, tabs, unbalanced b
     python examples/bench/fuzz_validate.py --cases 10000 [--seed 0]                  # validate only, in process
     python examples/bench/fuzz_validate.py --cases 100 --through run,compile [--save DIR]
 
+Cases also point `data:` at files that block or never end (/proc/kmsg, a FIFO, /dev/zero), a tokenizer at
+hostile chat templates (nested loops, 'x' * 10**10) with `chat_template_kwargs` that are no template variable,
+and override values YAML 1.1 would coerce (`010`, `1:30`, `yes`) or settings only the user may turn on.
+
+    python examples/bench/fuzz_validate.py --cases 20 --through run,compile,env,tamper
+
+`env`: one step with the environment aimed elsewhere (COMPOSER_RUN_DIR + LOCAL_RANK naming the finished run,
+MLflow at a closed port, trust_remote_code without the opt-in); the finished run must stay as it was.
+`tamper`: a copy of the finished run tampered with one way (a .lock link to an outside file, a bad
+metrics.csv cell, a wrong-typed RNG entry, a truncated checkpoint or one linked to /dev/zero, model/ with
+its own code, samples.jsonl as a FIFO or with malformed rows, export over a base model's folder), then
+resumed, exported or shown: no traceback or hang, no outside file touched, no shipped code run.
+
 With --through, every case (valid or not) also goes, as subprocesses with a wall-clock limit, through
 `composer run` (one step on tiny batches, into a new folder), `composer run` into the folder of an
 earlier finished run (with a sentinel file) without --resume, `composer compile --backend openrlhf`
@@ -629,7 +642,7 @@ class Through:
         self.finished_snap, self.bundle_snap = snapshot(self.finished), snapshot(self.bundle)
         self.pristine = self.work / "pristine-run"
         shutil.copytree(self.finished, self.pristine)
-        if "run" in self.steps:
+        if {"run", "env"} & set(self.steps):
             make_tokenizers(harness.fixtures)
         self.victim = self.work / "victim.txt"  # a file outside every run folder that a link in one points at
         self.victim.write_text("a file a tampered run folder must never touch\n")
@@ -649,8 +662,11 @@ class Through:
         if "run" in self.steps:
             ov = run_overrides(path, case, valid)
             outcomes += [self._run_fresh(path, ov, index), self._into_finished("run", ["run", str(path), *ov,
-                                                                                         "--no-progress"]),
-                         self._env_driven(path, ov, index), self._tampered(index)]
+                                                                                         "--no-progress"])]
+        if "env" in self.steps:
+            outcomes.append(self._env_driven(path, run_overrides(path, case, valid), index))
+        if "tamper" in self.steps:
+            outcomes.append(self._tampered(index))
         if "compile" in self.steps:
             outcomes += [self._compile(path, case, index),
                          self._into_finished("compile", ["compile", str(path), *case.overrides])]
@@ -886,15 +902,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=int, default=10000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--through", default="", help="also push every case through these: run,compile (subprocesses)")
+    ap.add_argument("--through", default="", help="also push every case through these (subprocesses): run, compile, "
+                    "env (a run with COMPOSER_RUN_DIR/LOCAL_RANK or MLflow at a closed port set), tamper (a finished "
+                    "run's folder tampered with one way, then resumed, exported or shown)")
     ap.add_argument("--run-timeout", type=float, default=180.0, help="seconds before a `run` counts as a hang")
     ap.add_argument("--compile-timeout", type=float, default=90.0, help="seconds before a `compile` counts as a hang")
     ap.add_argument("--save", type=Path, default=None, help="write every crashing, hanging or data-losing case here")
     ap.add_argument("--show", type=int, default=5, help="print this many crashing cases in full")
     args = ap.parse_args(argv)
     steps = [s for s in args.through.split(",") if s]
-    if set(steps) - {"run", "compile"}:
-        ap.error(f"--through takes run and/or compile, not {args.through!r}")
+    if set(steps) - {"run", "compile", "env", "tamper"}:
+        ap.error(f"--through takes run, compile, env and/or tamper, not {args.through!r}")
     t0 = time.perf_counter()
     tally = fuzz(args.cases, args.seed, steps, args.save, args.show, log=lambda m: print(m, file=sys.stderr, flush=True),
                  **({"run_timeout_s": args.run_timeout, "compile_timeout_s": args.compile_timeout} if steps else {}))
