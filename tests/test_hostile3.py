@@ -503,9 +503,12 @@ def _copy_run(finished_run, tmp_path) -> Path:
 
 
 def test_resume_with_a_bad_step_cell_in_metrics_csv(finished_run, tmp_path):
+    import csv
+
     out = _copy_run(finished_run, tmp_path)
-    with open(out / "metrics.csv", "a") as f:
-        f.write("not-a-step" + "," * (len((out / "metrics.csv").read_text().splitlines()[0].split(",")) - 1) + "\n")
+    header = (out / "metrics.csv").read_text().splitlines()[0].split(",")
+    with open(out / "metrics.csv", "a", newline="") as f:
+        csv.DictWriter(f, header).writerow({k: "not-a-step" if k == "step" else "" for k in header})
     r = cli("run", "--resume", out, "train.steps=2", "--no-progress")
     assert r.exit_code == 0, r.output[-2000:]
     assert "not-a-step" not in (out / "metrics.csv").read_text()
