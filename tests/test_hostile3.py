@@ -86,6 +86,7 @@ def test_a_spec_alone_cannot_turn_on_remote_code(tiny, tmp_path, command):
     assert composer("validate", spec, env={"COMPOSER_TRUST_REMOTE_CODE": "1"}).returncode == 0
 
 
+@pytest.mark.slow
 def test_export_takes_no_trust_from_the_checkpoint_or_the_run_folder(tiny, tmp_path):
     marker = tmp_path / "RAN"
     folder = custom_code_folder(tiny, tmp_path / "custom", marker)
@@ -152,6 +153,7 @@ def test_a_lock_symlink_never_truncates_its_target(tmp_path):
     assert victim.read_text() == "keep me"
 
 
+@pytest.mark.slow
 def test_the_environment_never_hands_over_another_runs_folder(finished_run, tiny, tmp_path):
     """COMPOSER_RUN_DIR + LOCAL_RANK set by hand: the run keeps its own --out and lock."""
     before = (finished_run / "checkpoints" / "last.ckpt").read_bytes()
@@ -588,6 +590,7 @@ def test_a_full_disk_during_export_is_a_message_and_keeps_the_folder(finished_ru
 # ------------------------------------------------------------------------------ 5. hangs: a node that never comes
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_run_waiting_for_a_second_node(tiny, tmp_path):
     import signal
     import socket
