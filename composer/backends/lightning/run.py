@@ -163,7 +163,14 @@ def check_launcher(num_nodes: int) -> None:
             detected += [name] if env is not None and env.detect() else []
         except Exception:  # an environment whose optional package is missing (mpi4py)
             pass
-    if detected or ("NODE_RANK" in os.environ and "MASTER_ADDR" in os.environ):
+    if detected:
+        return
+    if "NODE_RANK" in os.environ and "MASTER_ADDR" in os.environ:  # started by hand on each node: say what it waits for
+        import sys
+
+        sys.stderr.write(f"train.num_nodes {num_nodes}: node {os.environ['NODE_RANK']} waits for the other nodes at "
+                         f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '?')} (SIGTERM or Ctrl-C "
+                         "stops it)\n")
         return
     raise RunError(f"train.num_nodes is {num_nodes}, but no multi-node launcher started this process (no SLURM, "
                    "torchrun/torchelastic, Kubeflow, LSF or MPI environment, and NODE_RANK/MASTER_ADDR unset); "
