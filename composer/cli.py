@@ -25,9 +25,28 @@ def allow_plugins_option(command):
         registry.allow_spec_plugins(True if value else None)  # None: COMPOSER_ALLOW_PLUGINS decides
         return value
 
+    command = trust_remote_code_option(command)
     return click.option("--allow-plugins", is_flag=True, expose_value=False, callback=set_allowed, is_eager=True,
                         help="Import the modules a spec names in `plugins:` (this runs their code: only for specs "
                              "you trust). Also COMPOSER_ALLOW_PLUGINS=1.")(command)
+
+
+def trust_remote_code_option(command):
+    """--trust-remote-code: let a model folder's own Python run where the spec asks for it. Off by default."""
+    def set_allowed(ctx, param, value):
+        from composer import registry
+
+        registry.allow_remote_code(True if value else None)  # None: COMPOSER_TRUST_REMOTE_CODE decides
+        if value:  # the user's choice, carried to the processes this command starts (DDP ranks)
+            import os
+
+            os.environ[registry.TRUST_REMOTE_CODE_ENV] = "1"
+        return value
+
+    return click.option("--trust-remote-code", is_flag=True, expose_value=False, callback=set_allowed,
+                        is_eager=True, help="Run the Python code a model folder ships where the spec sets "
+                        "`trust_remote_code: true` (only for folders you trust). Also "
+                        "COMPOSER_TRUST_REMOTE_CODE=1. A spec, checkpoint or run folder never turns it on.")(command)
 
 
 def _validate(path: str, overrides: list[str]):

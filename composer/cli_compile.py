@@ -34,6 +34,9 @@ def compile_(spec, overrides, backend, out, nodes, gpus_per_node, colocate, vllm
     from composer.errors import dotted
 
     v = validated_or_exit(spec, overrides)
+    absolute = local_model_paths(v)
+    if absolute:  # a relative model folder would resolve against the bundle on the cluster: pinned here
+        v = validated_or_exit(spec, list(overrides) + absolute)
     layout = Layout(nodes=nodes, gpus_per_node=gpus_per_node, colocate=colocate, vllm_engines=vllm_engines,
                     cluster_dir=f"{cluster_dir.rstrip('/')}/{v.spec.name}", wandb_project=wandb_project)
     folder = Path(out)
@@ -61,6 +64,27 @@ def compile_(spec, overrides, backend, out, nodes, gpus_per_node, colocate, vllm
         click.echo(f"{spec}: error: {_failure(e)}", err=True)
         sys.exit(EXIT_INVALID)
     click.echo(f"wrote {out} (README.md says what it does; ./launch.sh [HEAD_ADDRESS] submits it)")
+
+
+def local_model_paths(v) -> list[str]:
+    """Overrides that make every relative model or tokenizer path that exists here absolute (`policy.model`,
+    `policy.tokenizer`, a policy_model source's `model`); hub ids and absolute paths stay as they are."""
+    import json
+    import os
+
+    def pinned(field: str, name) -> list[str]:
+        if not isinstance(name, str) or not name or name.startswith("toy:") or name == "self" or os.path.isabs(name):
+            return []
+        if not os.path.exists(name):
+            return []
+        return [f"{field}={json.dumps(os.path.abspath(name))}"]
+
+    spec = v.spec
+    out = pinned("policy.model", spec.policy.model) + pinned("policy.tokenizer", spec.policy.tokenizer)
+    for name, src in spec.sources.items():
+        if getattr(src, "kind", None) == "policy_model":
+            out += pinned(f"sources.{name}.model", getattr(src, "model", None))
+    return out
 
 
 BUNDLE_MARKS = ("plan.json", "launch.sh", "args.json")

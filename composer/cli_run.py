@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from composer.cli import EXIT_INVALID, allow_plugins_option, main, split_args, validated_or_exit
+from composer.cli import EXIT_INVALID, allow_plugins_option, main, split_args, trust_remote_code_option, validated_or_exit
 from composer.errors import SpecError
 
 
@@ -217,25 +217,26 @@ def _print_samples(rows: list[dict], total: int, step: int, steps: list[int]) ->
     else:
         click.echo(head)
         click.echo("[[...]]: tokens the guide wrote (guide_prefix, guide_intervention, demonstration)")
+    p = s.printable  # a prompt or response may hold escape sequences: never sent to the terminal raw
     for r in rows:
         if styled:
             console.print()
-            console.print(Text(s.row_header(r), style="bold"))
-            console.print(Text("prompt: " + str(r.get("prompt", "")), style="dim"))
+            console.print(Text(p(s.row_header(r)), style="bold"))
+            console.print(Text("prompt: " + p(r.get("prompt", "")), style="dim"))
             response = Text()
             response.append("response: ", style="dim")
             for span in r.get("spans", []):
-                response.append(str(span.get("text", "")), style=GUIDE_STYLES.get(span.get("origin"), ""))
+                response.append(p(span.get("text", "")), style=GUIDE_STYLES.get(str(span.get("origin")), ""))
             console.print(response)
             for line in s.guide_lines(r):
-                console.print(Text(line, style="yellow"))
+                console.print(Text(p(line), style="yellow"))
         else:
             click.echo("")
-            click.echo(s.row_header(r))
-            click.echo(f"prompt: {r.get('prompt', '')}")
-            click.echo(f"response: {s.marked(r)}")
+            click.echo(p(s.row_header(r)))
+            click.echo(f"prompt: {p(r.get('prompt', ''))}")
+            click.echo(f"response: {p(s.marked(r))}")
             for line in s.guide_lines(r):
-                click.echo(line)
+                click.echo(p(line))
 
 
 @main.command("export")
@@ -244,14 +245,15 @@ def _print_samples(rows: list[dict], total: int, step: int, steps: list[int]) ->
               help="Folder for the transformers model directory (new, empty, or an earlier export).")
 @click.option("--base", default=None, help="The model directory the run was trained from, for its config and "
               "tokenizer (default: the one the checkpoint's spec names).")
+@trust_remote_code_option
 def export(source, out, base):
     """Write a checkpoint's policy (SOURCE: a .ckpt file or a run folder) as a transformers directory."""
-    from composer.export import MODEL_DIR
+    from composer.export import MODEL_DIR, target_problem
 
     folder = Path(out)
-    if folder.exists() and (not folder.is_dir() or (any(folder.iterdir()) and not (folder / "config.json").exists())):
-        click.echo(f"{out}: error: the folder already holds files that are not an exported model; choose a new or "
-                   "empty folder", err=True)
+    why = target_problem(folder)
+    if why:
+        click.echo(f"{out}: error: {why}", err=True)
         sys.exit(EXIT_INVALID)
     try:
         with _deferred_signals():

@@ -47,18 +47,50 @@ def _no_deepspeed_probe():
         other.is_deepspeed_available = old
 
 
+MARK = "composer_export.json"  # written into every export: only a folder holding it is ever replaced
+
+
+def target_problem(dest: Path | str) -> str | None:
+    """Why `dest` may not receive an export (None: it is new, empty, or an earlier export, which is replaced).
+
+    A folder holding a `config.json` is not enough: a base model's folder has one, and replacing it would
+    delete its README, extra shards and anything else the user keeps there."""
+    dest = Path(dest)
+    if dest.is_symlink():
+        return "it is a symbolic link; give the real folder"
+    if not dest.exists():
+        return None
+    if not dest.is_dir():
+        return "it is a file, not a folder"
+    if not any(dest.iterdir()):
+        return None
+    if (dest / MARK).is_file() and not (dest / MARK).is_symlink():
+        return None
+    return (f"the folder already holds files and is not an earlier export (no {MARK}); choose a new or empty "
+            "folder")
+
+
 def save_policy(model, tokenizer, dest: Path | str) -> Path:
     """model + tokenizer via save_pretrained into `dest`, replacing it whole (an earlier export) or not at all."""
     dest = Path(dest)
+    why = target_problem(dest)
+    if why:
+        raise ExportError(f"{dest}: {why}")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.partial-{os.getpid()}"
     old = dest.parent / f".{dest.name}.old-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        with _no_deepspeed_probe():
-            model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        try:
+            with _no_deepspeed_probe():
+                model.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+        except Exception as e:  # a full disk: OSError, or safetensors' / torch's own error types
+            why = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [""])[0][:300]
+            raise ExportError(f"{dest}: cannot write the model ({type(e).__name__}: {why}; a full disk?); "
+                              f"{dest} is as it was") from None
+        (tmp / MARK).write_text(json.dumps({"written_by": "composer", "format": "transformers"}) + "\n")
         if dest.exists():
             os.rename(dest, old)
         os.rename(tmp, dest)
@@ -96,6 +128,7 @@ def export_checkpoint(src: Path | str, dest: Path | str, base: str | None = None
 
     from composer.backends.lightning import checkpoint as ckpt_format
     from composer.paths import model_problem, tokenizer_problem
+    from composer.registry import remote_code_allowed
     from composer.runtime.models import load_tokenizer, resolve
 
     ckpt = checkpoint_of(src)
@@ -103,11 +136,17 @@ def export_checkpoint(src: Path | str, dest: Path | str, base: str | None = None
     weights = {k[len(PREFIX):]: v for k, v in state["state_dict"].items() if k.startswith(PREFIX)}
     if not weights:
         raise ExportError(f"{ckpt}: the checkpoint holds no policy weights")
+    bad = ckpt_format.first_non_finite(weights)
+    if bad:
+        raise ExportError(f"{ckpt}: the policy weight {bad} holds NaN or inf; such a model only produces garbage, "
+                          "so it is not exported\n    hint: export an earlier checkpoint, or rerun with a lower "
+                          "train.lr / train.grad_clip")
     policy = {} if base else _spec_policy(state, ckpt)
-    trust = bool(policy.get("trust_remote_code", False))
+    # trust comes from this command's user only (--trust-remote-code), never from the checkpoint's spec
+    trust = remote_code_allowed()
     candidates = [base] if base else [policy.get("model") or "toy:student"]
     run_model = ckpt.parent.parent / MODEL_DIR  # a run folder's own export: same architecture, same tokenizer
-    if not base and (run_model / "config.json").is_file():
+    if not base and not trust and (run_model / "config.json").is_file():  # its code never runs
         candidates.append(str(run_model))
     arch = None
     for name in candidates:

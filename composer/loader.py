@@ -11,7 +11,6 @@ that a careless value is refused by the schema instead of silently becoming anot
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import stat
@@ -355,17 +354,18 @@ def _load_file(path: Path, stack: tuple) -> LoadedSpec:
         raise SpecError([Diagnostic("yaml", "`extends` takes a path to another spec", ("extends",), loc,
                                     "write `extends: grpo.yaml` (relative to this file)")])
     loc = positions.get(("extends",))
-    base_path = path.parent / parent
+    home = resolved.parent  # where the file really is: a spec reached through a link extends its own neighbours
+    base_path = home / parent
     try:
         exists = base_path.is_file()
         base_resolved = base_path.resolve()
     except (OSError, ValueError):  # a name too long, a NUL byte
         exists = False
     if not exists:
-        siblings = [p.name for p in path.parent.glob("*.yaml")]
+        siblings = [p.name for p in home.glob("*.yaml")]
         from composer.errors import did_you_mean
         raise SpecError([Diagnostic("yaml", f"`extends` names {parent!r}, which is not a spec file (looked in "
-                                    f"{path.parent})", ("extends",), loc, did_you_mean(Path(parent).name, siblings))])
+                                    f"{home})", ("extends",), loc, did_you_mean(Path(parent).name, siblings))])
     if base_resolved in stack + (resolved,):
         chain = " -> ".join(p.name for p in stack + (resolved, base_resolved))
         raise SpecError([Diagnostic("yaml", f"`extends` forms a cycle: {chain}", ("extends",), loc,
@@ -376,11 +376,11 @@ def _load_file(path: Path, stack: tuple) -> LoadedSpec:
 
 
 def apply_overrides(spec: LoadedSpec, overrides: list[str]) -> LoadedSpec:
-    """Apply OmegaConf dotlist overrides (`train.steps=20 sync.every=10`)."""
+    """Apply `path.to.field=value` overrides (`train.steps=20 sync.every=10`). The value is read as YAML with
+    the same rules as a file (YAML 1.2 core: `010` is 10, `1:30` is text), so a setting means the same on the
+    command line as in the file."""
     if not overrides:
         return spec
-    from omegaconf import OmegaConf
-
     data, positions = spec.data, dict(spec.positions)
     for item in overrides:
         loc = Location(f"<override {item!r}>", 1, 1)
@@ -388,15 +388,28 @@ def apply_overrides(spec: LoadedSpec, overrides: list[str]) -> LoadedSpec:
             raise SpecError([Diagnostic("yaml", "an override is `path.to.field=value`", (), loc,
                                         "for example train.steps=20")])
         path, value = item.split("=", 1)
-        item = re.sub(r"\[(\d+)\]", r".\1", path) + "=" + value  # stages[0].train.steps == stages.0.train.steps
+        path = re.sub(r"\[(\d+)\]", r".\1", path.strip())  # stages[0].train.steps == stages.0.train.steps
+        parts = path.split(".")
+        if not path or any(not p.strip() or p != p.strip() for p in parts):
+            raise SpecError([Diagnostic("yaml", f"cannot parse override: {path!r} is not a path.to.field", (), loc,
+                                        "write path.to.field=value, e.g. train.steps=20")])
+        if parts[0] == "extends":
+            raise SpecError([Diagnostic("yaml", "`extends` cannot be overridden: it picks the file a spec builds on",
+                                        ("extends",), loc, "write `extends:` in the spec file, or give the other "
+                                        "spec file on the command line")])
         try:
-            conf = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=True)
-        except Exception as e:  # OmegaConf raises several grammar error types
-            raise SpecError([Diagnostic("yaml", f"cannot parse override: {e}".splitlines()[0], (), loc,
-                                        "write path.to.field=value; quote values with brackets or spaces, "
-                                        "e.g. 'summary=\"a b\"'")]) from None
-        key = tuple(int(p) if p.isdigit() else p for p in item.split("=", 1)[0].split("."))
-        data = _set_path(data, key, conf) if any(isinstance(k, int) for k in key) else deep_merge(data, _inf_floats(conf))
+            parsed, _ = parse_yaml(value, loc.file)
+        except SpecError as e:
+            first = e.diagnostics[0] if getattr(e, "diagnostics", None) else None
+            why = first.message if first else str(e).splitlines()[0]
+            raise SpecError([Diagnostic("yaml", f"cannot parse override: {why}", (), loc,
+                                        "write path.to.field=value as in a YAML file; quote values with brackets, "
+                                        "colons or spaces, e.g. 'summary=\"a: b\"'")]) from None
+        conf = parsed
+        for part in reversed(parts):
+            conf = {part: conf}
+        key = tuple(int(p) if p.isdigit() else p for p in parts)
+        data = _set_path(data, key, conf) if any(isinstance(k, int) for k in key) else deep_merge(data, conf)
         for n in range(1, len(key) + 1):  # a misspelt section (`trian.steps=3`) is located at the override too
             if n == len(key) or key[:n] not in positions:
                 positions[key[:n]] = loc
@@ -408,7 +421,6 @@ def _set_path(data: dict, key: tuple, conf: dict):
     value = conf
     for part in key:  # OmegaConf nests the value under the same parts, list indices as string keys
         value = value[str(part)] if isinstance(value, dict) and str(part) in value else value.get(part, value)
-    value = _inf_floats(value)
 
     def put(node, rest):
         head = rest[0]
@@ -430,17 +442,6 @@ def _set_path(data: dict, key: tuple, conf: dict):
         loc = Location(f"<override {'.'.join(map(str, key))}>", 1, 1)
         raise SpecError([Diagnostic("yaml", "the override's path indexes a list item that does not exist", key,
                                     loc, "check the index (lists count from 0)")]) from None
-
-
-def _inf_floats(value):
-    # OmegaConf reads `.inf` as the string ".inf"; YAML (and the spec) mean infinity.
-    if isinstance(value, dict):
-        return {k: _inf_floats(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_inf_floats(v) for v in value]
-    if isinstance(value, str) and value.lower() in (".inf", "+.inf", "-.inf"):
-        return -math.inf if value.startswith("-") else math.inf
-    return value
 
 
 def load_spec(path: str | Path, overrides: list[str] | None = None) -> LoadedSpec:

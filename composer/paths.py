@@ -7,7 +7,9 @@ Light on purpose (no torch, no transformers): `composer run` calls it before it 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import stat
 from pathlib import Path
 
 
@@ -81,15 +83,34 @@ def tokenizer_problem(name: str, what: str = "the tokenizer directory") -> str |
     return None
 
 
-def data_problem(name: str) -> str | None:
+SPECIAL_FILESYSTEMS = ("/proc", "/sys", "/dev")  # files there block (/proc/kmsg), never end, or are not data
+
+
+def data_path_problem(name: str | Path) -> str | None:
+    """Why `name` cannot be read as data (None: a regular file, or a folder for `datasets`, outside /proc,
+    /sys and /dev). Every data loader calls this before it opens a path: a FIFO or /proc/kmsg would block
+    the run, /dev/zero would fill memory. Links are followed: where they lead is what counts."""
     path = Path(name)
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         from composer.datafiles import absent_reason, hub_snapshot
 
-        return None if hub_snapshot(name) is not None else absent_reason(name)  # a cached hub dataset reads
-    if not path.is_file() and not path.is_dir():
-        return f"{name}: not a regular file or a `datasets` folder"
+        return None if hub_snapshot(str(name)) is not None else absent_reason(str(name))  # a cached hub dataset reads
+    try:
+        real = os.path.realpath(path)
+        st = os.stat(real)
+    except (OSError, ValueError) as e:
+        return f"no such data file: {name}" if isinstance(e, FileNotFoundError) else f"{name}: cannot be read ({e})"
+    root = next((r for r in SPECIAL_FILESYSTEMS if real == r or real.startswith(r + "/")), None)
+    if root:
+        return (f"{name}: not a regular file or a `datasets` folder ({real} is under {root}, whose files block, "
+                "never end or are not data)")
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        return f"{name}: not a regular file or a `datasets` folder (a FIFO, socket or device would block the run)"
     return None
+
+
+def data_problem(name: str) -> str | None:
+    return data_path_problem(name)
 
 
 def _specs(validated):
@@ -142,6 +163,31 @@ def logger_problems(validated) -> list[str]:
     return out
 
 
+def tracking_problem(validated, timeout: float = 5.0) -> str | None:
+    """mlflow with an http(s) MLFLOW_TRACKING_URI: the server must answer now (a closed port would otherwise be
+    retried silently for minutes, the run waiting before its first step)."""
+    if "mlflow" not in validated.spec.train.loggers:
+        return None
+    import socket
+    from urllib.parse import urlsplit
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https"):
+        return None
+    try:
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as e:
+        return f"train.loggers: mlflow: MLFLOW_TRACKING_URI {uri!r} is not a URL ({e})"
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        why = e.strerror or type(e).__name__ if not isinstance(e, TimeoutError) else f"no answer in {timeout:g}s"
+        return (f"train.loggers: mlflow: the tracking server at {uri} does not answer ({why})\n"
+                "    hint: start the server, fix MLFLOW_TRACKING_URI, or leave mlflow out of train.loggers")
+    return None
+
+
 def installed(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -152,6 +198,8 @@ def installed(module: str) -> bool:
 def check_run_inputs(validated) -> None:
     """Raise PathError naming every missing model, tokenizer or data path and every missing logger package."""
     found = problems(validated) + logger_problems(validated)
+    if not found:
+        found = [p for p in [tracking_problem(validated)] if p]
     if found:
         head = "the run cannot start (nothing was written):" if len(found) > 1 else ""
         raise PathError("\n  ".join([head] + [f.replace("\n", "\n  ") for f in found]) if head else found[0])

@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, model_validator
 SECTIONS = ("sources", "guide", "signal", "objective")
 ENTRY_POINT_GROUP = "composer.components"
 ALLOW_PLUGINS_ENV = "COMPOSER_ALLOW_PLUGINS"
+TRUST_REMOTE_CODE_ENV = "COMPOSER_TRUST_REMOTE_CODE"
+ENTRY_POINT_MODULES: set[str] = set()  # the modules installed entry points name (the user installed them)
 
 _REGISTRY: dict[str, dict[str, type["Component"]]] = {s: {} for s in SECTIONS}
 VERIFIERS: dict[str, "VerifierInfo"] = {}
@@ -187,6 +189,7 @@ def load_entry_points() -> None:
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
+        ENTRY_POINT_MODULES.add(ep.value.split(":")[0].strip())
         try:
             ep.load()
         except Exception as e:  # a broken plugin must not break validation of every spec
@@ -206,7 +209,36 @@ def spec_plugins_allowed() -> bool:
     COMPOSER_ALLOW_PLUGINS=1. Installed entry-point plugins are the user's own choice already."""
     if _SPEC_PLUGINS["allowed"] is not None:
         return _SPEC_PLUGINS["allowed"]
-    return os.environ.get(ALLOW_PLUGINS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return _env_on(ALLOW_PLUGINS_ENV)
+
+
+# The trust boundary: what runs code (a spec's `plugins:`, a model folder's own Python) is the choice of the
+# person running the command, on the command line (--allow-plugins, --trust-remote-code) or in the
+# environment. Nothing a spec, a model folder, a checkpoint or a run folder says can turn either on.
+_REMOTE_CODE = {"allowed": None}  # None: the environment decides
+
+
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def allow_remote_code(allowed: bool | None) -> None:
+    """Whether a model folder's own Python may run (the CLI's --trust-remote-code)."""
+    _REMOTE_CODE["allowed"] = allowed
+
+
+def remote_code_allowed() -> bool:
+    """A spec's `trust_remote_code: true` takes effect only with --trust-remote-code or
+    COMPOSER_TRUST_REMOTE_CODE=1; without them such a spec is refused."""
+    if _REMOTE_CODE["allowed"] is not None:
+        return _REMOTE_CODE["allowed"]
+    return _env_on(TRUST_REMOTE_CODE_ENV)
+
+
+def installed_plugin(name: str) -> bool:
+    """`name` is (inside) a module an installed `composer.components` entry point names."""
+    load_entry_points()
+    return any(name == m or name.startswith(m + ".") or m.startswith(name + ".") for m in ENTRY_POINT_MODULES)
 
 
 def load_all() -> None:

@@ -13,10 +13,13 @@ checkpoint's step), so no step appears twice. Writing samples never stops a run:
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
+import re
+import stat
 from pathlib import Path
 
 from composer import files
@@ -125,23 +128,60 @@ def step_batches(events: list[tuple]) -> list[tuple]:
 # ------------------------------------------------------------------------------------------ the file
 
 
+MAX_LINE = 16 << 20  # bytes: a longer line is not one a run wrote (it is skipped, never read whole)
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _well_formed(row) -> bool:
+    """A row as a run writes it: what `composer samples` prints has the types it prints."""
+    if not isinstance(row, dict) or type(row.get("step")) is not int:
+        return False
+    spans = row.get("spans", [])
+    if not isinstance(spans, list) or not all(isinstance(x, dict) and isinstance(x.get("text", ""), str)
+                                              and isinstance(x.get("origin", ""), str) for x in spans):
+        return False
+    reward = row.get("reward")
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
+        return False
+    for key in ("guide", "verifier"):
+        if row.get(key) is not None and not isinstance(row[key], dict):
+            return False
+    g = row.get("guide") or {}
+    return all(g.get(k) is None or isinstance(g[k], list) for k in ("verdicts", "corrections"))
+
+
 def read(path: Path | str) -> tuple[list[dict], int]:
-    """The rows of a samples.jsonl and how many lines could not be read (a cut-off last line)."""
+    """The rows of a samples.jsonl and how many lines could not be read (a cut-off last line, a row of another
+    shape). Only a regular file is read (a FIFO would block, /dev/zero would fill memory); OSError otherwise."""
     rows, bad = [], 0
-    with open(path, "rb") as f:
-        for raw in f:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file (samples.jsonl is one a run writes)")
+    with os.fdopen(fd, "rb") as f:
+        while raw := f.readline(MAX_LINE):
+            if not raw.endswith(b"\n") and len(raw) >= MAX_LINE:
+                bad += 1
+                while (rest := f.readline(MAX_LINE)) and not rest.endswith(b"\n"):
+                    pass
+                continue
             if not raw.strip():
                 continue
             try:
                 row = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):
                 bad += 1
                 continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int):
+            if _well_formed(row):
                 rows.append(row)
             else:
                 bad += 1
     return rows, bad
+
+
+def printable(text) -> str:
+    """Text for a terminal: control characters (escape sequences from a prompt or a response) shown as \\x1b."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], str(text))
 
 
 def prepare(out: Path, keep_before: int | None) -> None:
@@ -264,7 +304,7 @@ class SampleLog:
 
 def marked(row: dict, open_mark: str = "[[", close_mark: str = "]]") -> str:
     """The response with guide-written spans between markers."""
-    return "".join(f"{open_mark}{s['text']}{close_mark}" if s.get("origin") in GUIDE_ORIGINS else s.get("text", "")
+    return "".join(f"{open_mark}{s.get('text', '')}{close_mark}" if s.get("origin") in GUIDE_ORIGINS else s.get("text", "")
                    for s in row.get("spans", []))
 
 

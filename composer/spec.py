@@ -46,7 +46,7 @@ class Lora(Strict):
     r: int = Field(16, ge=1, le=4096, description="Adapter rank r.")
     alpha: float = Field(32.0, gt=0, description="Scale numerator: the update is (alpha / r) B A.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
-    target_modules: Union[Literal["all-linear"], list[str]] = Field("all-linear", description="Modules that get adapters: `all-linear` (every linear layer but the output head) or module names such as [q_proj, v_proj].")
+    target_modules: Union[Literal["all-linear"], Annotated[list[str], Field(min_length=1)]] = Field("all-linear", description="Modules that get adapters: `all-linear` (every linear layer but the output head) or module names such as [q_proj, v_proj].")
 
 
 class Policy(Strict):

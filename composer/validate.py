@@ -125,9 +125,9 @@ TRUST_HINT = (f"importing a module runs its code: if you trust this spec and the
 def load_plugins(loaded: LoadedSpec) -> tuple[list[Diagnostic], list[Diagnostic]]:
     """Import the modules the spec names in `plugins:` (and nothing else): (errors, warnings).
 
-    A module that is not imported yet is imported only when the person running the command allows it
-    (validating a spec someone sent must never run code); one already imported (an installed
-    entry-point plugin, a library) runs nothing new and is accepted. A plugin's refusal to register a
+    A module is imported only when the person running the command allows it (validating a spec someone
+    sent must never run code), already imported or not (a bundle would ship it); an installed
+    entry-point plugin's module is accepted; a standard-library module is never a plugin. A plugin's refusal to register a
     kind (one that would replace a built-in) is a warning at its `plugins:` entry.
     """
     names = loaded.data.get("plugins") or []
@@ -142,8 +142,13 @@ def load_plugins(loaded: LoadedSpec) -> tuple[list[Diagnostic], list[Diagnostic]
             errors.append(Diagnostic("schema", f"{name!r} is not a module name", ("plugins", i), where,
                                      "write a dotted module name, e.g. my_package.components"))
             continue
-        if name in sys.modules:
+        if name.split(".")[0] in sys.stdlib_module_names:
+            errors.append(Diagnostic("schema", f"'{name}' is a standard-library module, not a plugin", ("plugins", i),
+                                     where, "remove it from plugins: (a bundle would ship this machine's copy "
+                                     "over the cluster's)"))
             continue
+        if name in sys.modules and registry.installed_plugin(name):
+            continue  # an installed entry-point plugin: the user's own choice, already imported
         if not registry.spec_plugins_allowed():
             errors.append(Diagnostic("schema", f"the spec asks to import module '{name}'; not imported", ("plugins", i),
                                      where, TRUST_HINT))
@@ -235,10 +240,37 @@ def _validate_segment(model, data: dict, loaded: LoadedSpec, origin: tuple) -> t
         return None, diags
 
 
+REMOTE_CODE_HINT = (f"a model folder's own Python runs only when the person running the command allows it: if you "
+                    f"trust the folder, rerun with --trust-remote-code (or {registry.TRUST_REMOTE_CODE_ENV}=1)")
+
+
+def _trusted_paths(value, path: tuple):
+    """Where the spec sets `trust_remote_code` to something other than false."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if k == "trust_remote_code" and v not in (False, None):
+                yield path + (k,)
+            else:
+                yield from _trusted_paths(v, path + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _trusted_paths(v, path + (i,))
+
+
+def remote_code_gate(loaded: LoadedSpec) -> list[Diagnostic]:
+    """A spec asking to run a model folder's code, refused unless the user opted in (the trust boundary)."""
+    if registry.remote_code_allowed():
+        return []
+    return [Diagnostic("schema", "the spec asks to run the Python code a model folder ships; not allowed", p,
+                       loaded.locate(p) or Location(loaded.file, 1, 1), REMOTE_CODE_HINT)
+            for p in _trusted_paths(loaded.data, ())]
+
+
 def validate_loaded(loaded: LoadedSpec) -> Validated:
     """Run layers 2-4 on loaded YAML. Raises SpecError with every diagnostic of the failing layer."""
     registry.load_all()
     diags, plugin_warnings = load_plugins(loaded)
+    diags += remote_code_gate(loaded)
     if diags:
         raise SpecError(diags + plugin_warnings)
     model = spec_model()

@@ -192,10 +192,11 @@ def test_reward_func_passes_trust_remote_code(trust, tokenizer_calls):
 
 
 @pytest.mark.parametrize("trust", [False, True])
-def test_bundle_tokenizers_get_the_spec_trust_remote_code(trust, tokenizer_calls):
+def test_bundle_tokenizers_get_the_spec_trust_remote_code(trust, tokenizer_calls, monkeypatch):
     from composer.backends.openrlhf import bundle
     from composer.validate import validate_file
 
+    monkeypatch.setenv("COMPOSER_TRUST_REMOTE_CODE", "1")  # the user's opt-in (a spec alone is refused)
     v = validate_file(REPO / "specs" / "sft.yaml", [f"policy.trust_remote_code={str(trust).lower()}"])
     assert bundle._eos("/models/policy", v) == "</s>"
     assert tokenizer_calls == [("/models/policy", {"trust_remote_code": trust})]
@@ -207,8 +208,14 @@ def test_bundle_tokenizers_get_the_spec_trust_remote_code(trust, tokenizer_calls
 @needs_openrlhf
 def test_compiled_reward_file_carries_trust_remote_code(tmp_path):
     r = compile_cli(REPO / "specs" / "grpo.yaml", tmp_path / "b", "policy.trust_remote_code=true")
+    assert r.returncode == 2 and "--trust-remote-code" in r.stderr  # the spec alone never turns it on
+    r = compile_cli(REPO / "specs" / "grpo.yaml", tmp_path / "b", "policy.trust_remote_code=true",
+                    "--trust-remote-code")
     assert r.returncode == 0, r.stderr
     assert "trust_remote_code=True" in (tmp_path / "b" / "reward.py").read_text()
+    # the user's opt-in travels with the bundle: the cluster's loaders honour it
+    env = json.loads((tmp_path / "b" / "runtime_env.json").read_text())
+    assert env["env_vars"]["COMPOSER_TRUST_REMOTE_CODE"] == "1"
 
 
 # ---------------------------------------------------------------------------------------- verifiers

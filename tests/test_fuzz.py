@@ -194,3 +194,19 @@ def test_mutants_survive_run_and_compile(harness, through):
     assert tally.verdicts["compile"]["accepted"] >= 1, tally.table()
     for step in ("run --out <finished run>", "compile --out <finished run>"):
         assert tally.verdicts[step]["refused"] == 6, tally.table()
+
+
+@pytest.mark.slow
+def test_env_driven_runs_and_tampered_run_folders(harness):
+    """Issue 29's classes: a run with the environment aimed at another run's folder or a closed MLflow port, and
+    a finished run's folder tampered with (a .lock link, bad cells, a damaged checkpoint, shipped code, FIFOs)."""
+    through = fuzz.Through(harness, steps=("env", "tamper"), run_timeout_s=150.0, compile_timeout_s=60.0)
+    tally, bad = fuzz.Tally(), []
+    n = len(fuzz.Through.TAMPERS)
+    for i, case in enumerate(seeded_cases(harness, valid=1, invalid=n - 1, seed=29)):
+        for o in fuzz.attack(harness, through, case, i):
+            tally.add(o)
+            if o.verdict in ("traceback", "hang") or o.lost:
+                bad.append(f"{o.step}: {o.verdict} {o.lost}\n{o.out[-3000:]}")
+    assert not bad, "\n\n".join(bad)
+    assert sum(1 for s in tally.verdicts if s.startswith("tampered")) == n, tally.table()  # every tampering tried

@@ -405,3 +405,44 @@ def test_per_row_timeouts_are_checked(timeout, ok):
         v = cv.code_verifier("```python\nx = 1\n```", Example(prompt="p", answer="assert x == 1",
                                                               meta={"timeout": timeout}))
         assert v.reward == 0 and not v.parsed and "timeout" in v.detail
+
+
+# ------------------------------------------------------------------------------ builtin shadowing (issue 29)
+# A wrong solution with a one-line prefix redefining a builtin (or a standard module) the tests call must not
+# change what the tests compute: the tests see the builtin, or what they define themselves.
+
+SHADOWS = {
+    "abs": ("def abs(x):\n    return 0\n", "assert abs(f(2) - 3.5) < 1e-9\n"),
+    "len": ("def len(x):\n    return 3\n", "assert len(f(3)) == 3\n"),
+    "sorted": ("def sorted(x, **k):\n    return [1, 2, 3]\n", "assert sorted(f(3)) == [1, 2, 3]\n"),
+    "set": ("class set:\n    def __init__(self, *a):\n        pass\n    def __eq__(self, o):\n        return True\n",
+            "assert set(f(3)) == {1, 2, 3}\n"),
+    "round": ("def round(x, n=0):\n    return 7\n", "assert round(f(7)) == 7\n"),
+    "isinstance": ("def isinstance(a, b):\n    return True\n", "assert isinstance(f(1), list)\n"),
+    "all": ("def all(x):\n    return True\n", "assert all(v == 1 for v in f(2))\n"),
+    "AssertionError": ("class AssertionError(BaseException):\n    pass\n",
+                       "try:\n    assert f(1) == [9]\nexcept AssertionError:\n    raise\n"),
+    "math": ("class math:\n    isclose = staticmethod(lambda *a, **k: True)\n",
+             "assert math.isclose(f(2), 3.5)\n"),
+}
+
+
+@needs_sandbox
+@pytest.mark.parametrize("name", sorted(SHADOWS))
+def test_a_program_cannot_shadow_what_the_tests_call(clean_machine, name):
+    prefix, tests = SHADOWS[name]
+    wrong = prefix + "def f(x):\n    return 0\n"
+    ex = Example(prompt="p", answer=tests, meta={"timeout": 10})
+    v = cv.code_verifier(f"```python\n{wrong}```", ex)
+    assert v.reward == 0.0, f"{name}: a wrong program scored 1"
+
+
+@needs_sandbox
+def test_the_tests_own_definitions_and_the_entry_point_win(clean_machine):
+    program = "def abs(x):\n    return 0\ndef sum(xs):\n    return 42\ndef g(x):\n    return -x\n"
+    tests = "def abs(x):\n    return -x if x < 0 else x\nassert abs(g(3)) == 3\n"  # the tests' own abs
+    assert cv.run_sandboxed(program, SURE, tests=tests).passed
+    # the data's declared entry point may be named like a builtin; other shadowed builtins stay builtins
+    tests = "assert sum([1]) == 42\nassert abs(-2) == 2\n"
+    assert cv.run_sandboxed(program, SURE, tests=tests, entry="sum").passed
+    assert not cv.run_sandboxed(program, SURE, tests=tests).passed

@@ -318,12 +318,14 @@ def offline_targets(ctx, sig: SftSignal, build: bool = False) -> dict:
     if key in ctx.cache:
         return ctx.cache[key]
     path = _cache_file(ctx)
-    if path is not None and path.exists():
-        targets = _load(path)
+    if path is not None and (path.exists() or path.is_symlink()):
+        targets = _load(path, ctx, sig)
     elif build:
         targets = _build(ctx, sig, path)
     else:
-        raise RuntimeError(f"InT's offline targets of segment '{ctx.segment}' were never built and are not in "
+        from composer.runtime.binding import DataError
+
+        raise DataError(f"InT's offline targets of segment '{ctx.segment}' were never built and are not in "
                            f"{path}: resume from a checkpoint taken after the segment started")
     ctx.cache[key] = targets
     return targets
@@ -342,8 +344,27 @@ def _build(ctx, sig: SftSignal, path) -> dict:
     ctx.record("int_targets", targets=targets, counts=counts)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        files.write_text(path, "".join(_line(prompt, t) for prompt, ts in targets.items() for t in ts))
+        body = "".join(_line(prompt, t) for prompt, ts in targets.items() for t in ts)
+        files.write_text(path, _header(body, ctx, sig) + body)
     return targets
+
+
+MAX_TARGETS_BYTES = 1 << 30  # a cache file this large was not written by a run of this size
+
+
+def _fingerprint(ctx, sig: SftSignal) -> str:
+    import hashlib
+
+    return hashlib.sha256(f"{ctx.segment}\0{sig.model_dump_json()}".encode()).hexdigest()
+
+
+def _header(body: str, ctx, sig: SftSignal) -> str:
+    """The cache's first line: the digest of the rows below it and of the segment and signal that built them."""
+    import hashlib
+    import json
+
+    return json.dumps({"int_targets": 1, "sha256": hashlib.sha256(body.encode()).hexdigest(),
+                       "rows": body.count("\n"), "built_for": _fingerprint(ctx, sig)}) + "\n"
 
 
 def _line(prompt: str, trace) -> str:
@@ -353,17 +374,58 @@ def _line(prompt: str, trace) -> str:
     return json.dumps({"problem_prompt": prompt, "prompt": trace.prompt, "pieces": pieces}) + "\n"
 
 
-def _load(path) -> dict:
+def _load(path, ctx=None, sig: SftSignal | None = None) -> dict:
+    """The cached targets, read back only when they are exactly what the run wrote: a regular file whose rows
+    match the digest in its first line, built for this segment and signal, every row of the shape written.
+    Anything else (emptied, edited, duplicated, over-long, a FIFO) stops the run with the file named."""
+    import hashlib
     import json
+    import os
+    import stat as stat_
 
+    from composer.runtime.binding import DataError
     from composer.runtime.protocol import Trace
 
+    def refuse(why: str) -> DataError:
+        return DataError(f"{path}: InT's cached targets {why}; they are not used (training on them would "
+                         "silently train on other targets)\n    hint: start the run again in a new folder to "
+                         "rebuild them", file=str(path))
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise refuse(f"cannot be read ({e.strerror or e})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat_.S_ISREG(st.st_mode):
+            raise refuse("are not in a regular file")
+        if st.st_size > MAX_TARGETS_BYTES:
+            raise refuse(f"are {st.st_size} bytes, more than a run writes")
+        raw = f.read(MAX_TARGETS_BYTES + 1)
+    try:
+        text = raw.decode("utf-8")
+        head_line, _, body = text.partition("\n")
+        head = json.loads(head_line)
+    except ValueError:
+        raise refuse("have no readable header (written by an older version, or edited)") from None
+    if not isinstance(head, dict) or head.get("int_targets") != 1:
+        raise refuse("have no header (written by an older version, or edited)")
+    if head.get("sha256") != hashlib.sha256(body.encode()).hexdigest() or head.get("rows") != body.count("\n"):
+        raise refuse("were changed after the run wrote them (their digest does not match)")
+    if ctx is not None and sig is not None and head.get("built_for") != _fingerprint(ctx, sig):
+        raise refuse("were built for another segment or signal")
     out: dict[str, list] = {}
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        trace = Trace(row["prompt"], control=False, guided=True)
-        for p in row["pieces"]:
-            trace.add(p["tokens"], p["origin"], p["logprobs"])
+    for i, line in enumerate(body.splitlines(), start=2):
+        try:
+            row = json.loads(line)
+            if not (isinstance(row, dict) and isinstance(row.get("problem_prompt"), str)
+                    and isinstance(row.get("prompt"), list) and isinstance(row.get("pieces"), list)):
+                raise ValueError("not a target row")
+            trace = Trace(row["prompt"], control=False, guided=True)
+            for p in row["pieces"]:
+                trace.add(p["tokens"], p["origin"], p["logprobs"])
+        except (ValueError, TypeError, KeyError) as e:
+            raise refuse(f"have a malformed row at line {i} ({type(e).__name__})") from None
         out.setdefault(row["problem_prompt"], []).append(trace)
     return out
 

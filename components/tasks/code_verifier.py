@@ -17,7 +17,10 @@ A pass is something the program cannot produce. The program and the tests run in
     blocks do not run) and then only answers requests: call this function, get this attribute,
     iterate this object;
   * the test harness (the sandbox's PID 1) runs the tests in its own interpreter, with every
-    top-level name of the program bound to a proxy of it. Values cross between the two as plain
+    top-level name of the program bound to a proxy of it, except names the tests would otherwise
+    resolve elsewhere: a builtin (`abs`, `len`, `sorted`, `isinstance`...) stays the builtin and a
+    standard-library module name is the harness's own import (a program defining `def abs(x): return 0`
+    cannot change what the tests compute; only `meta["entry_point"]` may take such a name). Values cross between the two as plain
     data (numbers, strings, bytes, lists, tuples, dicts, sets, None) rebuilt by the harness, or as
     handles to the program's other objects, so a program's `__eq__` never decides a comparison.
     The tests are compiled with asserts on whatever the interpreter's flags. A test that hands the
@@ -516,6 +519,20 @@ try:
         result["why"] = "the program's process did not start the tests"
     else:
         names = {str(k): dec(v) for k, v in first["ready"].items() if type(k) is str and k.isidentifier()}
+        # What the tests call without defining it is never the program's: a builtin name (`abs`, `len`,
+        # `sorted`, `isinstance`, `AssertionError`...) stays the builtin, a standard-library module name
+        # (`math`, `re`) is the harness's own import. Only the declared entry point may take such a name.
+        entry = job.get("entry")
+        for k in list(names):
+            if k == entry:
+                continue
+            if hasattr(builtins, k) or k in ("True", "False", "None"):
+                del names[k]
+            elif k in sys.stdlib_module_names:
+                try:
+                    names[k] = __import__(k)
+                except BaseException:
+                    del names[k]
         tests = compile(job["tests"], "tests.py", "exec", dont_inherit=True, optimize=0)  # asserts always on
         scope = dict(names, __name__="__tests__", __builtins__=builtins)
         exec(tests, scope)
@@ -600,7 +617,7 @@ def _read_head(path: str, n: int) -> str:
 
 
 def run_sandboxed(source: str, limits: SandboxLimits = DEFAULT_LIMITS, python: Optional[str] = None,
-                  tests: Optional[str] = None) -> SandboxResult:
+                  tests: Optional[str] = None, entry: Optional[str] = None) -> SandboxResult:
     """Run Python `source` in the sandbox; raises SandboxUnavailable when isolation cannot be set up.
 
     Without `tests`: the program runs as `__main__` and `returncode` is its exit status. With `tests`:
@@ -618,7 +635,7 @@ def run_sandboxed(source: str, limits: SandboxLimits = DEFAULT_LIMITS, python: O
     try:
         job_path = os.path.join(host, "job.json")
         with open(job_path, "w", encoding="utf-8", errors="surrogatepass") as f:
-            json.dump({"program": source, "tests": tests, "nonce": nonce}, f)
+            json.dump({"program": source, "tests": tests, "nonce": nonce, "entry": entry}, f)
         status_r, status_w = os.pipe()
         src_fd = os.open(job_path, os.O_RDONLY)
         out = open(os.path.join(host, "stdout"), "wb")
@@ -818,7 +835,8 @@ def code_verifier(response: str, example: Example) -> Verdict:
         limits = _limits_for(example)
     except ValueError as e:
         return Verdict(0.0, parsed=False, detail=f"the example's {e}")
-    r = run_sandboxed(program, limits, tests=tests)
+    entry = example.meta.get("entry_point") if example.meta else None
+    r = run_sandboxed(program, limits, tests=tests, entry=str(entry) if entry else None)
     if r.passed:
         return Verdict(1.0)
     if r.timed_out:

@@ -148,11 +148,31 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
+class DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object whose keys are all different (json keeps the last of two silently)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise DuplicateKey(k)
+            seen.add(k)
+    return out
+
+
 def _json_row(path: Path, i: int, text: str):
     """One jsonl row, or a DataError: NaN / Infinity are not JSON (Python's parser accepts them), nor are
     integers past Python's conversion limit (4300 digits) or rows nested past its recursion limit."""
     try:
-        return json.loads(text, parse_constant=_no_constant)
+        return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
+    except DuplicateKey as e:
+        return _error(path, i, None, f"not valid data: the key {e.key!r} appears twice in one object", BAD_JSON)
     except json.JSONDecodeError as e:
         return _error(path, i, None, f"not valid JSON ({e.msg} at column {e.colno})", BAD_JSON)
     except ValueError as e:
@@ -167,9 +187,11 @@ def open_source(name: str, split: str | None = None, role: str = "train") -> tup
     named; every other format goes through the `datasets` library."""
     from composer.datafiles import SourceError, kind_of, locate, rows
 
-    path = Path(name)
-    if path.exists() and not path.is_dir() and not path.is_file():  # a FIFO would block, /dev/zero fill memory
-        raise DataError(f"{path}: not a regular file or a `datasets` folder", file=str(path))
+    from composer.paths import data_path_problem
+
+    why = data_path_problem(name)  # a FIFO or /proc/kmsg would block, /dev/zero would fill memory
+    if why:
+        raise DataError(why, file=str(name))
     try:
         real = locate(str(name))
         if kind_of(real) == "jsonl":

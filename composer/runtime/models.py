@@ -26,7 +26,18 @@ def resolve(name: str) -> str:
 
 
 REMOTE_CODE_HINT = ("the folder ships its own Python code (config.json `auto_map`), which is not run unless the spec "
-                    "says `policy.trust_remote_code: true`: set that only for a folder you trust")
+                    "says `policy.trust_remote_code: true` and the command has --trust-remote-code (or "
+                    "COMPOSER_TRUST_REMOTE_CODE=1): only for a folder you trust")
+
+
+def _trusted(requested: bool) -> bool:
+    """Remote code runs only when asked for and allowed by the user (command line or environment)."""
+    from composer.registry import remote_code_allowed
+
+    if requested and not remote_code_allowed():
+        raise ModelLoadError("a model folder's own Python code was asked for without --trust-remote-code "
+                             "(or COMPOSER_TRUST_REMOTE_CODE=1); not run")
+    return bool(requested)
 
 
 def _load_error(what: str, path: str, e: Exception) -> ModelLoadError:
@@ -46,7 +57,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
         if why:
             raise ModelLoadError(why)
     try:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=bool(trust_remote_code))
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=_trusted(trust_remote_code))
     except Exception as e:
         raise _load_error("tokenizer", path, e) from None
     if tok.pad_token_id is None:
@@ -66,7 +77,7 @@ def load_model(name: str, dtype: str = "float32", trust_remote_code: bool = Fals
             raise ModelLoadError(why)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
-                                                     trust_remote_code=bool(trust_remote_code))
+                                                     trust_remote_code=_trusted(trust_remote_code))
     except Exception as e:
         raise _load_error("model", path, e) from None
     return model
@@ -81,8 +92,15 @@ def prepare_policy(model, cfg):
         from peft import LoraConfig, get_peft_model
 
         lora = cfg.lora
-        model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                 target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+        try:
+            model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                     target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+        except ValueError as e:  # peft's NoMatchingPeftModuleError: a name the model does not have
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                             if isinstance(m, torch.nn.Linear)})
+            raise ModelLoadError(f"policy.lora.target_modules {lora.target_modules}: "
+                                 f"{(str(e).splitlines() or [''])[0]}\n    hint: the model's linear modules are "
+                                 f"{', '.join(linear) or 'none'} (or write target_modules: all-linear)") from None
     return model
 
 
@@ -125,7 +143,27 @@ def merged(model):
         return model
     import copy
 
-    return copy.deepcopy(model).merge_and_unload()
+    model = copy.deepcopy(model)
+    _untie_adapted_outputs(model)
+    return model.merge_and_unload()
+
+
+def _untie_adapted_outputs(peft_model) -> None:
+    """An adapter on an output layer whose weight is tied to the input embeddings trained the output side
+    only: merging into the shared weight would change the embeddings too, so the copy's output layer gets
+    its own weight first (and the config says the two are no longer tied)."""
+    base = peft_model.get_base_model()
+    out, inp = base.get_output_embeddings(), base.get_input_embeddings()
+    if out is None or inp is None:
+        return
+    layer = getattr(out, "base_layer", None)  # a LoRA-wrapped output layer
+    if layer is None or getattr(layer, "weight", None) is None:
+        return
+    if layer.weight is inp.weight or layer.weight.data_ptr() == inp.weight.data_ptr():
+        layer.weight = torch.nn.Parameter(layer.weight.detach().clone(), requires_grad=layer.weight.requires_grad)
+        for cfg in (base.config, getattr(base.config, "text_config", None)):
+            if cfg is not None and hasattr(cfg, "tie_word_embeddings"):
+                cfg.tie_word_embeddings = False
 
 
 def same_vocabulary(tok_a, tok_b) -> bool:

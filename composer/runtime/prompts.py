@@ -88,7 +88,13 @@ class PromptFormat:
             return (f"{self.system}\n\n" if self.system is not None else "") + user
         messages = ([{"role": "system", "content": self.system}] if self.system is not None else []) + \
             [{"role": "user", "content": user}]
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **self.kwargs)
+        from composer.runtime.template_limits import TemplateLimitError, render
+
+        try:  # the template is code from a model folder: rendered with time and size limits
+            text = render(self.tokenizer, messages, self.kwargs)
+        except TemplateLimitError as e:
+            raise PromptFormatError(f"{self.tokenizer_name or 'the policy tokenizer'}: {e}; use data.prompt_format: "
+                                    "plain, or a tokenizer with another chat template") from None
         if not isinstance(text, str):
             raise PromptFormatError(f"the chat template of {self.tokenizer_name or 'the tokenizer'} did not render "
                                     f"text (apply_chat_template returned {type(text).__name__})")
@@ -103,6 +109,11 @@ class PromptFormat:
         stops the run before training, naming the setting."""
         probe = "\u27e6the problem\u27e7"
         where = f"the chat template of {self.tokenizer_name or 'the policy tokenizer'}"
+        from composer.runtime.template_limits import kwargs_problem
+
+        why = kwargs_problem(self.tokenizer, self.kwargs) if self.kwargs else None
+        if why:
+            raise PromptFormatError(f"{why}; {where} would ignore it or be replaced by it")
         try:
             text = self.wrap(probe)
         except PromptFormatError:

@@ -9,6 +9,19 @@ alias bombs, Python and other tags, random bytes, truncation, tabs, unbalanced b
     python examples/bench/fuzz_validate.py --cases 10000 [--seed 0]                  # validate only, in process
     python examples/bench/fuzz_validate.py --cases 100 --through run,compile [--save DIR]
 
+Cases also point `data:` at files that block or never end (/proc/kmsg, a FIFO, /dev/zero), a tokenizer at
+hostile chat templates (nested loops, 'x' * 10**10) with `chat_template_kwargs` that are no template variable,
+and override values YAML 1.1 would coerce (`010`, `1:30`, `yes`) or settings only the user may turn on.
+
+    python examples/bench/fuzz_validate.py --cases 20 --through run,compile,env,tamper
+
+`env`: one step with the environment aimed elsewhere (COMPOSER_RUN_DIR + LOCAL_RANK naming the finished run,
+MLflow at a closed port, trust_remote_code without the opt-in); the finished run must stay as it was.
+`tamper`: a copy of the finished run tampered with one way (a .lock link to an outside file, a bad
+metrics.csv cell, a wrong-typed RNG entry, a truncated checkpoint or one linked to /dev/zero, model/ with
+its own code, samples.jsonl as a FIFO or with malformed rows, export over a base model's folder), then
+resumed, exported or shown: no traceback or hang, no outside file touched, no shipped code run.
+
 With --through, every case (valid or not) also goes, as subprocesses with a wall-clock limit, through
 `composer run` (one step on tiny batches, into a new folder), `composer run` into the folder of an
 earlier finished run (with a sentinel file) without --resume, `composer compile --backend openrlhf`
@@ -193,7 +206,7 @@ def data_op(rnd: random.Random, data, source_names: list[str]) -> str:
     if rnd.random() < 0.4:
         return plausible_op(rnd, data)
     op = rnd.choice(["drop", "retype", "rename", "kind", "ref", "deep", "huge", "nonfinite", "unicode", "add",
-                     "swap", "dup_item", "extends", "phases", "stages", "terms", "empty"])
+                     "swap", "dup_item", "extends", "phases", "stages", "terms", "empty", "template", "datapath"])
     if op == "drop":
         _, c = _pick(rnd, data)
         if isinstance(c, dict):
@@ -266,7 +279,70 @@ def data_op(rnd: random.Random, data, source_names: list[str]) -> str:
         _, c = _pick(rnd, data, dict)
         if c:
             c[rnd.choice(list(c))] = rnd.choice([{}, [], None, ""])
+    elif op == "template":  # a tokenizer whose chat template hangs or explodes, kwargs that are not its variables
+        data["data"] = {"train": f"{FIXTURE}/data/train.jsonl", "prompt_field": "q", "answer_field": "a",
+                        "prompt_format": rnd.choice(["auto", "chat"]),
+                        **({"chat_template_kwargs": rnd.choice(TEMPLATE_KWARGS)} if rnd.random() < 0.6 else {})}
+        policy = data.setdefault("policy", {}) if isinstance(data.get("policy", {}), dict) else {}
+        policy["tokenizer"] = f"{FIXTURE}/tok/{rnd.choice(sorted(HOSTILE_TEMPLATES))}"
+        data["policy"] = policy
+    elif op == "datapath":  # files that block, never end, or are not what they say
+        data["data"] = {"train": rnd.choice(DATA_PATHS), "prompt_field": "q", "answer_field": "a"}
+        if rnd.random() < 0.5:
+            data["data"]["eval"] = {"test": rnd.choice(DATA_PATHS)}
     return op
+
+
+FIXTURE = "@FUZZ@"  # replaced by the harness's scratch folder when a case is written (fixtures live there)
+HOSTILE_TEMPLATES = {
+    "loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+             "{{ messages[-1]['content'] }}",
+    "repeat": "{{ 'x' * 10000000000 }}{{ messages[-1]['content'] }}",
+    "center": "{{ 'x'.center(1000000000) }}{{ messages[-1]['content'] }}",
+    "power": "{{ 10 ** 100000000 }}{{ messages[-1]['content'] }}",
+    "format": "{{ '%2000000000d' % 1 }}{{ messages[-1]['content'] }}",
+    "raises": "{{ raise_exception('no') }}",
+    "ok": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+          "{% if enable_thinking is defined and not enable_thinking %}<nothink>{% endif %}<assistant>",
+}
+TEMPLATE_KWARGS = [{"chat_template": "{{ 'replaced' }}"}, {"enable_thinking": False}, {"thinking_budget": 3},
+                   {"tools": "x"}, {"tokenize": True}, {"add_generation_prompt": False}, {"messages": "x"}, {}]
+DATA_PATHS = ["/proc/kmsg", "/proc/self/status", "/sys/kernel/notes", "/dev/zero", "/dev/null", "/dev/stdin",
+              f"{FIXTURE}/data/fifo.jsonl", f"{FIXTURE}/data/proc-link.jsonl", f"{FIXTURE}/data/dup.jsonl",
+              f"{FIXTURE}/data/train.jsonl", f"{FIXTURE}/data", "/proc", "/"]
+
+
+def make_fixtures(root: Path) -> None:
+    """The files `template` and `datapath` cases point at: data (good, a FIFO, a link into /proc, duplicate
+    keys) and tokenizer folders with hostile chat templates (built from the tiny random checkpoint's)."""
+    d = root / "data"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "train.jsonl").write_text("".join(f'{{"q": "{a}+{b}", "a": "{a + b}"}}\n' for a in range(4) for b in range(4)))
+    (d / "dup.jsonl").write_text('{"q": "1+1", "a": "2"}\n{"q": "2+2", "a": "5", "a": "4"}\n')
+    if not (d / "fifo.jsonl").exists():
+        os.mkfifo(d / "fifo.jsonl")
+    if not (d / "proc-link.jsonl").is_symlink():
+        (d / "proc-link.jsonl").symlink_to("/proc/self/status")
+
+
+def make_tokenizers(root: Path) -> None:
+    """One tokenizer folder per HOSTILE_TEMPLATES entry (needs transformers: only for run and compile)."""
+    import json as _json
+
+    from components.tasks.bootstrap import tiny_random_checkpoint
+
+    base = Path(tiny_random_checkpoint(str(root / "tiny")))
+    for name, template in HOSTILE_TEMPLATES.items():
+        folder = root / "tok" / name
+        if folder.exists():
+            continue
+        folder.mkdir(parents=True)
+        for f in base.iterdir():
+            if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+                shutil.copy(f, folder / f.name)
+        cfg = _json.loads((folder / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = template
+        (folder / "tokenizer_config.json").write_text(_json.dumps(cfg))
 
 
 # ---------------------------------------------------------------------------------------------- text ops
@@ -352,7 +428,14 @@ OVERRIDES = ["train.steps=abc", "train.steps=20", "sync.every=100", "trian.steps
              "train=5", "sources.verifier.kind=nope", "objective.kind=grpo", "rollout.samples_per_prompt=1",
              "objective.beta1=.inf", "objective.beta1=.nan", "phases.0.until=3", "train.steps=[1",
              "a..b=1", "sources={}", "name=UPPER", "train.lr=1e400", "rollout.guide.kind=none", "name=",
-             "terms.0.weight=2", "extends=grpo.yaml", "plugins=[os]", "plugins=[no_such_module_xyz]"]
+             "terms.0.weight=2", "extends=grpo.yaml", "plugins=[os]", "plugins=[no_such_module_xyz]",
+             # YAML 1.1 coercions a file would not make, and settings only the user may turn on
+             "train.steps=010", "train.steps=1:30", "train.seed=0x10", "train.steps=0o10", "name=yes", "name=on",
+             "train.lr=1e-3", "train.steps=1_000", "train.steps=+5", "summary=2001-12-14", "train.lr=.5",
+             "extends=sft.yaml", "extends.x=1", "plugins=[json]", "plugins=[logging]", "policy.trust_remote_code=true",
+             "data.chat_template_kwargs={chat_template: x}", "train.loggers=[csv, mlflow]", "train.num_nodes=2",
+             "policy.lora.target_modules=[]", "policy.lora.target_modules=[nope]", "train.strategy=fsdp",
+             "train.devices=[0,1]", "policy.model=.", "policy.model=../specs"]
 
 
 def mutate(rnd: random.Random, sources: dict[str, str]) -> Case:
@@ -420,10 +503,12 @@ class Harness:
         self.sources = {str(p.relative_to(REPO)): p.read_text() for p in spec_files()}
         self.runner, self.main = CliRunner(), main
         self.timeout_s = validate_timeout_s
+        self.fixtures = self.dir / "fixtures"
+        make_fixtures(self.fixtures)
 
     def write(self, case: Case) -> Path:
         path = self.dir / case.relpath
-        path.write_bytes(case.text)
+        path.write_bytes(case.text.replace(FIXTURE.encode(), str(self.fixtures).encode()))
         return path
 
     def run(self, case: Case) -> tuple[int, str, str]:
@@ -489,12 +574,16 @@ def verdict(rc: int | None, stdout: str, stderr: str) -> str:
 COMPOSER = (sys.executable, "-m", "composer")
 
 
-def cli(args: list[str], cwd: Path, timeout_s: float, program=COMPOSER) -> tuple[int | None, str, str]:
+TRUST_ENV = ("COMPOSER_ALLOW_PLUGINS", "COMPOSER_TRUST_REMOTE_CODE")
+
+
+def cli(args: list[str], cwd: Path, timeout_s: float, program=COMPOSER, env: dict | None = None
+        ) -> tuple[int | None, str, str]:
     """`composer ARGS` in a fresh process with a wall-clock limit: (exit code or None on a hang, stdout, stderr).
 
     The process gets its own session so that a hang is killed with everything it started (data loaders, sandboxes).
-    Plugins stay disallowed, as for any untrusted spec."""
-    env = {k: v for k, v in os.environ.items() if k != "COMPOSER_ALLOW_PLUGINS"}
+    Plugins and remote code stay disallowed, as for any untrusted spec; `env` adds variables (env-driven cases)."""
+    env = {**{k: v for k, v in os.environ.items() if k not in TRUST_ENV}, **(env or {})}
     p = subprocess.Popen([*program, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -553,6 +642,10 @@ class Through:
         self.finished_snap, self.bundle_snap = snapshot(self.finished), snapshot(self.bundle)
         self.pristine = self.work / "pristine-run"
         shutil.copytree(self.finished, self.pristine)
+        if {"run", "env"} & set(self.steps):
+            make_tokenizers(harness.fixtures)
+        self.victim = self.work / "victim.txt"  # a file outside every run folder that a link in one points at
+        self.victim.write_text("a file a tampered run folder must never touch\n")
 
     def _made(self, name: str, args: list[str], timeout_s: float, *expect: str) -> Path:
         """A reference output made from a shipped spec; without it no loss can be measured, so failing is fatal."""
@@ -570,6 +663,10 @@ class Through:
             ov = run_overrides(path, case, valid)
             outcomes += [self._run_fresh(path, ov, index), self._into_finished("run", ["run", str(path), *ov,
                                                                                          "--no-progress"])]
+        if "env" in self.steps:
+            outcomes.append(self._env_driven(path, run_overrides(path, case, valid), index))
+        if "tamper" in self.steps:
+            outcomes.append(self._tampered(index))
         if "compile" in self.steps:
             outcomes += [self._compile(path, case, index),
                          self._into_finished("compile", ["compile", str(path), *case.overrides])]
@@ -581,6 +678,107 @@ class Through:
         rc, so, se = cli(["run", str(path), *ov, "--out", str(out), "--no-progress"], self.h.dir, self.run_timeout_s)
         shutil.rmtree(out, ignore_errors=True)  # a checkpoint is ~16 MB
         return Outcome("run", verdict(rc, so, se), [], so + se)
+
+    ENV_CASES = ("run_dir_rank0", "run_dir_rank1", "mlflow_closed_port", "trust_unset")
+
+    def _env_driven(self, path: Path, ov: list[str], index: int) -> Outcome:
+        """One step with the environment pointing elsewhere (another run's folder as COMPOSER_RUN_DIR with a
+        LOCAL_RANK, MLflow at a closed port): the run keeps its own folder, the finished run is untouched."""
+        kind = self.ENV_CASES[index % len(self.ENV_CASES)]
+        env, extra = {}, []
+        if kind.startswith("run_dir"):
+            env = {"COMPOSER_RUN_DIR": str(self.finished), "LOCAL_RANK": kind[-1], "RANK": kind[-1]}
+        elif kind == "mlflow_closed_port":
+            import socket
+
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            env = {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{s.getsockname()[1]}"}
+            s.close()
+            extra = ["train.loggers=[csv,mlflow]"]
+        else:
+            extra = ["policy.trust_remote_code=true"]
+        out = self.work / f"env-{index}"
+        rc, so, se = cli(["run", str(path), *ov, *extra, "--out", str(out), "--no-progress"], self.h.dir,
+                         self.run_timeout_s, env=env)
+        shutil.rmtree(out, ignore_errors=True)
+        lost = losses(self.finished_snap, self.finished)
+        if lost:
+            shutil.rmtree(self.finished, ignore_errors=True)
+            shutil.copytree(self.pristine, self.finished)
+        return Outcome(f"run (env: {kind})", verdict(rc, so, se), lost, so + se)
+
+    TAMPERS = ("lock_symlink", "metrics_bad_cell", "rng_wrong_type", "ckpt_truncated", "ckpt_dev_zero",
+               "model_custom_code", "samples_fifo", "samples_garbage", "export_over_a_base_model")
+
+    def _tampered(self, index: int) -> Outcome:
+        """A copy of the finished run, tampered with one way, then resumed, exported or shown: every command must
+        end cleanly and touch nothing outside (the file a link points at, a base model's folder), and no code a
+        folder ships may run."""
+        kind = self.TAMPERS[index % len(self.TAMPERS)]
+        folder = self.work / f"tampered-{index}"
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(self.pristine, folder)
+        victim_before = self.victim.read_bytes()
+        marker = self.work / f"RAN-{index}"
+        args = ["run", "--resume", str(folder), "train.steps=2", "--no-progress"]
+        base = None
+        if kind == "lock_symlink":
+            (folder / ".lock").unlink(missing_ok=True)
+            (folder / ".lock").symlink_to(self.victim)
+        elif kind == "metrics_bad_cell":
+            with open(folder / "metrics.csv", "a") as f:
+                f.write("x" * 10 + "\n")
+        elif kind == "rng_wrong_type":
+            import torch
+
+            ckpt = folder / "checkpoints" / "last.ckpt"
+            state = torch.load(ckpt, weights_only=True)
+            state["composer"]["rng"] = ["not", "a", "state"]
+            torch.save(state, ckpt)
+        elif kind == "ckpt_truncated":
+            ckpt = folder / "checkpoints" / "last.ckpt"
+            ckpt.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])
+        elif kind == "ckpt_dev_zero":
+            ckpt = folder / "checkpoints" / "last.ckpt"
+            ckpt.unlink()
+            ckpt.symlink_to("/dev/zero")
+        elif kind == "model_custom_code":
+            import json as _json
+
+            cfg = _json.loads((folder / "model" / "config.json").read_text())
+            cfg.update(model_type="fuzz_custom", auto_map={"AutoConfig": "custom.C", "AutoModelForCausalLM": "custom.M"})
+            (folder / "model" / "config.json").write_text(_json.dumps(cfg))
+            (folder / "model" / "custom.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+            args = ["export", str(folder), "--out", str(self.work / f"export-{index}")]
+        elif kind == "samples_fifo":
+            (folder / "samples.jsonl").unlink(missing_ok=True)
+            os.mkfifo(folder / "samples.jsonl")
+            args = ["samples", str(folder)]
+        elif kind == "samples_garbage":
+            (folder / "samples.jsonl").write_text('{"step": 1, "spans": "x"}\n{"step": 1, "reward": "hi"}\n'
+                                                  '{"step": 1, "prompt": "\\u001b]0;pwned\\u0007"}\n[1]\n')
+            args = ["samples", str(folder)]
+        elif kind == "export_over_a_base_model":
+            base = self.work / f"base-{index}"
+            shutil.copytree(folder / "model", base)
+            (base / "README.md").write_text("the user's notes\n")
+            args = ["export", str(folder), "--out", str(base)]
+        rc, so, se = cli(args, self.h.dir, self.run_timeout_s)
+        lost = []
+        if self.victim.read_bytes() != victim_before:
+            lost.append("a file outside the run folder changed through its .lock link")
+            self.victim.write_bytes(victim_before)
+        if marker.exists():
+            lost.append("code the run folder's model/ ships ran")
+        if base is not None and not (base / "README.md").is_file():
+            lost.append("export replaced a folder that was not an export")
+        if "\x1b" in so:
+            lost.append("escape bytes from samples.jsonl reached the terminal")
+        for extra in (folder, base, self.work / f"export-{index}"):
+            if extra is not None:
+                shutil.rmtree(extra, ignore_errors=True)
+        return Outcome(f"tampered run folder ({kind})", verdict(rc, so, se), lost, so + se)
 
     def _into_finished(self, command: str, args: list[str]) -> Outcome:
         """The same command aimed at the finished run's folder without --resume: it must refuse and leave the folder
@@ -704,15 +902,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=int, default=10000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--through", default="", help="also push every case through these: run,compile (subprocesses)")
+    ap.add_argument("--through", default="", help="also push every case through these (subprocesses): run, compile, "
+                    "env (a run with COMPOSER_RUN_DIR/LOCAL_RANK or MLflow at a closed port set), tamper (a finished "
+                    "run's folder tampered with one way, then resumed, exported or shown)")
     ap.add_argument("--run-timeout", type=float, default=180.0, help="seconds before a `run` counts as a hang")
     ap.add_argument("--compile-timeout", type=float, default=90.0, help="seconds before a `compile` counts as a hang")
     ap.add_argument("--save", type=Path, default=None, help="write every crashing, hanging or data-losing case here")
     ap.add_argument("--show", type=int, default=5, help="print this many crashing cases in full")
     args = ap.parse_args(argv)
     steps = [s for s in args.through.split(",") if s]
-    if set(steps) - {"run", "compile"}:
-        ap.error(f"--through takes run and/or compile, not {args.through!r}")
+    if set(steps) - {"run", "compile", "env", "tamper"}:
+        ap.error(f"--through takes run, compile, env and/or tamper, not {args.through!r}")
     t0 = time.perf_counter()
     tally = fuzz(args.cases, args.seed, steps, args.save, args.show, log=lambda m: print(m, file=sys.stderr, flush=True),
                  **({"run_timeout_s": args.run_timeout, "compile_timeout_s": args.compile_timeout} if steps else {}))

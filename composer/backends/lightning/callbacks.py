@@ -73,8 +73,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.replace(tmp, path)
         except BaseException as e:
             tmp.unlink(missing_ok=True)  # a partial file would keep filling the disk
-            if isinstance(e, OSError):
-                raise CheckpointError(f"cannot write the checkpoint {path}: {e.strerror or e}; the previous "
+            # torch's zip writer reports a full disk as RuntimeError ("PytorchStreamWriter failed writing file")
+            if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "PytorchStreamWriter" in str(e)):
+                why = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [""])[0]
+                raise CheckpointError(f"cannot write the checkpoint {path}: {why} (a full disk?); the previous "
                                       "checkpoint is kept") from None
             raise
 
@@ -98,8 +100,13 @@ class GracefulStop(L.Callback):
         self.deferred = False  # inside trainer.fit: only record the signal (Lightning turns a
         self.finishing = False  # KeyboardInterrupt there into exit status 1); after it: final evaluation
         self._old = {}
+        self._handled = 0  # signals the Python handler ran for (the watchdog compares)
+        self._watch = None  # (read fd, write fd, previous wakeup fd) while the watchdog runs
+
+    STUCK_SECONDS = 5.0  # a signal the interpreter has not handled by then: the main thread waits in native code
 
     def _handler(self, signum, frame):
+        self._handled += 1
         if self.requested or not self.deferred:  # a second signal, or not training yet: stop now
             self.requested = self.requested or signal.Signals(signum).name
             raise KeyboardInterrupt
@@ -111,11 +118,68 @@ class GracefulStop(L.Callback):
                 self._old.setdefault(sig, signal.signal(sig, self._handler))
             except ValueError:  # not the main thread
                 pass
+        if self._old and self._watch is None:
+            self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
+        """Python runs a signal handler only between bytecodes: a main thread blocked in native code (a
+        rendezvous waiting for nodes that never come, a hung collective) would ignore SIGTERM forever. A
+        thread sees each signal on the wakeup fd; one the handler has not taken within STUCK_SECONDS ends
+        the process (nothing can be checkpointed from there anyway)."""
+        import threading
+
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        try:
+            old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread
+            os.close(r)
+            os.close(w)
+            return
+        self._watch = (r, w, old_fd)
+
+        def watch():
+            try:
+                _watch_signals()
+            finally:
+                os.close(r)
+
+        def _watch_signals():
+            seen = 0
+            while True:
+                try:
+                    data = os.read(r, 64)
+                except OSError:
+                    return
+                if not data:
+                    return
+                for signum in data:
+                    if signum not in (signal.SIGINT, signal.SIGTERM):
+                        continue
+                    seen += 1
+                    deadline = time.monotonic() + self.STUCK_SECONDS
+                    while time.monotonic() < deadline and self._handled < seen:
+                        time.sleep(0.05)
+                    if self._handled < seen and self._watch is not None:
+                        name = signal.Signals(signum).name
+                        os.write(2, f"\n{name}: the run was waiting in native code (a rendezvous with other nodes, "
+                                    f"a collective) and did not stop; ended now\n".encode())
+                        os._exit(128 + signum)
+
+        threading.Thread(target=watch, name="composer-signal-watchdog", daemon=True).start()
 
     def uninstall(self) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old = {}
+        if self._watch is not None:
+            r, w, old_fd = self._watch
+            self._watch = None
+            try:
+                signal.set_wakeup_fd(old_fd)
+            except ValueError:
+                pass
+            os.close(w)  # the watchdog's read returns empty and it ends
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.install()
@@ -128,6 +192,14 @@ class GracefulStop(L.Callback):
             trainer.should_stop = True
             pl_module.stopped_by = self.requested
 
+
+
+def _step_cell(row: dict) -> int | None:
+    """A metrics.csv row's step, None when the cell is not a whole number (an edited or damaged file)."""
+    try:
+        return int(str(row.get("step")).strip())
+    except (TypeError, ValueError):
+        return None
 
 class _KeepingWriter(_ExperimentWriter):
     """Lightning's CSV writer deletes an existing metrics.csv; on resume keep the rows before the resumed step."""
@@ -144,7 +216,7 @@ class _KeepingWriter(_ExperimentWriter):
                 with open(self.metrics_file_path, newline="") as f:
                     reader = csv.DictReader(f)
                     keys = list(reader.fieldnames or [])
-                    rows = [r for r in reader if r.get("step") not in (None, "") and int(r["step"]) < keep_before]
+                    rows = [r for r in reader if (st := _step_cell(r)) is not None and st < keep_before]
             self.metrics_keys = keys if rows else []
             self._write_all(rows)
 

@@ -280,9 +280,18 @@ class ComposerModule(L.LightningModule):
         if state["rollout_weights"] is not None and hasattr(ctx.engine, "model"):
             ctx.engine.model.load_state_dict(state["rollout_weights"])
         ctx.engine.last_sync = state["last_sync"]
-        rng = state["rng"]  # random.setstate wants (version, tuple of ints, gauss)
-        ctx.rng.setstate((rng[0], tuple(rng[1]), rng[2]))
-        torch.set_rng_state(state["torch_rng"])
+        try:
+            rng = state["rng"]  # random.setstate wants (version, tuple of ints, gauss)
+            ctx.rng.setstate((rng[0], tuple(rng[1]), rng[2]))
+            torch.set_rng_state(state["torch_rng"])
+            if type(state["data_pos"]) is not int or state["data_pos"] < 0:
+                raise TypeError(f"data_pos {state['data_pos']!r:.40}")
+        except (TypeError, ValueError, IndexError, KeyError, RuntimeError) as e:
+            from composer.backends.lightning.checkpoint import CheckpointError
+
+            raise CheckpointError(f"the checkpoint's training state is damaged (random state or data position: "
+                                  f"{type(e).__name__}: {str(e)[:200]}); it cannot be resumed bit for bit\n"
+                                  "    hint: resume from an intact checkpoint, or start a new run") from None
         ctx.data_pos = state["data_pos"]
         if state["initial"] is not None:
             ctx.restore_initial(state["initial"])

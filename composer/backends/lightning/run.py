@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
+import secrets
 import shutil
+import stat
 import time
 from pathlib import Path
 
@@ -59,6 +62,20 @@ def last_checkpoint(out: Path) -> Path | None:
 LOCK = ".lock"
 
 
+def _open_lock(path: Path):
+    """The run folder's lock file, never through a symbolic link (that would truncate the file it points to)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(e.errno, f"its {LOCK} is a symbolic link (not followed; remove it)") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"its {LOCK} is not a regular file (remove it)")
+    return os.fdopen(fd, "r+")
+
+
 @contextlib.contextmanager
 def claim_folder(out: Path, resume: bool):
     """Own the run folder for the run's duration: created if needed, locked against a second run, and
@@ -70,8 +87,8 @@ def claim_folder(out: Path, resume: bool):
         out.mkdir(parents=True, exist_ok=True)
         if not out.is_dir():
             raise NotADirectoryError(20, "not a directory")
-        lock = open(out / LOCK, "a+")
-    except (OSError, ValueError) as e:  # /proc, /sys, a file, a name too long, a NUL byte
+        lock = _open_lock(out / LOCK)
+    except (OSError, ValueError) as e:  # /proc, /sys, a file, a name too long, a NUL byte, a .lock link
         raise RunError(f"{out}: cannot use it as the run folder: {getattr(e, 'strerror', None) or e}\n"
                        "    hint: give --out a writable folder path") from None
     try:
@@ -79,13 +96,15 @@ def claim_folder(out: Path, resume: bool):
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             lock.seek(0)
-            owner = lock.read().strip() or "?"
+            owner = (lock.read().split() or ["?"])[0]
             raise RunError(f"{out}: another run (pid {owner}) is using this folder; wait for it to finish, or "
                            "choose another --out") from None
+        token = secrets.token_hex(16)  # proves to the ranks rank 0 starts that this run owns the folder
         lock.seek(0)
         lock.truncate()
-        lock.write(str(os.getpid()))
+        lock.write(f"{os.getpid()} {token}")
         lock.flush()
+        os.environ[RUN_ENV + "_TOKEN"] = token
         held = sorted(p.name for p in out.iterdir() if p.name != LOCK)
         if held and not resume:
             shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
@@ -145,7 +164,14 @@ def check_launcher(num_nodes: int) -> None:
             detected += [name] if env is not None and env.detect() else []
         except Exception:  # an environment whose optional package is missing (mpi4py)
             pass
-    if detected or ("NODE_RANK" in os.environ and "MASTER_ADDR" in os.environ):
+    if detected:
+        return
+    if "NODE_RANK" in os.environ and "MASTER_ADDR" in os.environ:  # started by hand on each node: say what it waits for
+        import sys
+
+        sys.stderr.write(f"train.num_nodes {num_nodes}: node {os.environ['NODE_RANK']} waits for the other nodes at "
+                         f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '?')} (SIGTERM or Ctrl-C "
+                         "stops it)\n")
         return
     raise RunError(f"train.num_nodes is {num_nodes}, but no multi-node launcher started this process (no SLURM, "
                    "torchrun/torchelastic, Kubeflow, LSF or MPI environment, and NODE_RANK/MASTER_ADDR unset); "
@@ -159,10 +185,39 @@ RUN_ENV = "COMPOSER_RUN_DIR"  # set by rank 0 for the processes Lightning starts
 def launched_child() -> dict | None:
     """{out, resume, rank} when this process is another rank of a run that rank 0 owns (started by Lightning's
     launcher, which passes rank 0's environment on, or by torchrun/SLURM with RANK > 0), else None."""
-    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
-    if RUN_ENV in os.environ and (rank > 0 or "LOCAL_RANK" in os.environ):
-        return {"out": os.environ[RUN_ENV], "resume": os.environ.get(RUN_ENV + "_RESUME") == "1", "rank": rank}
-    return None
+    try:
+        rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
+    except ValueError:
+        return None
+    if RUN_ENV not in os.environ or not (rank > 0 or "LOCAL_RANK" in os.environ):
+        return None
+    out = os.environ[RUN_ENV]
+    if rank <= 0 or not _owned_by_parent(Path(out), os.environ.get(RUN_ENV + "_TOKEN", "")):
+        return None  # not started by the run that holds that folder: an ordinary run (its own --out and lock)
+    return {"out": out, "resume": os.environ.get(RUN_ENV + "_RESUME") == "1", "rank": rank}
+
+
+def _owned_by_parent(out: Path, token: str) -> bool:
+    """The folder's lock is held right now by this process's parent, which wrote `token` into it: the
+    environment alone (COMPOSER_RUN_DIR and LOCAL_RANK set by hand) never hands over another run's folder."""
+    if not token:
+        return False
+    try:
+        fd = os.open(out / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        pid, _, written = os.read(fd, 200).decode("ascii", "replace").partition(" ")
+        if not secrets.compare_digest(written.strip(), token) or pid.strip() != str(os.getppid()):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return True  # held (by rank 0)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
 
 
 def train(validated, out: Path, resume: bool = False, progress: bool = True, final_eval=None, recorder=None) -> dict:
@@ -250,14 +305,21 @@ def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop:
 def _fit(validated, out: Path, plan: dict, module, loggers, callbacks, ckpt, stop: GracefulStop, final_eval,
          tokenizer, progress: bool) -> dict:
     t = validated.spec.train
-    trainer = L.Trainer(
-        max_steps=plan["total_steps"], max_epochs=-1, accelerator=t.accelerator, devices=t.devices,
-        strategy=t.strategy, num_nodes=t.num_nodes, precision=t.precision,
-        logger=loggers, callbacks=callbacks, log_every_n_steps=1,
-        enable_progress_bar=progress, enable_model_summary=False, num_sanity_val_steps=0,
-        enable_checkpointing=True, default_root_dir=str(out), limit_val_batches=0,
-        plugins=[AtomicCheckpointIO()],
-    )
+    try:
+        trainer = L.Trainer(
+            max_steps=plan["total_steps"], max_epochs=-1, accelerator=t.accelerator, devices=t.devices,
+            strategy=t.strategy, num_nodes=t.num_nodes, precision=t.precision,
+            logger=loggers, callbacks=callbacks, log_every_n_steps=1,
+            enable_progress_bar=progress, enable_model_summary=False, num_sanity_val_steps=0,
+            enable_checkpointing=True, default_root_dir=str(out), limit_val_batches=0,
+            plugins=[AtomicCheckpointIO()],
+        )
+    except (ValueError, TypeError) as e:  # Lightning's refusal of a setting this machine cannot honour
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise RunError(f"train.accelerator {t.accelerator}, devices {t.devices}, strategy {t.strategy}, precision "
+                       f"{t.precision}: Lightning cannot run this here: {first}\n    hint: on a machine without "
+                       "GPUs use strategy auto or ddp and a device count (train.devices=2), not a list of "
+                       "indices") from None
     stop.deferred = True  # inside fit a signal stops the run after the current step
     try:
         trainer.fit(module, ckpt_path=str(ckpt) if ckpt else None)
@@ -340,6 +402,9 @@ def build_loggers(validated, out: Path, resumed_at: int | None) -> list:
             uri = os.environ.get("MLFLOW_TRACKING_URI") or (out.resolve() / "mlruns").as_uri()
             if uri.startswith("file:") or "://" not in uri:  # a folder: MLflow 3 wants this said out loud
                 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            # a server that stops answering: a few short retries, not MLflow's default of minutes
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
             try:
                 lg = MLFlowLogger(experiment_name=os.environ.get("MLFLOW_EXPERIMENT_NAME") or spec.name,
                                   run_name=out.name, tracking_uri=uri, run_id=ids.get("mlflow"))

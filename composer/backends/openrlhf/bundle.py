@@ -181,6 +181,13 @@ def _eos(path: str, v) -> str | None:
         return None
 
 
+def _asks_remote_code(v) -> bool:
+    """The spec, in any segment, asks to run a model folder's code (the policy or a policy_model source)."""
+    return any(bool(getattr(seg.spec.policy, "trust_remote_code", False))
+               or any(bool(getattr(src, "trust_remote_code", False)) for src in seg.spec.sources.values())
+               for seg in v.segments)
+
+
 def trust_remote_code(v) -> bool:
     """The spec's `policy.trust_remote_code` (default False), passed to every tokenizer the bundle loads."""
     return bool(v.spec.policy.trust_remote_code)
@@ -220,6 +227,8 @@ def compile_bundle(v, out: Path, layout: Layout) -> dict:
     (out / "args.json").write_text(json.dumps({r.name: r.argv for r in runs}, indent=1) + "\n")
     (out / "command.txt").write_text("\n".join(commands) + "\n")
     env = runtime_env(layout)
+    if _asks_remote_code(v):  # compiled with the user's --trust-remote-code (validation refuses it otherwise)
+        env["env_vars"]["COMPOSER_TRUST_REMOTE_CODE"] = "1"
     (out / "runtime_env.json").write_text(json.dumps(env, indent=1) + "\n")
     (out / "launch.sh").write_text(launch_script(v.spec.name, [entry_words(r) for r in runs], layout))
     ship_code(out)
