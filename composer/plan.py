@@ -12,6 +12,7 @@ from composer import graph
 from composer.origins import ORIGINS
 from composer.runtime.prompts import example_prompts
 from composer.runtime.vllm_engine import engine_note
+from composer.schedules import describe, is_scheduled, schedule_json
 from composer.terms import rolls_out, scored_origins, terms
 from composer.validate import Segment, Validated
 
@@ -111,7 +112,8 @@ def _origins(spec) -> list[dict]:
                      "anchor": anchors.get(o) if o in present else None,
                      "behaviour": _behaviour(o, spec) if o in present else None}
                  for o in ORIGINS[1:]}
-        out.append({"term": name, "signal": sig.kind_name(), "objective": obj.kind_name(), "weight": weight,
+        out.append({"term": name, "signal": sig.kind_name(), "objective": obj.kind_name(),
+                    "weight": schedule_json(weight), "weight_text": describe(weight), "settings": obj.describe(),
                     "batch": "built by the signal" if sig.makes_batch else "rollout", "origins": table})
     return out
 
@@ -127,7 +129,14 @@ def _dataflow(spec) -> list[str]:
             continue
         flow.append(sig.describe(spec))
         flow.append(f"{obj.kind_name()} loss")
-    flow.append("optimizer step")
+    t = spec.train
+    if t.epochs * t.mini_batches > 1:
+        flow.append(f"old log-probs of the policy, then {t.epochs} epoch(s) x {t.mini_batches} mini-batch(es) of "
+                    f"whole groups: {t.epochs * t.mini_batches} optimizer steps")
+    else:
+        flow.append("optimizer step")
+    if is_scheduled(t.entropy_coef) or t.entropy_coef:
+        flow.append(f"entropy bonus {describe(t.entropy_coef)}")
     if rolls_out(spec):
         flow.append(f"sync rollout weights every {spec.sync.every} step(s)" +
                     (", clearing the buffer" if spec.sync.clear_buffer and spec.sync.every > 1 else ""))
@@ -169,7 +178,7 @@ def _segment(seg: Segment) -> dict:
     return {
         "name": seg.name, "start": seg.start, "end": seg.end, "stage": seg.stage,
         "guide": _component(spec.rollout.guide) if rolls_out(spec) else None,
-        "terms": [{"name": n, "weight": w, "signal": _component(s) if s else None,
+        "terms": [{"name": n, "weight": schedule_json(w), "signal": _component(s) if s else None,
                    "objective": _component(o) if o else None} for n, s, o, w in terms(spec)],
         "reference": spec.train.reference,
         "sync": spec.sync.model_dump(mode="json"),

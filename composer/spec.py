@@ -11,6 +11,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from composer import registry
+from composer.schedules import ScheduledNumber
 
 # Bounds: far beyond any real run, but inside what the runtime can count and allocate (int64 step
 # counters, one batch in memory). A value past them is a typo or an attack, refused before anything runs.
@@ -131,7 +132,9 @@ class Train(Strict):
     warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Linear warm-up steps.")
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate schedule after warm-up.")
     grad_clip: float = Field(1.0, ge=0, allow_inf_nan=False, description="Gradient-norm clip; 0 disables.")
-    entropy_coef: float = Field(0.0, allow_inf_nan=False, description="Subtract this times the token-mean entropy from the loss.")
+    entropy_coef: ScheduledNumber = Field(0.0, description="Subtract this times the token-mean entropy from the loss: a number or a schedule ({kind: linear|cosine|step, start, end, steps, begin}).")
+    epochs: int = Field(1, ge=1, le=64, description="Passes over each step's rollouts (PPO epochs; TRL num_iterations, verl ppo_epochs, OpenRLHF max_epochs). With epochs x mini_batches > 1 the importance ratio's denominator is the policy's log-prob at the start of the step's first pass (`old`), the behaviour log-prob stays the sampler's.")
+    mini_batches: int = Field(1, ge=1, le=MAX_BATCH, description="Optimizer steps per pass: the step's groups split into this many mini-batches of whole groups (verl ppo_mini_batch_size, OpenRLHF train_batch_size = rollouts / mini_batches).")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Random seed for data order, sampling and initialisation.")
     backend: Literal["lightning", "openrlhf"] = Field("lightning", description="Which backend compiles the run.")
     micro_batch_size: int = Field(64, ge=1, le=MAX_BATCH, description="Sequences per forward pass when computing log-probs and loss.")
@@ -291,7 +294,7 @@ def spec_model(builtins_only: bool = False) -> type[BaseModel]:
         "Term", __base__=Strict,
         signal=(signal_u, Field(..., description="Where the learning signal comes from.")),
         objective=(objective_u, Field(..., description="How the signal becomes a loss.")),
-        weight=(float, Field(1.0, allow_inf_nan=False, description="Weight of this term in the summed loss.")),
+        weight=(ScheduledNumber, Field(1.0, description="Weight of this term in the summed loss: a number or a schedule ({kind: linear|cosine|step, start, end, steps, begin}) resolved per step.")),
         name=(Optional[Name], Field(None, description="Name used when logging this term, [a-z0-9_-]+ (default: term<i>).")),
     )
     phase, stage = _segment_models(term, builtins_only)

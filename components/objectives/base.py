@@ -37,6 +37,15 @@ class Objective(Component):
     on_policy_only: ClassVar[bool] = False  # assumes rollouts come from the current weights, no correction
     policy_gradient: ClassVar[bool] = False  # importance-ratio policy gradient: off-policy tokens must be masked
     uses_group_baseline: ClassVar[bool] = False
+    # Why several optimizer steps on one rollout batch (train.epochs x train.mini_batches) stay sound for this
+    # objective, in words; None: it assumes data from the current weights (refused unless sync.off_policy_ok).
+    several_updates: ClassVar[str | None] = None
+
+    def describe(self) -> list[str]:
+        """Every setting in words, for `explain` (default: each field and its value)."""
+        skip = {"kind", "loss_tokens"}
+        parts = [f"{n}: {_words(getattr(self, n))}" for n in type(self).model_fields if n not in skip]
+        return ["; ".join(parts)] if parts else []
 
     @property
     def wants_logits(self) -> bool:
@@ -81,6 +90,14 @@ class Objective(Component):
     def loss_mask(self, batch) -> Tensor:
         """[B, T] bool: tokens of `loss_tokens` origins that are not padding."""
         return batch.mask(self.loss_tokens) & batch.attention_mask
+
+
+def _words(v) -> str:
+    if hasattr(v, "describe") and callable(v.describe):
+        return v.describe()
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
 
 
 def whole_batch_loss(obj: Objective, batch, view):

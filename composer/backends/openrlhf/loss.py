@@ -21,7 +21,7 @@ from composer.backends.openrlhf.batch import decode_label, shift, to_batch
 from composer.batch import PolicyView, TrajectoryBatch
 from composer.lazy import F, torch
 from composer.origins import CODE
-from composer.terms import terms  # noqa: F401  (hooks and agent read terms here)
+from composer.terms import terms, terms_at  # noqa: F401  (hooks and agent read terms here)
 
 
 class Segments:
@@ -146,7 +146,12 @@ class ComposerLoss:
                  batch_num_tokens=None, global_batch_size=None):
         exp = self.ctx["experience"]
         spec = self.segments.at(step_of(exp.labels))
-        term_list, batches = self.batches(spec, log_probs, action_mask, rollout_log_probs)
+        _, batches = self.batches(spec, log_probs, action_mask, rollout_log_probs)
+        if spec.train.epochs > 1:  # several passes (--train.max_epochs): the ratio's denominator is the actor's
+            old = shift(old_log_probs.float())  # log-prob of the make-experience step, before the first pass
+            batches = [dataclasses.replace(b, old_logprobs=old) for b in batches]
+        # scheduled numbers (term weights, kl_coef) at the step's global index, as on Lightning
+        term_list = terms_at(spec, self.segments.offset + step_of(exp.labels))
         advs = {i: a.to(log_probs.device) for i, a in self.ctx.get("advantages", {}).items()}
         logits = self.ctx.get("logits")
         view = PolicyView(shift(log_probs), logits=None if logits is None else shift(logits[:, :-1]))
