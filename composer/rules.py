@@ -295,13 +295,24 @@ def loss_tokens_written(spec, segment):
 
 @rule("term_weight_positive")
 def term_weight_positive(spec, segment):
+    """A term whose weight is never positive has its loss ignored or maximised. Not warned: a negative weight on a
+    distillation from the policy's own initial weights, which pushes away from the start on purpose (ExOPD's
+    extrapolation, -(lambda - 1) KL(pi_theta || pi_ref))."""
     from composer.schedules import describe, values
 
-    return [_d("term_weight_positive", f"term {i} has weight {describe(t.weight)}: its loss is "
-               + ("ignored" if max(values(t.weight)) == 0 else "maximised, not minimised"), ("terms", i, "weight"),
-               "use a positive weight, or remove the term", severity="warning")
-            for i, t in enumerate(spec.terms or []) if min(values(t.weight)) <= 0 and max(values(t.weight)) <= 0
-            or min(values(t.weight)) < 0]
+    def away_from_initial(t) -> bool:
+        name = getattr(t.signal, "teacher_source", None)
+        src = spec.sources.get(name) if name else None
+        return src is not None and getattr(src, "wants_initial", False) and max(values(t.weight)) < 0
+
+    out = []
+    for i, t in enumerate(spec.terms or []):
+        lo, hi = values(t.weight)
+        if (hi <= 0 or lo < 0) and not away_from_initial(t):
+            out.append(_d("term_weight_positive", f"term {i} has weight {describe(t.weight)}: its loss is "
+                          + ("ignored" if hi == 0 and lo == 0 else "maximised, not minimised"), ("terms", i, "weight"),
+                          "use a positive weight, or remove the term", severity="warning"))
+    return out
 
 
 @rule("several_updates_need_a_ratio")

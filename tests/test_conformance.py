@@ -35,7 +35,8 @@ from composer.plan import compile_plan
 from composer.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
-SPECS = sorted((ROOT / "specs").glob("*.yaml")) + sorted((ROOT / "specs" / "hybrids").glob("*.yaml"))
+SPECS = (sorted((ROOT / "specs").glob("*.yaml")) + sorted((ROOT / "specs" / "hybrids").glob("*.yaml"))
+         + sorted((ROOT / "specs" / "methods").glob("*.yaml")))
 FAST = ["train.prompts_per_step=2", "rollout.max_new_tokens=16", "train.eval_every=0", "train.eval_samples=2",
         "train.checkpoint_every=1000"]
 GUIDE_ORIGINS = ("guide_prefix", "guide_intervention")

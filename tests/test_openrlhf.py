@@ -34,7 +34,8 @@ needs_openrlhf = pytest.mark.skipif(not HAVE_OPENRLHF, reason="openrlhf is not i
                                     "(pip install --no-deps openrlhf==0.11.2): no real parser to check against")
 # hybrids that the Lightning backend runs and OpenRLHF cannot express: refused with the reason (tested below)
 LIGHTNING_ONLY = {"specs/hybrids/fkl-plus-sft.yaml": ("terms[1].signal", "cannot be mixed with rollout terms")}
-SPECS = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("specs/*.yaml"), *ROOT.glob("specs/hybrids/*.yaml")]
+SPECS = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("specs/*.yaml"), *ROOT.glob("specs/hybrids/*.yaml"),
+                                                   *ROOT.glob("specs/methods/*.yaml")]
                if str(p.relative_to(ROOT)) not in LIGHTNING_ONLY)
 PR, POL, GI, PAD = CODE["prompt"], CODE["policy"], CODE["guide_intervention"], CODE["pad"]
 L2 = math.log(2.0)

@@ -34,7 +34,8 @@ def _is_spec(path: Path) -> bool:
     return isinstance(data, dict) and "name" in data and bool({"signal", "terms", "extends"} & set(data))
 
 
-SPECS = sorted((REPO / "specs").glob("*.yaml")) + sorted((REPO / "specs" / "hybrids").glob("*.yaml"))
+SPECS = (sorted((REPO / "specs").glob("*.yaml")) + sorted((REPO / "specs" / "hybrids").glob("*.yaml"))
+         + sorted((REPO / "specs" / "methods").glob("*.yaml")))
 EXAMPLE_SPECS = [p for p in sorted((REPO / "examples").rglob("*.yaml")) if _is_spec(p)]
 ALL_SPECS = SPECS + EXAMPLE_SPECS
 
