@@ -212,3 +212,42 @@ def test_sigkill_inside_a_steps_passes_then_resume_is_exact(tmp_path):
     wa, wb = (ckpt_format.load(d / "checkpoints" / "last.ckpt") for d in (tmp_path / "ref", out))
     assert wa["global_step"] == wb["global_step"] == 6
     assert all(torch.equal(wa["state_dict"][k], wb["state_dict"][k]) for k in wa["state_dict"])
+
+
+@pytest.mark.slow
+def test_ddp_two_passes_equal_one_process_of_the_same_global_batch(tmp_path):
+    """SFT (it samples nothing, so both runs see the same rows) with train.epochs 2 under DDP (two CPU ranks,
+    gloo) equals one process of the same global batch: the same loss at every step and the same weights; a GRPO
+    run with 2 epochs x 2 mini-batches per rank runs under DDP with four updates per step."""
+    import os
+    import subprocess
+    import sys
+
+    from components.tasks.bootstrap import tiny_random_checkpoint
+    from composer.backends.lightning import checkpoint as ckpt_format
+
+    tiny = tiny_random_checkpoint(str(tmp_path / "tiny"))
+    fast = [f"policy.model={tiny}", "rollout.max_new_tokens=12", "train.eval_every=0", "train.eval_samples=2",
+            "train.samples_every=0", "train.accelerator=cpu", "train.steps=2", "--no-progress"]
+    ddp = ["train.strategy=ddp", "train.devices=2"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COMPOSER_THREADS="1")
+    env.pop("COMPOSER_RUN_DIR", None)
+
+    def run_cli(args, out):
+        p = subprocess.run([sys.executable, "-m", "composer", "run", *args, "--out", str(out)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+        with open(out / "metrics.csv", newline="") as f:
+            return [r for r in csv.DictReader(f) if r.get("loss")]
+
+    a = run_cli(["specs/sft.yaml", "train.prompts_per_step=4", "train.epochs=2", *fast], tmp_path / "one")
+    b = run_cli(["specs/sft.yaml", "train.prompts_per_step=2", "train.epochs=2", *ddp, *fast], tmp_path / "ddp")
+    assert [float(r["updates"]) for r in a] == [float(r["updates"]) for r in b] == [2.0, 2.0]
+    for x, y in zip(a, b):
+        assert float(x["loss"]) == pytest.approx(float(y["loss"]), rel=1e-5, abs=1e-6), x["step"]
+    wa, wb = (ckpt_format.load(d / "checkpoints" / "last.ckpt")["state_dict"] for d in (tmp_path / "one", tmp_path / "ddp"))
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], atol=1e-5), k
+    g = run_cli(["specs/grpo.yaml", "train.prompts_per_step=2", "rollout.samples_per_prompt=2", "train.epochs=2",
+                 "train.mini_batches=2", *ddp, *fast], tmp_path / "grpo")
+    assert [float(r["updates"]) for r in g] == [4.0, 4.0]
