@@ -260,8 +260,11 @@ def _segment_models(term, builtins_only: bool) -> tuple[type[BaseModel], type[Ba
                           "null removes it).", nullable=True),
         "objective": _as_raw(objective_p, "The objective, merged over the base spec's (a different `kind` replaces "
                              "it; null removes it).", nullable=True),
-        "terms": _as_raw(list[term], "Weighted signal/objective pairs; replaces the base spec's terms whole "
-                         "(null removes them).", nullable=True, raw=list[Any]),
+        "terms": _as_raw(list[_partial(term, "TermPartial", "A term of a phase or stage: a whole signal/objective "
+                                       "pair, or `{name, ...}` patching the base spec's term of that name.")],
+                         "Weighted signal/objective pairs: when every entry names a term of the base spec, those "
+                         "terms are patched (merged) and the others kept; otherwise the list replaces the base "
+                         "spec's terms whole (null removes them).", nullable=True, raw=list[Any]),
         "sync": _as_raw(sync_p, "Sync settings merged over the base spec's."),
     }
     phase = create_model("Phase", __base__=Phase, __doc__="A step range with partial overrides of the base spec.",

@@ -281,3 +281,22 @@ def test_default_grpo_loss_is_bit_identical_to_the_token_clip():
     surr, _, _ = clipped_surrogate(cur, old, ADV[:, None], 0.2, 0.2)
     mask = b.mask(["policy"]) & b.attention_mask
     assert torch.equal(ours, aggregate(-surr, mask, "token-mean"))
+
+
+def test_explain_tells_every_method_apart(cli):
+    """Without its first line (name and summary), each specs/methods spec's explain text differs from plain GRPO's
+    and from every other's: estimator, ratio, bound, aggregation, updates and schedules are all printed."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    paths = [root / "specs" / "grpo.yaml"] + sorted((root / "specs" / "methods").glob("*.yaml"))
+    texts = {}
+    for p in paths:
+        r = cli("explain", p)
+        assert r.exit_code == 0, r.stdout
+        texts[p.stem] = "\n".join(r.stdout.splitlines()[1:])
+    assert len(set(texts.values())) == len(texts)
+    assert "ratio: per sequence" in texts["gspo"] and "CISPO weight" in texts["cispo"]
+    assert "leave-one-out" in texts["rloo"] and "global batch" in texts["reinforce-pp-baseline"]
+    assert "linear 0.005 -> 0.001" in texts["kdrl"] and "no std" in texts["dr-grpo"]
+    assert "2 mini-batch(es)" in texts["dapo"] and "[1-0.2, 1+0.28]" in texts["dapo"]

@@ -12,7 +12,7 @@ from composer.batch import PolicyView, TrajectoryBatch, concat
 from components.objectives.base import zero_advantage_fraction
 from composer.runtime.context import RunContext
 from composer.runtime.models import token_logprobs
-from composer.schedules import value_at
+from composer.schedules import is_scheduled, value_at
 from composer.terms import terms, terms_at  # noqa: F401  (re-exported: components read terms through step)
 
 
@@ -85,6 +85,7 @@ def loss(ctx: RunContext, policy, batches: list[TrajectoryBatch], shares: dict |
     total = 0.0
     metrics: dict[str, float] = {}
     many = len(batches) > 1
+    raw = [w for *_, w in terms(ctx.spec)]
     for i, ((name, _sig, obj, weight), b) in enumerate(zip(terms_at(ctx.spec, ctx.step), batches)):
         if id(b.tokens) not in views:
             views[id(b.tokens)] = policy_view(policy, b, wants[id(b.tokens)])
@@ -96,12 +97,16 @@ def loss(ctx: RunContext, policy, batches: list[TrajectoryBatch], shares: dict |
             metrics[f"{name}/{k}" if many else k] = v
         if many:
             metrics[f"{name}/loss"] = float(value.detach())
+        if is_scheduled(raw[i]):  # a scheduled weight: its value at this step
+            metrics[f"{name}/weight" if many else "weight"] = float(weight)
     # entropy of the policy on the response tokens of the first rollout batch
     first = batches[0]
     view = views[id(first.tokens)]
     mask = first.response_mask & first.attention_mask
     ent = (view.entropy * mask).sum() / mask.sum().clamp(min=1)
     entropy_coef = value_at(ctx.spec.train.entropy_coef, ctx.step)
+    if is_scheduled(ctx.spec.train.entropy_coef):
+        metrics["entropy_coef"] = float(entropy_coef)
     if entropy_coef:
         total = total - entropy_coef * ent
     if mask.any():  # a batch with no response tokens (e.g. no SFT targets this step) has no entropy
