@@ -89,13 +89,24 @@ def take_step_inputs(info: dict) -> tuple[dict, dict]:
     """Pop what the advantage step left in a micro-batch's Experience.info: per-term advantages [b] and the
     step's normaliser of each term (the same value in every row) -> (advantages, normalisers)."""
     advs, norms = {}, {}
-    for key in [k for k in info if k.startswith("composer/adv")]:
+    for key in [k for k in info if k.startswith("composer/adv") and k[len("composer/adv"):].isdigit()]:
         v = info.pop(key)
         advs[int(key[len("composer/adv"):])] = torch.stack(list(v)) if isinstance(v, list) else v
-    for key in [k for k in info if k.startswith("composer/norm")]:
+    for key in [k for k in info if k.startswith("composer/norm") and k[len("composer/norm"):].isdigit()]:
         v = info.pop(key)
         norms[int(key[len("composer/norm"):])] = float(v[0])
     return advs, norms
+
+
+def step_inputs(experience) -> tuple[dict, dict]:
+    """take_step_inputs once per Experience object. OpenRLHF collates a fresh Experience (and info) from its replay
+    buffer for every pass of --train.max_epochs, so each pass finds them; they are also kept on the object, so a
+    second loss call on one Experience (whose info no longer holds them) gets the same ones."""
+    kept = getattr(experience, "_composer_step_inputs", None)
+    if kept is None:
+        kept = take_step_inputs(experience.info)
+        experience._composer_step_inputs = kept
+    return kept
 
 
 def term_batches(term_list, batch: TrajectoryBatch, metas: list[dict]) -> list[TrajectoryBatch]:
