@@ -189,15 +189,16 @@ class ComposerModule(L.LightningModule):
         one unit for checkpoints: a run stopped in the middle of a step's passes resumes from the checkpoint
         before the step and trains the whole step again, bit for bit. Only the last optimizer step goes through
         Lightning (global_step counts rollout steps: sync, phases, schedules and checkpoints see steps as before).
-        Returns (the mean loss over the updates, metrics of the last update plus the means of the first and last
-        update's loss)."""
+        Returns (the mean loss over the updates, the last update's metrics plus the first update's loss, pg_loss,
+        clip_frac and ratio_mean under first_update/, and `updates`)."""
         ctx = self.ctx
         t = ctx.spec.train
         model = ctx.forward_model(self.policy)
-        set_old_logprobs(model, batches)
+        n = t.epochs * t.mini_batches
+        if n > 1:  # a segment with one update keeps the behaviour log-prob as the denominator, as it always did
+            set_old_logprobs(model, batches)
         parts = run_step.mini_batches(batches, t.mini_batches)
         opt = self.optimizers()
-        n = t.epochs * len(parts)
         losses, metrics = [], {}
         for k in range(n):
             mb = parts[k % len(parts)]
