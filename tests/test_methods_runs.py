@@ -20,9 +20,9 @@ from composer.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = sorted((ROOT / "specs" / "methods").glob("*.yaml"))
-FAST = ["train.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=24",
+FAST = ["train.prompts_per_step=4", "rollout.samples_per_prompt=8", "rollout.max_new_tokens=24",
         "train.eval_every=0", "train.eval_samples=2", "train.checkpoint_every=1000", "train.samples_every=0",
-        "train.steps=2", "train.epochs=2", "train.mini_batches=1", "data.train_tiers=[1,2]", "train.lr=1.0e-3"]
+        "train.steps=2", "train.epochs=2", "train.mini_batches=1", "data.train_tiers=[4,6]", "train.lr=1.0e-3"]
 NEEDS_OFF_POLICY_OK = {"kdrl", "exopd"}  # divergence terms: several passes on purpose
 
 
@@ -113,8 +113,8 @@ def divergence_by_hand(b, cur) -> float:
 @pytest.mark.parametrize("path", METHODS, ids=lambda p: p.stem)
 def test_a_real_step_recomputed_by_hand(path, tmp_path):
     v, records, rows = run(path, tmp_path)
-    assert len(rows) == 2 and all(float(r["loss"]) != 0.0 for r in rows)
-    assert all(float(r["updates"]) == 2 for r in rows)
+    assert len(rows) == 2 and all(float(r["updates"]) == 2 for r in rows)
+    mixed_steps = 0
     terms = [n for n, *_ in spec_terms(v.spec)]
     for step in (0, 1):
         recs = [d for d in records if d["step"] == step]
@@ -129,18 +129,20 @@ def test_a_real_step_recomputed_by_hand(path, tmp_path):
             if d["objective"].kind == "grpo":
                 m = (b.origin == CODE["policy"])
                 ratio = torch.exp(cur - b.old_logprobs)[m]
-                assert float((ratio - 1).abs().max()) > 1e-4  # the ratio moved off 1
+                mixed = any(max(xs) != min(xs) for xs in group_lists(b.rewards, b.group).values())
+                if mixed:  # a step with a learning signal moved the policy: the ratio is off 1
+                    assert float((ratio - 1).abs().max()) > 1e-4
                 want, A = loss_by_hand(path.stem, b, cur)
                 assert torch.allclose(b.advantages.double(), torch.tensor(A, dtype=torch.float64), atol=1e-5)
                 assert loss == pytest.approx(want, rel=1e-4, abs=1e-6)
                 groups = group_lists(b.rewards, b.group).values()
-                assert any(max(xs) != min(xs) for xs in groups), "every group's rewards were equal"
+                mixed_steps += any(max(xs) != min(xs) for xs in groups)
             else:
                 assert loss == pytest.approx(divergence_by_hand(b, cur), rel=1e-4, abs=1e-6)
         if path.stem == "kdrl":  # the KD weight follows its schedule: linear 5e-3 -> 1e-3 over 60 steps
             kd = next(d for d in second if d["term"] == "kd")
             assert kd["weight"] == pytest.approx(5e-3 + (1e-3 - 5e-3) * step / 60)
-        assert total != 0.0
+    assert mixed_steps > 0 or path.stem == "exopd", "every group's rewards were equal at both steps"
 
 
 @pytest.mark.slow
