@@ -19,8 +19,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 validate: $(STAMP)
-	$(BIN)/composer validate specs/*.yaml specs/hybrids/*.yaml
-	for f in specs/*.yaml specs/hybrids/*.yaml; do $(BIN)/composer explain $$f > /dev/null || exit 1; done
+	$(BIN)/composer validate specs/*.yaml specs/hybrids/*.yaml specs/methods/*.yaml
+	for f in specs/*.yaml specs/hybrids/*.yaml specs/methods/*.yaml; do $(BIN)/composer explain $$f > /dev/null || exit 1; done
 
 run: validate
 	$(BIN)/composer run specs/mintrl.yaml

@@ -35,6 +35,8 @@ class TrajectoryBatch:
     notes: list = field(default_factory=list)  # [B] dict: what the guide saw and did for each row
     advantages: Optional["torch.Tensor"] = None  # [B]: the term's per-trajectory advantage (objectives that use one)
     row_mask: Optional["torch.Tensor"] = None  # [B] bool: the rows this term trains on (its gate); None: all
+    old_logprobs: Optional["torch.Tensor"] = None  # [B, T]: the policy at the start of the step's first pass (set
+    # when a step makes several updates, train.epochs x train.mini_batches; the importance ratio's denominator)
 
     @property
     def size(self) -> int:
@@ -133,7 +135,8 @@ def concat(batches: list[TrajectoryBatch], pad_id: int) -> TrajectoryBatch:
         parts.append(replace(b, tokens=pad(b.tokens, pad_id), origin=pad(b.origin), group=b.group + offset,
                              behavior_logprobs=pad(b.behavior_logprobs), behavior_known=pad(b.behavior_known, False),
                              teacher_logprobs=pad(b.teacher_logprobs),
-                             teacher_logits=pad(b.teacher_logits), initial_logprobs=pad(b.initial_logprobs)))
+                             teacher_logits=pad(b.teacher_logits), initial_logprobs=pad(b.initial_logprobs),
+                             old_logprobs=pad(b.old_logprobs)))
         offset += int(b.group.max()) + 1 if b.size else 0
     out = {}
     for f in fields(TrajectoryBatch):

@@ -16,7 +16,7 @@ def story(plan: dict) -> list[str]:
         out += [f"  writes: {w}" for w in seg.get("writers", [])]
         for t in seg["token_origins"]:
             trained = [o for o, v in t["origins"].items() if v["loss"]]
-            weight = f" (weight {t['weight']:g})" if t["weight"] != 1 else ""
+            weight = f" (weight {t.get('weight_text', t['weight'])})" if t["weight"] != 1 else ""
             out.append(f"  learns: {t['objective']} on the {t['signal']} signal{weight}, on "
                        f"{', '.join(trained) or 'no'} tokens")
             if t.get("gate"):
@@ -82,7 +82,8 @@ def text(plan: dict) -> str:
             note = f" ({m['note']})" if m.get("note") else ""
             lines.append(f"    {m['role']:<16} {m['model']}{' [trained]' if m['trainable'] else ''}{note}")
         for t in seg["token_origins"]:
-            lines.append(f"  {t['term']}: {t['signal']} -> {t['objective']} (weight {t['weight']})")
+            lines.append(f"  {t['term']}: {t['signal']} -> {t['objective']} (weight {t.get('weight_text', t['weight'])})")
+            lines += [f"    {s}" for s in t.get("settings", [])]
             if t.get("gate"):
                 lines.append(f"    gate: only rows where {t['gate']}")
             for origin, o in t["origins"].items():

@@ -15,6 +15,7 @@ from composer.runtime.prompts import example_prompts
 from composer.runtime.vllm_engine import engine_note
 from composer.gates import gate_source
 from composer.schedule import compile_schedule
+from composer.schedules import describe, is_scheduled, schedule_json
 from composer.terms import gates, rolls_out, scored_origins, terms
 from composer.validate import Segment, Validated
 
@@ -116,7 +117,8 @@ def _origins(spec) -> list[dict]:
                      "anchor": anchors.get(o) if o in present else None,
                      "behaviour": _behaviour(o, spec) if o in present else None}
                  for o in ORIGINS[1:]}
-        out.append({"term": name, "signal": sig.kind_name(), "objective": obj.kind_name(), "weight": weight,
+        out.append({"term": name, "signal": sig.kind_name(), "objective": obj.kind_name(),
+                    "weight": schedule_json(weight), "weight_text": describe(weight), "settings": obj.describe(),
                     "batch": "built by the signal" if sig.makes_batch else "rollout", "origins": table,
                     "gate": None if gate is None else gate.describe()})
     return out
@@ -137,7 +139,14 @@ def _dataflow(spec) -> list[str]:
         if gate is not None:
             flow.append(f"gate {name}: only rows where {gate.describe()}")
         flow.append(f"{obj.kind_name()} loss")
-    flow.append("optimizer step")
+    t = spec.train
+    if t.epochs * t.mini_batches > 1:
+        flow.append(f"old log-probs of the policy, then {t.epochs} epoch(s) x {t.mini_batches} mini-batch(es) of "
+                    f"whole groups: {t.epochs * t.mini_batches} optimizer steps")
+    else:
+        flow.append("optimizer step")
+    if is_scheduled(t.entropy_coef) or t.entropy_coef:
+        flow.append(f"entropy bonus {describe(t.entropy_coef)}")
     if rolls_out(spec):
         flow.append(f"sync rollout weights every {spec.sync.every} step(s)" +
                     (", clearing the buffer" if spec.sync.reuse and spec.sync.clear_buffer and spec.sync.every > 1 else ""))
@@ -179,7 +188,7 @@ def _segment(seg: Segment) -> dict:
     return {
         "name": seg.name, "start": seg.start, "end": seg.end, "stage": seg.stage,
         "guide": _component(spec.rollout.guide) if rolls_out(spec) else None,
-        "terms": [{"name": n, "weight": w, "signal": _component(s) if s else None,
+        "terms": [{"name": n, "weight": schedule_json(w), "signal": _component(s) if s else None,
                    "objective": _component(o) if o else None,
                    "gate": None if g is None else {**g.model_dump(mode="json", exclude_none=True),
                                                    "rows": g.describe(), "success_source": gate_source(g, spec)}}

@@ -178,7 +178,8 @@ def component_entry(section: str, builtins_only: bool = False) -> Entry:
                        "signals, guides and other sources refer to them by name.",
             "guide": "`rollout.guide:` who else writes tokens into rollouts (default `{kind: none}`).",
             "signal": "`signal:` (or a term's `signal`): where the learning signal comes from.",
-            "objective": "`objective:` (or a term's `objective`): how the signal becomes a loss."}[section]
+            "objective": "`objective:` (or a term's `objective`): how the signal becomes a loss.",
+            "estimator": "`objective.estimator:` (grpo): how rewards and groups become advantages."}[section]
     kinds = [kind_entry(section, c) for _, c in sorted(registry.kinds(section).items())
              if _included(c, builtins_only)]
     return Entry(section, text, kinds=kinds)
@@ -248,7 +249,7 @@ def overview(builtins_only: bool = False) -> list[FieldDoc]:
 # ------------------------------------------------------------------------------------------ topics
 
 def topics() -> list[str]:
-    return [*SPEC_KEYS, "guide", "verifiers"]
+    return [*SPEC_KEYS, "guide", "estimator", "verifiers"]
 
 
 class UnknownTopic(ValueError):
@@ -344,6 +345,8 @@ def markdown(builtins_only: bool = True) -> str:
             out += _md_entry(e, 2)
         if key == "rollout":
             out += _md_entry(component_entry("guide", builtins_only), 2)
+        if key == "objective":  # the kinds of grpo's `estimator` field
+            out += _md_entry(component_entry("estimator", builtins_only), 2)
     out += _md_entry(verifier_entry(builtins_only), 2)
     return "\n".join(re.sub(r"[ \t]+$", "", line) for line in out).rstrip("\n") + "\n"
 

@@ -304,10 +304,99 @@ def loss_tokens_written(spec, segment):
 
 @rule("term_weight_positive")
 def term_weight_positive(spec, segment):
-    return [_d("term_weight_positive", f"term {i} has weight {t.weight}: its loss is "
-               + ("ignored" if t.weight == 0 else "maximised, not minimised"), ("terms", i, "weight"),
-               "use a positive weight, or remove the term", severity="warning")
-            for i, t in enumerate(spec.terms or []) if t.weight <= 0]
+    """A term whose weight is never positive has its loss ignored or maximised. Not warned: a negative weight on a
+    distillation from the policy's own initial weights, which pushes away from the start on purpose (ExOPD's
+    extrapolation, -(lambda - 1) KL(pi_theta || pi_ref))."""
+    from composer.schedules import describe, values
+
+    def away_from_initial(t) -> bool:
+        name = getattr(t.signal, "teacher_source", None)
+        src = spec.sources.get(name) if name else None
+        return src is not None and getattr(src, "wants_initial", False) and max(values(t.weight)) < 0
+
+    out = []
+    for i, t in enumerate(spec.terms or []):
+        lo, hi = values(t.weight)
+        if (hi <= 0 or lo < 0) and not away_from_initial(t):
+            out.append(_d("term_weight_positive", f"term {i} has weight {describe(t.weight)}: its loss is "
+                          + ("ignored" if hi == 0 and lo == 0 else "maximised, not minimised"), ("terms", i, "weight"),
+                          "use a positive weight, or remove the term", severity="warning"))
+    return out
+
+
+@rule("several_updates_need_a_ratio")
+def several_updates_need_a_ratio(spec, segment):
+    """epochs x mini_batches > 1 trains on the same rollouts after the weights moved: an objective needs a
+    correction for that (an importance ratio to the old log-probs) or to be off-policy by design."""
+    t = spec.train
+    if t.epochs * t.mini_batches <= 1 or spec.sync.off_policy_ok:
+        return []
+    out = []
+    for base, sig, obj in _pairs_with_paths(spec):
+        if obj is not None and type(obj).several_updates is None:
+            field = "epochs" if t.epochs > 1 else "mini_batches"
+            out.append(_d("several_updates_need_a_ratio",
+                          f"train.{field} is {getattr(t, field)}, but {obj.kind_name()} has no importance ratio to "
+                          "the old log-probs: every update after the first would treat rollouts of older weights "
+                          "as the current policy's", ("train", field),
+                          "set train.epochs: 1 and train.mini_batches: 1, use an objective with a ratio (grpo), or "
+                          "set sync.off_policy_ok: true to train on the same rollouts several times on purpose"))
+    return out
+
+
+@rule("mini_batches_fit_groups")
+def mini_batches_fit_groups(spec, segment):
+    t = spec.train
+    if t.mini_batches > t.prompts_per_step:
+        return [_d("mini_batches_fit_groups", f"train.mini_batches is {t.mini_batches}, but a step has "
+                   f"{t.prompts_per_step} prompts: mini-batches hold whole groups, so some would be empty",
+                   ("train", "mini_batches"), f"use at most {t.prompts_per_step} mini-batches")]
+    return []
+
+
+@rule("sequence_ratio_clip")
+def sequence_ratio_clip(spec, segment):
+    """A sequence-level ratio (GSPO) is the exp of a mean of token log-ratios: it moves far less than a token
+    ratio, and a token PPO clip range (0.2) would never act on it."""
+    out = []
+    for base, _sig, obj in _pairs_with_paths(spec):
+        if obj is None or getattr(obj, "ratio", "token") == "token" or obj.bound != "clip":
+            continue
+        if not {"clip", "clip_low", "clip_high"} & obj.model_fields_set:
+            out.append(_d("sequence_ratio_clip", f"ratio: {obj.ratio} with the clip range of token-level PPO "
+                          f"(clip {obj.clip:g} by default): a length-normalised sequence ratio rarely leaves "
+                          "[0.8, 1.2], so the clip would not act", base + ("objective", "clip_low"),
+                          "set the sequence clip range explicitly, e.g. clip_low: 3.0e-4, clip_high: 4.0e-4 (GSPO)"))
+    return out
+
+
+@rule("bound_fields")
+def bound_fields(spec, segment):
+    """Fields that only mean something with another one: dual_clip with the PPO clip; an explicit estimator
+    instead of the std_norm / std_eps shorthand."""
+    out = []
+    for base, _sig, obj in _pairs_with_paths(spec):
+        if obj is None or obj.kind_name() != "grpo":
+            continue
+        if obj.dual_clip is not None and obj.bound != "clip":
+            out.append(_d("bound_fields", f"dual_clip applies to the PPO clip, but bound is {obj.bound}",
+                          base + ("objective", "dual_clip"), "remove dual_clip, or use bound: clip"))
+        if obj.estimator is not None and {"std_norm", "std_eps"} & obj.model_fields_set:
+            out.append(_d("bound_fields", "std_norm / std_eps describe the default estimator, but an estimator is "
+                          "given", base + ("objective", "std_norm" if "std_norm" in obj.model_fields_set else
+                                           "std_eps"),
+                          "write it in the estimator: {kind: group_mean, std: group | batch | none, eps: ...}"))
+    return out
+
+
+@rule("several_updates_precision")
+def several_updates_precision(spec, segment):
+    t = spec.train
+    if t.epochs * t.mini_batches > 1 and t.precision == "16-mixed":
+        return [_d("several_updates_precision", "several updates per step step the optimizer inside the step, "
+                   "which 16-mixed's loss scaler does not follow", ("train", "precision"),
+                   "use bf16-mixed or 32-true")]
+    return []
 
 
 @rule("reward_parts_are_rewards")

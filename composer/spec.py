@@ -13,6 +13,7 @@ from pydantic_core import PydanticCustomError
 from composer import registry
 from composer.filters import RolloutFilter
 from composer.gates import Gate
+from composer.schedules import ScheduledNumber
 
 # Bounds: far beyond any real run, but inside what the runtime can count and allocate (int64 step
 # counters, one batch in memory). A value past them is a typo or an attack, refused before anything runs.
@@ -140,7 +141,9 @@ class Train(Strict):
     warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Linear warm-up steps.")
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate schedule after warm-up.")
     grad_clip: float = Field(1.0, ge=0, allow_inf_nan=False, description="Gradient-norm clip; 0 disables.")
-    entropy_coef: float = Field(0.0, allow_inf_nan=False, description="Subtract this times the token-mean entropy from the loss.")
+    entropy_coef: ScheduledNumber = Field(0.0, description="Subtract this times the token-mean entropy from the loss: a number or a schedule ({kind: linear|cosine|step, start, end, steps, begin}).")
+    epochs: int = Field(1, ge=1, le=64, description="Passes over each step's rollouts (PPO epochs; TRL num_iterations, verl ppo_epochs, OpenRLHF max_epochs). With epochs x mini_batches > 1 the importance ratio's denominator is the policy's log-prob at the start of the step's first pass (`old`), the behaviour log-prob stays the sampler's.")
+    mini_batches: int = Field(1, ge=1, le=MAX_BATCH, description="Optimizer steps per pass: the step's groups split into this many mini-batches of whole groups (verl ppo_mini_batch_size, OpenRLHF train_batch_size = rollouts / mini_batches).")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Random seed for data order, sampling and initialisation.")
     backend: Literal["lightning", "openrlhf"] = Field("lightning", description="Which backend compiles the run.")
     micro_batch_size: int = Field(64, ge=1, le=MAX_BATCH, description="Sequences per forward pass when computing log-probs and loss.")
@@ -280,8 +283,11 @@ def _segment_models(term, builtins_only: bool) -> tuple[type[BaseModel], type[Ba
                           "null removes it).", nullable=True),
         "objective": _as_raw(objective_p, "The objective, merged over the base spec's (a different `kind` replaces "
                              "it; null removes it).", nullable=True),
-        "terms": _as_raw(list[term], "Weighted signal/objective pairs; replaces the base spec's terms whole "
-                         "(null removes them).", nullable=True, raw=list[Any]),
+        "terms": _as_raw(list[_partial(term, "TermPartial", "A term of a phase or stage: a whole signal/objective "
+                                       "pair, or `{name, ...}` patching the base spec's term of that name.")],
+                         "Weighted signal/objective pairs: when every entry names a term of the base spec, those "
+                         "terms are patched (merged) and the others kept; otherwise the list replaces the base "
+                         "spec's terms whole (null removes them).", nullable=True, raw=list[Any]),
         "sync": _as_raw(sync_p, "Sync settings merged over the base spec's."),
     }
     phase = create_model("Phase", __base__=Phase, __doc__="A step range with partial overrides of the base spec.",
@@ -314,7 +320,7 @@ def spec_model(builtins_only: bool = False) -> type[BaseModel]:
         "Term", __base__=Strict,
         signal=(signal_u, Field(..., description="Where the learning signal comes from.")),
         objective=(objective_u, Field(..., description="How the signal becomes a loss.")),
-        weight=(float, Field(1.0, allow_inf_nan=False, description="Weight of this term in the summed loss.")),
+        weight=(ScheduledNumber, Field(1.0, description="Weight of this term in the summed loss: a number or a schedule ({kind: linear|cosine|step, start, end, steps, begin}) resolved per step.")),
         name=(Optional[Name], Field(None, description="Name used when logging this term, [a-z0-9_-]+ (default: term<i>).")),
         gate=(Optional[Gate], Field(None, description="Train this term only on the rows a predicate of the rollout selects (outcome, group success rate, a successful sibling, entropy quantile); rows outside get no loss from it and do not count in its normaliser.")),
     )

@@ -214,8 +214,23 @@ def _staged_top_steps(loaded: LoadedSpec) -> list[Diagnostic]:
                        rule="staged_steps")]
 
 
+def patch_terms(base_terms, over_terms):
+    """A phase's or stage's `terms` over the base's: when every entry names a term of the base (`name`), those
+    terms are patched in place (deep-merged; a different kind replaces a component whole) and the others kept,
+    so a phase that changes one term's weight need not repeat the rest; otherwise the list replaces the base's."""
+    if not (isinstance(base_terms, list) and isinstance(over_terms, list) and over_terms):
+        return over_terms
+    names = [t.get("name") if isinstance(t, dict) else None for t in base_terms]
+    if not all(isinstance(t, dict) and t.get("name") is not None and t.get("name") in names for t in over_terms):
+        return over_terms
+    patches = {t["name"]: t for t in over_terms}
+    return [deep_merge(t, patches[n]) if n in patches else t for t, n in zip(base_terms, names)]
+
+
 def _segment_data(base: dict, part: dict) -> dict:
     over = {k: v for k, v in part.items() if k in PARTIAL_KEYS}
+    if "terms" in over:
+        over["terms"] = patch_terms(base.get("terms"), over["terms"])
     merged = deep_merge(base, over)
     merged.pop("phases", None)
     merged.pop("stages", None)

@@ -24,7 +24,7 @@ import torch
 from composer.backends.openrlhf import batch as ob
 from composer.backends.openrlhf import hooks
 from components.sources.policy_model import score_responses as context_scores
-from composer.backends.openrlhf.loss import ComposerLoss, Segments, prepare_step, step_batch, take_step_inputs
+from composer.backends.openrlhf.loss import ComposerLoss, Segments, prepare_step, step_batch, step_inputs, take_step_inputs
 from composer.origins import CODE
 from composer.validate import validate_file
 
@@ -33,8 +33,12 @@ HAVE_OPENRLHF = importlib.util.find_spec("openrlhf") is not None
 needs_openrlhf = pytest.mark.skipif(not HAVE_OPENRLHF, reason="openrlhf is not installed "
                                     "(pip install --no-deps openrlhf==0.11.2): no real parser to check against")
 # hybrids that the Lightning backend runs and OpenRLHF cannot express: refused with the reason (tested below)
-LIGHTNING_ONLY = {"specs/hybrids/fkl-plus-sft.yaml": ("terms[1].signal", "cannot be mixed with rollout terms")}
-SPECS = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("specs/*.yaml"), *ROOT.glob("specs/hybrids/*.yaml")]
+LIGHTNING_ONLY = {"specs/hybrids/fkl-plus-sft.yaml": ("terms[1].signal", "cannot be mixed with rollout terms"),
+                  # the composer's loss in the plugin (sequence ratio, CISPO bound) with mini-batches
+                  "specs/methods/gspo.yaml": ("train.mini_batches", "mini-batches run only with OpenRLHF's own PolicyLoss"),
+                  "specs/methods/cispo.yaml": ("train.mini_batches", "mini-batches run only with OpenRLHF's own PolicyLoss")}
+SPECS = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("specs/*.yaml"), *ROOT.glob("specs/hybrids/*.yaml"),
+                                                   *ROOT.glob("specs/methods/*.yaml")]
                if str(p.relative_to(ROOT)) not in LIGHTNING_ONLY)
 PR, POL, GI, PAD = CODE["prompt"], CODE["policy"], CODE["guide_intervention"], CODE["pad"]
 L2 = math.log(2.0)
@@ -865,3 +869,58 @@ def test_a_row_with_nothing_to_train_adds_no_loss_and_no_gradient():
     both = loss_over(plan, {"ref": "initial"}, [gather([e], [0, 1])], lambda x: torch.full(x.action_mask.shape,
                                                                                        math.log(0.5)), 2)
     assert approx(float(both), L2)  # the trained row's two tokens at ln 2 each, token mean: the placeholder is not counted
+
+
+@needs_openrlhf
+@pytest.mark.parametrize("spec,over,want", [
+    ("specs/methods/dapo.yaml", [], {"--train.max_epochs": "1", "--train.batch_size": "32",
+                                     "--algo.advantage.estimator": "group_norm"}),
+    ("specs/grpo.yaml", ["train.epochs=2"], {"--train.max_epochs": "2", "--train.batch_size": "64"}),
+    ("specs/grpo.yaml", ["objective.estimator={kind: leave_one_out}"], {"--algo.advantage.estimator": "rloo"}),
+    ("specs/methods/kdrl.yaml", ["train.epochs=2", "sync.off_policy_ok=true"],
+     {"--train.max_epochs": "2", "--algo.advantage.estimator": "reinforce"}),
+])
+def test_updates_and_estimators_map_to_openrlhf_flags(spec, over, want, tmp_path, cli):
+    """train.epochs -> --train.max_epochs, train.mini_batches -> --train.batch_size = rollouts / mini_batches, the
+    estimators OpenRLHF has natively -> --algo.advantage.estimator; the rest runs in the plugin's loss."""
+    r = cli("compile", ROOT / spec, *over, "--backend", "openrlhf", "--out", tmp_path / "b")
+    assert r.exit_code == 0, r.output
+    argv = json.loads((tmp_path / "b" / "args.json").read_text())["main"]
+    for flag, value in want.items():
+        assert argv[argv.index(flag) + 1] == value, flag
+
+
+@needs_openrlhf
+def test_a_scheduled_entropy_coef_is_refused_on_openrlhf(tmp_path, cli):
+    r = cli("compile", ROOT / "specs/grpo.yaml", "train.entropy_coef={kind: linear, start: 0.01, end: 0, steps: 10}",
+            "--backend", "openrlhf", "--out", tmp_path / "b")
+    assert r.exit_code == 2 and "train.entropy_coef" in r.stderr and "no schedule" in r.stderr
+
+
+def test_plugin_loss_reads_old_logprobs_with_several_epochs():
+    """With train.epochs 2 the composer's loss in the plugin takes OpenRLHF's old actor log-probs as the ratio's
+    denominator (not vLLM's behaviour log-probs); with one epoch it keeps the behaviour log-probs, as before.
+    By hand: GSPO, one sequence of 2 tokens, A = +-0.5/(std + eps) of rewards [1, 0]; no clip (clip 10)."""
+    q = math.log(0.25)
+    spec = {"sources": {"verifier": {"kind": "outcome_reward"}}, "signal": {"kind": "reward", "source": "verifier"},
+            "objective": {"kind": "grpo", "ratio": "sequence", "clip": 10.0, "kl_coef": 0.0,
+                          "loss_agg": "seq-mean-token-mean"}}
+    e = experience([[PR, POL, POL], [PR, POL, POL]], [[0, q, q]] * 2, ["p", "p"], rewards=[1.0, 0.0])
+    prepare_step([e], Segments(plan_for(spec), [0]), {"teachers": {}}, _Tok(), None)
+    cur = ob.unshift(torch.tensor([[0, -1.0, -1.2], [0, -1.5, -1.1]])) * e.action_mask  # [2, T-1]
+    old = ob.unshift(torch.tensor([[0, -1.1, -1.4], [0, -1.3, -1.3]])) * e.action_mask
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)  # (r - mean) / (unbiased std + eps)
+
+    def loss(epochs):
+        fn = ComposerLoss(Segments(plan_for({**spec, "train": {"epochs": epochs}}), [0]), {"teachers": {}})
+        advs, norms = step_inputs(e)  # as the training-step hook does, in every pass
+        fn.ctx = {"experience": e, "advantages": advs, "norms": norms}
+        out, *_ = fn(cur, old, torch.zeros_like(cur), action_mask=e.action_mask,
+                     rollout_log_probs=e.rollout_log_probs, dp_size=1)
+        return float(out)
+
+    s_old = [math.exp(((-1.0 + 1.1) + (-1.2 + 1.4)) / 2), math.exp(((-1.5 + 1.3) + (-1.1 + 1.3)) / 2)]
+    s_beh = [math.exp(((-1.0 - q) + (-1.2 - q)) / 2), math.exp(((-1.5 - q) + (-1.1 - q)) / 2)]
+    assert loss(2) == pytest.approx(-(s_old[0] * a - s_old[1] * a) / 2, rel=1e-5)
+    assert loss(2) == pytest.approx(-(s_old[0] * a - s_old[1] * a) / 2, rel=1e-5)  # a second pass, same inputs
+    assert loss(1) == pytest.approx(-(s_beh[0] * a - s_beh[1] * a) / 2, rel=1e-5)

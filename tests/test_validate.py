@@ -34,7 +34,8 @@ def _is_spec(path: Path) -> bool:
     return isinstance(data, dict) and "name" in data and bool({"signal", "terms", "extends"} & set(data))
 
 
-SPECS = sorted((REPO / "specs").glob("*.yaml")) + sorted((REPO / "specs" / "hybrids").glob("*.yaml"))
+SPECS = (sorted((REPO / "specs").glob("*.yaml")) + sorted((REPO / "specs" / "hybrids").glob("*.yaml"))
+         + sorted((REPO / "specs" / "methods").glob("*.yaml")))
 EXAMPLE_SPECS = [p for p in sorted((REPO / "examples").rglob("*.yaml")) if _is_spec(p)]
 ALL_SPECS = SPECS + EXAMPLE_SPECS
 
@@ -288,6 +289,19 @@ CASES = [
     Case("loss_tokens_nothing_writes", HEAD + "signal: {kind: reward, source: verifier}\n"
          "objective: {kind: advantage_regression, loss_tokens: [policy, guide_intervention]}\n",
          "objective.loss_tokens", 5, "never occur in this term's batch", rule="loss_tokens_written"),
+    Case("sequence_ratio_with_token_clip", HEAD + "signal: {kind: reward, source: verifier}\n"
+         "objective: {kind: grpo, ratio: sequence}\n", "objective.clip_low", 5, "clip range of token-level PPO",
+         rule="sequence_ratio_clip"),
+    Case("dual_clip_with_cispo", HEAD + "signal: {kind: reward, source: verifier}\n"
+         "objective: {kind: grpo, bound: cispo, dual_clip: 3.0}\n", "objective.dual_clip", 5, "dual_clip applies",
+         rule="bound_fields"),
+    Case("epochs_with_16_mixed", HEAD + GRPO + "train: {epochs: 2, precision: 16-mixed}\n", "train.precision", 6,
+         "loss scaler", rule="several_updates_precision"),
+    Case("more_mini_batches_than_groups", HEAD + GRPO + "train: {mini_batches: 9, prompts_per_step: 8}\n",
+         "train.mini_batches", 6, "whole groups", rule="mini_batches_fit_groups"),
+    Case("epochs_without_ratio", HEAD + "  teacher: {kind: policy_model, model: big}\n"
+         "signal: {kind: distillation, teacher: teacher}\nobjective: {kind: divergence}\ntrain: {epochs: 2}\n",
+         "train.epochs", 7, "no importance ratio", rule="several_updates_need_a_ratio"),
     Case("negative_term_weight_is_a_warning", HEAD + "terms:\n  - {signal: {kind: reward, source: verifier}, "
          "objective: {kind: grpo}, weight: -1}\n", "terms[0].weight", 5, "maximised", rule="term_weight_positive",
          exit=0),

@@ -97,6 +97,7 @@ class AdvantageRegression(Objective):
 
     needs: ClassVar = ("reward",)
     uses_group_baseline: ClassVar = True
+    several_updates: ClassVar = "a regression anchored at fixed log-probs (behaviour or initial), off-policy by design"
 
     @property
     def wants_initial(self) -> bool:

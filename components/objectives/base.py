@@ -48,6 +48,15 @@ class Objective(Component):
     on_policy_only: ClassVar[bool] = False  # assumes rollouts come from the current weights, no correction
     policy_gradient: ClassVar[bool] = False  # importance-ratio policy gradient: off-policy tokens must be masked
     uses_group_baseline: ClassVar[bool] = False
+    # Why several optimizer steps on one rollout batch (train.epochs x train.mini_batches) stay sound for this
+    # objective, in words; None: it assumes data from the current weights (refused unless sync.off_policy_ok).
+    several_updates: ClassVar[str | None] = None
+
+    def describe(self) -> list[str]:
+        """Every setting in words, for `explain` (default: each field and its value)."""
+        skip = {"kind", "loss_tokens"}
+        parts = [f"{n}: {_words(getattr(self, n))}" for n in type(self).model_fields if n not in skip]
+        return ["; ".join(parts)] if parts else []
 
     @property
     def wants_logits(self) -> bool:
@@ -117,6 +126,14 @@ class Objective(Component):
         (batch.row_mask, composer/gates.py): a gated-out row gets no loss and no share of the normaliser."""
         mask = batch.mask(self.loss_tokens) & batch.attention_mask
         return mask if batch.row_mask is None else mask & batch.row_mask[:, None]
+
+
+def _words(v) -> str:
+    if hasattr(v, "describe") and callable(v.describe):
+        return v.describe()
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
 
 
 def whole_batch_loss(obj: Objective, batch, view):

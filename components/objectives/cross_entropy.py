@@ -34,6 +34,7 @@ class CrossEntropy(Objective):
     aggregation: Aggregation = Field("token-mean", description="How per-token losses become one number (ALGORITHMS.md section 0).")
 
     needs: ClassVar = ("sft_target",)
+    several_updates: ClassVar = "maximum likelihood of fixed targets (SFT epochs)"
 
     def anchors(self) -> dict[str, str]:
         return {o: "target token (teacher-forced)" for o in self.loss_tokens}

@@ -1,10 +1,10 @@
-"""GRPO: clipped policy gradient with group-normalised advantages."""
+"""GRPO and the policy-gradient family: estimator x importance ratio x bound x aggregation x KL (DESIGN.md 9)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from components.objectives.base import (
     Aggregation,
@@ -14,8 +14,10 @@ from components.objectives.base import (
     group_advantages,
     masked_mean,
 )
+from components.objectives.estimators import AnyEstimator, Estimator, GroupMean
 from composer.lazy import torch
 from composer.registry import register
+from composer.schedules import ScheduledNumber, describe, ever_nonzero, resolved_number, values
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -56,62 +58,169 @@ def clipped_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, clip_low: flo
     return surrogate, (clipped_obj < unclipped), ratio
 
 
+def sequence_log_ratio(logp: Tensor, old: Tensor, mask: Tensor, level: str) -> Tensor:
+    """The importance log-ratio at `level` (logp, old [B, T], mask [B, T] bool):
+      token:          log rho_t = log pi(y_t) - log pi_old(y_t)                               -> [B, T]
+      sequence:       log s_i = (1/|y_i|) sum_t m_t (log pi(y_t) - log pi_old(y_t))           -> [B, 1]
+                      (GSPO, Zheng et al. 2025, arXiv 2507.18071; TRL importance_sampling_level=sequence)
+      sequence-token: log s_it = sg[log s_i] + log pi(y_t) - sg[log pi(y_t)]                  -> [B, T]
+                      (GSPO-token: the value of s_i with each token's own gradient)
+    """
+    d = torch.where(mask, logp - old.detach(), torch.zeros_like(logp))  # [B, T]
+    if level == "token":
+        return d
+    seq = d.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1).to(d.dtype)  # [B, 1]
+    if level == "sequence":
+        return seq
+    return seq.detach() + logp - logp.detach()  # [B, T]
+
+
+def bounded_surrogate(logp: Tensor, log_ratio: Tensor, adv: Tensor, bound: str, clip_low: float, clip_high: float,
+                      dual_clip: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token policy-gradient loss of an importance ratio rho = exp(log_ratio) and its bound.
+
+    logp [B, T] (the current log-probs), log_ratio [B, T] or [B, 1], adv [B, 1] -> (loss [B, T], bounded [B, T]
+    or [B, 1] bool: where the bound acted, rho). With lo = 1 - clip_low, hi = 1 + clip_high:
+      clip:  -min(rho A, clip(rho, lo, hi) A)      PPO (Schulman et al. 2017); clip-higher lo != hi (DAPO, Yu et al.
+             2025, arXiv 2503.14476). dual_clip c: for A < 0 the loss is at most -c A (Ye et al. 2020, arXiv
+             1912.09729), so a huge ratio on a negative advantage cannot blow it up.
+      mask:  -rho A * 1[lo <= rho <= hi]           tokens whose ratio leaves [lo, hi] get no loss and no gradient
+             (instead of the clip's flat branch, which still counts the token in both directions).
+      cispo: -sg(clip(rho, lo, hi)) A log pi        CISPO (MiniMax-M1, arXiv 2506.13585): a REINFORCE term with a
+             truncated, stop-gradient importance weight: every token keeps a gradient.
+    The log-ratio is clamped to +-20 before exp (verl), which only matters for absurd ratios.
+    """
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    lo, hi = 1.0 - clip_low, 1.0 + clip_high
+    if bound == "cispo":
+        w = ratio.clamp(lo, hi).detach()
+        return -(w * adv * logp), (ratio < lo) | (ratio > hi), ratio
+    if bound == "mask":
+        keep = (ratio >= lo) & (ratio <= hi)
+        loss = -(ratio * adv) * keep.to(ratio.dtype)
+        return torch.where(keep, loss, torch.zeros_like(loss)), ~keep, ratio
+    unclipped = ratio * adv
+    clipped_obj = ratio.clamp(lo, hi) * adv
+    surrogate = torch.minimum(unclipped, clipped_obj)
+    bounded = clipped_obj < unclipped
+    if dual_clip is not None:
+        floor = dual_clip * adv  # [B, 1]
+        lifted = (adv < 0) & (surrogate < floor)
+        surrogate = torch.where(adv < 0, torch.maximum(surrogate, floor), surrogate)
+        bounded = bounded | lifted
+    return -surrogate, bounded, ratio
+
+
 @register("objective")
 class Grpo(Objective):
-    """Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300)."""
+    """Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300), and the family:
+
+      L = agg_t( l_t(rho, A) ) + kl_coef * agg_t( k(log pi_theta - log pi_init) )
+    A from `estimator` (default: group mean / group std), rho the importance ratio at `ratio` level to the
+    old log-prob, l_t the `bound` (clip, dual clip, mask, CISPO). The old log-prob is the policy's at the
+    start of the step's first pass when the step makes several updates (train.epochs x train.mini_batches),
+    else the behaviour log-prob of the sampler (the same weights on-policy). GSPO, Dr. GRPO, DAPO's
+    objective, RLOO, REINFORCE++-baseline and CISPO are settings of these fields (specs/methods/).
+    """
 
     kind: Literal["grpo"] = Field("grpo", description="Component kind.")
+    estimator: Optional[AnyEstimator] = Field(None, description="Advantage estimator (group_mean, leave_one_out, reinforce_pp_baseline, soft_value, control_mean); omitted: group_mean with std by group, or none when std_norm is false, eps std_eps.")
+    ratio: Literal["token", "sequence", "sequence-token"] = Field("token", description="Importance ratio level: per token (PPO/GRPO), per sequence as exp of the length-normalised log-ratio (GSPO), or its value with per-token gradients (GSPO-token).")
+    bound: Literal["clip", "mask", "cispo"] = Field("clip", description="How the ratio is bounded: PPO clip of the surrogate, masking of tokens outside [1-clip_low, 1+clip_high], or CISPO's truncated stop-gradient weight on a REINFORCE term.")
     clip: float = Field(0.2, ge=0, description="Symmetric ratio clip epsilon.")
     clip_low: float | None = Field(None, ge=0, description="Lower clip epsilon (DAPO clip-higher); overrides `clip` below 1.")
     clip_high: float | None = Field(None, ge=0, description="Upper clip epsilon (DAPO: 0.28); overrides `clip` above 1.")
-    std_norm: bool = Field(True, description="Divide group-centred rewards by the group std (False: Dr. GRPO).")
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip PPO constant c (> 1, e.g. 3): with a negative advantage the loss is at most -c A. bound: clip only.")
+    std_norm: bool = Field(True, description="Divide group-centred rewards by the group std (False: Dr. GRPO). Shorthand for estimator: {kind: group_mean, std: group | none}.")
     loss_agg: Aggregation = Field("token-mean", description="Loss aggregation (verl default token-mean; the paper's form is seq-mean-token-mean; Dr. GRPO seq-mean-token-sum-norm).")
     norm_const: float | None = Field(None, gt=0, description="C of seq-mean-token-sum-norm (Dr. GRPO: the maximum generation length); default: the batch's padded length T.")
-    kl_coef: float = Field(0.001, ge=0, description="Coefficient of the KL loss against the initial policy (0 disables; verl 0.001, DeepSeekMath 0.04).")
+    kl_coef: ScheduledNumber = Field(0.001, description="Coefficient of the KL loss against the initial policy (0 disables; verl 0.001, DeepSeekMath 0.04); a number >= 0 or a schedule ({kind: linear|cosine|step, start, end, steps}).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator of the KL loss.")
-    std_eps: float = Field(1e-6, gt=0, description="Added to the group std.")
+    std_eps: float = Field(1e-6, gt=0, description="Added to the group std (with the default estimator).")
 
     needs: ClassVar = ("reward",)
     on_policy_only: ClassVar = True
     policy_gradient: ClassVar = True
     uses_group_baseline: ClassVar = True
+    several_updates: ClassVar = "importance ratio to the old log-prob (the policy at the start of the step's first pass)"
+
+    @field_validator("kl_coef")
+    @classmethod
+    def _kl_coef_nonnegative(cls, value):
+        if min(values(value)) < 0:
+            raise ValueError("kl_coef must be >= 0 (a schedule's start and end too)")
+        return value
 
     @property
     def wants_initial(self) -> bool:
         """The KL loss reads the frozen initial policy's log-probs."""
-        return self.kl_coef > 0
+        return ever_nonzero(self.kl_coef)
+
+    @property
+    def est(self) -> Estimator:
+        """The estimator in force: the field, or group_mean built from std_norm / std_eps."""
+        if self.estimator is not None:
+            return self.estimator
+        return GroupMean(std="group" if self.std_norm else "none", eps=self.std_eps)
+
+    def anchors(self) -> dict[str, str]:
+        return {o: "importance ratio to the old log-prob (the behaviour log-prob when a step makes one update)"
+                for o in self.loss_tokens}
+
+    def bounds(self) -> tuple[float, float]:
+        return (self.clip if self.clip_low is None else self.clip_low,
+                self.clip if self.clip_high is None else self.clip_high)
 
     def advantages(self, batch: TrajectoryBatch) -> Tensor:
-        """A_i = (r_i - mean_g r) / (std_g r + eps) over each whole group (Dr. GRPO: no std)."""
+        """A [B] from the estimator over each whole group (default: (r_i - mean_g r) / (std_g r + eps))."""
         if batch.rewards is None:
             raise ValueError("grpo: the batch has no rewards (a reward signal must fill batch.rewards)")
-        return group_advantages(batch.rewards, batch.group, self.std_norm, self.std_eps)  # [B]
+        return self.est.estimate(batch.rewards, batch.group, batch.control)  # [B]
 
     def reduction(self) -> Reduction:
         return Reduction(self.loss_agg, self.norm_const)
 
+    def describe(self) -> list[str]:
+        """Every setting in words (`explain`): two different settings never print the same text."""
+        lo, hi = self.bounds()
+        ratio = {"token": "per token", "sequence": "per sequence (GSPO: exp of the mean token log-ratio)",
+                 "sequence-token": "GSPO-token (sequence value, token gradients)"}[self.ratio]
+        bound = {"clip": f"PPO clip [1-{lo:g}, 1+{hi:g}]" + (f", dual clip {self.dual_clip:g}" if self.dual_clip else ""),
+                 "mask": f"mask tokens outside [1-{lo:g}, 1+{hi:g}]",
+                 "cispo": f"CISPO weight sg(clip(rho, 1-{lo:g}, 1+{hi:g})) on A log pi"}[self.bound]
+        agg = self.loss_agg + (f" (C = {self.norm_const:g})" if self.norm_const and self.loss_agg ==
+                               "seq-mean-token-sum-norm" else "")
+        kl = (f"KL to the initial policy: {self.kl_estimator} x {describe(self.kl_coef)}"
+              if ever_nonzero(self.kl_coef) else "no KL loss")
+        return [f"advantage: {self.est.describe()}", f"ratio: {ratio}; bound: {bound}",
+                f"aggregation: {agg}; {kl}"]
+
     def loss(self, batch: TrajectoryBatch, cur: PolicyView, adv: Tensor) -> tuple[Tensor, dict[str, float]]:
-        """-agg(min(rho A, clip(rho) A)) + kl_coef * agg(k(log pi_theta - log pi_init)) over the loss tokens."""
+        """agg(l_t(rho, A)) + kl_coef * agg(k(log pi_theta - log pi_init)) over the loss tokens."""
         mask = self.loss_mask(batch)  # [B, T]
-        adv = adv.to(cur.logprobs.device, cur.logprobs.dtype)  # [B]
-        lo = self.clip if self.clip_low is None else self.clip_low
-        hi = self.clip if self.clip_high is None else self.clip_high
-        surr, clipped, _ = clipped_surrogate(cur.logprobs, batch.behavior_logprobs, adv[:, None], lo, hi)
-        pg_loss = aggregate(-surr, mask, self.loss_agg, self.norm_const)
+        adv = adv.to(cur.logprobs.device, cur.logprobs.dtype)[:, None]  # [B, 1]
+        old = batch.old_logprobs if batch.old_logprobs is not None else batch.behavior_logprobs  # [B, T]
+        lo, hi = self.bounds()
+        log_r = sequence_log_ratio(cur.logprobs, old, mask, self.ratio)  # [B, T] or [B, 1]
+        loss_tok, bounded, ratio = bounded_surrogate(cur.logprobs, log_r, adv, self.bound, lo, hi, self.dual_clip)
+        loss_tok = loss_tok.expand_as(cur.logprobs)  # [B, T]
+        pg_loss = aggregate(loss_tok, mask, self.loss_agg, self.norm_const)
         total = pg_loss
         kl_val = 0.0
-        if self.kl_coef > 0:
+        kl_coef = resolved_number(self.kl_coef, "grpo.kl_coef")  # the step's value (composer.schedules.resolve)
+        if kl_coef > 0:
             if batch.initial_logprobs is None:
                 raise ValueError("grpo: kl_coef > 0 needs batch.initial_logprobs (the frozen initial policy's "
                                  "log-probs); set kl_coef: 0 or provide the initial policy")
             k = kl_estimate(cur.logprobs - batch.initial_logprobs.detach(), self.kl_estimator)  # [B, T]
             kl = aggregate(k, mask, self.loss_agg, self.norm_const)
-            total = total + self.kl_coef * kl
+            total = total + kl_coef * kl
             kl_val = float(kl.detach())
         metrics = {
             "pg_loss": float(pg_loss.detach()),
             "kl": kl_val,
-            "clip_frac": float(masked_mean(clipped.float(), mask)),
+            "clip_frac": float(masked_mean(bounded.expand_as(mask).float(), mask)),
+            "ratio_mean": float(masked_mean(ratio.detach().expand_as(mask).float(), mask)),
             "adv_mean": float(adv.mean()),
         }
         return total, metrics

@@ -12,7 +12,8 @@ from composer.batch import PolicyView, TrajectoryBatch, concat
 from components.objectives.base import zero_advantage_fraction
 from composer.runtime.context import RunContext
 from composer.runtime.models import token_logprobs
-from composer.terms import gates, rolls_out, terms  # noqa: F401  (re-exported: components read terms through step)
+from composer.schedules import is_scheduled, value_at
+from composer.terms import gates, rolls_out, terms, terms_at  # noqa: F401  (re-exported: components read terms through step)
 
 
 def collect(ctx: RunContext, examples) -> list[TrajectoryBatch]:
@@ -131,7 +132,8 @@ def loss(ctx: RunContext, policy, batches: list[TrajectoryBatch], shares: dict |
     total = 0.0
     metrics: dict[str, float] = {}
     many = len(batches) > 1
-    for i, ((name, _sig, obj, weight), b) in enumerate(zip(terms(ctx.spec), batches)):
+    raw = [w for *_, w in terms(ctx.spec)]
+    for i, ((name, _sig, obj, weight), b) in enumerate(zip(terms_at(ctx.spec, ctx.step), batches)):
         if id(b.tokens) not in views:
             views[id(b.tokens)] = policy_view(policy, b, wants[id(b.tokens)])
         value, m = obj.loss(b, views[id(b.tokens)], b.advantages)
@@ -142,13 +144,18 @@ def loss(ctx: RunContext, policy, batches: list[TrajectoryBatch], shares: dict |
             metrics[f"{name}/{k}" if many else k] = v
         if many:
             metrics[f"{name}/loss"] = float(value.detach())
+        if is_scheduled(raw[i]):  # a scheduled weight: its value at this step
+            metrics[f"{name}/weight" if many else "weight"] = float(weight)
     # entropy of the policy on the response tokens of the first rollout batch
     first = batches[0]
     view = views[id(first.tokens)]
     mask = first.response_mask & first.attention_mask
     ent = (view.entropy * mask).sum() / mask.sum().clamp(min=1)
-    if ctx.spec.train.entropy_coef:
-        total = total - ctx.spec.train.entropy_coef * ent
+    entropy_coef = value_at(ctx.spec.train.entropy_coef, ctx.step)
+    if is_scheduled(ctx.spec.train.entropy_coef):
+        metrics["entropy_coef"] = float(entropy_coef)
+    if entropy_coef:
+        total = total - entropy_coef * ent
     if mask.any():  # a batch with no response tokens (e.g. no SFT targets this step) has no entropy
         metrics["entropy"] = float(ent.detach())
     metrics.update(batch_metrics(next((b for b in batches if b.rewards is not None), first)))
@@ -164,6 +171,32 @@ def source_rewards(ctx: RunContext, batches: list[TrajectoryBatch]) -> dict[str,
         source = getattr(sig, "source", None)
         if isinstance(source, str) and b.rewards is not None and f"source_reward/{source}" not in out:
             out[f"source_reward/{source}"] = float(b.rewards.float().mean())
+    return out
+
+
+def mini_batches(batches: list[TrajectoryBatch], n: int) -> list[list[TrajectoryBatch]]:
+    """The step's batches (one per term) split into `n` mini-batches of whole groups, in group order: [n][terms].
+    Terms that share a rollout are split the same way and keep sharing its tokens (one forward per rollout)."""
+    if n == 1:
+        return [batches]
+    from dataclasses import replace
+
+    out: list[list[TrajectoryBatch]] = [[] for _ in range(n)]
+    split: dict[int, tuple[list, list]] = {}
+    for b in batches:
+        if id(b.tokens) not in split:
+            ids = torch.unique(b.group)  # sorted group ids
+            if ids.numel() < n:
+                raise ValueError(f"train.mini_batches is {n}, but this step's batch holds {ids.numel()} groups: "
+                                 "mini-batches hold whole groups; use fewer mini-batches or more prompts per step")
+            rows = [torch.nonzero(torch.isin(b.group, part)).flatten() for part in torch.tensor_split(ids, n)]
+            split[id(b.tokens)] = (rows, [b.select(r) for r in rows])
+            parts = split[id(b.tokens)][1]
+        else:
+            rows, first = split[id(b.tokens)]
+            parts = [replace(b.select(r), tokens=f.tokens, origin=f.origin) for r, f in zip(rows, first)]
+        for j, part in enumerate(parts):
+            out[j].append(part)
     return out
 
 

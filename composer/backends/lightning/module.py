@@ -29,6 +29,17 @@ class NonFiniteError(RuntimeError):
     pass
 
 
+@torch.no_grad()
+def set_old_logprobs(model, batches) -> None:
+    """batch.old_logprobs [B, T] of every batch: the policy's log-probs before the step's first update (one forward
+    per distinct rollout; terms that share a rollout share the tensor)."""
+    done: dict[int, torch.Tensor] = {}
+    for b in batches:
+        if id(b.tokens) not in done:
+            done[id(b.tokens)] = run_step.policy_view(model, b, False).logprobs.detach()
+        b.old_logprobs = done[id(b.tokens)]
+
+
 class _Steps(Dataset):
     """The data loader only counts steps: prompts are drawn by the run context (exactly resumable)."""
 
@@ -60,6 +71,9 @@ class ComposerModule(L.LightningModule):
         self.total_steps = plan["total_steps"]
         self.stopped_by: str | None = None
         self.start_metrics: dict[str, float] = {}
+        # Several optimizer steps per rollout batch (train.epochs x train.mini_batches) step the optimizer by hand;
+        # a run whose every segment makes one update per step keeps Lightning's automatic optimization as it was.
+        self.automatic_optimization = all(s.spec.train.epochs * s.spec.train.mini_batches == 1 for s in self.segments)
 
     # ---- setup ----
     def segment_at(self, step: int):
@@ -143,9 +157,11 @@ class ComposerModule(L.LightningModule):
         examples = ctx.next_prompts(ctx.spec.train.prompts_per_step)
         batches = run_step.collect(ctx, [e for e in examples])
         batches = to_device(batches, self.device)
-        loss, metrics = run_step.loss(ctx, ctx.forward_model(self.policy), batches, self._shares(batches))
-        if not torch.isfinite(loss):
-            raise NonFiniteError(f"the loss is not finite at step {step} ({float(loss.detach())})")
+        if self.automatic_optimization:
+            loss, metrics = run_step.loss(ctx, ctx.forward_model(self.policy), batches, self._shares(batches))
+            self._check_finite(loss, step)
+        else:
+            loss, metrics = self._updates(batches, step)
         metrics.update(ctx.metrics)
         metrics.update(self.start_metrics)
         metrics.update({f"cost/{k}": float(v) for k, v in ctx.costs.items()})  # cumulative, for compute matching
@@ -173,6 +189,51 @@ class ComposerModule(L.LightningModule):
         self.last_row = {**row, **({"pass@1": shown["pass@1"]} if metrics_eval else {})}
         self.log_dict(shown, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
         return loss
+
+    def _check_finite(self, loss, step: int) -> None:
+        if not torch.isfinite(loss):
+            raise NonFiniteError(f"the loss is not finite at step {step} ({float(loss.detach())})")
+
+    def _updates(self, batches, step: int):
+        """train.epochs passes over the step's rollouts, each split into train.mini_batches mini-batches of whole
+        groups (in order, the same split every pass), one optimizer step each (DESIGN.md section 9).
+
+        Three log-probs: behaviour (the sampler's, in the batch as always), old (the policy now, before the first
+        pass: `batch.old_logprobs`, the importance ratio's denominator), current (each forward below). The step is
+        one unit for checkpoints: a run stopped in the middle of a step's passes resumes from the checkpoint
+        before the step and trains the whole step again, bit for bit. Only the last optimizer step goes through
+        Lightning (global_step counts rollout steps: sync, phases, schedules and checkpoints see steps as before).
+        Returns (the mean loss over the updates, the last update's metrics plus the first update's loss, pg_loss,
+        clip_frac and ratio_mean under first_update/, and `updates`)."""
+        ctx = self.ctx
+        t = ctx.spec.train
+        model = ctx.forward_model(self.policy)
+        n = t.epochs * t.mini_batches
+        if n > 1:  # a segment with one update keeps the behaviour log-prob as the denominator, as it always did
+            set_old_logprobs(model, batches)
+        parts = run_step.mini_batches(batches, t.mini_batches)
+        opt = self.optimizers()
+        losses, metrics = [], {}
+        for k in range(n):
+            mb = parts[k % len(parts)]
+            loss, metrics = run_step.loss(ctx, model, mb, self._shares(mb))
+            self._check_finite(loss, step)
+            self.manual_backward(loss)
+            if k < n - 1:
+                self.on_before_optimizer_step(opt)
+                self.configure_gradient_clipping(opt)
+                opt.optimizer.step()  # not counted by Lightning: one global step per rollout batch
+            else:
+                self.configure_gradient_clipping(opt)
+                opt.step()  # Lightning's step: runs on_before_optimizer_step, counts the global step
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+            if k == 0:
+                metrics_first = {f"first_update/{key}": v for key, v in metrics.items()
+                                 if key.split("/")[-1] in ("loss", "pg_loss", "clip_frac", "ratio_mean")}
+        metrics.update(metrics_first)
+        metrics["updates"] = float(n)
+        return torch.tensor(sum(losses) / n), metrics
 
     # ---- several ranks (DDP) ----
     def _shares(self, batches) -> dict | None:

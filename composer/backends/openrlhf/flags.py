@@ -15,6 +15,7 @@ from typing import Any
 from composer.gates import gate_source
 from composer.graph import signal_objective_pairs
 from composer.terms import gates
+from composer.schedules import is_scheduled
 
 NATIVE_AGG = ("token-mean", "seq-mean-token-mean")  # --actor.loss_agg_mode choices
 
@@ -93,7 +94,9 @@ def _native_grpo(spec) -> bool:
     _, sig, obj, w = terms[0]
     return (sig.kind_name() == "reward" and obj.kind_name() == "grpo" and w == 1.0 and obj.loss_tokens == ["policy"]
             and obj.loss_agg in NATIVE_AGG and spec.sync.every == 1 and all(g is None for g in gates(spec))
-            and spec.rollout.filter.truncated == "keep")
+            and spec.rollout.filter.truncated == "keep" and _native_estimator(obj) is not None
+            and obj.ratio == "token" and obj.bound == "clip" and obj.dual_clip is None
+            and not is_scheduled(obj.kl_coef))
 
 
 BINARY_VERIFIERS = ("toy", "math", "exact")  # rewards in {0, 1}: a mean strictly inside (0, 1) is a mixed group
@@ -153,6 +156,43 @@ def _shaping_and_filter_flags(a: _Args, run: Run, spec, terms, where: tuple, inp
                           "use truncated: mask")
     if flt.truncated == "mask":
         p["mask_truncated"] = True  # _native_grpo is False: the composer's loss reads the row masks
+
+
+
+def _native_estimator(obj) -> str | None:
+    """OpenRLHF's --algo.advantage.estimator that computes the same advantages as the grpo's estimator, or None
+    (then the composer's own estimator runs in the plugin): group_norm (std by group), dr_grpo (no std), rloo.
+    reinforce_baseline normalises over tokens (the composer's over rows), and a std over the batch has no flag."""
+    est = obj.est
+    if est.kind_name() == "group_mean":
+        return {"group": "group_norm", "none": "dr_grpo"}.get(est.std)
+    return "rloo" if est.kind_name() == "leave_one_out" else None
+
+
+def _updates(specs, where, native: bool) -> str:
+    """train.epochs / train.mini_batches as OpenRLHF's --train.max_epochs and --train.batch_size (rollouts /
+    mini_batches). Epochs run on both losses: OpenRLHF's own PolicyLoss and the composer's loss in the plugin both
+    take the actor's log-prob of the make-experience step (`old`) as the ratio's denominator. Mini-batches only
+    with OpenRLHF's own loss: the plugin scales every micro-batch by the whole step's normaliser (exact for one
+    optimizer step per pass), and OpenRLHF's mini-batches are shuffled rows, not whole groups."""
+    many = [s.train for s in specs if s.train.epochs * s.train.mini_batches > 1]
+    if not many:
+        return ""
+    w, t = where, many[0]
+    if len({(s.train.epochs, s.train.mini_batches) for s in specs}) > 1:
+        raise Unsupported(w + ("train", "epochs"), "OpenRLHF takes one --train.max_epochs and --train.batch_size "
+                          "for a run; these phases change them", "keep epochs and mini_batches the same in every phase")
+    if t.mini_batches > 1 and not native:
+        raise Unsupported(w + ("train", "mini_batches"),
+                          "mini-batches run only with OpenRLHF's own PolicyLoss (a native grpo): the composer's loss "
+                          "in the plugin scales every micro-batch by the whole step's normaliser, which is exact for "
+                          "one optimizer step per pass, and OpenRLHF's mini-batches are shuffled rows, not whole groups",
+                          "set train.mini_batches: 1 on openrlhf (train.epochs works), or train on lightning")
+    return (f"{t.epochs} epoch(s) x {t.mini_batches} mini-batch(es) per rollout batch: --train.max_epochs "
+            f"{t.epochs}, --train.batch_size = rollouts / {t.mini_batches}; the ratio's denominator is the actor's "
+            "log-prob of the make-experience step (old)" + ("; OpenRLHF's mini-batches are shuffled rows (the "
+                                                             "composer's on lightning: whole groups in order)"
+                                                             if t.mini_batches > 1 else ""))
 
 
 def _divisor_at_most(n: int, cap: int) -> int:
@@ -313,6 +353,12 @@ def _sft_flags(a: _Args, run, spec, specs, where, layout: Layout, inputs: Inputs
     if obj.aggregation != "token-mean":
         raise Unsupported(where + ("objective", "aggregation"), "train_sft's loss is a token mean",
                           "use aggregation: token-mean")
+    if spec.train.epochs * spec.train.mini_batches > 1:
+        raise Unsupported(where + ("train", "epochs" if spec.train.epochs > 1 else "mini_batches"), "train_sft takes "
+                          "one optimizer step per batch of demonstrations (its max_epochs are passes over the dataset)",
+                          "set train.epochs: 1 and train.mini_batches: 1 for this stage on openrlhf")
+    if is_scheduled(spec.train.entropy_coef) or any(is_scheduled(w) for *_, w in _terms(spec)):
+        raise Unsupported(where + ("train",), "train_sft has no schedule of coefficients", "use numbers")
     if layout.nodes != 1:
         raise Unsupported(("train",), "train_sft is launched with torchrun on the head node: one node only",
                           "compile with --nodes 1")
@@ -436,9 +482,15 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
     a.add("rollout.batch_size", pps)
     a.add("rollout.n_samples_per_prompt", G)
     a.add("rollout.micro_batch_size", micro)
-    a.add("train.batch_size", pps * G)
-    a.add("train.micro_batch_size", micro)
-    a.add("train.max_epochs", 1)
+    updates = _updates(specs, where, native)
+    if (pps * G) % (t.mini_batches * dp):
+        raise Unsupported(("train", "mini_batches"), f"{pps} prompts x {G} samples do not split into {t.mini_batches} "
+                          f"mini-batches over {dp} training GPUs", "choose mini_batches dividing the step's rollouts")
+    a.add("train.batch_size", pps * G // t.mini_batches)
+    a.add("train.micro_batch_size", _divisor_at_most(pps * G // t.mini_batches // dp, micro))
+    a.add("train.max_epochs", t.epochs)
+    if updates:
+        run.native.append(updates)
     a.add("train.num_episodes", max(1, math.ceil(t.steps * pps / rows)))
     max_new = r.max_new_tokens if not inputs.toy else min(r.max_new_tokens, _toy_cap(spec))
     extra = _guide_room(specs, inputs)
@@ -447,8 +499,8 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
     a.add("rollout.max_new_tokens", max_new)
     a.add("rollout.temperature", r.temperature)
     a.add("rollout.top_p", r.top_p)
-    run.native += [f"{pps} prompts x {G} samples per step ({t.steps} steps: {rows} prompt rows, one optimizer step "
-                   "per step)", f"vLLM sampling: temperature {r.temperature}, top_p {r.top_p}, up to {max_new} new "
+    run.native += [f"{pps} prompts x {G} samples per step ({t.steps} steps: {rows} prompt rows, "
+                   f"{t.epochs * t.mini_batches} optimizer step(s) per step)", f"vLLM sampling: temperature {r.temperature}, top_p {r.top_p}, up to {max_new} new "
                    "tokens", "data fields: prompt text and a JSON label (answer, reference solution, problem)",
                    _prompt_line(inputs)]
     if r.top_k:
@@ -470,6 +522,10 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
         raise Unsupported(("train", "eval_verifier"), "OpenRLHF evaluates with the reward function, which runs the "
                           "outcome_reward source's verifier", "drop train.eval_verifier, or evaluate the exported "
                           "model with `composer eval MODEL train.eval_verifier=...`")
+    if is_scheduled(t.entropy_coef):
+        raise Unsupported(where + ("train", "entropy_coef"), "OpenRLHF's entropy bonus is its own flag "
+                          "(--actor.entropy_coef), one number for the run; it has no schedule",
+                          "use a number on the openrlhf backend, or train on lightning")
     if t.entropy_coef:
         a.add("actor.entropy_coef", t.entropy_coef)
     _common(a, run, spec, layout, "actor.")
@@ -513,7 +569,8 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
         obj = _terms(spec)[0][2]
         lo = obj.clip if obj.clip_low is None else obj.clip_low
         hi = obj.clip if obj.clip_high is None else obj.clip_high
-        a.add("algo.advantage.estimator", "group_norm" if obj.std_norm else "dr_grpo")
+        estimator = _native_estimator(obj)
+        a.add("algo.advantage.estimator", estimator)
         a.add("actor.policy_loss_type", "ppo")
         a.add("actor.eps_clip_low_high", lo, hi)
         a.add("actor.loss_agg_mode", obj.loss_agg)
@@ -523,10 +580,10 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
             a.add("algo.kl.init_coef", obj.kl_coef)
         elif not p["teachers"]:
             a.add("algo.kl.init_coef", 0.0)
-        run.native.append(f"GRPO: {'group_norm' if obj.std_norm else 'dr_grpo'} advantages over {G} samples, "
+        run.native.append(f"GRPO: {estimator} advantages over {G} samples, "
                           f"clipped policy loss ({lo}, {hi}), {obj.loss_agg}"
                           + (f", KL loss {obj.kl_estimator} x {obj.kl_coef} to the initial policy" if obj.kl_coef else ""))
-        if obj.std_norm:
+        if estimator == "group_norm":
             run.notes.append(f"group_norm divides by std + 1e-9 (the composer's grpo: std + {obj.std_eps})")
     else:
         wants_initial = any(o.wants_initial for _, _, o, _ in terms)

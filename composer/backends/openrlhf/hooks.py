@@ -287,7 +287,7 @@ def _capture_logits(actor, sink: dict):
 def _patch_actor(mod) -> None:
     from composer.backends.openrlhf.batch import decode_label, to_batch
     from components.sources.policy_model import score_responses
-    from composer.backends.openrlhf.loss import ComposerLoss, prompt_lengths, step_of, take_step_inputs, terms
+    from composer.backends.openrlhf.loss import ComposerLoss, prompt_lengths, step_inputs, step_of, terms
 
     cls = mod.ActorPPOTrainer
     init, training_step, ppo_train = cls.__init__, cls.training_step, cls.ppo_train
@@ -329,7 +329,7 @@ def _patch_actor(mod) -> None:
         if not isinstance(loss_fn, ComposerLoss):
             return training_step(self, experience, kl_ctl, step, loss_batch_info)
         spec = loss_fn.segments.at(step_of(experience.labels))
-        advs, norms = take_step_inputs(experience.info)
+        advs, norms = step_inputs(experience)  # the same in every pass (--train.max_epochs)
         loss_fn.ctx = {"experience": experience, "advantages": advs, "norms": norms,
                        "gas": max(int(getattr(self.strategy, "accumulated_gradient", 1) or 1), 1),
                        "teachers": teacher_scores(self, experience, spec)}

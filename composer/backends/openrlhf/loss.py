@@ -22,7 +22,7 @@ from composer.batch import PolicyView, TrajectoryBatch
 from composer.lazy import F, torch
 from composer.origins import CODE
 from composer.gates import row_surprisal
-from composer.terms import gates, terms  # noqa: F401  (hooks and agent read terms here)
+from composer.terms import gates, terms, terms_at  # noqa: F401  (hooks and agent read terms here)
 
 
 class Segments:
@@ -96,13 +96,24 @@ def take_step_inputs(info: dict) -> tuple[dict, dict]:
     """Pop what the advantage step left in a micro-batch's Experience.info: per-term advantages [b] and the
     step's normaliser of each term (the same value in every row) -> (advantages, normalisers)."""
     advs, norms = {}, {}
-    for key in [k for k in info if k.startswith("composer/adv")]:
+    for key in [k for k in info if k.startswith("composer/adv") and k[len("composer/adv"):].isdigit()]:
         v = info.pop(key)
         advs[int(key[len("composer/adv"):])] = torch.stack(list(v)) if isinstance(v, list) else v
-    for key in [k for k in info if k.startswith("composer/norm")]:
+    for key in [k for k in info if k.startswith("composer/norm") and k[len("composer/norm"):].isdigit()]:
         v = info.pop(key)
         norms[int(key[len("composer/norm"):])] = float(v[0])
     return advs, norms
+
+
+def step_inputs(experience) -> tuple[dict, dict]:
+    """take_step_inputs once per Experience object. OpenRLHF collates a fresh Experience (and info) from its replay
+    buffer for every pass of --train.max_epochs, so each pass finds them; they are also kept on the object, so a
+    second loss call on one Experience (whose info no longer holds them) gets the same ones."""
+    kept = getattr(experience, "_composer_step_inputs", None)
+    if kept is None:
+        kept = take_step_inputs(experience.info)
+        experience._composer_step_inputs = kept
+    return kept
 
 
 def term_batches(term_list, batch: TrajectoryBatch, metas: list[dict]) -> list[TrajectoryBatch]:
@@ -156,7 +167,12 @@ class ComposerLoss:
                  batch_num_tokens=None, global_batch_size=None):
         exp = self.ctx["experience"]
         spec = self.segments.at(step_of(exp.labels))
-        term_list, batches = self.batches(spec, log_probs, action_mask, rollout_log_probs)
+        _, batches = self.batches(spec, log_probs, action_mask, rollout_log_probs)
+        if spec.train.epochs > 1:  # several passes (--train.max_epochs): the ratio's denominator is the actor's
+            old = shift(old_log_probs.float())  # log-prob of the make-experience step, before the first pass
+            batches = [dataclasses.replace(b, old_logprobs=old) for b in batches]
+        # scheduled numbers (term weights, kl_coef) at the step's global index, as on Lightning
+        term_list = terms_at(spec, self.segments.offset + step_of(exp.labels))
         advs = {i: a.to(log_probs.device) for i, a in self.ctx.get("advantages", {}).items()}
         logits = self.ctx.get("logits")
         view = PolicyView(shift(log_probs), logits=None if logits is None else shift(logits[:, :-1]))

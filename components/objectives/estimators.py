@@ -1,0 +1,167 @@
+"""Advantage estimators: rewards and groups -> one advantage per row (DESIGN.md section 9).
+
+Kept apart from the losses, as TorchRL keeps value estimators apart from its losses: a policy-gradient
+objective (`grpo`) takes one as its `estimator` field. Each runs over whole groups where the rollouts are
+gathered (the objective's `advantages`), the same code on both backends.
+
+Statistics over the *global* batch (std by batch, REINFORCE++'s normalisation) are exact under DDP: each
+rank holds whole groups of its own slice, so the estimator sums (rows, sum, sum of squares) over the ranks
+with one all_reduce and every rank divides by the same global numbers (`_global_moments`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Union
+
+from pydantic import Field
+
+from components.objectives.base import group_stats
+from composer.lazy import torch
+from composer.registry import Component, register
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+
+class Estimator(Component):
+    """Base of every advantage estimator: `estimate(rewards [B], group [B], control [B] | None) -> A [B]`."""
+
+    def estimate(self, rewards: Tensor, group: Tensor, control: Tensor | None = None) -> Tensor:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """The estimator in words, for `explain`."""
+        raise NotImplementedError
+
+
+def _global_moments(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(mean, unbiased std) of x [B] over every rank's rows (one all_reduce of n, sum, sum of squares when
+    torch.distributed is initialised with more than one process; the local rows otherwise). float64."""
+    x = x.detach().to(torch.float64)
+    s = torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device), x.sum(), (x * x).sum()])
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(s)
+    n, total, sq = s[0], s[1], s[2]
+    mean = total / n.clamp(min=1)
+    var = ((sq - n * mean * mean) / (n - 1).clamp(min=1)).clamp(min=0)
+    return mean, var.sqrt()
+
+
+@register("estimator")
+class GroupMean(Estimator):
+    """Group-mean baseline, optionally divided by a std: GRPO (Shao et al. 2024, arXiv 2402.03300), Dr. GRPO
+    (Liu et al. 2025, arXiv 2503.20783: no std), and std over the batch (Hu et al. 2025, TRL `scale_rewards`).
+
+      A_i = (r_i - mean_g r) / (sigma + eps),  sigma = std_g r (group) | std_B r (batch, the raw rewards of the
+      global batch, unbiased, as TRL) | 1 without eps (none).
+    A group whose rewards are all equal gets exactly 0 (also with `batch`).
+    """
+
+    kind: Literal["group_mean"] = Field("group_mean", description="Component kind.")
+    std: Literal["group", "batch", "none"] = Field("group", description="Divide by the std of the group's rewards (GRPO), of the global batch's rewards (TRL scale_rewards=batch), or not at all (Dr. GRPO).")
+    eps: float = Field(1e-6, gt=0, description="Added to the std (verl 1e-6; TRL 1e-4).")
+
+    def estimate(self, rewards, group, control=None):
+        mean, std, _, const = group_stats(rewards, group)  # [B] each
+        adv = rewards.detach() - mean  # [B]
+        if self.std == "group":
+            adv = adv / (std + self.eps)
+        elif self.std == "batch":
+            _, s = _global_moments(rewards)
+            adv = adv / (s.to(adv.dtype) + self.eps)
+        return torch.where(const, torch.zeros_like(adv), adv)
+
+    def describe(self) -> str:
+        how = {"group": f"/ (group std + {self.eps:g})", "batch": f"/ (global-batch reward std + {self.eps:g})",
+               "none": "(no std: Dr. GRPO)"}[self.std]
+        return f"group mean: A = r - mean_group(r) {how}"
+
+
+@register("estimator")
+class LeaveOneOut(Estimator):
+    """Leave-one-out baseline: RLOO (Ahmadian et al. 2024, arXiv 2402.14740; Kool et al. 2019).
+
+      A_i = r_i - (1 / (n_g - 1)) sum_{j in g, j != i} r_j = n_g / (n_g - 1) * (r_i - mean_g r)
+    A group of one (or with all rewards equal) gets 0.
+    """
+
+    kind: Literal["leave_one_out"] = Field("leave_one_out", description="Component kind.")
+
+    def estimate(self, rewards, group, control=None):
+        mean, _, n, const = group_stats(rewards, group)  # [B] each
+        adv = (rewards.detach() - mean) * n / (n - 1).clamp(min=1)  # [B]
+        return torch.where(const | (n < 2), torch.zeros_like(adv), adv)
+
+    def describe(self) -> str:
+        return "leave-one-out (RLOO): A = r - mean of the other rows of the group"
+
+
+@register("estimator")
+class ReinforcePPBaseline(Estimator):
+    """REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262; OpenRLHF `reinforce_baseline`).
+
+      A'_i = r_i - mean_g r;   A_i = (A'_i - mean_B A') / (std_B A' + eps)
+    over the rows of the global batch (DDP: summed over every rank, see the module docstring). Departure:
+    the paper and OpenRLHF normalise over tokens (each row's advantage counted once per response token);
+    with an outcome reward the advantage is constant along a row, and we count every row once.
+    """
+
+    kind: Literal["reinforce_pp_baseline"] = Field("reinforce_pp_baseline", description="Component kind.")
+    eps: float = Field(1e-6, gt=0, description="Added to the global-batch std.")
+
+    def estimate(self, rewards, group, control=None):
+        mean, _, _, _ = group_stats(rewards, group)
+        centred = rewards.detach() - mean  # [B]
+        m, s = _global_moments(centred)
+        return ((centred.to(torch.float64) - m) / (s + self.eps)).to(rewards.dtype)
+
+    def describe(self) -> str:
+        return f"REINFORCE++-baseline: r - mean_group(r), then (x - mean) / (std + {self.eps:g}) over the global batch's rows"
+
+
+@register("estimator")
+class SoftValue(Estimator):
+    """OAPL's / A*PO's soft value baseline (Ritter et al. 2026, arXiv 2602.19362; Brantley et al. 2025, arXiv
+    2505.20686), the function `advantage_regression` uses (`soft_value`):
+
+      A_i = r_i - V_hat(x),  V_hat(x) = beta1 ln mean_{j in g} exp(r_j / beta1)   (.inf: mean, 0: max)
+    """
+
+    kind: Literal["soft_value"] = Field("soft_value", description="Component kind.")
+    beta1: float = Field(1.0, ge=0, description="Temperature of the soft-max baseline (.inf: mean, 0: max).")
+
+    def estimate(self, rewards, group, control=None):
+        from components.objectives.advantage_regression import soft_value
+
+        v, _ = soft_value(rewards, group, self.beta1)
+        return rewards.detach() - v
+
+    def describe(self) -> str:
+        b = "inf" if math.isinf(self.beta1) else f"{self.beta1:g}"
+        return f"soft value (OAPL): A = r - beta1 ln mean_group exp(r / beta1), beta1 = {b}"
+
+
+@register("estimator")
+class ControlMean(Estimator):
+    """MInTRL's control baseline (Chen et al. 2026): the mean reward of the group's control rollouts (those the
+    guide may not touch); a group without control rows falls back to all of its rows.
+
+      A_i = r_i - mean_{j in g, control_j} r_j
+    """
+
+    kind: Literal["control_mean"] = Field("control_mean", description="Component kind.")
+
+    def estimate(self, rewards, group, control=None):
+        from components.objectives.advantage_regression import soft_value
+
+        v, _ = soft_value(rewards, group, math.inf, control)
+        return rewards.detach() - v
+
+    def describe(self) -> str:
+        return "control mean (MInTRL): A = r - mean reward of the group's control rollouts"
+
+
+AnyEstimator = Annotated[Union[GroupMean, LeaveOneOut, ReinforcePPBaseline, SoftValue, ControlMean],
+                         Field(discriminator="kind")]
