@@ -361,7 +361,7 @@ def lightning_loss(plan: dict, recs: list[dict]) -> tuple[float | None, str]:
         adv = obj.advantages(b)
         b.advantages = None if adv is None else adv.detach()
         batches.append(b)
-    ctx = type("Ctx", (), {"spec": spec, "record": staticmethod(lambda *a, **k: None)})()
+    ctx = type("Ctx", (), {"spec": spec, "step": 0, "record": staticmethod(lambda *a, **k: None)})()
     with torch.no_grad():
         loss, _ = run_step.loss(ctx, policy, batches)
     return float(loss), f"{batch.size} rows of step 0, {len(recs)} micro-batch(es)"
