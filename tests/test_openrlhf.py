@@ -36,10 +36,17 @@ needs_openrlhf = pytest.mark.skipif(not HAVE_OPENRLHF, reason="openrlhf is not i
 LIGHTNING_ONLY = {"specs/hybrids/fkl-plus-sft.yaml": ("terms[1].signal", "cannot be mixed with rollout terms"),
                   # the composer's loss in the plugin (sequence ratio, CISPO bound) with mini-batches
                   "specs/methods/gspo.yaml": ("train.mini_batches", "mini-batches run only with OpenRLHF's own PolicyLoss"),
-                  "specs/methods/cispo.yaml": ("train.mini_batches", "mini-batches run only with OpenRLHF's own PolicyLoss")}
+                  "specs/methods/cispo.yaml": ("train.mini_batches", "mini-batches run only with OpenRLHF's own PolicyLoss"),
+                  # sequences the policy did not write (GKD), an SFT term gated by the same step's rollouts (HPT)
+                  "specs/methods/gkd.yaml": ("signal.off_policy", "are not samples of the step"),
+                  "specs/methods/hpt.yaml": ("terms[1].signal", "cannot be mixed with rollout terms")}
+# the teacher whose generations give PrefixRL its prefixes takes a GPU of its own: 4 + 1 per node
+GPUS_PER_NODE = {"specs/methods/prefixrl.yaml": 5}
 SPECS = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("specs/*.yaml"), *ROOT.glob("specs/hybrids/*.yaml"),
                                                    *ROOT.glob("specs/methods/*.yaml")]
                if str(p.relative_to(ROOT)) not in LIGHTNING_ONLY)
+# what a spec needs to compile for OpenRLHF, said by the refusal: DAPO's capped refill rounds have no OpenRLHF flag
+OPENRLHF_OVERRIDES = {"specs/methods/dapo.yaml": ["rollout.filter.max_rounds=null"]}
 PR, POL, GI, PAD = CODE["prompt"], CODE["policy"], CODE["guide_intervention"], CODE["pad"]
 L2 = math.log(2.0)
 
@@ -60,9 +67,10 @@ def bundles(tmp_path_factory):
 
     out = {}
     for spec in SPECS:
-        v = validate_file(ROOT / spec)
+        v = validate_file(ROOT / spec, OPENRLHF_OVERRIDES.get(spec, []))
         d = tmp_path_factory.mktemp(Path(spec).stem)
-        compile_bundle(v, d, Layout(nodes=1, gpus_per_node=8, cluster_dir=f"/tmp/composer-runs/{v.spec.name}"))
+        compile_bundle(v, d, Layout(nodes=1, gpus_per_node=GPUS_PER_NODE.get(spec, 8),
+                                    cluster_dir=f"/tmp/composer-runs/{v.spec.name}"))
         out[spec] = d
     return out
 
@@ -655,18 +663,19 @@ def test_agent_int_stage_one_self_judge_and_sft_filter():
     from components.tasks.tokenizer import char_tokenizer
 
     tok = char_tokenizer()
-    ex = toy.make_example("7+3-5")
-    bad, good = "7+3=0\n0-5=1\n#1", ex.solution
+    ex = toy.make_example("7+3-5+1")  # the intervention (step 2) does not contain the gold answer (6): no leak
+    bad, good = "7+3=0\n0-5=1\n1+1=2\n#2", ex.solution
 
-    def scripts(text):  # the verdict; the correction from the reference-conditioned prompt; the policy
-        return ["REVISE 2"] if text.endswith("V:") else [good] if text.startswith("R:") else [bad, good]
+    def scripts(text):  # the proposal (verification, first error and the right step in one answer); the policy
+        return ["REVISE 2\n0-5=5"] if text.endswith("V:") else [good] if text.startswith("R:") else [bad, good]
 
     agent = agent_for("specs/int.yaml", ["stages.0.signal.targets=online"], segments=[0])  # the sft stage, online
-    outs = run_agent(agent, FakeEngine(tok, scripts), tok, ex.prompt, ob.encode_label(ob.label_of(ex, step=0)), 4)
+    outs = run_agent(agent, FakeEngine(tok, scripts), tok, ex.prompt, ob.encode_label(ob.label_of(ex, step=0)), 4,
+                     128)  # room for the proposal prompt (the whole attempt, numbered, and the reference)
     P = len(tok.encode(ex.prompt, add_special_tokens=False))
     for out in outs:
         meta = ob.decode_label(out["label"])
-        assert meta["guided"] and meta["weight"] == 1.0  # a continuation from the target succeeds
+        assert meta["guided"] and meta["weight"] == 1.0, {k: meta.get(k) for k in ("guided", "weight", "spans")}  # a continuation from the target succeeds
         assert tok.decode(out["observation_tokens"][P:]) == "7+3=0\n0-5=5\n"  # cut right after the intervention
         assert [o for _, _, o in meta["spans"]] == ["policy", "guide_intervention"]
         assert out["action_ranges"] == [(P, P + 6), (P + 6, P + 12)]
@@ -873,7 +882,7 @@ def test_a_row_with_nothing_to_train_adds_no_loss_and_no_gradient():
 
 @needs_openrlhf
 @pytest.mark.parametrize("spec,over,want", [
-    ("specs/methods/dapo.yaml", [], {"--train.max_epochs": "1", "--train.batch_size": "32",
+    ("specs/methods/dapo.yaml", ["rollout.filter.max_rounds=null"], {"--train.max_epochs": "1", "--train.batch_size": "64",
                                      "--algo.advantage.estimator": "group_norm"}),
     ("specs/grpo.yaml", ["train.epochs=2"], {"--train.max_epochs": "2", "--train.batch_size": "64"}),
     ("specs/grpo.yaml", ["objective.estimator={kind: leave_one_out}"], {"--algo.advantage.estimator": "rloo"}),

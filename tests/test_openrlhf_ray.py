@@ -164,9 +164,11 @@ def test_max_len_holds_the_longest_judge_call(bundles):
     problem = max((json.loads(r["label"]).get("problem") or r["prompt"] for r in rows), key=len)
     response = lengths["rollout"] - len(max((r["prompt"] for r in rows), key=len))
     steps = ["x"] * (response // 2)
-    prompt = TEMPLATES["judge"].format(problem=problem, accepted="", steps="\n".join(
-        f"{i + 1}:{s}" for i, s in enumerate(steps)))
-    answer = max(16, 8)  # the longer of the judge's two calls: the verdict (16 tokens) and the correction (8, specs/int.yaml)
+    solution = max((json.loads(r["label"]).get("solution") or "" for r in rows), key=len)
+    # InT's proposal (specs/int.yaml): the reference line, then the judge template over the numbered attempt
+    prompt = TEMPLATES["context:reference_solution"].format(text=solution) + TEMPLATES["judge"].format(
+        problem=problem, accepted="", steps="\n".join(f"{i + 1}:{s}" for i, s in enumerate(steps)))
+    answer = 24  # one proposal answer: proposal_tokens in specs/int.yaml
     assert answer == lengths["judge_answer"]
     assert len(prompt) + answer <= max_len
 

@@ -195,7 +195,8 @@ class Recorder:
         batches = term_batches(term_list, full, metas)
         for (_n, _s, obj, _w), b in zip(term_list, batches):
             b.advantages = obj.advantages(whole) if whole.rewards is not None or not obj.needs else None
-        ctx = SimpleNamespace(spec=spec, record=lambda *a, **k: None)
+        step = min((int(m.get("step", 0)) for m in metas), default=0)  # the global step (scheduled numbers)
+        ctx = SimpleNamespace(spec=spec, step=max(step, 0), record=lambda *a, **k: None)
         was = module.training
         with torch.no_grad():
             total, metrics = lightning_step.loss(ctx, module, batches)

@@ -277,7 +277,8 @@ def lightning(trainer, module, exp, pad_id: int) -> dict:
         lp, lg = score_responses(teacher_forward(trainer, info), exp.sequences, exp.attention_mask,
                                  prompt_lengths(whole_rows), prompts, info["temperature"], pad_id, obj.wants_logits)
         batches[k] = dataclasses.replace(b, teacher_logprobs=lp, teacher_logits=lg)
-    ctx = SimpleNamespace(spec=spec, record=lambda *a, **k: None)
+    step = min((int(m.get("step", 0)) for m in metas), default=0)  # the global step (scheduled numbers)
+    ctx = SimpleNamespace(spec=spec, step=max(step, 0), record=lambda *a, **k: None)
     was = module.training
     with torch.no_grad():
         total, _metrics = lightning_step.loss(ctx, module, batches)
