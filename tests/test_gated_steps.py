@@ -177,7 +177,7 @@ def test_kdrl_mask_distils_only_rollouts_the_reward_did_not_credit(tiny, other, 
 
 
 def test_dapo_dynamic_sampling_keeps_only_mixed_prompts_and_counts_the_extra_cost(tiny, tmp_path, monkeypatch):
-    events = run("specs/methods/dapo.yaml", tmp_path, [f"policy.model={tiny}", "train.steps=2",
+    events = run("specs/methods/dapo.yaml", tmp_path, [f"policy.model={tiny}", "train.steps=2", "train.mini_batches=1",
                                                        "rollout.filter.max_rounds=20"], monkeypatch)
     import csv
 

@@ -882,7 +882,7 @@ def test_a_row_with_nothing_to_train_adds_no_loss_and_no_gradient():
 
 @needs_openrlhf
 @pytest.mark.parametrize("spec,over,want", [
-    ("specs/methods/dapo.yaml", ["rollout.filter.max_rounds=null"], {"--train.max_epochs": "1", "--train.batch_size": "64",
+    ("specs/methods/dapo.yaml", ["rollout.filter.max_rounds=null"], {"--train.max_epochs": "1", "--train.batch_size": "32",
                                      "--algo.advantage.estimator": "group_norm"}),
     ("specs/grpo.yaml", ["train.epochs=2"], {"--train.max_epochs": "2", "--train.batch_size": "64"}),
     ("specs/grpo.yaml", ["objective.estimator={kind: leave_one_out}"], {"--algo.advantage.estimator": "rloo"}),

@@ -146,7 +146,7 @@ def test_the_exported_model_computes_the_trained_policys_logits(cli, tiny, tmp_p
     bad = cli("export", tmp_path / "nope", "--out", tmp_path / "x")
     assert bad.exit_code == 2 and "no such checkpoint or run folder" in bad.stderr
     taken = cli("export", out, "--out", out)  # a folder of other files is never replaced
-    assert taken.exit_code == 2 and "not an exported model" in taken.stderr
+    assert taken.exit_code == 2 and "not an earlier export" in taken.stderr
 
 
 # ------------------------------------------------------------------------------------------ early errors

@@ -343,9 +343,10 @@ signal: {{kind: distillation, teacher: teacher}}
 objective: {{kind: divergence}}
 train: {{steps: 2, prompts_per_step: 2, eval_every: 0, eval_samples: 2}}
 """)
+    from composer.runtime.models import ModelLoadError
     from composer.validate import validate_file
 
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ModelLoadError) as e:  # the input's fault: a message and exit 2, not an internal error
         train(validate_file(spec), tmp_path / "run", progress=False)
     assert other in str(e.value) and tiny in str(e.value)
     assert not (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()
