@@ -21,6 +21,12 @@ MECHANISM = {  # spec -> text explain must show
 }
 
 
+# the policy-gradient specs train on tiers where the toy student's groups are mixed (their shipped tiers are the
+# default's, where the first steps' groups are often all-equal), so the loss is that of a learning signal
+HOT = {n: ["data.train_tiers=[6]", "rollout.max_new_tokens=48"] for n in ("cispo.yaml", "dr-grpo.yaml", "gspo.yaml", "rloo.yaml",
+                                              "reinforce-pp-baseline.yaml", "kdrl.yaml", "srpo.yaml", "kdrl-mask.yaml")}
+
+
 @pytest.mark.parametrize("name", sorted(MECHANISM))
 def test_explain_shows_the_defining_mechanism(name):
     from composer.explain import text
@@ -31,12 +37,12 @@ def test_explain_shows_the_defining_mechanism(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(MECHANISM))
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "specs" / "methods").glob("*.yaml")))
 def test_runs_three_steps_on_the_toy_with_a_nonzero_loss(name, tmp_path):
     from composer.backends.lightning.run import train
 
     v = validate_file(ROOT / "specs" / "methods" / name,
-                      ["train.steps=3", "train.prompts_per_step=4", "train.eval_every=0", "train.eval_samples=2",
+                      HOT.get(name, []) + ["train.steps=3", "train.prompts_per_step=4", "train.eval_every=0", "train.eval_samples=2",
                        "train.checkpoint_every=1000", "train.samples_every=0"])
     train(v, tmp_path, progress=False)
     rows = [r for r in csv.DictReader(open(tmp_path / "metrics.csv")) if r.get("loss")]
