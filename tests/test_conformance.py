@@ -62,7 +62,7 @@ FAST = ["train.prompts_per_step=4", "rollout.max_new_tokens=32", "train.eval_eve
 # specs whose own tiers the toy student solves in every sample of these short runs (no mixed group): the check
 # needs groups with a learning signal, so they run on the 4-step tier (26 tokens: fits, and sampled rows err)
 HOT = {"srpo": ["data.train_tiers=[6]", "rollout.max_new_tokens=48"], "kdrl-mask": ["data.train_tiers=[6]", "rollout.max_new_tokens=48"],
-       "sft-opd-grpo": ["data.train_tiers=[4]"], "opd-plus-reward": ["data.train_tiers=[4]"]}
+       "sft-opd-grpo": ["data.train_tiers=[4]"], "opd-plus-reward": ["data.train_tiers=[6]", "rollout.max_new_tokens=48"]}
 GUIDE_ORIGINS = ("guide_prefix", "guide_intervention")
 TOL = 2e-3  # float32 forward passes of different shapes (KV cache vs one pass)
 

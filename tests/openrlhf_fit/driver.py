@@ -191,6 +191,10 @@ class Recorder:
             base = [e.base_action_log_probs for e in experiences]
             if all(b is not None for b in base):
                 full.initial_logprobs = shift(_pad_cat(base).float())
+        elif self.run["plugin"].get("ref") == "initial":  # the plugin's loss reads the reference actor's (ComposerLoss.batches)
+            base = [e.base_action_log_probs for e in experiences]
+            if all(b is not None for b in base):
+                full.initial_logprobs = shift(_pad_cat(base).float())
         term_list = terms(spec)
         batches = term_batches(term_list, full, metas)
         for (_n, _s, obj, _w), b in zip(term_list, batches):
