@@ -34,6 +34,11 @@ class Estimator(Component):
         """The estimator in words, for `explain`."""
         raise NotImplementedError
 
+    def native_flag(self) -> str | None:
+        """OpenRLHF's `--algo.advantage.estimator` value that computes the same advantages, or None (the
+        composer's own estimate then runs in the bundle's plugin)."""
+        return None
+
 
 def _global_moments(x: Tensor) -> tuple[Tensor, Tensor]:
     """(mean, unbiased std) of x [B] over every rank's rows (one all_reduce of n, sum, sum of squares when
@@ -78,6 +83,9 @@ class GroupMean(Estimator):
                "none": "(no std: Dr. GRPO)"}[self.std]
         return f"group mean: A = r - mean_group(r) {how}"
 
+    def native_flag(self) -> str | None:
+        return {"group": "group_norm", "none": "dr_grpo"}.get(self.std)  # a batch std has no OpenRLHF flag
+
 
 @register("estimator")
 class LeaveOneOut(Estimator):
@@ -96,6 +104,9 @@ class LeaveOneOut(Estimator):
 
     def describe(self) -> str:
         return "leave-one-out (RLOO): A = r - mean of the other rows of the group"
+
+    def native_flag(self) -> str | None:
+        return "rloo"
 
 
 @register("estimator")

@@ -163,10 +163,7 @@ def _native_estimator(obj) -> str | None:
     """OpenRLHF's --algo.advantage.estimator that computes the same advantages as the grpo's estimator, or None
     (then the composer's own estimator runs in the plugin): group_norm (std by group), dr_grpo (no std), rloo.
     reinforce_baseline normalises over tokens (the composer's over rows), and a std over the batch has no flag."""
-    est = obj.est
-    if est.kind_name() == "group_mean":
-        return {"group": "group_norm", "none": "dr_grpo"}.get(est.std)
-    return "rloo" if est.kind_name() == "leave_one_out" else None
+    return obj.est.native_flag()  # declared by the estimator: no kind is checked here
 
 
 def _updates(specs, where, native: bool) -> str:
