@@ -29,8 +29,10 @@ DEFAULTS = {
     "pass_k_n": 32,  # samples per problem for pass@k (k = 1..32)
     "pass_k_problems": 16,
     "eval_every": 10,
+    "entropy_n": 4,  # samples per problem for entropy_heldout (the pass@k problems, temperature 1)
 }
-QUICK = {"budget_samples": 256, "seeds": 1, "eval_samples": 8, "pass_k_n": 4, "pass_k_problems": 4, "eval_every": 2}
+QUICK = {"budget_samples": 256, "seeds": 1, "eval_samples": 8, "pass_k_n": 4, "pass_k_problems": 4, "eval_every": 2,
+         "entropy_n": 2}
 MIDDLE, HARD = "tier6", "tier8"  # the student solves tiers 1-4 at the start (bootstrap), so 6 is the middle
 BOTH = "tier6+8"  # derived columns: the mean over the middle and hard tiers (2 x eval_samples problems)
 EXTRA_SEEDS = 5  # pre-registered: a claim whose primary difference is within one interval gets seeds 3-4 on its arms
@@ -89,7 +91,8 @@ CLAIMS = {
                  "are worse than none",
         "metric": f"pass@1/{BOTH}",
         "rule": "low = the lowest non-zero intensity (max_reviews=1), high = the arm whose measured intensity is "
-                "closest to 40%; reproduced if low - none > 0 and none - high > 0 are both established, "
+                "closest to 40% (both candidates, each with its verdict, when their intensities are within 2 "
+                "points); reproduced if low - none > 0 and none - high > 0 are both established, "
                 "contradicted if none - low > 0 or high - none > 0 is",
         "arms": {f"r{r}": _intensity(r)[0] for r in INTENSITY_REVIEWS},
     },
@@ -102,9 +105,10 @@ CLAIMS = {
     },
     "off_policyness": {
         "claim": "SFT, the most off-policy, narrows the distribution most (seed 000)",
-        "metric": "entropy_last",
-        "rule": "reproduced if SFT's last-step entropy is below each of OPD's, OPSD's and GRPO's (all three "
-                "established), contradicted if any of them is established below SFT's",
+        "metric": "entropy_heldout",
+        "rule": "entropy_heldout: the final policy's per-token entropy at temperature 1 on its own samples of the "
+                "same held-out prompts for every method; reproduced if SFT's is below each of OPD's, OPSD's and "
+                "GRPO's (all three established), contradicted if any of them is established below SFT's",
         "arms": {m: m for m in ("sft", "opd", "opsd", "grpo")},
     },
 }
@@ -183,17 +187,21 @@ def run_key(variant: Variant, seed: int, cfg: dict) -> dict:
 
 def run_one(variant: Variant, seed: int, out: Path, cfg: dict) -> dict:
     from composer.backends.lightning.run import train
-    from composer.runtime.evaluate import pass_at_k
+    from composer.runtime.evaluate import heldout_entropy, pass_at_k
     from composer.validate import validate_file
 
     v = validate_file(variant.spec, run_overrides(variant, seed, cfg))
     extra = {}
 
     def final_eval(ctx, policy):
+        held = []
         for tier in (MIDDLE, HARD):
             exs = ctx.task.eval.get(tier, [])[: cfg["pass_k_problems"]]
-            for k, val in pass_at_k(ctx, policy, exs, n=cfg["pass_k_n"]).items():
+            held += exs
+            # temperature 1 for every method (settings.md), not each spec's rollout sampling (OPSD 1.1, InT 0.7)
+            for k, val in pass_at_k(ctx, policy, exs, n=cfg["pass_k_n"], temperature=1.0).items():
                 extra[sampled_key(k, tier)] = val  # greedy pass@1 keeps the plain name
+        extra["entropy_heldout"] = heldout_entropy(ctx, policy, held, n=cfg.get("entropy_n", 4), seed=seed)
 
     t0 = time.perf_counter()
     final = train(v, out, progress=False, final_eval=final_eval)
@@ -362,7 +370,7 @@ def write_outputs(results: list[dict], out: Path, cfg: dict, command: str) -> No
 
 STUDY_COLS = {
     "intensity": ["offpolicy_guided", "offpolicy_token_frac", f"pass@1/{BOTH}", f"pass@1/{MIDDLE}", f"pass@1/{HARD}",
-                  f"pass@32/{BOTH}", "reward_last", "entropy_last", "judge_tokens", "wall_s"],
+                  f"pass@32/{BOTH}", "reward_last", "entropy_last", "entropy_heldout", "judge_tokens", "wall_s"],
     "lag": [f"pass@1/{BOTH}", f"pass@1/{MIDDLE}", f"pass@1/{HARD}", f"pass@32/{BOTH}", "reward_last", "entropy_last",
             "wall_s"],
 }
@@ -374,7 +382,7 @@ def study_table(rs: list[dict], study: str = "") -> list[str]:
     k = max((k for r in rs for k in sampled_ks(r, HARD)), default=1)
     cols = STUDY_COLS.get(study) or [
         f"pass@1/{MIDDLE}", f"pass@1/{HARD}", sampled_key(k, MIDDLE), sampled_key(k, HARD), "zero_advantage_frac",
-        "offpolicy_token_frac", "entropy_last", "judge_tokens", "teacher_tokens", "wall_s"]
+        "offpolicy_token_frac", "entropy_last", "entropy_heldout", "judge_tokens", "teacher_tokens", "wall_s"]
     lines = ["| variant | n | " + " | ".join(cols) + " |", "| --- | --- |" + " --- |" * len(cols)]
     for label in dict.fromkeys(r["label"] for r in rs):
         mine = [r for r in rs if r["label"] == label]
@@ -441,18 +449,28 @@ def claim_verdicts(results: list[dict]) -> list[dict]:
             none = next(k for k in A if k.endswith("r0"))
             nonzero = [k for k in A if k != none and not math.isnan(inten[k])]
             low = min(nonzero, key=lambda k: int(k[1:]))
-            high = min(nonzero, key=lambda k: abs(inten[k] - 0.40))
+            highs = high_candidates(inten, nonzero)
             c_low = diff_ci((1, x(low)), (-1, x(none)))
-            c_high = diff_ci((1, x(none)), (-1, x(high)))
-            comps = [(f"low ({A[low].split()[-1]}, {inten[low]:.1%}) - none", c_low, f"{_mean(x(low))} vs {_mean(x(none))}"),
-                     (f"none - high ({A[high].split()[-1]}, {inten[high]:.1%})", c_high,
-                      f"{_mean(x(none))} vs {_mean(x(high))}")]
+            comps = [(f"low ({A[low].split()[-1]}, {inten[low]:.1%}) - none", c_low, f"{_mean(x(low))} vs {_mean(x(none))}")]
+            per_high = []
+            for high in highs:
+                c_high = diff_ci((1, x(none)), (-1, x(high)))
+                comps.append((f"none - high ({A[high].split()[-1]}, {inten[high]:.1%})", c_high,
+                              f"{_mean(x(none))} vs {_mean(x(high))}"))
+                e1, e2 = established(c_low), established(c_high)
+                per_high.append((high, c_high, "reproduced" if e1 == 1 and e2 == 1
+                                 else "contradicted" if -1 in (e1, e2) else "undecided"))
             notes.append("intensity (off-policy tokens of guided rollouts, intervention phase) per arm: " +
                          ", ".join(f"{A[k].split()[-1]} {inten[k]:.1%}" for k in A if not math.isnan(inten[k])))
-            e1, e2 = established(c_low), established(c_high)
-            verdict = ("reproduced" if e1 == 1 and e2 == 1 else "contradicted" if -1 in (e1, e2) else "undecided")
-            decisive = [c_low, c_high]
-            arms_used = [none, low, high]
+            if len({v for *_, v in per_high}) == 1:
+                verdict = per_high[0][2]
+            else:  # the two candidate high arms disagree: both verdicts, neither chosen after the fact
+                verdict = " / ".join(f"{v} (high = {A[h].split()[-1]})" for h, _, v in per_high)
+            if len(highs) > 1:
+                notes.append(f"two candidate high arms within {HIGH_TIE:.0%} of each other's intensity: "
+                             + " and ".join(A[h].split()[-1] for h in highs) + "; the verdict is given for each")
+            decisive = [c_low, *(c for _, c, _ in per_high)]
+            arms_used = [none, low, *highs]
         elif name == "lag":
             lo_lag, hi_lag = LAGS[0], LAGS[-1]
             dg = diff_ci((1, x(f"grpo{hi_lag}")), (-1, x(f"grpo{lo_lag}")))
@@ -482,11 +500,25 @@ def claim_verdicts(results: list[dict]) -> list[dict]:
             verdict = "reproduced" if all(e == 1 for e in es) else "contradicted" if -1 in es else "undecided"
             decisive = [c for _, c, _ in cs]
             arms_used = list(A)
-        extend = verdict == "undecided" and any(
+        extend = "undecided" in verdict and any(
             established(c) == 0 and not math.isnan(c["d"]) and abs(c["d"]) < c["half"] for c in decisive)
         out.append({"name": name, "claim": spec["claim"], "metric": metric, "rule": spec["rule"], "verdict": verdict,
                     "comparisons": comps, "notes": notes, "extend": [A[k] for k in arms_used] if extend else [],
                     "seeds": sorted({len(x(k)) for k in arms_used})})
+    return out
+
+
+HIGH_TARGET, HIGH_TIE = 0.40, 0.02  # pre-registered (issue 26): the high arm is the one nearest 40% off-policy
+
+
+def high_candidates(inten: dict, arms: list) -> list:
+    """The intensity study's *high* arm: the arm whose measured intensity is nearest 40%; when the runner-up's
+    intensity is within 2 points of the nearest one's, both (the verdict is then reported for each, so the
+    choice between two near-equal arms is never made after seeing their pass rates)."""
+    ranked = sorted(arms, key=lambda k: abs(inten[k] - HIGH_TARGET))
+    out = ranked[:1]
+    if len(ranked) > 1 and abs(inten[ranked[1]] - inten[ranked[0]]) <= HIGH_TIE:
+        out.append(ranked[1])
     return out
 
 
@@ -538,7 +570,7 @@ def moved_table(results: list[dict], previous: dict, seeds_before: int) -> list[
     rs = [r for r in results if r["study"] == "methods"]
     seen = [c for c in dict.fromkeys(c for old in previous.values() for c in old) if c != "wall_s"]
     order = [f"pass@1/{MIDDLE}", f"pass@1/{HARD}", f"pass@32/{MIDDLE}", f"pass@32/{HARD}", "zero_advantage_frac",
-             "offpolicy_token_frac", "entropy_last", "judge_tokens", "teacher_tokens"]
+             "offpolicy_token_frac", "entropy_last", "entropy_heldout", "judge_tokens", "teacher_tokens"]
     cols = sorted(seen, key=lambda c: order.index(c) if c in order else len(order))
     lines = ["| method | " + " | ".join(cols) + " |", "| --- |" + " --- |" * len(cols)]
     same = []

@@ -41,7 +41,8 @@ def test_bench_writes_results_summary_and_plots(tmp_path):
     assert [r["policy_samples"] for r in results] == [8, 8, 8]
     assert results[2]["run"] == results[0]["run"] and results[2]["study"] == "other"  # reused, not rerun
     rows = list(csv.DictReader((tmp_path / "out" / "results.csv").open()))
-    assert len(rows) == 3 and {"pass@1/tier6", "pass@2/tier8", "judge_tokens"} <= set(rows[0])
+    assert len(rows) == 3 and {"pass@1/tier6", "pass@2/tier8", "judge_tokens", "entropy_heldout"} <= set(rows[0])
+    assert float(rows[0]["entropy_heldout"]) > 0
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "budget_samples=8" in summary and "oapl every=2" in summary and "## other" in summary
     assert (tmp_path / "out" / "lag.png").exists() and (tmp_path / "out" / "lag-sweep.png").exists()
@@ -131,7 +132,7 @@ def test_intervals_use_student_t_and_welch():
     assert b.value({"pass@1/tier6": 0.2, "pass@1/tier8": 0.4}, "pass@1/tier6+8") == 0.30000000000000004
 
 
-def _claim_rows(effect: float, noise: float = 0.0, seeds=(0, 1, 2)):
+def _claim_rows(effect: float, noise: float = 0.0, seeds=(0, 1, 2), off16: float = 0.5, p16: float | None = None):
     """Synthetic results of every claims arm: each claim's predicted direction, `effect` strong."""
     rows = []
     jitter = {0: 0.0, 1: noise, 2: -noise, 3: noise / 2, 4: -noise / 2}
@@ -140,7 +141,7 @@ def _claim_rows(effect: float, noise: float = 0.0, seeds=(0, 1, 2)):
         for s in seeds:
             j = jitter[s]
             rows.append({"label": label, "study": "claims", "seed": s, "pass@1/tier6": pass1 + j, "pass@1/tier8": pass1 + j,
-                         "pass@32/tier6": pass32 + j, "pass@32/tier8": pass32 + j, "entropy_last": ent + j / 10,
+                         "pass@32/tier6": pass32 + j, "pass@32/tier8": pass32 + j, "entropy_heldout": ent + j / 10,
                          "offpolicy_guided": off, "zero_advantage_frac": 0.5, "reward_last": 0.5,
                          "policy_samples": 64, "steps": 8, "run": "/nonexistent"})
 
@@ -148,7 +149,7 @@ def _claim_rows(effect: float, noise: float = 0.0, seeds=(0, 1, 2)):
     add("mintrl", pass32=0.5 + effect)
     add("mintrl max_reviews=0", pass32=0.5)
     for r, off, p in ((0, float("nan"), 0.3), (1, 0.12, 0.3 + effect), (2, 0.22, 0.3), (4, 0.41, 0.3 - effect),
-                      (16, 0.5, 0.3 - effect)):
+                      (16, off16, 0.3 - effect if p16 is None else p16)):
         add(f"mintrl long max_reviews={r}", pass1=p, off=off)
     for m, drop in (("oapl", 0.0), ("grpo", effect)):
         add(f"{m} sync.every=1", pass1=0.3)
@@ -173,6 +174,58 @@ def test_claim_verdicts_follow_the_preregistered_rules():
     assert "**undecided**" in table and "MInTRL - GRPO" in table and "| 3/3 |" in table
     missing = [r for r in _claim_rows(0.3) if r["label"] != "sft"]
     assert "off_policyness" not in {v["name"] for v in b.claim_verdicts(missing)}
+
+
+def test_two_high_arms_within_two_points_both_get_a_verdict():
+    """max_reviews=4 measures 41%, max_reviews=16 42.5%: both are candidates for *high*; when their pass rates
+    tell different stories the verdict names each, instead of picking one after seeing the numbers."""
+    assert b.high_candidates({"a": 0.41, "b": 0.395, "c": 0.2}, ["a", "b", "c"]) == ["b", "a"]  # nearest first
+    assert b.high_candidates({"a": 0.41, "b": 0.37, "c": 0.2}, ["a", "b", "c"]) == ["a"]  # 4 points apart
+    agree = {v["name"]: v for v in b.claim_verdicts(_claim_rows(0.3, noise=0.01, off16=0.425))}["intensity"]
+    assert agree["verdict"] == "reproduced" and len(agree["comparisons"]) == 3
+    assert "max_reviews=16, 42.5%" in agree["comparisons"][2][0] and "verdict is given for each" in agree["notes"][-1]
+    split = {v["name"]: v for v in b.claim_verdicts(_claim_rows(0.3, noise=0.01, off16=0.425, p16=0.3 + 0.3))}
+    assert split["intensity"]["verdict"] == ("reproduced (high = max_reviews=4) / "
+                                             "contradicted (high = max_reviews=16)"), split["intensity"]["verdict"]
+
+
+def test_heldout_entropy_is_the_mean_token_entropy_at_temperature_1(tmp_path):
+    """Recomputed independently: torch.distributions.Categorical over the logits of every response position
+    of the same samples (same seed), averaged over response tokens."""
+    import torch
+
+    from components.tasks.bootstrap import tiny_random_checkpoint
+    from composer.runtime.engine import Sampling, hf_generate
+    from composer.runtime.evaluate import heldout_entropy
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny_random_checkpoint(str(tmp_path / "tiny"))
+    model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+    class Ctx:
+        tokenizer, max_new_tokens = tok, 6
+
+        def encode(self, text):
+            return tok(text, add_special_tokens=False)["input_ids"]
+
+    class Ex:
+        def __init__(self, prompt):
+            self.prompt = prompt
+
+    exs = [Ex("1+2="), Ex("3*4=")]
+    got = heldout_entropy(Ctx(), model, exs, n=2, seed=5)
+    prompts = [Ctx().encode(e.prompt) for e in exs for _ in range(2)]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        gens = hf_generate(model, tok, prompts, 6, Sampling(temperature=1.0))
+    ents = []
+    with torch.no_grad():
+        for p, g in zip(prompts, gens):
+            logits = model(torch.tensor([p + g.tokens])).logits[0]  # [P+R, V]
+            ents += torch.distributions.Categorical(logits=logits[len(p) - 1: len(p) + len(g.tokens) - 1]).entropy().tolist()
+    assert sum(len(g.tokens) for g in gens) == len(ents) > 0
+    assert abs(got - sum(ents) / len(ents)) < 1e-5, (got, sum(ents) / len(ents))
+    assert got > 0.1  # a random tiny model is far from deterministic: the check compares something
 
 
 def test_guided_offpolicy_counts_reviewable_rollouts_of_the_intervention_phase(tmp_path):

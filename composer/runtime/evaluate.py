@@ -133,6 +133,41 @@ def pass_at_k(ctx, policy, examples, n: int = 32, ks=(1, 2, 4, 8, 16, 32), tempe
     return out
 
 
+@torch.no_grad()
+def heldout_entropy(ctx, policy, examples, n: int = 4, seed: int = 0) -> float:
+    """Mean per-token entropy (nats) of the policy's next-token distribution at temperature 1 over its own
+    responses to `examples` (n samples each, plain sampling: no top-p, no top-k, no guide).
+
+    The off-policyness study compares methods by how far training narrowed the distribution; the training
+    log's entropy is measured on each method's own rollouts at its own temperature (OPSD samples at 1.1, SFT
+    logs demonstrations), so it compares different things. This one is the same for every method: the same
+    held-out prompts, temperature 1, the same seed.
+    """
+    from composer.runtime.models import token_logprobs
+
+    if not examples:
+        return float("nan")
+    was_training = policy.training
+    policy.eval()
+    try:
+        prompts = [ctx.encode(e.prompt) for e in examples for _ in range(n)]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            gens = hf_generate(policy, ctx.tokenizer, prompts, ctx.max_new_tokens, Sampling(temperature=1.0))
+        device = next(policy.parameters()).device
+        total, count = 0.0, 0
+        for p, g in zip(prompts, gens):
+            if not g.tokens:
+                continue
+            ids = torch.tensor([p + g.tokens], device=device)  # [1, P + R]
+            _, _, ent = token_logprobs(policy, ids, torch.ones_like(ids))  # ent[:, t]: the step predicting ids[t]
+            total += float(ent[0, len(p):].sum())
+            count += len(g.tokens)
+        return total / count if count else float("nan")
+    finally:
+        policy.train(was_training)
+
+
 # ------------------------------------------------------------------------------------------ eval_samples.jsonl
 
 
