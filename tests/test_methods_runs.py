@@ -164,6 +164,14 @@ def test_clip_acts_and_mini_batches_hold_whole_groups(tmp_path):
         r = torch.exp(cur - b.old_logprobs)[b.origin == CODE["policy"]]
         clipped.append(float(((r < 0.8) | (r > 1.28)).float().mean()))
     assert max(clipped) > 0, clipped
+    # the logged data metrics are the whole step's (both mini-batches), not the last mini-batch's
+    for step, row in enumerate(rows):
+        halves = [d["batch"] for d in records if d["step"] == step][:2]
+        rewards = [r for b in halves for r in b.rewards.tolist()]
+        lists = [xs for b in halves for xs in group_lists(b.rewards, b.group).values()]
+        flat = sum(len(xs) for xs in lists if max(xs) == min(xs)) / sum(len(xs) for xs in lists)
+        assert float(row["reward_mean"]) == pytest.approx(sum(rewards) / len(rewards), abs=1e-6)
+        assert float(row["zero_advantage_frac"]) == pytest.approx(flat, abs=1e-6)
 
 
 @pytest.mark.slow

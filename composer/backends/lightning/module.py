@@ -232,6 +232,9 @@ class ComposerModule(L.LightningModule):
                 metrics_first = {f"first_update/{key}": v for key, v in metrics.items()
                                  if key.split("/")[-1] in ("loss", "pg_loss", "clip_frac", "ratio_mean")}
         metrics.update(metrics_first)
+        if len(parts) > 1:  # the data's facts (reward, zero-advantage groups, lengths) are the step's, not the last part's
+            metrics.update(run_step.batch_metrics(next((b for b in batches if b.rewards is not None), batches[0])))
+            metrics.update(run_step.source_rewards(ctx, batches))
         metrics["updates"] = float(n)
         return torch.tensor(sum(losses) / n), metrics
 
