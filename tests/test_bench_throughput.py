@@ -61,3 +61,45 @@ def test_throughput_exits_nonzero_when_a_side_did_not_run(tmp_path, capsys, monk
     assert code == 1
     err = capsys.readouterr().err
     assert "a side did not run: sft ours: TypeError" in err and "a side did not run: sft trl: ImportError" in err
+
+
+def test_both_comparisons_are_reported(tmp_path, tiny):
+    """matched and TRL-defaults rows for SFT (no timing asserted): both sides ran in each, and the table has
+    both row groups."""
+    from composer import bench_throughput as bt
+
+    out = tmp_path / "tp.json"
+    assert bt.main(["--pairs", "sft", *tiny, "--json", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    assert [r["mode"] for r in res] == ["matched", "defaults"]
+    for r in res:
+        assert r["ours_error"] is None and r["trl_error"] is None, r
+        assert len(r["ours_block_s"]) == 1 and len(r["trl_block_s"]) == 1
+    text = bt.format_results(res, bt.parse_args(["--rounds", "1"]))
+    assert "matched: matched work" in text and "defaults: TRL defaults" in text
+
+
+def test_sweep_points_and_bad_axes():
+    from composer import bench_throughput as bt
+
+    pts = bt.sweep_points("group=2,4;length=8", {"group": 8, "length": 32, "prompts": 4})
+    assert pts == [("group", {"group": 2, "length": 32, "prompts": 4}), ("group", {"group": 4, "length": 32, "prompts": 4}),
+                   ("length", {"group": 8, "length": 8, "prompts": 4})]
+    with pytest.raises(ValueError, match="--sweep-axes"):
+        bt.sweep_points("width=2", {"group": 8, "length": 32, "prompts": 4})
+
+
+def test_tiny_sweep_writes_csv_and_png_with_both_sides(tmp_path, tiny):
+    """The sweep machinery on two minuscule points: both sides ran at each, the CSV and the PNG exist."""
+    import csv
+
+    from composer import bench_throughput as bt
+
+    out = tmp_path / "sweep"
+    assert bt.main(["--sweep", "--sweep-axes", "group=2;length=2,4", *tiny, "--out", str(out)]) == 0
+    rows = list(csv.DictReader(open(out / "sweep.csv")))
+    assert [(r["axis"], r["value"]) for r in rows] == [("group", "2"), ("length", "2"), ("length", "4")]
+    for r in rows:
+        assert float(r["ours_ms_per_step"]) > 0 and float(r["trl_ms_per_step"]) > 0, r
+        assert not r["ours_error"] and not r["trl_error"]
+    assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
