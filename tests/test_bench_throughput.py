@@ -35,7 +35,7 @@ def test_tiny_throughput_runs_both_sides_through_the_modules_step(tmp_path, monk
 
     monkeypatch.setattr(ComposerModule, "step_loss", spy)
     out = tmp_path / "tp.json"
-    assert bt.main(["--pairs", "grpo", *tiny, "--json", str(out)]) == 0
+    assert bt.main(["--pairs", "grpo", "--modes", "matched", *tiny, "--json", str(out)]) == 0
     (res,) = json.loads(out.read_text())["results"]
     assert res["ours_error"] is None and res["trl_error"] is None, res
     assert len(res["ours_block_s"]) == 1 and len(res["trl_block_s"]) == 1
