@@ -500,9 +500,68 @@ def run_pair(pair: str, args, mode: str = "matched") -> dict:
     return res
 
 
+# ------------------------------------------------------------------------------------- guided rollouts
+
+GUIDED_SPEC = "specs/mintrl.yaml"
+
+
+def guided_overhead(model: str | None, prompts: int = 4, repeats: int = 5, overrides=(), spec: str = GUIDED_SPEC,
+                    seed: int = 0) -> dict:
+    """Wall time per generated policy token of guided rollouts (the spec's guide; MInTRL's chunk reviews with
+    its judge) over plain sampling of the same prompts with the same engine. Repeats interleave plain and
+    guided; the ratio is the median of the per-repeat ratios, discarded tokens included."""
+    import torch
+
+    from components.guides.none import NoGuide
+    from composer.runtime.binding import bind_task
+    from composer.runtime.context import RunContext
+    from composer.runtime.engine import HFEngine
+    from composer.runtime.models import load_model, load_tokenizer
+    from composer.validate import validate_file
+
+    ovr = ([f"policy.model={model}"] if model else []) + list(overrides)
+    sp = validate_file(str(ROOT / spec), ovr).segments[0].spec
+    task = bind_task(sp)
+    tok = load_tokenizer(sp.policy.tokenizer or sp.policy.model or "toy:student")
+    policy = load_model(sp.policy.model or "toy:student")
+    ctx = RunContext(task=task, tokenizer=tok, policy=policy, engine=HFEngine(policy, tok), spec=sp,
+                     rng=random.Random(seed))
+    guide, n = sp.rollout.guide, sp.rollout.samples_per_prompt
+    plain_rollout = NoGuide().rollout  # the same driver without a guide
+
+    def timed(fn, examples):
+        torch.manual_seed(seed)
+        before = ctx.costs["policy_tokens"]
+        t0 = time.perf_counter()
+        fn(ctx, examples, n)
+        return time.perf_counter() - t0, ctx.costs["policy_tokens"] - before
+
+    timed(plain_rollout, ctx.next_prompts(prompts))  # warm-up
+    plain, guided, revise = [], [], []
+    for _ in range(repeats):
+        examples = ctx.next_prompts(prompts)
+        plain.append(timed(plain_rollout, examples))
+        guided.append(timed(guide.rollout, examples))
+        revise.append(ctx.metrics.get("guide/revise_rate", 0.0))
+    ratios = [(tg / max(ng, 1)) / (tp / max(np_, 1)) for (tp, np_), (tg, ng) in zip(plain, guided)]
+    return {"spec": spec, "guide": guide.kind, "judge": getattr(guide, "judge", None), "prompts": prompts,
+            "samples_per_prompt": n, "plain": plain, "guided": guided, "revise_rate": statistics.median(revise),
+            "plain_ms_per_token": 1e3 * statistics.median(t / max(k, 1) for t, k in plain),
+            "guided_ms_per_token": 1e3 * statistics.median(t / max(k, 1) for t, k in guided),
+            "round_ratios": ratios, "ratio": statistics.median(ratios)}
+
+
+def format_guided(g: dict) -> str:
+    rr = g["round_ratios"]
+    return (f"guided rollouts ({g['spec']}: guide {g['guide']}, judge {g['judge']}, {g['prompts']} prompts x "
+            f"{g['samples_per_prompt']}): {g['guided_ms_per_token']:.3f} vs plain {g['plain_ms_per_token']:.3f} ms per "
+            f"generated token = {g['ratio']:.2f}x (median of {len(rr)} interleaved repeats, {min(rr):.2f}-{max(rr):.2f}; "
+            f"revise rate {g['revise_rate']:.2f}; target <= 1.3x)")
+
+
 # ------------------------------------------------------------------------------------------ sweep
 
-SWEEP_AXES = "group=4,8,16,32;length=16,32,64,128;prompts=2,4,8"
+SWEEP_AXES = "group=4,8,16,32;length=16,32,64,128;prompts=1,2,4"
 SWEEP_COLUMNS = ["axis", "value", "group", "length", "prompts", "rows_per_step", "ours_ms_per_step", "trl_ms_per_step",
                  "ours_samples_per_s", "trl_samples_per_s", "ratio", "round_ratios", "ours_error", "trl_error"]
 
@@ -525,7 +584,7 @@ def run_sweep(args) -> int:
     import copy
     import csv
 
-    base = {"group": args.group or 8, "length": args.length, "prompts": args.prompts or 4}
+    base = {"group": args.group or 8, "length": args.length, "prompts": args.prompts or 2}
     try:
         points = sweep_points(args.sweep_axes, base)
     except ValueError as e:
@@ -708,17 +767,21 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="Policy checkpoint directory (default: the toy student, bootstrapped if missing).")
     p.add_argument("--teacher", help="Teacher checkpoint directory for opd/GKD (default: the toy teacher).")
-    p.add_argument("--pairs", default="grpo,opd,sft", help="Comma-separated subset of grpo,opd,sft.")
+    p.add_argument("--pairs", default="grpo,opd,sft",
+                   help="Comma-separated subset of grpo,opd,sft ('' for none: e.g. only --sweep).")
+    p.add_argument("--guided", type=int, default=5, metavar="REPEATS",
+                   help="Also measure guided (specs/mintrl.yaml) vs plain rollouts per token, this many interleaved "
+                        "repeats (0: skip).")
     p.add_argument("--modes", default="matched,defaults",
                    help="Comparisons: matched (equal work, forced length) and/or defaults (TRL's default config for "
                         "the same spec; grpo and sft only).")
     p.add_argument("--sweep", action="store_true",
-                   help="Instead of the table: how a GRPO step's cost grows with group size, response length and "
+                   help="After the table: how a GRPO step's cost grows with group size, response length and "
                         "prompts per step, ours and TRL (CSV + PNG under --out).")
     p.add_argument("--out", help="Folder for the sweep's CSV and PNG (default runs/throughput-sweep-<time>).")
     p.add_argument("--sweep-axes", default=SWEEP_AXES,
                    help="The sweep's points: axis=v1,v2;... over group, length, prompts; the other axes stay at "
-                        "--group (default 8), --length and --prompts (default 4).")
+                        "--group (default 8), --length and --prompts (default 2).")
     p.add_argument("--sampler", choices=("hf", "fast"), default="hf",
                    help="Our rollout sampler: the hf engine as runs use it (hf: the KV-cache sampler, keeping its "
                         "log-probs), or fast: the same sampler with its log-probs re-scored by a forward pass.")
@@ -789,8 +852,6 @@ def main(argv=None) -> int:
     if [m for m in modes if m not in MODES]:
         print(f"unknown mode(s) in {args.modes!r}; choose from {', '.join(MODES)}", file=sys.stderr)
         return 2
-    if args.sweep:
-        return run_sweep(args)
     results = []
     for mode in modes:
         for pair in pairs:
@@ -799,16 +860,30 @@ def main(argv=None) -> int:
             print(f"[bench] {pair} ({mode}): ours ({SPECS[pair]}, sampler {args.sampler}) vs TRL {TRL_NAME[pair]} ...",
                   flush=True)
             results.append(run_pair(pair, args, mode))
-    text = format_results(results, args)
+    text = format_results(results, args) if results else ""
+    guided = None
+    if args.guided:
+        print(f"[bench] guided vs plain rollouts ({GUIDED_SPEC}) ...", flush=True)
+        try:
+            guided = guided_overhead(args.model, repeats=args.guided, seed=args.seed)
+            text += ("\n" if text else "") + format_guided(guided)
+        except Exception as e:  # reported; the exit status says so
+            guided = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+            text += f"\nguided rollouts did not run: {guided['error']}"
     print(text)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "results": results},
-                                              indent=2, default=str))
+        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "results": results,
+                                               "guided": guided}, indent=2, default=str))
     failed = [f"{r['pair']}{'' if r['mode'] == 'matched' else ' (' + r['mode'] + ')'} {side}: {r[side + '_error']}" for r in results for side in ("ours", "trl")
               if r.get(side + "_error") or (side == "ours" and not r.get("ours_block_s"))
               or (side == "trl" and not r.get("trl_block_s"))]
+    if guided and guided.get("error"):
+        failed.append(f"guided: {guided['error']}")
     for f in failed:
         print(f"[bench] a side did not run: {f}", file=sys.stderr)
+    if args.sweep:
+        code = run_sweep(args)
+        return 1 if failed else code
     return 1 if failed else 0
 
 
