@@ -599,6 +599,7 @@ def run_sweep(args) -> int:
         if key not in done:
             a = copy.copy(args)
             a.group, a.length, a.prompts = pt["group"], pt["length"], pt["prompts"]
+            a.rounds = args.sweep_rounds
             print(f"[sweep] group {a.group}, length {a.length}, prompts {a.prompts} ...", flush=True)
             done[key] = run_pair("grpo", a, "matched")
         r = done[key]
@@ -779,6 +780,7 @@ def parse_args(argv):
                    help="After the table: how a GRPO step's cost grows with group size, response length and "
                         "prompts per step, ours and TRL (CSV + PNG under --out).")
     p.add_argument("--out", help="Folder for the sweep's CSV and PNG (default runs/throughput-sweep-<time>).")
+    p.add_argument("--sweep-rounds", type=int, default=2, help="Timed blocks per side at each sweep point.")
     p.add_argument("--sweep-axes", default=SWEEP_AXES,
                    help="The sweep's points: axis=v1,v2;... over group, length, prompts; the other axes stay at "
                         "--group (default 8), --length and --prompts (default 2).")
@@ -795,8 +797,7 @@ def parse_args(argv):
     p.add_argument("--group", type=int, default=None, help="Samples per prompt (default: the spec's).")
     p.add_argument("--warmup", type=int, default=1, help="Warm-up steps per side, not timed.")
     p.add_argument("--steps", type=int, default=1, help="Steps per timed block.")
-    p.add_argument("--rounds", type=int, default=None, help="Timed blocks per side (interleaved; default 6, "
-                   "with --sweep 2).")
+    p.add_argument("--rounds", type=int, default=None, help="Timed blocks per side (interleaved; default 6).")
     p.add_argument("--threads", type=int, default=max(1, min(os.cpu_count() or 1, 8)), help="torch CPU threads.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--override", action="append", help="Extra spec override path=value for our side (repeatable).")
@@ -828,7 +829,7 @@ def quiet() -> None:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    args.rounds = args.rounds or (2 if args.sweep else 6)
+    args.rounds = args.rounds or 6
     import torch
 
     torch.set_num_threads(args.threads)

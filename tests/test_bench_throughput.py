@@ -96,7 +96,8 @@ def test_tiny_sweep_writes_csv_and_png_with_both_sides(tmp_path, tiny):
     from composer import bench_throughput as bt
 
     out = tmp_path / "sweep"
-    assert bt.main(["--sweep", "--sweep-axes", "group=2;length=2,4", *tiny, "--out", str(out)]) == 0
+    assert bt.main(["--pairs", "", "--sweep", "--sweep-rounds", "1", "--sweep-axes", "group=2;length=2,4", *tiny,
+                    "--out", str(out)]) == 0
     rows = list(csv.DictReader(open(out / "sweep.csv")))
     assert [(r["axis"], r["value"]) for r in rows] == [("group", "2"), ("length", "2"), ("length", "4")]
     for r in rows:

@@ -177,16 +177,19 @@ def _generate_chunk(W: _Weights, model, chunk, limits, sampling, pad, eos, min_n
     owner = [first.setdefault(tuple(p), len(first)) for p in chunk]  # row -> distinct prompt
     uniq = torch.tensor([owner.index(u) for u in range(len(first))], device=device)  # [U] a row per prompt
     U = len(first)
-    cache_k = [torch.empty((U, W.n_kv, S, W.head_dim), dtype=dtype, device=device) for _ in W.layers]
-    cache_v = [torch.empty((U, W.n_kv, S, W.head_dim), dtype=dtype, device=device) for _ in W.layers]
+    cache_k = [torch.empty((B, W.n_kv, S, W.head_dim), dtype=dtype, device=device) for _ in W.layers]
+    cache_v = [torch.empty((B, W.n_kv, S, W.head_dim), dtype=dtype, device=device) for _ in W.layers]
+    # the prompts' cache: [U, KV, P, D] per layer, copied to the rows that share each prompt
+    pre_k = [torch.empty((U, W.n_kv, P, W.head_dim), dtype=dtype, device=device) for _ in W.layers]
+    pre_v = [torch.empty((U, W.n_kv, P, W.head_dim), dtype=dtype, device=device) for _ in W.layers]
     # prefill: causal over real prompt tokens; a pad query attends to itself only (keeps it finite)
     causal = torch.ones((P, P), dtype=torch.bool, device=device).tril()
     mask = (causal[None] & valid[uniq, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)[None]
-    hidden = _forward(W, ids[uniq], cos_t[pos[uniq]], sin_t[pos[uniq]], mask[:, None], cache_k, cache_v, 0)
-    if U < B:
-        rows = torch.tensor(owner, device=device)  # [B]
-        cache_k, cache_v = [c[rows] for c in cache_k], [c[rows] for c in cache_v]
-        hidden = hidden[rows]
+    hidden = _forward(W, ids[uniq], cos_t[pos[uniq]], sin_t[pos[uniq]], mask[:, None], pre_k, pre_v, 0)
+    rows = torch.tensor(owner, device=device)  # [B] row -> its prompt's prefill
+    for c, pre in zip(cache_k + cache_v, pre_k + pre_v):
+        c[:, :, :P] = pre[rows]
+    hidden = hidden[rows]
     out = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
     lps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device) if want_logprobs else None
     done = torch.zeros(B, dtype=torch.bool, device=device)
