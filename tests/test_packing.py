@@ -59,3 +59,16 @@ def test_packed_forward_equals_padded_forward(model):
     (token_logprobs(model, tokens, mask)[0][:, 1:] * real).sum().backward()
     for a, b in zip(g_ref, (p.grad for p in model.parameters())):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_only_transformers_models_are_packed(model):
+    """A model whose code is not transformers' (remote code, a custom module) may build its own masks and
+    ignore packed position_ids: it keeps the padded forward."""
+    from composer.runtime.models import _packable
+
+    assert _packable(model)
+
+    class Custom(torch.nn.Module):
+        config = model.config
+
+    assert not _packable(Custom())

@@ -214,8 +214,11 @@ def pack_rows(attention_mask: torch.Tensor, min_saving: float = 0.1):
 def _packable(model) -> bool:
     """Models whose attention honours packed position_ids with no attention mask (transformers' sdpa/eager
     masks detect the sequence boundaries from the positions; flash-attention reads them directly)."""
-    cfg = getattr(model, "config", None)
-    impl = getattr(cfg, "_attn_implementation", None)
+    inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
+    if not type(inner).__module__.startswith("transformers."):  # remote code builds its own masks
+        return False
+    impl = getattr(getattr(inner, "config", None), "_attn_implementation", None)
     return impl in ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 
 
