@@ -594,16 +594,31 @@ def run_sweep(args) -> int:
     out = Path(args.out or f"runs/throughput-sweep-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     done: dict[tuple, dict] = {}
+    keys = list(dict.fromkeys((pt["group"], pt["length"], pt["prompts"]) for _axis, pt in points))
+    for p in range(args.sweep_passes):  # passes at different times: a load spike hits one pass, not every one
+        for key in keys:
+            a = copy.copy(args)
+            a.group, a.length, a.prompts = key
+            a.rounds = args.sweep_rounds
+            print(f"[sweep] pass {p + 1}/{args.sweep_passes}: group {a.group}, length {a.length}, prompts {a.prompts} "
+                  "...", flush=True)
+            r = run_pair("grpo", a, "matched")
+            if key not in done:
+                done[key] = r
+                continue
+            d = done[key]  # the passes' rounds together
+            for k in ("ours_block_s", "trl_block_s", "round_ratios"):
+                d[k] = d.get(k, []) + r.get(k, [])
+            d["ours_error"], d["trl_error"] = d["ours_error"] or r["ours_error"], d["trl_error"] or r["trl_error"]
+            for side in ("ours", "trl"):
+                if d[f"{side}_block_s"]:
+                    d[f"{side}_samples_per_s"] = d["rows_per_step"] * args.steps * len(d[f"{side}_block_s"]) / sum(
+                        d[f"{side}_block_s"])
+            if d["ours_block_s"] and d["trl_block_s"]:
+                d["ratio"] = d["ours_samples_per_s"] / d["trl_samples_per_s"]
     rows = []
     for axis, pt in points:
-        key = (pt["group"], pt["length"], pt["prompts"])
-        if key not in done:
-            a = copy.copy(args)
-            a.group, a.length, a.prompts = pt["group"], pt["length"], pt["prompts"]
-            a.rounds = args.sweep_rounds
-            print(f"[sweep] group {a.group}, length {a.length}, prompts {a.prompts} ...", flush=True)
-            done[key] = run_pair("grpo", a, "matched")
-        r = done[key]
+        r = done[(pt["group"], pt["length"], pt["prompts"])]
         # the least-disturbed block (min over rounds) per side: on a shared machine, load only adds time
         ms = {side: 1000 * min(r[f"{side}_block_s"]) / args.steps if r.get(f"{side}_block_s") else None
               for side in ("ours", "trl")}
@@ -785,7 +800,9 @@ def parse_args(argv):
                    help="After the table: how a GRPO step's cost grows with group size, response length and "
                         "prompts per step, ours and TRL (CSV + PNG under --out).")
     p.add_argument("--out", help="Folder for the sweep's CSV and PNG (default runs/throughput-sweep-<time>).")
-    p.add_argument("--sweep-rounds", type=int, default=3,
+    p.add_argument("--sweep-passes", type=int, default=2,
+                   help="Passes over all sweep points, one after the other (each point's rounds pooled).")
+    p.add_argument("--sweep-rounds", type=int, default=2,
                    help="Timed blocks per side at each sweep point (the CSV and plot keep each side's fastest).")
     p.add_argument("--sweep-axes", default=SWEEP_AXES,
                    help="The sweep's points: axis=v1,v2;... over group, length, prompts; the other axes stay at "
