@@ -326,6 +326,9 @@ def bench(specs, seeds, budget_samples, out, sweep, suite, study, quick, through
 
         extra = (["--sweep"] + (["--sweep-axes", sweep] if sweep else [])) if sweep is not None else []  # value: axes
         sys.exit(tp_main(extra + (["--out", out] if out else []) + list(specs)))
+    if sweep == "":
+        raise click.UsageError("--sweep needs a field and its values (e.g. --sweep train.lr=1e-4,3e-4); "
+                               "without one it belongs to --throughput")
     cfg = dict(b.QUICK if quick else b.DEFAULTS)
     if seeds is not None:
         cfg["seeds"] = seeds

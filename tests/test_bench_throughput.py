@@ -120,3 +120,23 @@ def test_guided_overhead_measures_both_rollouts(tiny):
     assert np_ > 0 and ng > 0 and tp > 0 and tg > 0
     assert len(g["round_ratios"]) == 1 and g["ratio"] > 0
     assert "guided rollouts (specs/mintrl.yaml: guide intervention" in bt.format_guided(g)
+
+
+def test_cli_forwards_throughput_sweep_and_out(monkeypatch, tmp_path):
+    """`composer bench --throughput --sweep --threads 1 --out D` reaches the bench as --sweep --out D --threads 1;
+    a value after --sweep is the sweep's axes; --sweep without a value outside --throughput is a usage error."""
+    from click.testing import CliRunner
+
+    from composer import bench_throughput as bt
+    from composer.cli import main
+
+    seen = []
+    monkeypatch.setattr(bt, "main", lambda argv: seen.append(argv) or 0)
+    r = CliRunner().invoke(main, ["bench", "--throughput", "--sweep", "--threads", "1", "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert seen[-1] == ["--sweep", "--out", str(tmp_path), "--threads", "1"]
+    r = CliRunner().invoke(main, ["bench", "--throughput", "--sweep", "group=4,8", "--pairs", "grpo"])
+    assert r.exit_code == 0, r.output
+    assert seen[-1] == ["--sweep", "--sweep-axes", "group=4,8", "--pairs", "grpo"]
+    r = CliRunner().invoke(main, ["bench", "specs/grpo.yaml", "--sweep"])
+    assert r.exit_code == 2 and "--sweep needs a field and its values" in r.output
