@@ -737,10 +737,10 @@ def profile_ours(pair: str, args, steps: int = 3) -> str:
 
 
 def format_results(results: list[dict], args) -> str:
-    lines = [f"throughput on {args.threads} CPU thread(s); model {args.model}; completion length {args.length} "
-             f"(forced, matched rows); sampler (ours) {args.sampler}{'; ours compiled' if args.compile else ''}"
-             f"{'; TRL compiled' if args.trl_compile else ''}; {args.rounds} rounds x {args.steps} steps, "
-             f"{args.warmup} warm-up step(s) dropped"]
+    lines = [(f"throughput on {args.threads} CPU thread(s); model {args.model}; completion length {args.length} "
+              f"(forced, matched rows); sampler (ours) {args.sampler}{'; ours compiled' if args.compile else ''}"
+              f"{'; TRL compiled' if args.trl_compile else ''}; {args.rounds} rounds x {args.steps} steps, "
+              f"{args.warmup} warm-up step(s) dropped")]
 
     def f(r, k, d=1):
         return f"{r[k]:.{d}f}" if r.get(k) is not None else "-"
@@ -749,9 +749,9 @@ def format_results(results: list[dict], args) -> str:
         group = [r for r in results if r.get("mode", "matched") == mode]
         if not group:
             continue
-        lines += ["", f"{mode}: {MODE_TITLE[mode]}",
-                  f"{'pair':6s} {'ours vs TRL':26s} {'rows/step':>9s} {'ours samp/s':>12s} {'TRL samp/s':>11s} "
-                  f"{'ours tok/s':>11s} {'TRL tok/s':>10s} {'ratio':>6s}  per-round ratios (min-max)"]
+        header = (f"{'pair':6s} {'ours vs TRL':26s} {'rows/step':>9s} {'ours samp/s':>12s} {'TRL samp/s':>11s} "
+                  f"{'ours tok/s':>11s} {'TRL tok/s':>10s} {'ratio':>6s}  per-round ratios (min-max)")
+        lines += ["", f"{mode}: {MODE_TITLE[mode]}", header]
         for r in group:
             ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else "-"
             rr = r.get("round_ratios", [])

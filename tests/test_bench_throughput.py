@@ -98,7 +98,8 @@ def test_tiny_sweep_writes_csv_and_png_with_both_sides(tmp_path, tiny):
     out = tmp_path / "sweep"
     assert bt.main(["--pairs", "", "--sweep", "--sweep-rounds", "1", "--sweep-axes", "group=2;length=2,4", *tiny,
                     "--out", str(out)]) == 0
-    rows = list(csv.DictReader(open(out / "sweep.csv")))
+    with open(out / "sweep.csv") as fh:
+        rows = list(csv.DictReader(fh))
     assert [(r["axis"], r["value"]) for r in rows] == [("group", "2"), ("length", "2"), ("length", "4")]
     for r in rows:
         assert float(r["ours_ms_per_step"]) > 0 and float(r["trl_ms_per_step"]) > 0, r

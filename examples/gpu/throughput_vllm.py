@@ -57,8 +57,8 @@ def bench_args(args) -> argparse.Namespace:
                        "--override", f"rollout.gpu_memory_utilization={args.gpu_memory_utilization}"]
                       + (["--model", args.model] if args.model else []))
     a.device = "cuda"
-    a.trl_grpo_extra = dict(use_vllm=True, vllm_mode="colocate",
-                            vllm_gpu_memory_utilization=args.gpu_memory_utilization)
+    a.trl_grpo_extra = {"use_vllm": True, "vllm_mode": "colocate",
+                        "vllm_gpu_memory_utilization": args.gpu_memory_utilization}
     return a
 
 
@@ -79,11 +79,13 @@ def format_table(res: dict, sync: dict, args) -> str:
                      num(step_ms(side), 0), num(1000 * statistics.mean(s) if s else None, 1), str(len(s)),
                      " ".join(f"{x:.2f}" for x in res.get(f"{side}_block_s", []))))
     widths = [max(len(str(r[i])) for r in rows + [COLUMNS]) for i in range(len(COLUMNS))]
-    line = lambda r: "  ".join(str(c).ljust(w) if i in (0, 6) else str(c).rjust(w)  # noqa: E731
-                               for i, (c, w) in enumerate(zip(r, widths)))
-    out = [f"GRPO on one GPU: {args.prompts} prompts x {args.group} samples, {args.length} forced tokens, "
-           f"{args.rounds} rounds x {args.steps} steps ({args.warmup} warm-up), vLLM share "
-           f"{args.gpu_memory_utilization} each", line(COLUMNS), line(["-" * w for w in widths])]
+    def line(r):
+        return "  ".join(str(c).ljust(w) if i in (0, 6) else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    title = (f"GRPO on one GPU: {args.prompts} prompts x {args.group} samples, {args.length} forced tokens, "
+             f"{args.rounds} rounds x {args.steps} steps ({args.warmup} warm-up), vLLM share "
+             f"{args.gpu_memory_utilization} each")
+    out = [title, line(COLUMNS), line(["-" * w for w in widths])]
     out += [line(r) for r in rows]
     ratio = res.get("ratio")
     out.append(f"ours/TRL samples/s: {num(ratio, 2)}x" + (
