@@ -46,7 +46,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = {"grpo": "grpo.yaml", "opd": "opd.yaml", "sft": "sft.yaml"}
 TRL_NAME = {"grpo": "GRPOTrainer", "opd": "GKDTrainer", "sft": "SFTTrainer"}
-TARGET = 1.5
+TARGET = {"matched": 2.0, "defaults": 1.0}  # ours/TRL the issue asks for, per comparison
+MODES = ("matched", "defaults")
+MODE_TITLE = {
+    "matched": "matched work (same model, batch, forced completion length, KL setting, threads)",
+    "defaults": "TRL defaults (TRL's config defaults for the same spec: GRPO beta 0, so no reference model, and "
+                "generation stopping at EOS; SFTTrainer's defaults) vs our spec as written (its KL term, EOS stops)",
+}
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -107,7 +113,7 @@ class Ours:
     """The composer's step on the Lightning backend's module, driven without the Trainer."""
 
     def __init__(self, spec_path: str, overrides: list[str], examples, length: int | None, sampler: str,
-                 compile_model: bool = False):
+                 compile_model: bool = False, rollouts: bool | None = None, device: str = "cpu"):
         import torch
 
         from composer.backends.lightning.module import ComposerModule
@@ -125,6 +131,8 @@ class Ours:
         tok = load_tokenizer(spec.policy.tokenizer or spec.policy.model)
         policy = load_model(spec.policy.model, spec.policy.dtype)
         self.module = ComposerModule(compile_plan(v, "lightning"), task, tok, policy, validated=v)
+        if device != "cpu":  # the Trainer's move to its device, before setup builds the engine
+            self.module.to(device)
         self.module.setup("fit")
         self.ctx = self.module.ctx
         self.policy = policy
@@ -137,10 +145,10 @@ class Ours:
         self.measuring = False
         self.rows = 0
         self.tokens = 0  # response tokens (rollouts) or every real token (SFT)
-        self.rollouts = length is not None
+        self.rollouts = (length is not None) if rollouts is None else rollouts
         engine = self.ctx.engine
-        if length and hasattr(engine, "model"):
-            engine.model.generation_config.min_new_tokens = length
+        if length:
+            self._force_length(engine, length)
         if sampler == "fast":
             self._use_fast_sampler(engine)
         self._wrap("generate", engine)
@@ -177,6 +185,25 @@ class Ours:
                 return fn(*a, **kw)
 
         setattr(engine, name, wrapped)
+
+    @staticmethod
+    def _force_length(engine, length: int) -> None:
+        """min_new_tokens = length: through the hf engine's generation_config (its sampler reads it), or the
+        vLLM engine's SamplingParams (min_tokens)."""
+        gc = getattr(getattr(engine, "model", None), "generation_config", None)
+        if gc is not None:
+            gc.min_new_tokens = length
+        elif hasattr(engine, "_params"):
+            make = engine._params
+
+            def params(max_tokens, *a, **k):
+                p = make(max_tokens, *a, **k)
+                p.min_tokens = min(length, max_tokens)
+                return p
+
+            engine._params = params
+        else:
+            raise SystemExit(f"the rollout engine {engine.name} offers no way to force the completion length")
 
     @staticmethod
     def _use_fast_sampler(engine):
@@ -237,14 +264,20 @@ class Ours:
 # --------------------------------------------------------------------------------------- TRL side
 
 
-def _common_trl_args(out: str, rows: int, steps: int, spec, threads: int, compile_model: bool = False) -> dict:
+def _trl_common(args, out: str, rows: int, spec) -> dict:
+    return _common_trl_args(out, rows, args.trl_steps, spec, args.threads, args.trl_compile,
+                            getattr(args, "device", "cpu"))
+
+
+def _common_trl_args(out: str, rows: int, steps: int, spec, threads: int, compile_model: bool = False,
+                     device: str = "cpu") -> dict:
     t = spec.train
     return dict(
         torch_compile=compile_model,
         output_dir=out, per_device_train_batch_size=rows, gradient_accumulation_steps=1, max_steps=steps,
         learning_rate=t.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=t.grad_clip or 0.0,
         adam_beta1=t.betas[0], adam_beta2=t.betas[1], weight_decay=t.weight_decay, optim="adamw_torch",
-        use_cpu=True, bf16=False, fp16=False, report_to="none", logging_strategy="no", save_strategy="no",
+        use_cpu=device == "cpu", bf16=False, fp16=False, report_to="none", logging_strategy="no", save_strategy="no",
         eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0, dataloader_pin_memory=False, seed=t.seed,
     )
 
@@ -264,16 +297,23 @@ def trl_grpo(args, spec, model_dir, examples, callback, out):
         return [toy_verifier(c, Example(prompt="", answer=a)).reward for c, a in zip(completions, answer)]
 
     ds = Dataset.from_dict({"prompt": [e.prompt for e in examples], "answer": [e.answer for e in examples]})
+    tok = load_tokenizer(model_dir)
+    if getattr(args, "mode", "matched") == "defaults":  # TRL's defaults; only batch, lr and budget from the spec
+        cfg = GRPOConfig(**_trl_common(args, out, P * G, spec),
+                         num_generations=G, max_completion_length=r.max_new_tokens, log_completions=False,
+                         model_init_kwargs={"dtype": "float32"}, **getattr(args, "trl_grpo_extra", {}))
+        return GRPOTrainer(model=model_dir, reward_funcs=toy_reward, args=cfg, train_dataset=ds, processing_class=tok,
+                           callbacks=[callback])
     cfg = GRPOConfig(
-        **_common_trl_args(out, P * G, args.trl_steps, spec, args.threads, args.trl_compile),
+        **_trl_common(args, out, P * G, spec),
         num_generations=G, max_completion_length=args.length, temperature=r.temperature, top_p=r.top_p,
         top_k=r.top_k, generation_kwargs={"min_new_tokens": args.length}, beta=obj.kl_coef,
         epsilon=obj.clip_low if obj.clip_low is not None else obj.clip,
         epsilon_high=obj.clip_high if obj.clip_high is not None else obj.clip,
         loss_type="dapo", scale_rewards="group" if obj.std_norm else "none", num_iterations=1,
         steps_per_generation=1, log_completions=False, model_init_kwargs={"dtype": "float32"},
+        **getattr(args, "trl_grpo_extra", {}),  # e.g. use_vllm (examples/gpu/throughput_vllm.py)
     )
-    tok = load_tokenizer(model_dir)
     return GRPOTrainer(model=model_dir, reward_funcs=toy_reward, args=cfg, train_dataset=ds, processing_class=tok,
                        callbacks=[callback])
 
@@ -313,7 +353,7 @@ def trl_gkd(args, spec, model_dir, teacher_dir, examples, callback, out):
                 "attention_mask": torch.cat([mask, torch.ones((len(enc), n), dtype=torch.long)], dim=1),
                 "labels": labels}
 
-    cfg = GKDConfig(**_common_trl_args(out, P * G, args.trl_steps, spec, args.threads, args.trl_compile),
+    cfg = GKDConfig(**_trl_common(args, out, P * G, spec),
                     lmbda=1.0, beta=1.0, temperature=spec.rollout.temperature, max_new_tokens=args.length,
                     remove_unused_columns=False)
     with warnings.catch_warnings():
@@ -333,7 +373,11 @@ def trl_sft(args, spec, model_dir, examples, callback, out):
 
     tok = load_tokenizer(model_dir)
     ds = Dataset.from_dict({"prompt": [e.prompt for e in examples], "completion": [e.solution for e in examples]})
-    cfg = SFTConfig(**_common_trl_args(out, spec.train.prompts_per_step, args.trl_steps, spec, args.threads, args.trl_compile),
+    if getattr(args, "mode", "matched") == "defaults":  # SFTConfig's defaults (completion-only loss on this data)
+        cfg = SFTConfig(**_trl_common(args, out, spec.train.prompts_per_step, spec),
+                        model_init_kwargs={"dtype": "float32"})
+        return SFTTrainer(model=model_dir, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[callback])
+    cfg = SFTConfig(**_trl_common(args, out, spec.train.prompts_per_step, spec),
                     completion_only_loss=True, packing=False, max_length=None, dataset_num_proc=None,
                     model_init_kwargs={"dtype": "float32"})
     return SFTTrainer(model=model_dir, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[callback])
@@ -371,7 +415,8 @@ def _interleaver(ours, args, record):
 def overrides_for(pair: str, args) -> list[str]:
     o = [f"policy.model={args.model}", "train.eval_every=0"]
     if pair in ("grpo", "opd"):
-        o.append(f"rollout.max_new_tokens={args.length}")
+        if getattr(args, "mode", "matched") == "matched":  # forced length; with TRL defaults, the spec's budget
+            o.append(f"rollout.max_new_tokens={args.length}")
         if args.group:
             o.append(f"rollout.samples_per_prompt={args.group}")
     if pair == "opd":
@@ -381,19 +426,25 @@ def overrides_for(pair: str, args) -> list[str]:
     return o + list(args.override or [])
 
 
-def run_pair(pair: str, args) -> dict:
+def run_pair(pair: str, args, mode: str = "matched") -> dict:
+    """One pair in one comparison mode: "matched" (equal work, forced length) or "defaults" (TRL's defaults
+    against our spec as written; lengths are the models' own, so samples/s compares, tokens/s does not)."""
     from composer.validate import validate_file
 
+    args.mode = mode
+    forced = mode == "matched"
     spec_path = str(ROOT / "specs" / SPECS[pair])
     ovr = overrides_for(pair, args)
     spec = validate_file(spec_path, ovr).spec
     rollouts = pair != "sft"
     rows = spec.train.prompts_per_step * (spec.rollout.samples_per_prompt if rollouts else 1)
     examples = toy_examples(max(256, 4 * spec.train.prompts_per_step), args.seed)
-    res = {"pair": pair, "trl": TRL_NAME[pair], "rows_per_step": rows, "ours_error": None, "trl_error": None}
+    res = {"pair": pair, "mode": mode, "trl": TRL_NAME[pair], "rows_per_step": rows, "ours_error": None,
+           "trl_error": None}
     ours = None
     try:
-        ours = Ours(spec_path, ovr, examples, args.length if rollouts else None, args.sampler, args.compile)
+        ours = Ours(spec_path, ovr, examples, args.length if rollouts and forced else None, args.sampler, args.compile,
+                    rollouts=rollouts, device=getattr(args, "device", "cpu"))
         ours.block(1, measure=False)  # fails early if this spec does not run here
     except Exception as e:  # reported, not raised: the TRL side still runs
         res["ours_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -425,7 +476,7 @@ def run_pair(pair: str, args) -> dict:
     n = args.steps
     if record["trl"]:
         res["trl_samples_per_s"] = rows * n * len(record["trl"]) / sum(record["trl"])
-        res["trl_tokens_per_s"] = (res["trl_samples_per_s"] * args.length) if rollouts else None
+        res["trl_tokens_per_s"] = (res["trl_samples_per_s"] * args.length) if rollouts and forced else None
     if ours is not None and record["ours"]:
         total = sum(record["ours"])
         res["ours_samples_per_s"] = ours.rows / total
@@ -439,12 +490,198 @@ def run_pair(pair: str, args) -> dict:
                                        for e in examples)
             res["trl_tokens_per_s"] = res.get("trl_samples_per_s", 0) * mean_len if record["trl"] else None
             res["ours_tokens_per_s"] = ours.tokens / total
+        else:
+            res["ours_mean_response_tokens"] = ours.tokens / max(ours.rows, 1)
         ours.close()
     if res.get("trl_samples_per_s") and res.get("ours_samples_per_s"):
         res["ratio"] = res["ours_samples_per_s"] / res["trl_samples_per_s"]
         res["round_ratios"] = [t / o for o, t in zip(record["ours"], record["trl"])]
         res["median_round_ratio"] = statistics.median(res["round_ratios"])
     return res
+
+
+# ------------------------------------------------------------------------------------- guided rollouts
+
+GUIDED_SPEC = "specs/mintrl.yaml"
+
+
+def guided_overhead(model: str | None, prompts: int = 4, repeats: int = 5, overrides=(), spec: str = GUIDED_SPEC,
+                    seed: int = 0) -> dict:
+    """Wall time per generated policy token of guided rollouts (the spec's guide; MInTRL's chunk reviews with
+    its judge) over plain sampling of the same prompts with the same engine. Repeats interleave plain and
+    guided; the ratio is the median of the per-repeat ratios, discarded tokens included."""
+    import torch
+
+    from components.guides.none import NoGuide
+    from composer.runtime.binding import bind_task
+    from composer.runtime.context import RunContext
+    from composer.runtime.engine import HFEngine
+    from composer.runtime.models import load_model, load_tokenizer
+    from composer.validate import validate_file
+
+    ovr = ([f"policy.model={model}"] if model else []) + list(overrides)
+    sp = validate_file(str(ROOT / spec), ovr).segments[0].spec
+    task = bind_task(sp)
+    tok = load_tokenizer(sp.policy.tokenizer or sp.policy.model or "toy:student")
+    policy = load_model(sp.policy.model or "toy:student")
+    ctx = RunContext(task=task, tokenizer=tok, policy=policy, engine=HFEngine(policy, tok), spec=sp,
+                     rng=random.Random(seed))
+    guide, n = sp.rollout.guide, sp.rollout.samples_per_prompt
+    plain_rollout = NoGuide().rollout  # the same driver without a guide
+
+    def timed(fn, examples):
+        torch.manual_seed(seed)
+        before = ctx.costs["policy_tokens"]
+        t0 = time.perf_counter()
+        fn(ctx, examples, n)
+        return time.perf_counter() - t0, ctx.costs["policy_tokens"] - before
+
+    timed(plain_rollout, ctx.next_prompts(prompts))  # warm-up
+    plain, guided, revise = [], [], []
+    for _ in range(repeats):
+        examples = ctx.next_prompts(prompts)
+        plain.append(timed(plain_rollout, examples))
+        guided.append(timed(guide.rollout, examples))
+        revise.append(ctx.metrics.get("guide/revise_rate", 0.0))
+    ratios = [(tg / max(ng, 1)) / (tp / max(np_, 1)) for (tp, np_), (tg, ng) in zip(plain, guided)]
+    return {"spec": spec, "guide": guide.kind, "judge": getattr(guide, "judge", None), "prompts": prompts,
+            "samples_per_prompt": n, "plain": plain, "guided": guided, "revise_rate": statistics.median(revise),
+            "plain_ms_per_token": 1e3 * statistics.median(t / max(k, 1) for t, k in plain),
+            "guided_ms_per_token": 1e3 * statistics.median(t / max(k, 1) for t, k in guided),
+            "round_ratios": ratios, "ratio": statistics.median(ratios)}
+
+
+def format_guided(g: dict) -> str:
+    rr = g["round_ratios"]
+    return (f"guided rollouts ({g['spec']}: guide {g['guide']}, judge {g['judge']}, {g['prompts']} prompts x "
+            f"{g['samples_per_prompt']}): {g['guided_ms_per_token']:.3f} vs plain {g['plain_ms_per_token']:.3f} ms per "
+            f"generated token = {g['ratio']:.2f}x (median of {len(rr)} interleaved repeats, {min(rr):.2f}-{max(rr):.2f}; "
+            f"revise rate {g['revise_rate']:.2f}; target <= 1.3x)")
+
+
+# ------------------------------------------------------------------------------------------ sweep
+
+SWEEP_AXES = "group=4,8,16,32;length=16,32,64,128;prompts=1,2,4"
+SWEEP_COLUMNS = ["axis", "value", "group", "length", "prompts", "rows_per_step", "ours_ms_per_step", "trl_ms_per_step",
+                 "ours_mean_ms_per_step", "trl_mean_ms_per_step",
+                 "ours_samples_per_s", "trl_samples_per_s", "ratio", "round_ratios", "ours_error", "trl_error"]
+
+
+def sweep_points(axes: str, base: dict) -> list[tuple[str, dict]]:
+    """(axis, point) for every value of every axis, the other two at `base`; "group=4,8;length=16" -> points."""
+    out = []
+    for part in filter(None, (p.strip() for p in axes.split(";"))):
+        name, _, values = part.partition("=")
+        if name not in base or not values:
+            raise ValueError(f"--sweep-axes: {part!r}: expected one of {', '.join(base)}=v1,v2,...")
+        for v in values.split(","):
+            out.append((name, {**base, name: int(v)}))
+    return out
+
+
+def run_sweep(args) -> int:
+    """GRPO, matched work, at every sweep point: ours and TRL interleaved as in the table (fewer rounds);
+    sweep.csv and sweep.png under --out. A point measured for one axis is reused for the others."""
+    import copy
+    import csv
+
+    base = {"group": args.group or 8, "length": args.length, "prompts": args.prompts or 2}
+    try:
+        points = sweep_points(args.sweep_axes, base)
+    except ValueError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    out = Path(args.out or f"runs/throughput-sweep-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    done: dict[tuple, dict] = {}
+    keys = list(dict.fromkeys((pt["group"], pt["length"], pt["prompts"]) for _axis, pt in points))
+    for p in range(args.sweep_passes):  # passes at different times: a load spike hits one pass, not every one
+        for key in keys:
+            a = copy.copy(args)
+            a.group, a.length, a.prompts = key
+            a.rounds = args.sweep_rounds
+            print(f"[sweep] pass {p + 1}/{args.sweep_passes}: group {a.group}, length {a.length}, prompts {a.prompts} "
+                  "...", flush=True)
+            r = run_pair("grpo", a, "matched")
+            if key not in done:
+                done[key] = r
+                continue
+            d = done[key]  # the passes' rounds together
+            for k in ("ours_block_s", "trl_block_s", "round_ratios"):
+                d[k] = d.get(k, []) + r.get(k, [])
+            d["ours_error"], d["trl_error"] = d["ours_error"] or r["ours_error"], d["trl_error"] or r["trl_error"]
+            for side in ("ours", "trl"):
+                if d[f"{side}_block_s"]:
+                    d[f"{side}_samples_per_s"] = d["rows_per_step"] * args.steps * len(d[f"{side}_block_s"]) / sum(
+                        d[f"{side}_block_s"])
+            if d["ours_block_s"] and d["trl_block_s"]:
+                d["ratio"] = d["ours_samples_per_s"] / d["trl_samples_per_s"]
+    rows = []
+    for axis, pt in points:
+        r = done[(pt["group"], pt["length"], pt["prompts"])]
+        # the least-disturbed block (min over rounds) per side: on a shared machine, load only adds time
+        ms = {side: 1000 * min(r[f"{side}_block_s"]) / args.steps if r.get(f"{side}_block_s") else None
+              for side in ("ours", "trl")}
+        mean = {side: 1000 * statistics.mean(r[f"{side}_block_s"]) / args.steps if r.get(f"{side}_block_s") else None
+                for side in ("ours", "trl")}
+        rows.append({"axis": axis, "value": pt[axis], **pt, "rows_per_step": r["rows_per_step"],
+                     "ours_ms_per_step": ms["ours"], "trl_ms_per_step": ms["trl"],
+                     "ours_mean_ms_per_step": mean["ours"], "trl_mean_ms_per_step": mean["trl"],
+                     "ours_samples_per_s": r.get("ours_samples_per_s"), "trl_samples_per_s": r.get("trl_samples_per_s"),
+                     "ratio": r.get("ratio"), "round_ratios": " ".join(f"{x:.3f}" for x in r.get("round_ratios", [])),
+                     "ours_error": r.get("ours_error"), "trl_error": r.get("trl_error")})
+    with open(out / "sweep.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=SWEEP_COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    plot_sweep(rows, out / "sweep.png", args)
+    for r in rows:
+        print(f"{r['axis']:8s} {r['value']:>4d}  rows {r['rows_per_step']:>4d}  ours {_fmt(r['ours_ms_per_step'])} ms  "
+              f"TRL {_fmt(r['trl_ms_per_step'])} ms  (fastest round each)  ratio of all rounds {_fmt(r['ratio'], 2)}")
+    print(f"wrote {out / 'sweep.csv'} and {out / 'sweep.png'}")
+    failed = [r for r in rows if r["ours_ms_per_step"] is None or r["trl_ms_per_step"] is None]
+    for r in failed:
+        print(f"[sweep] a side did not run at {r['axis']}={r['value']}: ours {r['ours_error']}, TRL {r['trl_error']}",
+              file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _fmt(x, d=0) -> str:
+    return "-" if x is None else f"{x:.{d}f}"
+
+
+def plot_sweep(rows: list[dict], path: Path, args) -> None:
+    """One figure, a panel per axis: ms per GRPO step, ours and TRL, against the axis (log2 x)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    axes = list(dict.fromkeys(r["axis"] for r in rows))
+    fig, panels = plt.subplots(1, len(axes), figsize=(4.2 * len(axes), 3.6), squeeze=False)
+    label = {"group": "group size (samples per prompt)", "length": "response length (forced tokens)",
+             "prompts": "prompts per step"}
+    for ax, name in zip(panels[0], axes):
+        pts = sorted((r for r in rows if r["axis"] == name), key=lambda r: r["value"])
+        xs = [r["value"] for r in pts]
+        for side, style in (("ours", "o-"), ("trl", "s--")):
+            ys = [r[f"{side}_ms_per_step"] for r in pts]
+            ax.plot([x for x, y in zip(xs, ys) if y is not None], [y for y in ys if y is not None], style,
+                    label="ours" if side == "ours" else "TRL GRPOTrainer")
+        if len(set(xs)) > 1:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([str(x) for x in xs])
+        ax.set_xlabel(label.get(name, name))
+        ax.set_ylabel("ms per step (fastest round)")
+        others = {k: pts[0][k] for k in ("group", "length", "prompts") if k != name}
+        ax.set_title(", ".join(f"{k} {v}" for k, v in others.items()), fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"GRPO step cost, matched work, {args.threads} CPU thread(s)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # -------------------------------------------------------------------------------------- profiling
@@ -500,38 +737,49 @@ def profile_ours(pair: str, args, steps: int = 3) -> str:
 
 
 def format_results(results: list[dict], args) -> str:
-    lines = [f"throughput on {args.threads} CPU thread(s); model {args.model}; completion length {args.length} "
-             f"(forced); sampler (ours) {args.sampler}{'; ours compiled' if args.compile else ''}{'; TRL compiled' if args.trl_compile else ''}; "
-             f"{args.rounds} rounds x {args.steps} steps, "
-             f"{args.warmup} warm-up step(s) dropped", "",
-             f"{'pair':6s} {'ours vs TRL':26s} {'rows/step':>9s} {'ours samp/s':>12s} {'TRL samp/s':>11s} "
-             f"{'ours tok/s':>11s} {'TRL tok/s':>10s} {'ratio':>6s}  per-round ratios"]
+    lines = [(f"throughput on {args.threads} CPU thread(s); model {args.model}; completion length {args.length} "
+              f"(forced, matched rows); sampler (ours) {args.sampler}{'; ours compiled' if args.compile else ''}"
+              f"{'; TRL compiled' if args.trl_compile else ''}; {args.rounds} rounds x {args.steps} steps, "
+              f"{args.warmup} warm-up step(s) dropped")]
+
     def f(r, k, d=1):
         return f"{r[k]:.{d}f}" if r.get(k) is not None else "-"
 
-    for r in results:
-        ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else "-"
-        rr = " ".join(f"{x:.2f}" for x in r.get("round_ratios", []))
-        lines.append(f"{r['pair']:6s} {SPECS[r['pair']] + ' vs ' + r['trl']:26s} {r['rows_per_step']:>9d} "
-                     f"{f(r, 'ours_samples_per_s'):>12s} {f(r, 'trl_samples_per_s'):>11s} {f(r, 'ours_tokens_per_s', 0):>11s} "
-                     f"{f(r, 'trl_tokens_per_s', 0):>10s} {ratio:>6s}  {rr}")
+    for mode in MODES:
+        group = [r for r in results if r.get("mode", "matched") == mode]
+        if not group:
+            continue
+        header = (f"{'pair':6s} {'ours vs TRL':26s} {'rows/step':>9s} {'ours samp/s':>12s} {'TRL samp/s':>11s} "
+                  f"{'ours tok/s':>11s} {'TRL tok/s':>10s} {'ratio':>6s}  per-round ratios (min-max)")
+        lines += ["", f"{mode}: {MODE_TITLE[mode]}", header]
+        for r in group:
+            ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else "-"
+            rr = r.get("round_ratios", [])
+            spread = f"{' '.join(f'{x:.2f}' for x in rr)}  ({min(rr):.2f}-{max(rr):.2f})" if rr else ""
+            lines.append(f"{r['pair']:6s} {SPECS[r['pair']] + ' vs ' + r['trl']:26s} {r['rows_per_step']:>9d} "
+                         f"{f(r, 'ours_samples_per_s'):>12s} {f(r, 'trl_samples_per_s'):>11s} "
+                         f"{f(r, 'ours_tokens_per_s', 0):>11s} {f(r, 'trl_tokens_per_s', 0):>10s} {ratio:>6s}  {spread}")
     lines.append("")
     for r in results:
+        mode = r.get("mode", "matched")
         if r.get("ratio"):
-            verdict = "meets" if r["ratio"] >= TARGET else "below"
-            lines.append(f"{r['pair']}: ours/TRL = {r['ratio']:.2f} over all rounds, median round "
-                         f"{r['median_round_ratio']:.2f} ({verdict} the {TARGET}x target)")
+            verdict = "meets" if r["ratio"] >= TARGET[mode] else "below"
+            lines.append(f"{r['pair']} ({mode}): ours/TRL = {r['ratio']:.2f} over all rounds, median round "
+                         f"{r['median_round_ratio']:.2f} ({verdict} the {TARGET[mode]}x target)")
+        if r.get("ours_mean_response_tokens") is not None and mode == "defaults":
+            lines.append(f"{r['pair']} ({mode}): our mean response {r['ours_mean_response_tokens']:.1f} tokens "
+                         "(stops at EOS on both sides)")
         if r.get("ours_error"):
-            lines.append(f"{r['pair']}: ours did not run: {r['ours_error']}")
+            lines.append(f"{r['pair']} ({mode}): ours did not run: {r['ours_error']}")
         if r.get("trl_error"):
-            lines.append(f"{r['pair']}: TRL did not run: {r['trl_error']}")
+            lines.append(f"{r['pair']} ({mode}): TRL did not run: {r['trl_error']}")
     for r in results:
         ph = r.get("ours_phases_ms")
         if ph:
             total = ph.get("total", 0.0)
             parts = [f"{k} {v:.0f}" for k, v in ph.items() if k != "total"]
-            lines.append(f"{r['pair']} ours, ms per step (nested: collect holds engine.* and initial_logprobs): "
-                         f"total {total:.0f} = " + ", ".join(parts))
+            lines.append(f"{r['pair']} ({r.get('mode', 'matched')}) ours, ms per step (nested: collect holds engine.* "
+                         f"and initial_logprobs): total {total:.0f} = " + ", ".join(parts))
     return "\n".join(lines)
 
 
@@ -540,7 +788,25 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="Policy checkpoint directory (default: the toy student, bootstrapped if missing).")
     p.add_argument("--teacher", help="Teacher checkpoint directory for opd/GKD (default: the toy teacher).")
-    p.add_argument("--pairs", default="grpo,opd,sft", help="Comma-separated subset of grpo,opd,sft.")
+    p.add_argument("--pairs", default="grpo,opd,sft",
+                   help="Comma-separated subset of grpo,opd,sft ('' for none: e.g. only --sweep).")
+    p.add_argument("--guided", type=int, default=5, metavar="REPEATS",
+                   help="Also measure guided (specs/mintrl.yaml) vs plain rollouts per token, this many interleaved "
+                        "repeats (0: skip).")
+    p.add_argument("--modes", default="matched,defaults",
+                   help="Comparisons: matched (equal work, forced length) and/or defaults (TRL's default config for "
+                        "the same spec; grpo and sft only).")
+    p.add_argument("--sweep", action="store_true",
+                   help="After the table: how a GRPO step's cost grows with group size, response length and "
+                        "prompts per step, ours and TRL (CSV + PNG under --out).")
+    p.add_argument("--out", help="Folder for the sweep's CSV and PNG (default runs/throughput-sweep-<time>).")
+    p.add_argument("--sweep-passes", type=int, default=2,
+                   help="Passes over all sweep points, one after the other (each point's rounds pooled).")
+    p.add_argument("--sweep-rounds", type=int, default=2,
+                   help="Timed blocks per side at each sweep point (the CSV and plot keep each side's fastest).")
+    p.add_argument("--sweep-axes", default=SWEEP_AXES,
+                   help="The sweep's points: axis=v1,v2;... over group, length, prompts; the other axes stay at "
+                        "--group (default 8), --length and --prompts (default 2).")
     p.add_argument("--sampler", choices=("hf", "fast"), default="hf",
                    help="Our rollout sampler: the hf engine as runs use it (hf: the KV-cache sampler, keeping its "
                         "log-probs), or fast: the same sampler with its log-probs re-scored by a forward pass.")
@@ -554,7 +820,7 @@ def parse_args(argv):
     p.add_argument("--group", type=int, default=None, help="Samples per prompt (default: the spec's).")
     p.add_argument("--warmup", type=int, default=1, help="Warm-up steps per side, not timed.")
     p.add_argument("--steps", type=int, default=1, help="Steps per timed block.")
-    p.add_argument("--rounds", type=int, default=6, help="Timed blocks per side (interleaved).")
+    p.add_argument("--rounds", type=int, default=None, help="Timed blocks per side (interleaved; default 6).")
     p.add_argument("--threads", type=int, default=max(1, min(os.cpu_count() or 1, 8)), help="torch CPU threads.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--override", action="append", help="Extra spec override path=value for our side (repeatable).")
@@ -586,6 +852,7 @@ def quiet() -> None:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    args.rounds = args.rounds or 6
     import torch
 
     torch.set_num_threads(args.threads)
@@ -605,20 +872,42 @@ def main(argv=None) -> int:
         for pair in pairs:
             print(profile_ours(pair, args), flush=True)
         return 0
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if [m for m in modes if m not in MODES]:
+        print(f"unknown mode(s) in {args.modes!r}; choose from {', '.join(MODES)}", file=sys.stderr)
+        return 2
     results = []
-    for pair in pairs:
-        print(f"[bench] {pair}: ours ({SPECS[pair]}, sampler {args.sampler}) vs TRL {TRL_NAME[pair]} ...", flush=True)
-        results.append(run_pair(pair, args))
-    text = format_results(results, args)
+    for mode in modes:
+        for pair in pairs:
+            if mode == "defaults" and pair == "opd":
+                continue  # GKD's defaults are another method (mixed on/off-policy data), not the same spec
+            print(f"[bench] {pair} ({mode}): ours ({SPECS[pair]}, sampler {args.sampler}) vs TRL {TRL_NAME[pair]} ...",
+                  flush=True)
+            results.append(run_pair(pair, args, mode))
+    text = format_results(results, args) if results else ""
+    guided = None
+    if args.guided:
+        print(f"[bench] guided vs plain rollouts ({GUIDED_SPEC}) ...", flush=True)
+        try:
+            guided = guided_overhead(args.model, repeats=args.guided, seed=args.seed)
+            text += ("\n" if text else "") + format_guided(guided)
+        except Exception as e:  # reported; the exit status says so
+            guided = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+            text += f"\nguided rollouts did not run: {guided['error']}"
     print(text)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "results": results},
-                                              indent=2, default=str))
-    failed = [f"{r['pair']} {side}: {r[side + '_error']}" for r in results for side in ("ours", "trl")
+        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "results": results,
+                                               "guided": guided}, indent=2, default=str))
+    failed = [f"{r['pair']}{'' if r['mode'] == 'matched' else ' (' + r['mode'] + ')'} {side}: {r[side + '_error']}" for r in results for side in ("ours", "trl")
               if r.get(side + "_error") or (side == "ours" and not r.get("ours_block_s"))
               or (side == "trl" and not r.get("trl_block_s"))]
+    if guided and guided.get("error"):
+        failed.append(f"guided: {guided['error']}")
     for f in failed:
         print(f"[bench] a side did not run: {f}", file=sys.stderr)
+    if args.sweep:
+        code = run_sweep(args)
+        return 1 if failed else code
     return 1 if failed else 0
 
 

@@ -295,7 +295,9 @@ def toy_data(out, seed):
 @click.option("--seeds", type=int, default=None, help="Seeds per variant (default 2; --quick 1).")
 @click.option("--budget-samples", type=int, default=None, help="Policy-generated samples per run (default 4096).")
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Output folder (default runs/bench-<time>).")
-@click.option("--sweep", default=None, help="One spec field and its values: rollout.guide.max_reviews=0,1,2,4,8")
+@click.option("--sweep", default=None, is_flag=False, flag_value="",
+              help="One spec field and its values: rollout.guide.max_reviews=0,1,2,4,8 (with --throughput, no "
+                   "value: how a GRPO step's cost grows with group size, response length and prompts per step).")
 @click.option("--suite", type=click.Choice(["seeds"]), default=None,
               help="seeds: the nine methods and the studies (coverage, intensity, lag, off-policyness).")
 @click.option("--study", multiple=True, help="With --suite: run only these studies.")
@@ -322,7 +324,11 @@ def bench(specs, seeds, budget_samples, out, sweep, suite, study, quick, through
     if throughput:
         from composer.bench_throughput import main as tp_main
 
-        sys.exit(tp_main(list(specs)))
+        extra = (["--sweep"] + (["--sweep-axes", sweep] if sweep else [])) if sweep is not None else []  # value: axes
+        sys.exit(tp_main(extra + (["--out", out] if out else []) + list(specs)))
+    if sweep == "":
+        raise click.UsageError("--sweep needs a field and its values (e.g. --sweep train.lr=1e-4,3e-4); "
+                               "without one it belongs to --throughput")
     cfg = dict(b.QUICK if quick else b.DEFAULTS)
     if seeds is not None:
         cfg["seeds"] = seeds

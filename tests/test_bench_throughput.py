@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl (the bench extra)")
 TINY_ARGS = ["--rounds", "1", "--steps", "1", "--warmup", "0", "--length", "4", "--prompts", "2", "--group", "2",
-        "--threads", "1"]
+        "--threads", "1", "--guided", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_tiny_throughput_runs_both_sides_through_the_modules_step(tmp_path, monk
 
     monkeypatch.setattr(ComposerModule, "step_loss", spy)
     out = tmp_path / "tp.json"
-    assert bt.main(["--pairs", "grpo", *tiny, "--json", str(out)]) == 0
+    assert bt.main(["--pairs", "grpo", "--modes", "matched", *tiny, "--json", str(out)]) == 0
     (res,) = json.loads(out.read_text())["results"]
     assert res["ours_error"] is None and res["trl_error"] is None, res
     assert len(res["ours_block_s"]) == 1 and len(res["trl_block_s"]) == 1
@@ -61,3 +61,83 @@ def test_throughput_exits_nonzero_when_a_side_did_not_run(tmp_path, capsys, monk
     assert code == 1
     err = capsys.readouterr().err
     assert "a side did not run: sft ours: TypeError" in err and "a side did not run: sft trl: ImportError" in err
+
+
+def test_both_comparisons_are_reported(tmp_path, tiny):
+    """matched and TRL-defaults rows for SFT (no timing asserted): both sides ran in each, and the table has
+    both row groups."""
+    from composer import bench_throughput as bt
+
+    out = tmp_path / "tp.json"
+    assert bt.main(["--pairs", "sft", *tiny, "--json", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    assert [r["mode"] for r in res] == ["matched", "defaults"]
+    for r in res:
+        assert r["ours_error"] is None and r["trl_error"] is None, r
+        assert len(r["ours_block_s"]) == 1 and len(r["trl_block_s"]) == 1
+    text = bt.format_results(res, bt.parse_args(["--rounds", "1"]))
+    assert "matched: matched work" in text and "defaults: TRL defaults" in text
+
+
+def test_sweep_points_and_bad_axes():
+    from composer import bench_throughput as bt
+
+    pts = bt.sweep_points("group=2,4;length=8", {"group": 8, "length": 32, "prompts": 4})
+    assert pts == [("group", {"group": 2, "length": 32, "prompts": 4}), ("group", {"group": 4, "length": 32, "prompts": 4}),
+                   ("length", {"group": 8, "length": 8, "prompts": 4})]
+    with pytest.raises(ValueError, match="--sweep-axes"):
+        bt.sweep_points("width=2", {"group": 8, "length": 32, "prompts": 4})
+
+
+def test_tiny_sweep_writes_csv_and_png_with_both_sides(tmp_path, tiny):
+    """The sweep machinery on two minuscule points: both sides ran at each, the CSV and the PNG exist."""
+    import csv
+
+    from composer import bench_throughput as bt
+
+    out = tmp_path / "sweep"
+    assert bt.main(["--pairs", "", "--sweep", "--sweep-rounds", "1", "--sweep-axes", "group=2;length=2,4", *tiny,
+                    "--out", str(out)]) == 0
+    with open(out / "sweep.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["axis"], r["value"]) for r in rows] == [("group", "2"), ("length", "2"), ("length", "4")]
+    for r in rows:
+        assert float(r["ours_ms_per_step"]) > 0 and float(r["trl_ms_per_step"]) > 0, r
+        assert not r["ours_error"] and not r["trl_error"]
+    assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_guided_overhead_measures_both_rollouts(tiny):
+    """The guided-vs-plain measurement the bench prints (MInTRL's reviews, oracle judge), tiny: both sides
+    generated tokens in the repeat; no timing asserted."""
+    from composer import bench_throughput as bt
+
+    model = tiny[tiny.index("--model") + 1]
+    g = bt.guided_overhead(model, prompts=1, repeats=1,
+                           overrides=["rollout.samples_per_prompt=2", "rollout.guide.control_samples=1",
+                                      "rollout.max_new_tokens=16"])
+    (tp, np_), = g["plain"]
+    (tg, ng), = g["guided"]
+    assert np_ > 0 and ng > 0 and tp > 0 and tg > 0
+    assert len(g["round_ratios"]) == 1 and g["ratio"] > 0
+    assert "guided rollouts (specs/mintrl.yaml: guide intervention" in bt.format_guided(g)
+
+
+def test_cli_forwards_throughput_sweep_and_out(monkeypatch, tmp_path):
+    """`composer bench --throughput --sweep --threads 1 --out D` reaches the bench as --sweep --out D --threads 1;
+    a value after --sweep is the sweep's axes; --sweep without a value outside --throughput is a usage error."""
+    from click.testing import CliRunner
+
+    from composer import bench_throughput as bt
+    from composer.cli import main
+
+    seen = []
+    monkeypatch.setattr(bt, "main", lambda argv: seen.append(argv) or 0)
+    r = CliRunner().invoke(main, ["bench", "--throughput", "--sweep", "--threads", "1", "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert seen[-1] == ["--sweep", "--out", str(tmp_path), "--threads", "1"]
+    r = CliRunner().invoke(main, ["bench", "--throughput", "--sweep", "group=4,8", "--pairs", "grpo"])
+    assert r.exit_code == 0, r.output
+    assert seen[-1] == ["--sweep", "--sweep-axes", "group=4,8", "--pairs", "grpo"]
+    r = CliRunner().invoke(main, ["bench", "specs/grpo.yaml", "--sweep"])
+    assert r.exit_code == 2 and "--sweep needs a field and its values" in r.output

@@ -172,12 +172,24 @@ def _generate_chunk(W: _Weights, model, chunk, limits, sampling, pad, eos, min_n
     dtype = W.embed.dtype
     cos_t, sin_t = W.rotary(W.embed, table_pos)  # [1, S, D] (the model's own RoPE module)
     cos_t, sin_t = cos_t[0], sin_t[0]  # [S, D]
+    # prefill once per distinct prompt (a group's G samples share theirs), then copy its cache to its rows
+    first: dict[tuple, int] = {}
+    owner = [first.setdefault(tuple(p), len(first)) for p in chunk]  # row -> distinct prompt
+    uniq = torch.tensor([owner.index(u) for u in range(len(first))], device=device)  # [U] a row per prompt
+    U = len(first)
     cache_k = [torch.empty((B, W.n_kv, S, W.head_dim), dtype=dtype, device=device) for _ in W.layers]
     cache_v = [torch.empty((B, W.n_kv, S, W.head_dim), dtype=dtype, device=device) for _ in W.layers]
+    # the prompts' cache: [U, KV, P, D] per layer, copied to the rows that share each prompt
+    pre_k = [torch.empty((U, W.n_kv, P, W.head_dim), dtype=dtype, device=device) for _ in W.layers]
+    pre_v = [torch.empty((U, W.n_kv, P, W.head_dim), dtype=dtype, device=device) for _ in W.layers]
     # prefill: causal over real prompt tokens; a pad query attends to itself only (keeps it finite)
     causal = torch.ones((P, P), dtype=torch.bool, device=device).tril()
-    mask = (causal[None] & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)[None]
-    hidden = _forward(W, ids, cos_t[pos], sin_t[pos], mask[:, None], cache_k, cache_v, 0)
+    mask = (causal[None] & valid[uniq, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)[None]
+    hidden = _forward(W, ids[uniq], cos_t[pos[uniq]], sin_t[pos[uniq]], mask[:, None], pre_k, pre_v, 0)
+    rows = torch.tensor(owner, device=device)  # [B] row -> its prompt's prefill
+    for c, pre in zip(cache_k + cache_v, pre_k + pre_v):
+        c[:, :, :P] = pre[rows]
+    hidden = hidden[rows]
     out = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
     lps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device) if want_logprobs else None
     done = torch.zeros(B, dtype=torch.bool, device=device)

@@ -170,15 +170,90 @@ def same_vocabulary(tok_a, tok_b) -> bool:
     return tok_a.get_vocab() == tok_b.get_vocab()
 
 
+def pack_rows(attention_mask: torch.Tensor, min_saving: float = 0.1):
+    """A padding-free layout of right-padded rows: first-fit-decreasing bins of the batch's width.
+
+    attention_mask: [B, T] bool, each row a prefix of True. Returns (order, bins, index) or None when the
+    rows are not right-padded or packing would save less than `min_saving` of the tokens:
+    bins holds, per packed row, the (row, length) pairs it carries; index [B, T] long points each (row, t)
+    into the flattened packed layout [NB * T] (t past the row's length points at its last real token).
+    """
+    B, T = attention_mask.shape
+    lens = attention_mask.sum(1)
+    if B < 2 or not bool((attention_mask == (torch.arange(T, device=lens.device)[None] < lens[:, None])).all()):
+        return None
+    lens_l = lens.tolist()
+    bins: list[list[tuple[int, int]]] = []
+    room: list[int] = []
+    for r in sorted(range(B), key=lambda i: -lens_l[i]):
+        n = max(lens_l[r], 1)
+        for b, left in enumerate(room):
+            if left >= n:
+                bins[b].append((r, n))
+                room[b] -= n
+                break
+        else:
+            bins.append([(r, n)])
+            room.append(T - n)
+    if len(bins) > (1 - min_saving) * B:
+        return None
+    start = [0] * B
+    where = [0] * B
+    for b, items in enumerate(bins):
+        off = 0
+        for r, n in items:
+            where[r], start[r] = b, off
+            off += n
+    t = torch.arange(T)
+    base = (torch.tensor(where) * T + torch.tensor(start))[:, None]  # [B, 1]
+    last = (torch.tensor(lens_l).clamp(min=1) - 1)[:, None]
+    index = base + torch.minimum(t[None], last)  # [B, T]
+    return bins, index.to(attention_mask.device)
+
+
+def _packable(model) -> bool:
+    """Models whose attention honours packed position_ids with no attention mask (transformers' sdpa/eager
+    masks detect the sequence boundaries from the positions; flash-attention reads them directly)."""
+    inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
+    if not type(inner).__module__.startswith("transformers."):  # remote code builds its own masks
+        return False
+    impl = getattr(getattr(inner, "config", None), "_attn_implementation", None)
+    return impl in ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+
+
+def packed_logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor):
+    """The model's logits [B, T, V] of right-padded rows, computed on a padding-free layout when it pays
+    (`pack_rows`), else with the padded batch. Real positions get the logits the padded forward gives
+    (up to float rounding: same tokens, same positions, same causal scope); pad positions get their row's
+    last real position's logits (finite, and masked by every reader)."""
+    plan = pack_rows(attention_mask) if _packable(model) else None
+    if plan is None:
+        return model(input_ids=tokens, attention_mask=attention_mask.long()).logits
+    bins, index = plan
+    B, T = tokens.shape
+    ids = tokens.new_zeros(len(bins), T)
+    pos = torch.zeros((len(bins), T), dtype=torch.long)
+    for b, items in enumerate(bins):
+        off = 0
+        for r, n in items:
+            ids[b, off: off + n] = tokens[r, :n]
+            pos[b, off: off + n] = torch.arange(n)
+            off += n
+        pos[b, off:] = torch.arange(T - off)  # the tail: one more sequence of its own
+    # no cache: transformers detects packed sequences only then
+    logits = model(input_ids=ids, position_ids=pos.to(tokens.device), use_cache=False).logits  # [NB, T, V]
+    return logits.reshape(len(bins) * T, -1)[index.reshape(-1)].view(B, T, -1)
+
+
 def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
                    want_logits: bool = False):
     """One forward pass: per-token log-probs aligned with `tokens` (and the predicting logits if wanted).
 
     tokens, attention_mask: [B, T]. Returns logprobs [B, T] (0 at t=0), logits [B, T, V] or None,
-    entropy [B, T].
+    entropy [B, T]. Right-padded rows are packed padding-free when that saves tokens (`packed_logits`).
     """
-    out = model(input_ids=tokens, attention_mask=attention_mask.long())
-    logits = out.logits[:, :-1].float() / temperature  # [B, T-1, V] predicting tokens[:, 1:]
+    logits = packed_logits(model, tokens, attention_mask.bool())[:, :-1].float() / temperature  # [B, T-1, V]
     logp_all = torch.log_softmax(logits, dim=-1)
     lp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)  # [B, T-1]
     ent = -(logp_all.exp() * logp_all).sum(-1)  # [B, T-1]

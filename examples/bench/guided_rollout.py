@@ -6,15 +6,13 @@
 Both sides sample the same prompts with the same engine and score their rollouts (behaviour
 log-probs). The figure is wall time per generated policy token (discarded tokens included),
 guided over plain: the target is <= 1.3x. Repeats are interleaved; medians are reported.
+`composer bench --throughput` prints the same measurement (composer/bench_throughput.py: guided_overhead).
 """
 
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -31,48 +29,11 @@ def main(argv=None) -> int:
 
     import torch
 
-    from components.guides.none import NoGuide
-    from composer.runtime.binding import bind_task
-    from composer.runtime.context import RunContext
-    from composer.runtime.engine import HFEngine
-    from composer.runtime.models import load_model, load_tokenizer
-    from composer.validate import validate_file
+    from composer.bench_throughput import format_guided, guided_overhead
 
     torch.set_num_threads(args.threads)
-    spec = validate_file(args.spec, args.overrides).segments[0].spec
-    task = bind_task(spec)
-    tok = load_tokenizer(spec.policy.tokenizer or spec.policy.model or "toy:student")
-    policy = load_model(spec.policy.model or "toy:student")
-    ctx = RunContext(task=task, tokenizer=tok, policy=policy, engine=HFEngine(policy, tok), spec=spec,
-                     rng=random.Random(0))
-    guide, n = spec.rollout.guide, spec.rollout.samples_per_prompt
-    sample_plain = NoGuide().rollout  # the same driver without a guide
-
-    def timed(fn, examples):
-        torch.manual_seed(0)
-        before = ctx.costs["policy_tokens"]
-        t0 = time.perf_counter()
-        fn(ctx, examples, n)
-        return time.perf_counter() - t0, ctx.costs["policy_tokens"] - before
-
-    timed(sample_plain, ctx.next_prompts(args.prompts))  # warm-up
-    plain, guided, revise = [], [], []
-    for _ in range(args.repeats):
-        examples = ctx.next_prompts(args.prompts)
-        tp, np_ = timed(sample_plain, examples)
-        tg, ng = timed(guide.rollout, examples)
-        plain.append((tp, np_))
-        guided.append((tg, ng))
-        revise.append(ctx.metrics.get("guide/revise_rate", 0.0))
-    per_tok = lambda xs: statistics.median(t / max(k, 1) for t, k in xs)  # noqa: E731
-    ratio = statistics.median(g[0] / max(g[1], 1) / (p[0] / max(p[1], 1)) for p, g in zip(plain, guided))
-    judge = spec.sources[guide.judge].kind if hasattr(guide, "judge") else "-"
-    print(f"spec {args.spec}: {args.prompts} prompts x {n} samples, guide '{guide.kind}', judge '{judge}', {args.repeats} repeats")
-    print(f"plain : {statistics.median(t for t, _ in plain):.3f} s, {statistics.median(k for _, k in plain):.0f} tokens, "
-          f"{1e3 * per_tok(plain):.3f} ms/token")
-    print(f"guided: {statistics.median(t for t, _ in guided):.3f} s, {statistics.median(k for _, k in guided):.0f} tokens, "
-          f"{1e3 * per_tok(guided):.3f} ms/token, revise rate {statistics.median(revise):.2f}")
-    print(f"guided / plain wall time per generated token: {ratio:.2f}x (target <= 1.3x)")
+    g = guided_overhead(None, args.prompts, args.repeats, args.overrides, spec=args.spec)
+    print(format_guided(g))
     return 0
 
 
