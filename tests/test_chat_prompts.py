@@ -175,7 +175,7 @@ def test_a_template_that_refuses_the_system_prompt_stops_at_bind_time(real, tmp_
 
 def test_the_toy_testbed_keeps_its_own_prompts():
     from composer.runtime.binding import bind_task
-    from composer.runtime.prompts import TASK_FORMAT, prompt_format
+    from composer.prompts import TASK_FORMAT, prompt_format
 
     spec = validated("name: t\n" + GRPO).spec
     task = bind_task(spec)
@@ -210,9 +210,9 @@ def test_rollout_tokens_follow_the_rendered_prompt_and_behaviour_logprobs_are_ex
 
 
 def test_opsd_teacher_scores_under_the_chat_template_with_the_reference(real):
-    from composer.runtime.prompts import OPSD_TEMPLATE
-    from composer.runtime.protocol import Trace
-    from composer.runtime.trajectory import assemble
+    from composer.prompts import OPSD_TEMPLATE
+    from composer.protocol import Trace
+    from composer.trajectory import assemble
 
     ctx = make_ctx(real, spec_text(real, OPSD.replace("WEIGHTS", "current")))
     seen = []
@@ -364,9 +364,9 @@ def test_cluster_side_teacher_and_judge_prompts_match_the_lightning_ones(real, t
     from composer.backends.openrlhf.batch import decode_label, example_of
     from composer.backends.openrlhf.hooks import task_of
     from composer.backends.openrlhf.loss import teacher_prompts as cluster_teacher_prompts
-    from composer.runtime.prompts import OPSD_TEMPLATE
-    from composer.runtime.protocol import Trace
-    from composer.runtime.trajectory import assemble
+    from composer.prompts import OPSD_TEMPLATE
+    from composer.protocol import Trace
+    from composer.trajectory import assemble
     from composer.segments import segments_of
 
     tok = AutoTokenizer.from_pretrained(real["model"])
@@ -395,7 +395,7 @@ def test_the_readme_section_spec_lines_validate_and_render_as_shown(real):
     from types import SimpleNamespace
 
     from composer.runtime.models import load_tokenizer
-    from composer.runtime.prompts import prompt_format
+    from composer.prompts import prompt_format
 
     readme = (ROOT / "README.md").read_text()
     start = readme.index("## Your own model and data")

@@ -184,7 +184,7 @@ class Recorder:
 def run_recorded(path: Path, tmp_path: Path, extra=()):
     import composer.runtime.rollout as rollout_mod
     from composer.backends.lightning.run import train
-    from composer.runtime.protocol import POLICY
+    from composer.protocol import POLICY
 
     v = validate_file(path, short(path) + list(extra))
     rec = Recorder()
@@ -678,7 +678,7 @@ def test_conformance_catches_zeroed_guide_logprobs(tmp_path, monkeypatch):
 
 def test_conformance_catches_a_dropped_context(tmp_path, monkeypatch):
     """The check fails when a teacher's declared context does not reach its prompt (the second divergence)."""
-    import composer.runtime.prompts as prompts
+    import composer.prompts as prompts
 
     real = prompts.context_block
     monkeypatch.setattr(prompts, "check_placement", lambda *a: None)  # the pre-training check would stop it first
@@ -762,7 +762,7 @@ def test_conformance_catches_a_prefix_trained_as_policy_text(tmp_path, monkeypat
     rollout weights (so the behaviour check passes and the prefix gets loss), fails the sampled-by-policy
     check."""
     from components.guides.prefix import PrefixGuide
-    from composer.runtime.protocol import POLICY, Sample, Score, Trace
+    from composer.protocol import POLICY, Sample, Score, Trace
 
     def row(self, ctx, example, index, n):
         chosen = self.chosen(ctx, example)

@@ -28,7 +28,7 @@ from composer.batch import PolicyView
 from composer.origins import CODE
 from composer.runtime.context import RunContext
 from composer.runtime.engine import Generation
-from composer.runtime.protocol import INITIAL
+from composer.protocol import INITIAL
 from composer.validate import validate_file
 
 TOK = char_tokenizer()

@@ -440,7 +440,7 @@ def _int_cache(tmp_path):
     from types import SimpleNamespace
 
     from components.signals.sft import _header, _line
-    from composer.runtime.protocol import Trace
+    from composer.protocol import Trace
     from composer.validate import validate_file
 
     sig = validate_file(REPO / "specs" / "int.yaml").segments[0].spec.signal

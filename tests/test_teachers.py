@@ -17,8 +17,8 @@ from composer.runtime.context import RunContext
 from composer.runtime.models import load_model, load_tokenizer
 from composer.runtime.step import policy_view
 from components.objectives.base import whole_batch_loss
-from composer.runtime.protocol import Trace
-from composer.runtime.trajectory import assemble
+from composer.protocol import Trace
+from composer.trajectory import assemble
 from composer.validate import validate_loaded
 
 OPSD = """

@@ -72,7 +72,7 @@ class DistillationSignal(Signal):
     def preflight(self, ctx) -> None:
         """Before training: the teacher prompt places every declared context."""
         from composer.data import Example
-        from composer.runtime.prompts import check_placement
+        from composer.prompts import check_placement
 
         teacher = ctx.source(self.teacher)
         if teacher.cfg.context:
@@ -114,9 +114,9 @@ class DistillationSignal(Signal):
 def off_policy_batch(ctx, sig: DistillationSignal, examples: list, prompt_index: list[int]):
     """One sequence the policy did not write per example, its tokens of origin `demonstration`: the reference
     solution + EOS, or what the writer source generates from the policy's prompt (counted as teacher tokens)."""
-    from composer.runtime.protocol import Sample, Trace
+    from composer.protocol import Sample, Trace
     from composer.runtime.rollout import run
-    from composer.runtime.trajectory import assemble
+    from composer.trajectory import assemble
 
     prompts = [ctx.prompt_ids(ex) for ex in examples]
     if sig.off_policy == "reference":

@@ -2,7 +2,7 @@
 
 As a teacher it scores the student's own rollouts and never generates: for each row it builds a
 teacher prompt (the problem plus the privileged texts of its `context` sources, every one placed, as the
-user message of the policy's prompt format: chat template and system prompt, composer/runtime/prompts.py),
+user message of the policy's prompt format: chat template and system prompt, composer/prompts.py),
 tokenizes it once, appends exactly the student's response token ids, and takes
 log pi_T(y_t | teacher prompt, y_<t) in one forward pass (`score_responses`, which both backends call
 with their own forward function).
@@ -181,7 +181,7 @@ class ModelSource(Runtime):
 
     def render(self, ctx, example):
         """The teacher prompt of one problem as a function of its context texts."""
-        from composer.runtime.prompts import Render, teacher_prompt, which_template
+        from composer.prompts import Render, teacher_prompt, which_template
 
         fmt = ctx.prompt_format()  # rendered as the policy's prompts are (the teacher scores the policy's ids)
         return Render(lambda texts: teacher_prompt(ctx.task, self.cfg, self.kinds, example, texts, fmt),
@@ -225,7 +225,7 @@ def context_texts(ctx, cfg: PolicyModel, kinds: dict[str, str], batch, i: int) -
 def teacher_prompts(ctx, cfg: PolicyModel, kinds: dict[str, str], name: str, batch):
     """(prompt ids or None, weight) per row of `batch` for a teacher with context (see ModelSource.prompts);
     each prompt is recorded with the texts it was built from."""
-    from composer.runtime.prompts import teacher_prompt
+    from composer.prompts import teacher_prompt
 
     out, fmt = [], ctx.prompt_format()  # the policy's prompt format: chat template, system prompt
     for i in range(batch.size):

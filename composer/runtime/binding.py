@@ -15,7 +15,7 @@ Checks, in order:
     answers the verifier cannot read (math: math_verify finds no expression; exact: empty; code:
     no tests or tests that do not compile);
   load time (`render_task`, called by `bind_task`): each prompt is rendered (data.prompt_format: the
-    policy tokenizer's chat template, a system prompt, data.prompt_template; composer/runtime/prompts.py),
+    policy tokenizer's chat template, a system prompt, data.prompt_template; composer/prompts.py),
     and a format the tokenizer cannot render is a DataError naming `prompt_format`;
   after the tokenizer is loaded (`check_lengths` / `check_task_lengths`, called by the run): prompts
     longer than the context (the policy's max_position_embeddings, see `context_length`).
@@ -104,7 +104,7 @@ def bind_task(spec) -> Task:
             task.eval[k], n = validate_answers(task.eval[k], name, d.on_bad_row, file=eval_file(d), field=d.answer_field)
             counts[UNPARSABLE_ANSWER] += n
     _set_counts(task, counts)
-    from composer.runtime.prompts import PromptFormatError, policy_format, render_task
+    from composer.prompts import PromptFormatError, policy_format, render_task
 
     try:  # each prompt rendered once, here: chat template / system prompt / prompt template (data.prompt_format)
         render_task(task, policy_format(spec))

@@ -50,8 +50,8 @@ class RunContext:
 
     def prompt_format(self, tokenizer=None):
         """How prompts are rendered for `tokenizer` (default: the policy's) under the spec's data settings: the
-        teachers' and judges' privileged prompts use it, as the policy's prompts did (composer/runtime/prompts.py)."""
-        from composer.runtime.prompts import prompt_format
+        teachers' and judges' privileged prompts use it, as the policy's prompts did (composer/prompts.py)."""
+        from composer.prompts import prompt_format
 
         tok = self.tokenizer if tokenizer is None else tokenizer
         data = getattr(self.spec, "data", None)
@@ -192,7 +192,7 @@ class RunContext:
         """What serves protocol requests for `model`: "policy" (the rollout engine), "initial" (the frozen
         initial policy) or the name of a policy_model source (its own weights, or the engine/initial for `self`)."""
         from composer.runtime.engine import LocalModel
-        from composer.runtime.protocol import INITIAL, POLICY
+        from composer.protocol import INITIAL, POLICY
 
         if model == POLICY:
             return self.engine

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 
 from composer.runtime.engine import Sampling
-from composer.runtime.protocol import POLICY, Generation, Sample, Score, Trace, drive
-from composer.runtime.trajectory import assemble
+from composer.protocol import POLICY, Generation, Sample, Score, Trace, drive
+from composer.trajectory import assemble
 from composer.terms import scored_origins
 
 

@@ -3,7 +3,7 @@
 OpenRLHF calls `execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)` once per
 sample. The rollout itself is the guide's own program (components/guides, DESIGN.md section 8), the one
 the Lightning backend drives in lockstep: this module only answers the program's requests with
-`run_async` (composer/runtime/protocol.py) against the engines it has. "policy" is `llm_engine` (the
+`run_async` (composer/protocol.py) against the engines it has. "policy" is `llm_engine` (the
 rollout weights); an external judge is its named vLLM actor (`composer-judge-<source>`); "initial" (the
 frozen initial policy: POPE's minimal search, a `weights: initial` self-judge) is `llm_engine` while the
 Plan's schedule says it holds the initial weights (`Schedule.sampler_is_initial`: before the run's first
@@ -25,7 +25,7 @@ from typing import Optional
 
 from composer.backends.openrlhf.batch import action_ranges, decode_label, encode_label, example_of
 from composer.backends.openrlhf.loss import Segments
-from composer.runtime.protocol import INITIAL, POLICY, Generation, Score, Trace, run_async
+from composer.protocol import INITIAL, POLICY, Generation, Score, Trace, run_async
 from composer.schedule import Schedule
 
 
