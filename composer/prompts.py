@@ -88,7 +88,7 @@ class PromptFormat:
             return (f"{self.system}\n\n" if self.system is not None else "") + user
         messages = ([{"role": "system", "content": self.system}] if self.system is not None else []) + \
             [{"role": "user", "content": user}]
-        from composer.runtime.template_limits import TemplateLimitError, render
+        from composer.template_limits import TemplateLimitError, render
 
         try:  # the template is code from a model folder: rendered with time and size limits
             text = render(self.tokenizer, messages, self.kwargs)
@@ -109,7 +109,7 @@ class PromptFormat:
         stops the run before training, naming the setting."""
         probe = "\u27e6the problem\u27e7"
         where = f"the chat template of {self.tokenizer_name or 'the policy tokenizer'}"
-        from composer.runtime.template_limits import kwargs_problem
+        from composer.template_limits import kwargs_problem
 
         why = kwargs_problem(self.tokenizer, self.kwargs) if self.kwargs else None
         if why:

@@ -208,7 +208,7 @@ HOSTILE_TEMPLATES = {
 @pytest.mark.parametrize("kwargs", [None, {"enable_thinking": False}])  # with kwargs: the variables are analysed
 @pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
 def test_a_chat_template_is_rendered_with_time_and_size_limits(real, tmp_path, monkeypatch, name, kwargs):
-    from composer.runtime import template_limits
+    from composer import template_limits
     from composer.runtime.binding import DataError
 
     monkeypatch.setattr(template_limits, "SECONDS", 2.0)
