@@ -122,16 +122,14 @@ def _expected_errors() -> tuple:
     """Failures that are the input's or the machine's, each with its own message."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    from components.tasks.code_verifier import SandboxUnavailable
     from composer.backends.lightning.checkpoint import CheckpointError
     from composer.backends.lightning.module import NonFiniteError
     from composer.backends.lightning.run import RunError
     from composer.export import ExportError
     from composer.paths import PathError
-    from composer.runtime.binding import DataError
-    from composer.runtime.models import ModelLoadError
+    from composer.errors import DataError, MachineUnavailable, ModelLoadError
 
-    return (SpecError, DataError, ModelLoadError, NonFiniteError, SandboxUnavailable, CheckpointError, RunError,
+    return (SpecError, DataError, ModelLoadError, NonFiniteError, MachineUnavailable, CheckpointError, RunError,
             MisconfigurationException, OSError, PathError, ExportError)
 
 
@@ -275,7 +273,9 @@ def export(source, out, base):
 @click.option("--seed", type=click.IntRange(min=0, max=2**32 - 1), default=0, show_default=True)
 def toy_data(out, seed):
     """Write the toy testbed's data as jsonl, to go through the ordinary `data:` path."""
-    from components.tasks.toy import write_jsonl
+    from composer.registry import part
+
+    write_jsonl = part("toy.write_jsonl")
 
     taken = sorted(p.name for p in [*Path(out).glob("train.jsonl"), *Path(out).glob("eval_*.jsonl")]) \
         if Path(out).is_dir() else []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from composer import graph
 from composer.origins import ORIGINS
-from composer.prompts import example_prompts
+from composer.runtime.example_prompts import example_prompts
 from composer.runtime.vllm_engine import engine_note
 from composer.gates import gate_source
 from composer.schedule import compile_schedule

@@ -115,7 +115,6 @@ def off_policy_batch(ctx, sig: DistillationSignal, examples: list, prompt_index:
     """One sequence the policy did not write per example, its tokens of origin `demonstration`: the reference
     solution + EOS, or what the writer source generates from the policy's prompt (counted as teacher tokens)."""
     from composer.protocol import Sample, Trace
-    from composer.runtime.rollout import run
     from composer.trajectory import assemble
 
     prompts = [ctx.prompt_ids(ex) for ex in examples]
@@ -126,7 +125,7 @@ def off_policy_batch(ctx, sig: DistillationSignal, examples: list, prompt_index:
         def write(ids):
             return (yield Sample(list(ids), ctx.max_new_tokens, model=sig.writer or sig.teacher, purpose="teacher"))
 
-        texts = [gens[0].tokens for gens in run(ctx, [write(p) for p in prompts])]
+        texts = [gens[0].tokens for gens in ctx.run([write(p) for p in prompts])]
     traces = []
     for ids, toks in zip(prompts, texts):
         trace = Trace(list(ids))

@@ -256,10 +256,8 @@ def candidates(batch) -> list:
 
 def kept_targets(ctx, batch, cands: list, filter_samples: int, leak_filter: bool) -> tuple[list, dict]:
     """The candidates that survive the answer-leak filter and the continuation filter, and the counts."""
-    from composer.runtime.rollout import run
-
     guided = int(batch.guided.sum()) if batch.guided is not None else 0
-    results = run(ctx, [target_program(ctx, batch.examples[i], t, filter_samples, leak_filter) for i, t in cands])
+    results = ctx.run([target_program(ctx, batch.examples[i], t, filter_samples, leak_filter) for i, t in cands])
     kept = [(i, cut) for (i, _t), (status, cut) in zip(cands, results) if status == "kept"]
     leaked = sum(status == "leak" for status, _ in results)
     return kept, {"sft_kept": len(kept), "sft_candidates": guided, "sft_interventions": len(cands), "sft_leaks": leaked}
@@ -323,7 +321,7 @@ def offline_targets(ctx, sig: SftSignal, build: bool = False) -> dict:
     elif build:
         targets = _build(ctx, sig, path)
     else:
-        from composer.runtime.binding import DataError
+        from composer.errors import DataError
 
         raise DataError(f"InT's offline targets of segment '{ctx.segment}' were never built and are not in "
                            f"{path}: resume from a checkpoint taken after the segment started")
@@ -333,12 +331,11 @@ def offline_targets(ctx, sig: SftSignal, build: bool = False) -> dict:
 
 def _build(ctx, sig: SftSignal, path) -> dict:
     from composer import files
-    from composer.runtime.rollout import run
 
     n = ctx.spec.rollout.samples_per_prompt
     problems = ctx.peek_prompts(sig.problems or (ctx.segment_end - ctx.segment_start) * ctx.spec.train.prompts_per_step)
-    run(ctx, list(ctx.spec.rollout.guide.prepare(ctx, problems)))
-    statuses = run(ctx, [attempt_program(ctx, sig, ex, i, n) for ex in problems for i in range(n)])
+    ctx.run(list(ctx.spec.rollout.guide.prepare(ctx, problems)))
+    statuses = ctx.run([attempt_program(ctx, sig, ex, i, n) for ex in problems for i in range(n)])
     targets, counts = collect_targets(problems, statuses, n)
     ctx.log(**{f"int_offline/{k}": v for k, v in counts.items()})
     ctx.record("int_targets", targets=targets, counts=counts)
@@ -383,7 +380,7 @@ def _load(path, ctx=None, sig: SftSignal | None = None) -> dict:
     import os
     import stat as stat_
 
-    from composer.runtime.binding import DataError
+    from composer.errors import DataError
     from composer.protocol import Trace
 
     def refuse(why: str) -> DataError:

@@ -84,11 +84,11 @@ class PolicyModel(Source):
         """Before any training: an external model must share the policy's tokenizer (same vocabulary)."""
         if self.is_self or not self.shares_tokenizer:
             return
-        from composer.runtime.models import ModelLoadError, load_tokenizer, resolve, same_vocabulary
+        from composer.errors import ModelLoadError
 
-        path = resolve(self.model)
-        tok = load_tokenizer(path, trust_remote_code=self.trust_remote_code)
-        if not same_vocabulary(tok, ctx.tokenizer):  # the input's fault: a message and exit 2, not an internal error
+        path = ctx.resolve_model(self.model)
+        tok = ctx.load_tokenizer(path, trust_remote_code=self.trust_remote_code)
+        if tok.get_vocab() != ctx.tokenizer.get_vocab():  # the input's fault: a message and exit 2, not an internal error
             raise ModelLoadError(
                 f"sources.{name}: the tokenizer of '{self.model}' ({path}) differs from the policy's tokenizer "
                 f"({getattr(ctx.tokenizer, 'name_or_path', '?')}): {len(tok)} vs {len(ctx.tokenizer)} tokens. "
@@ -112,14 +112,12 @@ class ModelSource(Runtime):
         self._server = None
         device = next(ctx.policy.parameters()).device
         if not cfg.is_self:
-            from composer.runtime.models import load_model, load_tokenizer, resolve
-
             cfg.preflight(ctx, name)
-            path = resolve(cfg.model)
-            self.net = load_model(path, ctx.spec.policy.dtype, trust_remote_code=cfg.trust_remote_code)
+            path = ctx.resolve_model(cfg.model)
+            self.net = ctx.load_model(path, ctx.spec.policy.dtype, trust_remote_code=cfg.trust_remote_code)
             self.net = self.net.eval().requires_grad_(False).to(own_device(device))
             if not cfg.shares_tokenizer:
-                self.tokenizer = load_tokenizer(path, trust_remote_code=cfg.trust_remote_code)
+                self.tokenizer = ctx.load_tokenizer(path, trust_remote_code=cfg.trust_remote_code)
         elif cfg.weights == "initial":
             ctx.initial_policy().to(device)
         elif cfg.weights == "ema":  # SDPO: initialised from the initial (reference) weights
@@ -137,14 +135,12 @@ class ModelSource(Runtime):
     def server(self, ctx):
         """What answers this source's generation requests (a judge): its own weights, or for `self` the
         rollout engine (current) / the frozen initial policy (initial)."""
-        from composer.runtime.engine import LocalModel
-
         if self.cfg.is_self and self.cfg.weights == "current":
             return ctx.engine
         if self.cfg.is_self and self.cfg.weights == "initial":
             return ctx.model_server("initial")
         if self._server is None:
-            self._server = LocalModel(self.model(ctx), self.tokenizer)
+            self._server = ctx.serve(self.model(ctx), self.tokenizer)
         return self._server
 
     def after_optimizer_step(self, ctx) -> None:

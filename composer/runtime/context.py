@@ -203,6 +203,38 @@ class RunContext:
             return self.cache[key]
         return self.source(model).server(self)
 
+    # ---- services: what components call in the runtime (components import nothing from composer.runtime) ----
+    def run(self, programs: list) -> list:
+        """Run protocol programs (composer/protocol.py) to completion against this run's models; their return
+        values, in order."""
+        from composer.runtime.rollout import run
+
+        return run(self, programs)
+
+    def resolve_model(self, name: str) -> str:
+        """The local directory of model `name` (an id, a path, or a toy testbed name)."""
+        from composer.runtime.models import resolve
+
+        return resolve(name)
+
+    def load_model(self, name: str, dtype: str = "float32", trust_remote_code: bool = False):
+        """A causal LM from `name` (resolved); ModelLoadError (composer.errors) when it does not load."""
+        from composer.runtime.models import load_model
+
+        return load_model(self.resolve_model(name), dtype, trust_remote_code=trust_remote_code)
+
+    def load_tokenizer(self, name: str, trust_remote_code: bool = False):
+        """The tokenizer of `name` (resolved); ModelLoadError (composer.errors) when it does not load."""
+        from composer.runtime.models import load_tokenizer
+
+        return load_tokenizer(self.resolve_model(name), trust_remote_code=trust_remote_code)
+
+    def serve(self, model: torch.nn.Module, tokenizer):
+        """A model server (generate / score, the interface of the rollout engine) over local weights."""
+        from composer.runtime.engine import LocalModel
+
+        return LocalModel(model, tokenizer)
+
     def record(self, kind: str, **data) -> None:
         """Report an event of what ran to the recorder, when one is installed (tests, conformance checks)."""
         if self.recorder is not None:

@@ -7,18 +7,16 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-
-class ModelLoadError(Exception):
-    """A model or tokenizer directory that does not load: names the path and the reason."""
+from composer.errors import ModelLoadError
 
 
 def resolve(name: str) -> str:
     """Map `toy:student` / `toy:teacher` to the toy testbed's cached checkpoints; anything else is as given."""
     if name.startswith("toy:"):
-        from components.tasks.bootstrap import ensure_checkpoints
+        from composer.registry import part
 
         which = name.split(":", 1)[1]
-        paths = ensure_checkpoints()
+        paths = part("toy.checkpoints")()
         if which not in paths:
             raise ModelLoadError(f"{name}: the toy testbed has {', '.join(k for k in paths if k != 'tokenizer')}")
         return str(paths[which])

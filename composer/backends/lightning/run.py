@@ -264,10 +264,11 @@ def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop:
     tokenizer = load_tokenizer(spec.policy.tokenizer or policy_name, trust_remote_code=trust)
     policy = prepare_policy(load_model(policy_name, spec.policy.dtype, trust_remote_code=trust), spec.policy)
     check_task_lengths(task, tokenizer, context_length(policy), spec.data.on_bad_row, spec.data.prompt_field)
-    if any(getattr(s, "verifier", "") == "code" for seg in validated.segments for s in seg.spec.sources.values()):
-        from components.tasks.code_verifier import ensure_sandbox
+    from composer.registry import VERIFIERS
 
-        ensure_sandbox()  # fail closed before any training: code never runs outside the sandbox
+    for name in sorted({getattr(s, "verifier", "") for seg in validated.segments for s in seg.spec.sources.values()}):
+        if name in VERIFIERS:  # fail closed before any training: e.g. code never runs outside the sandbox
+            VERIFIERS[name].run_preflight()
     samples = SampleLog(out, chain=recorder)  # the run's recorder: keeps rollouts for samples.jsonl
     module = ComposerModule(plan, task, tokenizer, policy, samples, validated)
     module.start_metrics = {"skipped_rows": float(getattr(task, "skipped_rows", 0))}

@@ -102,8 +102,9 @@ def write_data(v, out: Path, eos: str | None) -> tuple[dict, Inputs]:
     data.mkdir(parents=True, exist_ok=True)
     train, evals, fmt = _examples(v)
     if train is None:  # the toy testbed, written by its own writer
-        from components.tasks.toy import write_jsonl
+        from composer.registry import part
 
+        write_jsonl = part("toy.write_jsonl")
         d = spec.data
         per_tier = math.ceil(n / len(d.train_tiers))
         paths = write_jsonl(str(data / "toy"), {"tiers": tuple(d.tiers), "train_tiers": tuple(d.train_tiers),
@@ -261,9 +262,9 @@ def ship_toy_models(out: Path, runs: list[Run], inputs: Inputs) -> tuple[str, di
     """Copy the toy testbed's checkpoints the runs use into `models/` of the bundle and point every argument
     and plugin setting at them relative to the bundle (the job's working directory on every node), so a toy
     bundle runs anywhere and holds no path of the compiling machine. Returns (policy, sources) paths."""
-    from components.tasks.bootstrap import cache_folder
+    from composer.registry import part
 
-    root = os.path.realpath(cache_folder())
+    root = os.path.realpath(part("toy.cache_folder")())
     moves = {}
     for path in [inputs.policy_path, *inputs.source_paths.values()]:
         real = os.path.realpath(path) if path and path != "self" else ""

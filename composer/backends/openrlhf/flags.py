@@ -614,9 +614,9 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
 
 
 def _toy_cap(spec) -> int:
-    from components.tasks.toy import max_new_tokens_for
+    from composer.registry import part
 
-    return max_new_tokens_for(max(tuple(spec.data.tiers) + tuple(spec.data.train_tiers)))
+    return part("toy.max_new_tokens_for")(max(tuple(spec.data.tiers) + tuple(spec.data.train_tiers)))
 
 
 def _guide_room(specs, inputs: Inputs) -> int:
@@ -654,8 +654,9 @@ def _judge_lengths(spec, inputs: Inputs, response: int) -> tuple[str, int, int, 
     if src.template:
         template = src.template
     elif inputs.toy:
-        from components.tasks.toy import TEMPLATES
+        from composer.registry import part
 
+        TEMPLATES = part("toy.templates")
         template = max(TEMPLATES["judge"], TEMPLATES.get("correction", ""), key=len)
     else:
         return None  # refused by _check_guides

@@ -1,0 +1,61 @@
+"""The import rules of the layout (docs/architecture.md, "Import rules"), checked on the source with `ast`.
+
+- components/ reach the runtime only through the run context they are handed: no module of components/
+  imports composer.runtime or composer.backends (not even lazily, inside a function);
+- composer/ finds the toy testbed through the registry (`composer.registry.part`), never by importing
+  components.tasks; only the bench harnesses, outside the core import path, may.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in the file, at any depth (lazy imports inside functions included)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return out
+
+
+def offenders(folder: str, forbidden: tuple[str, ...], skip: tuple[str, ...] = ()) -> list[str]:
+    bad = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if any(rel.startswith(s) for s in skip):
+            continue
+        for line, mod in imported_modules(path):
+            if any(mod == f or mod.startswith(f + ".") for f in forbidden):
+                bad.append(f"{rel}:{line} imports {mod}")
+    return sorted(set(bad))
+
+
+def test_the_walk_sees_lazy_imports(tmp_path):
+    """The checker itself: an import inside a function, and `from composer import runtime`, are found."""
+    (tmp_path / "m.py").write_text("def f():\n    from composer.runtime.rollout import run\n"
+                                   "from composer import runtime\n")
+    mods = [m for _l, m in imported_modules(tmp_path / "m.py")]
+    assert "composer.runtime.rollout" in mods and "composer.runtime" in mods
+
+
+def test_components_never_import_the_runtime_or_a_backend():
+    assert offenders("components", ("composer.runtime", "composer.backends")) == []
+
+
+def test_composer_finds_the_toy_testbed_through_the_registry():
+    assert offenders("composer", ("components.tasks",), skip=("composer/bench",)) == []
+
+
+def test_toy_parts_are_registered_and_load():
+    from composer.registry import PARTS, part
+
+    task = part("toy.task")(tiers=(1,), train_tiers=(1,), eval_per_tier=1, train_per_tier=1, seed=0)
+    assert task.train and {"toy.task", "toy.checkpoints", "toy.write_jsonl"} <= set(PARTS)
