@@ -195,7 +195,7 @@ def test_rollout_tokens_follow_the_rendered_prompt_and_behaviour_logprobs_are_ex
     from composer.runtime.models import token_logprobs
 
     ctx = make_ctx(real, spec_text(real, GRPO))
-    ctx.engine = make_engine("hf", ctx.policy, ctx.tokenizer, ctx.spec.rollout)
+    ctx.models.engine = make_engine("hf", ctx.policy, ctx.tokenizer, ctx.spec.rollout)
     examples = ctx.task.train[:2]  # different prompt lengths
     [batch] = step.sample(ctx, examples)
     with torch.no_grad():
@@ -216,7 +216,7 @@ def test_opsd_teacher_scores_under_the_chat_template_with_the_reference(real):
 
     ctx = make_ctx(real, spec_text(real, OPSD.replace("WEIGHTS", "current")))
     seen = []
-    ctx.recorder = lambda kind, **d: seen.append(d) if kind == "prompt" else None
+    ctx.sink.recorder = lambda kind, **d: seen.append(d) if kind == "prompt" else None
     exs = ctx.task.train[:2]
     traces = []
     for ex in exs:

@@ -804,9 +804,9 @@ def test_conformance_catches_a_substituted_anchor(tmp_path, monkeypatch):
 def test_conformance_catches_a_stale_stage_reference(tmp_path, monkeypatch):
     """A later stage whose KL reference is not refreshed to the weights at its start fails the fresh forward
     of the stage-start weights."""
-    from composer.runtime.context import RunContext
+    from composer.runtime.context import ModelServer
 
-    monkeypatch.setattr(RunContext, "refresh_initial", lambda self: None)
+    monkeypatch.setattr(ModelServer, "refresh_initial", lambda self: None)
     with pytest.raises(AssertionError, match="reference log-probs"):  # InT's RL stage after its SFT stage
         check_run(ROOT / "specs" / "int.yaml", tmp_path, ORACLE_INT)
 

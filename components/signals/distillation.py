@@ -143,10 +143,10 @@ def mixed_batch(ctx, sig: DistillationSignal, batch):
 
     prompts = sorted(set(batch.prompt_index.tolist()))
     if sig.mix == "per_step":
-        own = ctx.rng.random() < sig.on_policy_fraction
+        own = ctx.data.rng.random() < sig.on_policy_fraction
         keep = {p: own for p in prompts}
     else:
-        keep = {p: ctx.rng.random() < sig.on_policy_fraction for p in prompts}
+        keep = {p: ctx.data.rng.random() < sig.on_policy_fraction for p in prompts}
     ctx.log(on_policy_frac=sum(keep.values()) / max(len(prompts), 1))
     rows = [i for i, p in enumerate(batch.prompt_index.tolist()) if keep[p]]
     off = [p for p in prompts if not keep[p]]

@@ -121,7 +121,7 @@ class ModelSource(Runtime):
         elif cfg.weights == "initial":
             ctx.initial_policy().to(device)
         elif cfg.weights == "ema":  # SDPO: initialised from the initial (reference) weights
-            start = ctx._initial if ctx._initial is not None else ctx.policy
+            start = ctx.models.initial if ctx.models.initial is not None else ctx.policy
             self.net = copy.deepcopy(start).eval().requires_grad_(False).to(device)
         self.kinds = {c: ctx.spec.sources[c].kind for c in cfg.context}
 
