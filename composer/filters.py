@@ -50,7 +50,7 @@ def filter_source(flt: RolloutFilter, spec) -> str | None:
     """The source whose rewards decide equal groups: the declared one, else the first reward signal's."""
     if flt.source is not None:
         return flt.source
-    from composer.terms import terms
+    from composer.checks.terms import terms
 
     for _n, sig, _o, _w in terms(spec):
         if sig is not None and sig.kind_name() == "reward":

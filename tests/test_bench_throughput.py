@@ -23,7 +23,7 @@ def tiny(tmp_path_factory) -> list[str]:
 
 
 def test_tiny_throughput_runs_both_sides_through_the_modules_step(tmp_path, monkeypatch, tiny):
-    from composer import bench_throughput as bt
+    from composer.bench import throughput as bt
     from composer.backends.lightning.module import ComposerModule
 
     calls = []
@@ -46,7 +46,7 @@ def test_tiny_throughput_runs_both_sides_through_the_modules_step(tmp_path, monk
 def test_throughput_exits_nonzero_when_a_side_did_not_run(tmp_path, capsys, monkeypatch, tiny):
     """Our side's step fails (as the private copy of the step once did, with every pair), and TRL's trainer
     cannot be built: the table says so and the exit status is 1 (it was 0)."""
-    from composer import bench_throughput as bt
+    from composer.bench import throughput as bt
     from composer.backends.lightning.module import ComposerModule
 
     def broken(self, step, optimizer):

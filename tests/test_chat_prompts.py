@@ -70,8 +70,8 @@ objective: {{kind: advantage_regression, baseline: control, anchor: {{guide_inte
 
 
 def validated(text: str):
-    from composer.loader import load_text
-    from composer.validate import validate_loaded
+    from composer.lang.loader import load_text
+    from composer.checks.validate import validate_loaded
 
     return validate_loaded(load_text(text))
 
@@ -103,7 +103,7 @@ def test_prompt_settings_validate_without_torch(tmp_path):
                     + data_block({"train": str(tmp_path / "train.jsonl"), "eval": str(tmp_path / "eval.jsonl")},
                                  prompt_format="chat", system_prompt=SYSTEM, prompt_template=TEMPLATE,
                                  chat_template_kwargs={"enable_thinking": False}) + GRPO)
-    probe = ("import sys; from composer.validate import validate_file; v = validate_file(sys.argv[1]); "
+    probe = ("import sys; from composer.checks.validate import validate_file; v = validate_file(sys.argv[1]); "
              "print(v.spec.data.prompt_format, v.spec.data.chat_template_kwargs); "
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'tokenizers')))")
     r = subprocess.run([sys.executable, "-c", probe, str(spec)], capture_output=True, text=True, cwd=ROOT,
@@ -367,7 +367,7 @@ def test_cluster_side_teacher_and_judge_prompts_match_the_lightning_ones(real, t
     from composer.prompts import OPSD_TEMPLATE
     from composer.protocol import Trace
     from composer.trajectory import assemble
-    from composer.segments import segments_of
+    from composer.plan.segments import segments_of
 
     tok = AutoTokenizer.from_pretrained(real["model"])
     # OPSD: the teacher prompts the plugin builds over a step (loss.teacher_prompts -> policy_model.teacher_prompts)

@@ -50,8 +50,8 @@ import torch
 import yaml
 
 from composer.origins import ORIGINS
-from composer.plan import compile_plan
-from composer.validate import validate_file
+from composer.plan.compile import compile_plan
+from composer.checks.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = sorted((ROOT / "specs").glob("**/*.yaml"))  # every folder under specs/, new ones included
@@ -456,7 +456,7 @@ def teacher_logprobs(model, b, prompt_ids: list, temperature: float):
 def check_numbers(v, plan: dict, rec: Recorder, tokenizer_of) -> dict:
     """Every recomputation over the recorded term losses; returns what was seen (counts)."""
     from composer.origins import CODE
-    from composer.terms import terms
+    from composer.checks.terms import terms
 
     seen = {"advantages": 0, "mixed_groups": 0, "reference": 0, "gradient": 0, "teacher": 0, "interventions": 0}
     models: dict = {}
@@ -543,7 +543,7 @@ def test_spec_runs_as_declared(path, tmp_path):
 
 def check_run(path: Path, tmp_path: Path, extra=()):
     """Run `path` (short, recorded) and check everything above; `extra` overrides come last."""
-    from composer.terms import scored_origins, terms
+    from composer.checks.terms import scored_origins, terms
 
     v, plan, rec, rows = run_recorded(path, tmp_path, extra)
     events = rec.events

@@ -12,7 +12,7 @@ import pytest
 from components.signals.sft import _load, leaks
 from composer.origins import CODE
 from composer.protocol import Trace
-from composer.validate import validate_file
+from composer.checks.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = ["sources.oracle.kind=oracle", "rollout.guide.judge=oracle", "stages.0.train.steps=3", "stages.1.train.steps=1",

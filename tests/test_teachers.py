@@ -12,14 +12,14 @@ import torch
 from components.objectives.divergence import Divergence
 from components.tasks import toy
 from composer.batch import PolicyView
-from composer.loader import load_text
+from composer.lang.loader import load_text
 from composer.runtime.context import RunContext
 from composer.runtime.models import load_model, load_tokenizer
 from composer.runtime.step import policy_view
 from components.objectives.base import whole_batch_loss
 from composer.protocol import Trace
 from composer.trajectory import assemble
-from composer.validate import validate_loaded
+from composer.checks.validate import validate_loaded
 
 OPSD = """
 name: t
@@ -344,7 +344,7 @@ objective: {{kind: divergence}}
 train: {{steps: 2, prompts_per_step: 2, eval_every: 0, eval_samples: 2}}
 """)
     from composer.runtime.models import ModelLoadError
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     with pytest.raises(ModelLoadError) as e:  # the input's fault: a message and exit 2, not an internal error
         train(validate_file(spec), tmp_path / "run", progress=False)

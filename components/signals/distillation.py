@@ -86,7 +86,7 @@ class DistillationSignal(Signal):
         reverse-KL estimate, which can be negative), teacher_student_gap = mean_t |log pi_beh - log pi_T|
         (also per difficulty tier of the rollouts' problems, teacher_student_gap/tierN), no_signal_frac, and
         for an EMA teacher ema_param_distance = ||theta_T - theta||_2."""
-        from composer.terms import terms
+        from composer.checks.terms import terms
 
         if self.off_policy != "none" and not self.makes_batch:
             batch = mixed_batch(ctx, self, batch)

@@ -175,12 +175,12 @@ def _json_row(path: Path, i: int, text: str):
 
 
 def open_source(name: str, split: str | None = None, role: str = "train") -> tuple[str, Iterator[tuple[int, Any]]]:
-    """(where, rows) of a data source (composer/datafiles.py): `where` names the file (and split) in errors;
+    """(where, rows) of a data source (composer/runtime/datafiles.py): `where` names the file (and split) in errors;
     rows are (1-based row number, row dict or DataError). jsonl is read line by line here, so a bad line is
     named; every other format goes through the `datasets` library."""
-    from composer.datafiles import SourceError, kind_of, locate, rows
+    from composer.runtime.datafiles import SourceError, kind_of, locate, rows
 
-    from composer.paths import data_path_problem
+    from composer.runtime.paths import data_path_problem
 
     why = data_path_problem(name)  # a FIFO or /proc/kmsg would block, /dev/zero would fill memory
     if why:

@@ -103,7 +103,7 @@ def _source_prompts(task, fmt: PromptFormat, example, seg, src, teacher: bool, j
 
 
 def _signals(spec):
-    from composer.graph import signal_objective_pairs
+    from composer.checks.graph import signal_objective_pairs
 
     return [sig for sig, _obj in signal_objective_pairs(spec) if sig is not None]
 

@@ -49,7 +49,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     """A tokenizer; `trust_remote_code` is always passed (transformers would otherwise ask on the terminal)."""
     path = resolve(name)
     if not Path(path).exists():
-        from composer.paths import tokenizer_problem
+        from composer.runtime.paths import tokenizer_problem
 
         why = tokenizer_problem(path)
         if why:
@@ -68,7 +68,7 @@ def load_model(name: str, dtype: str = "float32", trust_remote_code: bool = Fals
     transformers asking "run custom code? [y/N]" in the middle of a run."""
     path = resolve(name)
     if not Path(path).exists():  # not the hub's "Repo id must be in the form ..." for a mistyped path
-        from composer.paths import model_problem
+        from composer.runtime.paths import model_problem
 
         why = model_problem(path, tokenizer_too=False)
         if why:

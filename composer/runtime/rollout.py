@@ -13,7 +13,7 @@ import time
 from composer.runtime.engine import Sampling
 from composer.protocol import POLICY, Generation, Sample, Score, Trace, drive
 from composer.trajectory import assemble
-from composer.terms import scored_origins
+from composer.checks.terms import scored_origins
 
 
 def serve(ctx, key: tuple, requests: list) -> list:

@@ -12,8 +12,8 @@ from composer.batch import PolicyView, TrajectoryBatch, concat
 from components.objectives.base import zero_advantage_fraction
 from composer.runtime.context import RunContext
 from composer.runtime.models import token_logprobs
-from composer.schedules import is_scheduled, value_at
-from composer.terms import gates, rolls_out, terms, terms_at  # noqa: F401  (re-exported: components read terms through step)
+from composer.lang.curves import is_scheduled, value_at
+from composer.checks.terms import gates, rolls_out, terms, terms_at  # noqa: F401  (re-exported: components read terms through step)
 
 
 def collect(ctx: RunContext, examples) -> list[TrajectoryBatch]:

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     from composer.runtime.context import RunContext
     from composer.runtime.engine import HFEngine
     from composer.runtime.models import load_model, load_tokenizer
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     torch.set_num_threads(args.threads)
     spec = validate_file(args.spec, args.overrides).segments[0].spec

@@ -16,12 +16,12 @@ from torch.utils.data import Dataset
 
 from composer.batch import to_device
 from composer.runtime import step as run_step
-from composer.schedule import Schedule
-from composer.segments import segment_at, segments_of
+from composer.plan.schedule import Schedule
+from composer.plan.segments import segment_at, segments_of
 from composer.contract import Runtime
 from composer.runtime.context import RunContext
 from composer.runtime.engine import make_engine
-from composer.report import metric_row
+from composer.runtime.report import metric_row
 from composer.runtime.evaluate import evaluate, write_records
 
 
@@ -107,7 +107,7 @@ class ComposerModule(L.LightningModule):
 
     def configure_optimizers(self):
         """AdamW at unit base LR under torch's LambdaLR, whose factor is the Plan's LR of the step (warm-up and
-        decay per segment, composer/schedule.py): the scheduler's state is checkpointed with the optimiser."""
+        decay per segment, composer/plan/schedule.py): the scheduler's state is checkpointed with the optimiser."""
         t = self.segments[0].spec.train
         opt = torch.optim.AdamW(self.policy.parameters(), lr=1.0, betas=tuple(t.betas), weight_decay=t.weight_decay)
         schedule = self.schedule

@@ -169,7 +169,7 @@ def _models(v) -> tuple[str, dict[str, str]]:
 
 def _eos(path: str, v) -> str | None:
     """The eos text SFT targets end with (OpenRLHF would otherwise append ' ' + eos)."""
-    from composer.graph import signal_objective_pairs
+    from composer.checks.graph import signal_objective_pairs
 
     if not any(sig is not None and "demonstration" in sig.origins(s.spec.rollout.guide) for s in v.segments
                for sig, _ in signal_objective_pairs(s.spec)):  # no term trains on demonstration text
@@ -196,7 +196,7 @@ def trust_remote_code(v) -> bool:
 
 def compile_bundle(v, out: Path, layout: Layout) -> dict:
     """Write the bundle for validated spec `v` into `out`. Raises Unsupported, parser.ArgsError, BundleError."""
-    from composer.plan import compile_plan
+    from composer.plan.compile import compile_plan
 
     parser.require()
     plan = compile_plan(v, backend="openrlhf")

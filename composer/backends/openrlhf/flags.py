@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from composer.gates import gate_source
-from composer.graph import signal_objective_pairs
-from composer.terms import gates
-from composer.schedules import is_scheduled
+from composer.checks.graph import signal_objective_pairs
+from composer.checks.terms import gates
+from composer.lang.curves import is_scheduled
 
 NATIVE_AGG = ("token-mean", "seq-mean-token-mean")  # --actor.loss_agg_mode choices
 
@@ -283,8 +283,8 @@ def _check_initial_calls(segs, specs, where) -> None:
     """A guide's calls that read the frozen initial weights are served by the rollout engine (agent.py), which
     holds them only until the run's first broadcast (the Plan's `Schedule.sampler_is_initial`): a segment
     that starts after it cannot have them."""
-    from composer.schedule import Schedule, compile_schedule
-    from composer.plan import _models
+    from composer.plan.schedule import Schedule, compile_schedule
+    from composer.plan.compile import _models
 
     sched = Schedule(compile_schedule(segs, _models))
     for seg, spec, w in zip(segs, specs, where):

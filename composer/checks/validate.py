@@ -15,11 +15,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from composer import graph, registry, rules
+from composer import registry
+from composer.checks import graph
+from composer.checks import rules
 from composer.errors import Diagnostic, Location, SpecError
-from composer.loader import LoadedSpec, deep_merge, load_spec
-from composer.schema_errors import diagnostics_from
-from composer.spec import PARTIAL_KEYS, Train, spec_model
+from composer.lang.loader import LoadedSpec, deep_merge, load_spec
+from composer.lang.schema_errors import diagnostics_from
+from composer.lang.spec import PARTIAL_KEYS, Train, spec_model
 
 
 @dataclass

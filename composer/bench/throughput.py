@@ -111,11 +111,11 @@ class Ours:
         import torch
 
         from composer.backends.lightning.module import ComposerModule
-        from composer.plan import compile_plan
+        from composer.plan.compile import compile_plan
         from composer.runtime import step as run_step
         from composer.runtime.binding import bind_task
         from composer.runtime.models import load_model, load_tokenizer
-        from composer.validate import validate_file
+        from composer.checks.validate import validate_file
 
         self.torch, self.run_step = torch, run_step
         v = validate_file(spec_path, overrides + (["train.compile=true"] if compile_model else []))
@@ -382,7 +382,7 @@ def overrides_for(pair: str, args) -> list[str]:
 
 
 def run_pair(pair: str, args) -> dict:
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     spec_path = str(ROOT / "specs" / SPECS[pair])
     ovr = overrides_for(pair, args)
