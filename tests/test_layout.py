@@ -59,3 +59,29 @@ def test_toy_parts_are_registered_and_load():
 
     task = part("toy.task")(tiers=(1,), train_tiers=(1,), eval_per_tier=1, train_per_tier=1, seed=0)
     assert task.train and {"toy.task", "toy.checkpoints", "toy.write_jsonl"} <= set(PARTS)
+
+
+def test_the_core_path_never_imports_the_bench(tmp_path):
+    """`import composer`, validate, compile a Plan and a 2-step Lightning run on the toy testbed load no
+    module of composer.bench (the harnesses are imported only by `composer bench`)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+import composer
+from composer.checks.validate import validate_file
+from composer.plan.compile import compile_plan
+from pathlib import Path
+from composer.backends.lightning.run import train
+v = validate_file({str(ROOT / "specs" / "grpo.yaml")!r}, ["train.steps=2", "train.prompts_per_step=2",
+    "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8", "train.eval_every=0", "train.eval_samples=2"])
+compile_plan(v)
+train(v, Path({str(tmp_path / "run")!r}), progress=False)
+loaded = sorted(m for m in sys.modules if m == "composer.bench" or m.startswith("composer.bench."))
+print("BENCH", loaded)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "BENCH []" in r.stdout, r.stdout[-2000:]
+    assert (tmp_path / "run" / "metrics.csv").exists()  # the run did run

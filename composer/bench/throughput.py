@@ -43,7 +43,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SPECS = {"grpo": "grpo.yaml", "opd": "opd.yaml", "sft": "sft.yaml"}
 TRL_NAME = {"grpo": "GRPOTrainer", "opd": "GKDTrainer", "sft": "SFTTrainer"}
 TARGET = 1.5
