@@ -138,9 +138,7 @@ class Guide(Component):
 
     def rollout(self, ctx, examples, n: int):
         """n rollouts per example as a TrajectoryBatch, driven by the run's batching driver."""
-        from composer.runtime.rollout import rollout
-
-        return rollout(ctx, self, examples, n)
+        return ctx.rollout(self, examples, n)
 
 
 class Signal(Component):

@@ -50,6 +50,21 @@ def test_components_never_import_the_runtime_or_a_backend():
     assert offenders("components", ("composer.runtime", "composer.backends")) == []
 
 
+def test_what_components_import_imports_no_runtime():
+    """The contract side: every composer module a component imports (the contract and its vocabulary) imports
+    nothing of composer.runtime or composer.backends either, so no import path leads from a component into
+    the runtime."""
+    used = set()
+    for path in (ROOT / "components").rglob("*.py"):
+        used |= {m for _l, m in imported_modules(path) if m.startswith("composer.")}
+    files = {ROOT / (m.replace(".", "/") + ".py") for m in used} | {ROOT / m.replace(".", "/") / "__init__.py" for m in used}
+    files = sorted(f for f in files if f.is_file())
+    assert ROOT / "composer" / "contract.py" in files and ROOT / "composer" / "protocol.py" in files
+    bad = [f"{f.relative_to(ROOT)}:{line} imports {mod}" for f in files for line, mod in imported_modules(f)
+           if mod.startswith(("composer.runtime", "composer.backends"))]
+    assert bad == []
+
+
 def test_composer_finds_the_toy_testbed_through_the_registry():
     assert offenders("composer", ("components.tasks",), skip=("composer/bench",)) == []
 

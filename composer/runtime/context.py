@@ -299,6 +299,12 @@ class RunContext:
 
         return run(self, programs)
 
+    def rollout(self, guide, examples: list, n: int):
+        """n rollouts per example written by `guide`, as a TrajectoryBatch (composer/runtime/rollout.py)."""
+        from composer.runtime.rollout import rollout
+
+        return rollout(self, guide, examples, n)
+
     def resolve_model(self, name: str) -> str:
         """The local directory of model `name` (an id, a path, or a toy testbed name)."""
         from composer.runtime.models import resolve
