@@ -1,5 +1,5 @@
 """`python -m composer`: the command line."""
 
-from composer.cli import main
+from composer.cli.main import main
 
 main()

@@ -7,7 +7,7 @@ optional hook declared here with its default, so backends call hooks and never p
   Runtime    after_optimizer_step(ctx), state_dict(), load_state_dict(state)
   Guide      writes                    the token origins it writes into rollouts
              prepare(ctx, examples)    a program run once per step before the rollouts (searches, caches)
-             row(ctx, example, i, n)   the program of one rollout (composer/runtime/protocol.py)
+             row(ctx, example, i, n)   the program of one rollout (composer/protocol.py)
              reads()                   its own model calls and the weights they read (the Plan's schedule)
              preflight(ctx), metrics(traces)
   Signal     origins(guide)            the token origins of the batch this signal's term trains on
@@ -93,7 +93,7 @@ class Source(Component):
 
 
 class Guide(Component):
-    """Base of every rollout guide: rollouts are programs of requests (composer/runtime/protocol.py)."""
+    """Base of every rollout guide: rollouts are programs of requests (composer/protocol.py)."""
 
     writes: ClassVar[tuple[str, ...]] = ()  # token origins besides the policy's that it writes
     plain: ClassVar[bool] = False  # True only for plain sampling (no program beyond one continuation)
@@ -138,9 +138,7 @@ class Guide(Component):
 
     def rollout(self, ctx, examples, n: int):
         """n rollouts per example as a TrajectoryBatch, driven by the run's batching driver."""
-        from composer.runtime.rollout import rollout
-
-        return rollout(ctx, self, examples, n)
+        return ctx.rollout(self, examples, n)
 
 
 class Signal(Component):

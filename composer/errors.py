@@ -71,3 +71,20 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
         shown = choices[:15]
         return "expected one of: " + ", ".join(shown) + (f", ... ({len(choices) - 15} more)" if len(choices) > 15 else "")
     return ""
+
+
+class DataError(Exception):
+    """Bad input data: names the file, the row and the field."""
+
+    def __init__(self, message: str, file: str = "", row: int = -1, field: str = "", reason: str = ""):
+        super().__init__(message)
+        self.file, self.row, self.field, self.reason = file, row, field, reason
+
+
+class ModelLoadError(Exception):
+    """A model or tokenizer directory that does not load: names the path and the reason."""
+
+
+class MachineUnavailable(RuntimeError):
+    """This machine lacks what a component needs to run safely (a verifier's sandbox): the run stops before
+    training with the reason, exit 2."""

@@ -50,7 +50,7 @@ def filter_source(flt: RolloutFilter, spec) -> str | None:
     """The source whose rewards decide equal groups: the declared one, else the first reward signal's."""
     if flt.source is not None:
         return flt.source
-    from composer.terms import terms
+    from composer.checks.terms import terms
 
     for _n, sig, _o, _w in terms(spec):
         if sig is not None and sig.kind_name() == "reward":
@@ -135,7 +135,7 @@ def filtered_rollout(ctx, examples: list, n: int):
 def _most_missing(ctx, missing: int) -> int:
     """The largest number of missing prompts over the ranks (DDP): every rank draws that many, so the ranks'
     data streams stay one global stream (a rank that needs fewer keeps its first ones)."""
-    if ctx.world <= 1:
+    if ctx.data.world <= 1:
         return missing
     t = torch.tensor([missing], dtype=torch.long)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)

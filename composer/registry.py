@@ -155,25 +155,57 @@ def register(section: str, plugin: str = "") -> Callable[[type[Component]], type
 
 
 class VerifierInfo:
-    def __init__(self, name: str, module: str, attr: str, description: str):
+    def __init__(self, name: str, module: str, attr: str, description: str, check: str = "", preflight: str = ""):
         self.name, self.module, self.attr, self.description = name, module, attr, description
+        self.check, self.preflight = check, preflight
 
     def load(self) -> Callable:
         return getattr(importlib.import_module(self.module), self.attr)
 
+    def answer_problem(self, example) -> str | None:
+        """Why this verifier cannot read `example`'s answer (its `check`), or None (also without a check)."""
+        return getattr(importlib.import_module(self.module), self.check)(example) if self.check else None
 
-def register_verifier(name: str, description: str):
+    def run_preflight(self) -> None:
+        """What must hold on this machine before a run uses the verifier (a sandbox); raises when it does not."""
+        if self.preflight:
+            getattr(importlib.import_module(self.module), self.preflight)()
+
+
+def register_verifier(name: str, description: str, check: str = "", preflight: str = ""):
     """Register `fn(response_text, example) -> VerifierResult` as `verifier: name`.
 
-    Registration stores only where the function lives, so that naming a verifier in a spec
-    never imports what it needs (math-verify, a sandbox) during validation.
+    check: the name of a function of the same module, `check(example) -> reason or None`, that says why a
+    dataset row's answer cannot be read by this verifier (data binding refuses or skips the row);
+    preflight: the name of a function of the same module run before any training (raises when the
+    machine lacks what the verifier needs). Registration stores only where the functions live, so that
+    naming a verifier in a spec never imports what it needs (math-verify, a sandbox) during validation.
     """
 
     def deco(fn):
-        VERIFIERS[name] = VerifierInfo(name, fn.__module__, fn.__name__, description)
+        VERIFIERS[name] = VerifierInfo(name, fn.__module__, fn.__name__, description, check, preflight)
         return fn
 
     return deco
+
+
+PARTS: dict[str, str] = {}  # name -> "module:attribute": the built-in testbed's parts the runtime finds by name
+
+
+def register_part(name: str, target: str) -> None:
+    """Declare `target` ("module:attribute") as the part `name` (the toy testbed's task, checkpoints, data
+    writer, templates): the runtime and the backends look parts up here by name, so they never import the
+    component library, and the target is imported only when it is used (validation stays light)."""
+    PARTS[name] = target
+
+
+def part(name: str):
+    """The object registered as part `name` (imported now); KeyError naming the known parts otherwise."""
+    load_builtins()
+    if name not in PARTS:
+        raise KeyError(f"part '{name}' is not registered (known: {', '.join(sorted(PARTS))})")
+    module, attr = PARTS[name].split(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def load_builtins() -> None:

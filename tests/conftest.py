@@ -9,7 +9,7 @@ def cli():
     """Run the composer CLI in-process: cli("validate", path, ...) -> click Result (.exit_code, .stdout, .stderr)."""
     from click.testing import CliRunner
 
-    from composer.cli import main
+    from composer.cli.main import main
 
     runner = CliRunner()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from composer import bench as b
+from composer.bench import methods as b
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -14,7 +14,7 @@ def test_budget_is_equal_across_methods_and_stages():
     for spec in ("specs/grpo.yaml", "specs/sft.yaml", "specs/int.yaml", "specs/mintrl.yaml"):
         v = b.Variant(spec, str(ROOT / spec))
         over = b.budget_overrides(v, 512)
-        from composer.validate import validate_file
+        from composer.checks.validate import validate_file
 
         val = validate_file(v.spec, over)
         used = sum((s.end - s.start) * b.samples_per_step(s) for s in val.segments)
@@ -69,7 +69,7 @@ def test_readme_section_is_written_between_markers_from_a_bench_folder(tmp_path)
 def test_cli_overrides_apply_to_every_variant_before_the_sweep(monkeypatch, tmp_path):
     from click.testing import CliRunner
 
-    from composer.cli import main
+    from composer.cli.main import main
 
     seen = []
     monkeypatch.setattr(b, "bench", lambda variants, *a, **kw: seen.extend(variants) or [])
@@ -83,7 +83,7 @@ def test_cli_overrides_apply_to_every_variant_before_the_sweep(monkeypatch, tmp_
 def test_readme_from_a_folder_without_results_fails_cleanly(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    from composer.cli import main
+    from composer.cli.main import main
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "README.md").write_text("# T\n")
@@ -96,7 +96,7 @@ def test_readme_from_a_folder_without_results_fails_cleanly(tmp_path, monkeypatc
 
 
 def test_suite_settings_reach_the_regimes_the_claims_are_about():
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     assert b.DEFAULTS["seeds"] >= 3 and b.EXTRA_SEEDS == 5
     lags = []
@@ -285,7 +285,7 @@ def test_bench_reuses_finished_runs_and_adds_seeds_in_place(monkeypatch, tmp_pat
 def test_bench_records_the_toy_variant_and_the_cli_runs_the_claims_study(monkeypatch, tmp_path):
     from click.testing import CliRunner
 
-    from composer.cli import main
+    from composer.cli.main import main
 
     seen = []
     monkeypatch.setattr(b, "bench", lambda variants, *a, **kw: seen.extend(variants) or [])

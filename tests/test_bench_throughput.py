@@ -23,7 +23,7 @@ def tiny(tmp_path_factory) -> list[str]:
 
 
 def test_tiny_throughput_runs_both_sides_through_the_modules_step(tmp_path, monkeypatch, tiny):
-    from composer import bench_throughput as bt
+    from composer.bench import throughput as bt
     from composer.backends.lightning.module import ComposerModule
 
     calls = []
@@ -46,7 +46,7 @@ def test_tiny_throughput_runs_both_sides_through_the_modules_step(tmp_path, monk
 def test_throughput_exits_nonzero_when_a_side_did_not_run(tmp_path, capsys, monkeypatch, tiny):
     """Our side's step fails (as the private copy of the step once did, with every pair), and TRL's trainer
     cannot be built: the table says so and the exit status is 1 (it was 0)."""
-    from composer import bench_throughput as bt
+    from composer.bench import throughput as bt
     from composer.backends.lightning.module import ComposerModule
 
     def broken(self, step, optimizer):
@@ -66,7 +66,7 @@ def test_throughput_exits_nonzero_when_a_side_did_not_run(tmp_path, capsys, monk
 def test_both_comparisons_are_reported(tmp_path, tiny):
     """matched and TRL-defaults rows for SFT (no timing asserted): both sides ran in each, and the table has
     both row groups."""
-    from composer import bench_throughput as bt
+    from composer.bench import throughput as bt
 
     out = tmp_path / "tp.json"
     assert bt.main(["--pairs", "sft", *tiny, "--json", str(out)]) == 0
@@ -80,7 +80,7 @@ def test_both_comparisons_are_reported(tmp_path, tiny):
 
 
 def test_sweep_points_and_bad_axes():
-    from composer import bench_throughput as bt
+    from composer.bench import throughput as bt
 
     pts = bt.sweep_points("group=2,4;length=8", {"group": 8, "length": 32, "prompts": 4})
     assert pts == [("group", {"group": 2, "length": 32, "prompts": 4}), ("group", {"group": 4, "length": 32, "prompts": 4}),
@@ -93,7 +93,7 @@ def test_tiny_sweep_writes_csv_and_png_with_both_sides(tmp_path, tiny):
     """The sweep machinery on two minuscule points: both sides ran at each, the CSV and the PNG exist."""
     import csv
 
-    from composer import bench_throughput as bt
+    from composer.bench import throughput as bt
 
     out = tmp_path / "sweep"
     assert bt.main(["--pairs", "", "--sweep", "--sweep-rounds", "1", "--sweep-axes", "group=2;length=2,4", *tiny,
@@ -110,7 +110,7 @@ def test_tiny_sweep_writes_csv_and_png_with_both_sides(tmp_path, tiny):
 def test_guided_overhead_measures_both_rollouts(tiny):
     """The guided-vs-plain measurement the bench prints (MInTRL's reviews, oracle judge), tiny: both sides
     generated tokens in the repeat; no timing asserted."""
-    from composer import bench_throughput as bt
+    from composer.bench import throughput as bt
 
     model = tiny[tiny.index("--model") + 1]
     g = bt.guided_overhead(model, prompts=1, repeats=1,
@@ -128,8 +128,8 @@ def test_cli_forwards_throughput_sweep_and_out(monkeypatch, tmp_path):
     a value after --sweep is the sweep's axes; --sweep without a value outside --throughput is a usage error."""
     from click.testing import CliRunner
 
-    from composer import bench_throughput as bt
-    from composer.cli import main
+    from composer.bench import throughput as bt
+    from composer.cli.main import main
 
     seen = []
     monkeypatch.setattr(bt, "main", lambda argv: seen.append(argv) or 0)

@@ -35,7 +35,7 @@ def run_py(args, path=(), cwd=REPO):
 
 
 def compile_cli(spec, out, *extra, path=()):
-    return run_py(["-m", "composer.cli", "compile", spec, "train.steps=2", *extra, "--backend", "openrlhf",
+    return run_py(["-m", "composer.cli.main", "compile", spec, "train.steps=2", *extra, "--backend", "openrlhf",
                    "--out", out, "--gpus-per-node", 1], path=path)
 
 
@@ -194,7 +194,7 @@ def test_reward_func_passes_trust_remote_code(trust, tokenizer_calls):
 @pytest.mark.parametrize("trust", [False, True])
 def test_bundle_tokenizers_get_the_spec_trust_remote_code(trust, tokenizer_calls, monkeypatch):
     from composer.backends.openrlhf import bundle
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     monkeypatch.setenv("COMPOSER_TRUST_REMOTE_CODE", "1")  # the user's opt-in (a spec alone is refused)
     v = validate_file(REPO / "specs" / "sft.yaml", [f"policy.trust_remote_code={str(trust).lower()}"])
@@ -346,7 +346,7 @@ def fake_step0(bundle: Path, folder: Path, micro: int = 2) -> list[dict]:
 def small_bundle(spec: str, tmp_path: Path) -> Path:
     from composer.backends.openrlhf.bundle import compile_bundle
     from composer.backends.openrlhf.flags import Layout
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     bundle = tmp_path / spec
     compile_bundle(validate_file(REPO / "specs" / f"{spec}.yaml", ["train.steps=2"]), bundle,

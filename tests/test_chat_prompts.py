@@ -70,8 +70,8 @@ objective: {{kind: advantage_regression, baseline: control, anchor: {{guide_inte
 
 
 def validated(text: str):
-    from composer.loader import load_text
-    from composer.validate import validate_loaded
+    from composer.lang.loader import load_text
+    from composer.checks.validate import validate_loaded
 
     return validate_loaded(load_text(text))
 
@@ -103,7 +103,7 @@ def test_prompt_settings_validate_without_torch(tmp_path):
                     + data_block({"train": str(tmp_path / "train.jsonl"), "eval": str(tmp_path / "eval.jsonl")},
                                  prompt_format="chat", system_prompt=SYSTEM, prompt_template=TEMPLATE,
                                  chat_template_kwargs={"enable_thinking": False}) + GRPO)
-    probe = ("import sys; from composer.validate import validate_file; v = validate_file(sys.argv[1]); "
+    probe = ("import sys; from composer.checks.validate import validate_file; v = validate_file(sys.argv[1]); "
              "print(v.spec.data.prompt_format, v.spec.data.chat_template_kwargs); "
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'tokenizers')))")
     r = subprocess.run([sys.executable, "-c", probe, str(spec)], capture_output=True, text=True, cwd=ROOT,
@@ -175,7 +175,7 @@ def test_a_template_that_refuses_the_system_prompt_stops_at_bind_time(real, tmp_
 
 def test_the_toy_testbed_keeps_its_own_prompts():
     from composer.runtime.binding import bind_task
-    from composer.runtime.prompts import TASK_FORMAT, prompt_format
+    from composer.prompts import TASK_FORMAT, prompt_format
 
     spec = validated("name: t\n" + GRPO).spec
     task = bind_task(spec)
@@ -195,7 +195,7 @@ def test_rollout_tokens_follow_the_rendered_prompt_and_behaviour_logprobs_are_ex
     from composer.runtime.models import token_logprobs
 
     ctx = make_ctx(real, spec_text(real, GRPO))
-    ctx.engine = make_engine("hf", ctx.policy, ctx.tokenizer, ctx.spec.rollout)
+    ctx.models.engine = make_engine("hf", ctx.policy, ctx.tokenizer, ctx.spec.rollout)
     examples = ctx.task.train[:2]  # different prompt lengths
     [batch] = step.sample(ctx, examples)
     with torch.no_grad():
@@ -210,13 +210,13 @@ def test_rollout_tokens_follow_the_rendered_prompt_and_behaviour_logprobs_are_ex
 
 
 def test_opsd_teacher_scores_under_the_chat_template_with_the_reference(real):
-    from composer.runtime.prompts import OPSD_TEMPLATE
-    from composer.runtime.protocol import Trace
-    from composer.runtime.trajectory import assemble
+    from composer.prompts import OPSD_TEMPLATE
+    from composer.protocol import Trace
+    from composer.trajectory import assemble
 
     ctx = make_ctx(real, spec_text(real, OPSD.replace("WEIGHTS", "current")))
     seen = []
-    ctx.recorder = lambda kind, **d: seen.append(d) if kind == "prompt" else None
+    ctx.sink.recorder = lambda kind, **d: seen.append(d) if kind == "prompt" else None
     exs = ctx.task.train[:2]
     traces = []
     for ex in exs:
@@ -364,10 +364,10 @@ def test_cluster_side_teacher_and_judge_prompts_match_the_lightning_ones(real, t
     from composer.backends.openrlhf.batch import decode_label, example_of
     from composer.backends.openrlhf.hooks import task_of
     from composer.backends.openrlhf.loss import teacher_prompts as cluster_teacher_prompts
-    from composer.runtime.prompts import OPSD_TEMPLATE
-    from composer.runtime.protocol import Trace
-    from composer.runtime.trajectory import assemble
-    from composer.segments import segments_of
+    from composer.prompts import OPSD_TEMPLATE
+    from composer.protocol import Trace
+    from composer.trajectory import assemble
+    from composer.plan.segments import segments_of
 
     tok = AutoTokenizer.from_pretrained(real["model"])
     # OPSD: the teacher prompts the plugin builds over a step (loss.teacher_prompts -> policy_model.teacher_prompts)
@@ -395,7 +395,7 @@ def test_the_readme_section_spec_lines_validate_and_render_as_shown(real):
     from types import SimpleNamespace
 
     from composer.runtime.models import load_tokenizer
-    from composer.runtime.prompts import prompt_format
+    from composer.prompts import prompt_format
 
     readme = (ROOT / "README.md").read_text()
     start = readme.index("## Your own model and data")

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from composer import registry
-from composer.cli import main
+from composer.cli.main import main
 
 REPO = Path(__file__).resolve().parent.parent
 SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
@@ -68,7 +68,7 @@ def test_error_message_snapshot(name, tmp_path):
 IMPORT_PROBE = """
 import sys
 sys.argv = ["composer"] + sys.argv[1:]
-from composer.cli import main
+from composer.cli.main import main
 try:
     main()
 except SystemExit:
@@ -93,7 +93,7 @@ def test_commands_never_import_torch(args):
 
 
 def test_validate_is_quick():
-    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "composer.cli", "validate", "specs/grpo.yaml"],
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "composer.cli.main", "validate", "specs/grpo.yaml"],
                        capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0
     imported = {line.split("|")[-1].strip().split(".")[0] for line in r.stderr.splitlines() if "|" in line}

@@ -50,8 +50,8 @@ import torch
 import yaml
 
 from composer.origins import ORIGINS
-from composer.plan import compile_plan
-from composer.validate import validate_file
+from composer.plan.compile import compile_plan
+from composer.checks.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = sorted((ROOT / "specs").glob("**/*.yaml"))  # every folder under specs/, new ones included
@@ -184,7 +184,7 @@ class Recorder:
 def run_recorded(path: Path, tmp_path: Path, extra=()):
     import composer.runtime.rollout as rollout_mod
     from composer.backends.lightning.run import train
-    from composer.runtime.protocol import POLICY
+    from composer.protocol import POLICY
 
     v = validate_file(path, short(path) + list(extra))
     rec = Recorder()
@@ -456,7 +456,7 @@ def teacher_logprobs(model, b, prompt_ids: list, temperature: float):
 def check_numbers(v, plan: dict, rec: Recorder, tokenizer_of) -> dict:
     """Every recomputation over the recorded term losses; returns what was seen (counts)."""
     from composer.origins import CODE
-    from composer.terms import terms
+    from composer.checks.terms import terms
 
     seen = {"advantages": 0, "mixed_groups": 0, "reference": 0, "gradient": 0, "teacher": 0, "interventions": 0}
     models: dict = {}
@@ -543,7 +543,7 @@ def test_spec_runs_as_declared(path, tmp_path):
 
 def check_run(path: Path, tmp_path: Path, extra=()):
     """Run `path` (short, recorded) and check everything above; `extra` overrides come last."""
-    from composer.terms import scored_origins, terms
+    from composer.checks.terms import scored_origins, terms
 
     v, plan, rec, rows = run_recorded(path, tmp_path, extra)
     events = rec.events
@@ -678,7 +678,7 @@ def test_conformance_catches_zeroed_guide_logprobs(tmp_path, monkeypatch):
 
 def test_conformance_catches_a_dropped_context(tmp_path, monkeypatch):
     """The check fails when a teacher's declared context does not reach its prompt (the second divergence)."""
-    import composer.runtime.prompts as prompts
+    import composer.prompts as prompts
 
     real = prompts.context_block
     monkeypatch.setattr(prompts, "check_placement", lambda *a: None)  # the pre-training check would stop it first
@@ -762,7 +762,7 @@ def test_conformance_catches_a_prefix_trained_as_policy_text(tmp_path, monkeypat
     rollout weights (so the behaviour check passes and the prefix gets loss), fails the sampled-by-policy
     check."""
     from components.guides.prefix import PrefixGuide
-    from composer.runtime.protocol import POLICY, Sample, Score, Trace
+    from composer.protocol import POLICY, Sample, Score, Trace
 
     def row(self, ctx, example, index, n):
         chosen = self.chosen(ctx, example)
@@ -804,9 +804,9 @@ def test_conformance_catches_a_substituted_anchor(tmp_path, monkeypatch):
 def test_conformance_catches_a_stale_stage_reference(tmp_path, monkeypatch):
     """A later stage whose KL reference is not refreshed to the weights at its start fails the fresh forward
     of the stage-start weights."""
-    from composer.runtime.context import RunContext
+    from composer.runtime.context import ModelServer
 
-    monkeypatch.setattr(RunContext, "refresh_initial", lambda self: None)
+    monkeypatch.setattr(ModelServer, "refresh_initial", lambda self: None)
     with pytest.raises(AssertionError, match="reference log-probs"):  # InT's RL stage after its SFT stage
         check_run(ROOT / "specs" / "int.yaml", tmp_path, ORACLE_INT)
 

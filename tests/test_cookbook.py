@@ -10,8 +10,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from composer.cli import main
-from composer.validate import validate_file
+from composer.cli.main import main
+from composer.checks.validate import validate_file
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()

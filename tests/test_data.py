@@ -17,7 +17,7 @@ from composer.runtime.binding import (
     load_examples,
     validate_answers,
 )
-from composer.spec import Data
+from composer.lang.spec import Data
 
 
 def jsonl(tmp_path, rows, name="train.jsonl"):

@@ -90,7 +90,7 @@ def test_lengthened_run_on_a_data_file_resumes_exactly(real, tmp_path, kind):
     """A finished 2-step run lengthened to 4 steps with --resume equals a 4-step run (the data order
     mid-epoch and across the epoch boundary included). Before: AttributeError '_order' on the first draw."""
     from composer.backends.lightning.run import train
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     spec = write_spec(tmp_path / "s.yaml", real, data_file(real, kind, tmp_path))
     train(validate_file(spec, ["train.steps=4"]), tmp_path / "ref", progress=False)
@@ -147,7 +147,7 @@ def test_every_logger_with_evaluation_on_completes_offline_with_one_name_per_met
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
     from composer.backends.lightning.run import train
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -204,7 +204,7 @@ def test_evaluation_uses_the_spec_verifier_and_eval_samples(real, tmp_path, alwa
     was 1.0), train.eval_samples rows of the eval file are evaluated (before: the whole file), and the
     generations are kept in eval_samples.jsonl with what the verifier said."""
     from composer.backends.lightning.run import train
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     body = BODY.replace("{kind: outcome_reward}", "{kind: outcome_reward, verifier: always_right_test}")
     spec = write_spec(tmp_path / "s.yaml", real, real["train"], body=body, eval_every=1, eval_samples=3, steps=2)
@@ -240,7 +240,7 @@ def test_composer_eval_reproduces_the_final_evaluation_of_a_run(real, tmp_path, 
     generations as the run's own final evaluation; --data and --k evaluate another file with pass@k; an
     exported model directory is evaluated alone with --data."""
     from composer.backends.lightning.run import train
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     spec = write_spec(tmp_path / "s.yaml", real, real["train"], steps=2, eval_samples=4)
     out = tmp_path / "run"
@@ -271,7 +271,7 @@ def test_composer_eval_reproduces_the_final_evaluation_of_a_run(real, tmp_path, 
 
 
 def _data(**kw):
-    from composer.spec import Data
+    from composer.lang.spec import Data
 
     return Data(train="x", prompt_field="problem", **kw)
 
@@ -306,7 +306,7 @@ def test_bind_evaluates_a_split_of_the_training_source(real, tmp_path):
     import datasets
 
     from composer.runtime.binding import bind_task
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     folder = tmp_path / "dd"
     datasets.DatasetDict({"train": datasets.Dataset.from_list(realmodel.rows(6, 0)),
@@ -352,7 +352,7 @@ def test_hub_ids_are_read_from_the_local_cache_only(real, tmp_path, monkeypatch)
     import datasets
     import huggingface_hub.constants as hc
 
-    from composer.paths import data_problem
+    from composer.runtime.paths import data_problem
     from composer.runtime.binding import DataError
 
     cache = tmp_path / "hub"
@@ -401,8 +401,8 @@ def test_curves_show_loss_per_term_reward_per_source_and_evaluation(real, tmp_pa
     """Before: curves.png drew reward and pass@1 only (an SFT run got an empty panel and no loss), and two
     reward terms logged one reward_mean."""
     from composer.backends.lightning.run import train
-    from composer.report import plotted_keys
-    from composer.validate import validate_file
+    from composer.runtime.report import plotted_keys
+    from composer.checks.validate import validate_file
 
     two = """sources:
   strict: {kind: outcome_reward, verifier: math}

@@ -39,7 +39,7 @@ def tiny_model(tiny):
 
 def short_run(tiny, tmp_path, steps, every, extra=()):
     from composer.backends.lightning.run import train
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     v = validate_file(ROOT / "specs" / "oapl.yaml", [
         f"policy.model={tiny}", f"train.steps={steps}", f"sync.every={every}", "train.prompts_per_step=2",

@@ -153,7 +153,7 @@ def test_losses_are_files_that_changed_or_vanished(tmp_path):
     ("specs/hybrids/sft-opd-grpo.yaml", ["stages.0.train.steps=1", "stages.1.train.steps=1", "stages.2.train.steps=1"]),
 ])
 def test_run_overrides_make_one_valid_step(spec, expected):
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     case = fuzz.Case(b"", spec, ["rollout.temperature=0.5"])
     ov = fuzz.run_overrides(REPO / spec, case, valid=True)

@@ -15,7 +15,7 @@ import torch
 
 from composer.data import Verdict
 from composer.origins import CODE
-from composer.validate import validate_file
+from composer.checks.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["train.prompts_per_step=3", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=10",

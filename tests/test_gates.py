@@ -13,7 +13,7 @@ from components.objectives.grpo import Grpo
 from composer.batch import PolicyView, TrajectoryBatch
 from composer.gates import Gate, gate_by_prompt, gate_rows, row_surprisal
 from composer.origins import CODE
-from composer.validate import validate_file
+from composer.checks.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 GATED = ["specs/methods/srpo.yaml", "specs/methods/hpt.yaml", "specs/methods/kdrl-mask.yaml"]
@@ -151,8 +151,8 @@ def test_a_gate_with_an_unknown_key_gets_did_you_mean(tmp_path):
 
 @pytest.mark.parametrize("spec", GATED)
 def test_explain_states_each_gate(spec):
-    from composer.explain import text
-    from composer.plan import compile_plan
+    from composer.plan.explain import text
+    from composer.plan.compile import compile_plan
 
     v = validate_file(ROOT / spec)
     out = text(compile_plan(v))
@@ -162,7 +162,7 @@ def test_explain_states_each_gate(spec):
 
 
 def test_explain_says_a_sibling_is_never_the_row_itself():
-    from composer.plan import compile_plan
+    from composer.plan.compile import compile_plan
 
     plan = compile_plan(validate_file(ROOT / "specs/methods/srpo.yaml"))
     assert "never the row itself" in plan["sources"]["sibling"]["pi"]

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from composer.backends.lightning.run import train
-from composer.validate import validate_file
+from composer.checks.validate import validate_file
 
 SPECS = Path(__file__).resolve().parents[1] / "specs"
 SMALL = ["train.steps=2", "train.prompts_per_step=2", "train.eval_samples=4", "train.eval_every=0",

@@ -28,8 +28,8 @@ from composer.batch import PolicyView
 from composer.origins import CODE
 from composer.runtime.context import RunContext
 from composer.runtime.engine import Generation
-from composer.runtime.protocol import INITIAL
-from composer.validate import validate_file
+from composer.protocol import INITIAL
+from composer.checks.validate import validate_file
 
 TOK = char_tokenizer()
 EOS = TOK.eos_token_id

@@ -20,8 +20,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from composer.cli import main
-from composer.validate import validate_file
+from composer.cli.main import main
+from composer.checks.validate import validate_file
 
 REPO = Path(__file__).resolve().parent.parent
 FAST = ["train.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from composer.cli import main
+from composer.cli.main import main
 
 REPO = Path(__file__).resolve().parent.parent
 FAST = ["train.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8",
@@ -182,9 +182,9 @@ def _bind_with_template(real, tmp_path, template: str, **data):
     import realmodel
     from transformers import AutoTokenizer
 
-    from composer.loader import load_text
+    from composer.lang.loader import load_text
     from composer.runtime.binding import bind_task
-    from composer.validate import validate_loaded
+    from composer.checks.validate import validate_loaded
 
     tok = AutoTokenizer.from_pretrained(real["tokenizer"])
     tok.chat_template = template
@@ -208,7 +208,7 @@ HOSTILE_TEMPLATES = {
 @pytest.mark.parametrize("kwargs", [None, {"enable_thinking": False}])  # with kwargs: the variables are analysed
 @pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
 def test_a_chat_template_is_rendered_with_time_and_size_limits(real, tmp_path, monkeypatch, name, kwargs):
-    from composer.runtime import template_limits
+    from composer import template_limits
     from composer.runtime.binding import DataError
 
     monkeypatch.setattr(template_limits, "SECONDS", 2.0)
@@ -236,9 +236,9 @@ def test_chat_template_kwargs_only_set_variables_the_template_reads(real, tmp_pa
 @pytest.mark.parametrize("path", ["/proc/kmsg", "/proc/self/status", "/sys/kernel/notes", "/dev/zero", "fifo",
                                   "link_to_proc"])
 def test_data_paths_are_regular_files_outside_proc_and_sys(tmp_path, path):
-    from composer.paths import data_path_problem
+    from composer.runtime.paths import data_path_problem
     from composer.runtime.binding import DataError, bind_task
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     if path == "fifo":
         path = tmp_path / "f.jsonl"
@@ -258,7 +258,7 @@ def test_data_paths_are_regular_files_outside_proc_and_sys(tmp_path, path):
 
 def test_a_jsonl_row_with_a_duplicate_key_is_refused(tmp_path):
     from composer.runtime.binding import DataError, bind_task
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     train = tmp_path / "train.jsonl"
     train.write_text('{"q": "1+1", "a": "2"}\n{"q": "2+2", "a": "5", "a": "4"}\n')
@@ -340,7 +340,7 @@ def test_mlflow_at_a_closed_port_is_a_clear_error(tmp_path):
     ("name=on", ("name",), "on"),
 ])
 def test_overrides_read_values_as_files_do(override, path, expected):
-    from composer.loader import load_spec
+    from composer.lang.loader import load_spec
 
     data = load_spec(REPO / "specs" / "grpo.yaml", [override]).data
     for p in path:
@@ -362,7 +362,7 @@ def test_extends_is_not_an_override():
 
 
 def test_extends_through_a_link_is_relative_to_the_real_file(tmp_path):
-    from composer.loader import load_spec
+    from composer.lang.loader import load_spec
 
     real, elsewhere = tmp_path / "real", tmp_path / "elsewhere"
     real.mkdir()
@@ -382,7 +382,7 @@ def test_lora_on_a_tied_lm_head_exports_the_trained_model(tiny, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from composer.runtime.models import load_model, merged, prepare_policy
-    from composer.spec import Policy
+    from composer.lang.spec import Policy
 
     base = load_model(tiny)
     assert base.get_output_embeddings().weight is base.get_input_embeddings().weight  # tied
@@ -440,8 +440,8 @@ def _int_cache(tmp_path):
     from types import SimpleNamespace
 
     from components.signals.sft import _header, _line
-    from composer.runtime.protocol import Trace
-    from composer.validate import validate_file
+    from composer.protocol import Trace
+    from composer.checks.validate import validate_file
 
     sig = validate_file(REPO / "specs" / "int.yaml").segments[0].spec.signal
     ctx = SimpleNamespace(segment="sft")

@@ -11,8 +11,8 @@ import pytest
 
 from components.signals.sft import _load, leaks
 from composer.origins import CODE
-from composer.runtime.protocol import Trace
-from composer.validate import validate_file
+from composer.protocol import Trace
+from composer.checks.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = ["sources.oracle.kind=oracle", "rollout.guide.judge=oracle", "stages.0.train.steps=3", "stages.1.train.steps=1",
@@ -102,7 +102,7 @@ def test_the_first_proposal_that_survives_the_filters_is_kept():
     from components.tasks import toy
     from components.tasks.tokenizer import char_tokenizer
     from composer.runtime.context import RunContext
-    from composer.runtime.protocol import Generation, drive
+    from composer.protocol import Generation, drive
 
     tok = char_tokenizer()
     ctx = RunContext(task=toy.toy_task(), tokenizer=tok, policy=None, engine=None,

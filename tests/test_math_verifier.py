@@ -39,7 +39,7 @@ def test_hostile_outputs_score_as_the_readme_says(response, answer, reward, pars
 
 
 def test_composer_samples_prints_what_the_verifier_read():
-    from composer.samples import guide_lines
+    from composer.runtime.samples import guide_lines
 
     row = {"verifier": {"parsed": True, "detail": "the final answer is wrong (read '3' from the last \\boxed{})",
                         "answer": "3"}}

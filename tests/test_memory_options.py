@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from composer.backends.lightning import checkpoint as ckpt_format
-from composer.validate import validate_file
+from composer.checks.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["train.prompts_per_step=2", "rollout.max_new_tokens=24", "train.eval_every=0", "train.eval_samples=2",
@@ -59,7 +59,7 @@ def test_lora_trains_only_the_adapter_and_exports_merged_weights(tmp_path):
     assert not any("lora" in k for k in exported.state_dict())  # a plain transformers model
     ids = torch.tensor([[3, 5, 7, 9, 4]])
     from composer.runtime.models import prepare_policy
-    from composer.spec import Policy
+    from composer.lang.spec import Policy
 
     peft_model = prepare_policy(toy_student(), Policy(lora={"r": 4}))
     peft_model.load_state_dict(w)
@@ -71,7 +71,7 @@ def test_lora_initial_policy_is_the_base_with_the_adapter_off(tmp_path):
     """A `weights: initial` self-teacher (OPSD) on a LoRA policy reads the base model, not a copy."""
     from composer.runtime.context import RunContext
     from composer.runtime.models import AdapterOff, prepare_policy
-    from composer.spec import Policy
+    from composer.lang.spec import Policy
 
     policy = prepare_policy(toy_student(), Policy(lora={"r": 4}))
     with torch.no_grad():

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from composer.origins import CODE
-from composer.terms import terms as spec_terms
-from composer.validate import validate_file
+from composer.checks.terms import terms as spec_terms
+from composer.checks.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 # the policy-gradient family (issue 23); the data-flow specs of specs/methods/ are recomputed in test_gated_steps.py

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from composer.validate import validate_file
+from composer.checks.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 MECHANISM = {  # spec -> text explain must show
@@ -29,8 +29,8 @@ HOT = {n: ["data.train_tiers=[6]", "rollout.max_new_tokens=48"] for n in ("cispo
 
 @pytest.mark.parametrize("name", sorted(MECHANISM))
 def test_explain_shows_the_defining_mechanism(name):
-    from composer.explain import text
-    from composer.plan import compile_plan
+    from composer.plan.explain import text
+    from composer.plan.compile import compile_plan
 
     out = text(compile_plan(validate_file(ROOT / "specs" / "methods" / name)))
     assert MECHANISM[name] in out, out

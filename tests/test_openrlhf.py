@@ -26,7 +26,7 @@ from composer.backends.openrlhf import hooks
 from components.sources.policy_model import score_responses as context_scores
 from composer.backends.openrlhf.loss import ComposerLoss, Segments, prepare_step, step_batch, step_inputs, take_step_inputs
 from composer.origins import CODE
-from composer.validate import validate_file
+from composer.checks.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 HAVE_OPENRLHF = importlib.util.find_spec("openrlhf") is not None
@@ -208,8 +208,8 @@ def test_cluster_layout_options(tmp_path, cli):
 
 
 def test_imports_stay_light():
-    code = ("import sys, composer.cli, composer.backends.openrlhf; "
-            "assert 'compile' in composer.cli.main.commands; "
+    code = ("import sys, composer.cli.main, composer.backends.openrlhf; "
+            "assert 'compile' in composer.cli.main.main.commands; "
             "assert not {'torch', 'openrlhf', 'ray'} & set(sys.modules), sorted({'torch', 'openrlhf', 'ray'} & set(sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
@@ -458,7 +458,7 @@ def test_prepare_step_builds_the_opsd_teacher_prompt():
 
     tok = char_tokenizer()
     v = validate_file(ROOT / "specs/opsd.yaml")
-    from composer.plan import compile_plan
+    from composer.plan.compile import compile_plan
 
     plan = compile_plan(v)
     ex = toy.make_example("7+3-5")
@@ -478,7 +478,7 @@ def test_prepare_step_sdpo_contexts_span_micro_batches():
     """SDPO's self-teacher prompt of a row reads its siblings, which sit in other micro-batches of the step."""
     from components.tasks import toy
     from components.tasks.tokenizer import char_tokenizer
-    from composer.plan import compile_plan
+    from composer.plan.compile import compile_plan
 
     tok = char_tokenizer()
     plan = compile_plan(validate_file(ROOT / "specs/sdpo.yaml"))
@@ -559,7 +559,7 @@ class FakeEngine:
 
 def agent_for(spec: str, overrides=(), segments=None):
     from composer.backends.openrlhf.agent import ComposerAgent
-    from composer.plan import compile_plan
+    from composer.plan.compile import compile_plan
 
     v = validate_file(ROOT / spec, list(overrides))
     plan = compile_plan(v)
@@ -749,7 +749,7 @@ def test_post_import_hook_patches_a_module_when_it_is_imported(tmp_path, monkeyp
 
 def test_dispatch_and_sync_patches_on_fake_openrlhf_classes(installed):
     v = validate_file(ROOT / "specs/oapl.yaml")
-    from composer.plan import compile_plan
+    from composer.plan.compile import compile_plan
 
     plan = compile_plan(v)
     installed.update(plan=plan, run={"name": "main", "segments": [0], "plugin": {"top_k": 20}})
@@ -812,7 +812,7 @@ def whole_step_loss(plan, step, plugin):
     """The Lightning backend's figure: one batch of the whole step, the objective's own advantages over its
     groups, then `loss` once (composer/runtime/step.py)."""
     from composer.batch import PolicyView
-    from composer.terms import terms
+    from composer.checks.terms import terms
 
     spec = Segments(plan, [0]).at(0)
     (_n, _s, obj, _w), = terms(spec)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from composer.validate import validate_file
+from composer.checks.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 STUBS = ROOT / "tests" / "openrlhf_cpu_stubs"

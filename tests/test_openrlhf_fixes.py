@@ -24,9 +24,9 @@ HAVE_OPENRLHF = importlib.util.find_spec("openrlhf") is not None
 def _schedule_of(monkeypatch, every: int, steps: int = 12):
     """hooks' schedule and segments from a real compiled Plan of GRPO with `sync.every`."""
     from composer.backends.openrlhf.loss import Segments
-    from composer.plan import compile_plan
-    from composer.schedule import Schedule
-    from composer.validate import validate_file
+    from composer.plan.compile import compile_plan
+    from composer.plan.schedule import Schedule
+    from composer.checks.validate import validate_file
 
     v = validate_file(ROOT / "specs" / "grpo.yaml", [f"sync.every={every}", "sync.off_policy_ok=true",
                                                       f"train.steps={steps}"])
@@ -117,7 +117,7 @@ def test_toy_bundle_carries_its_checkpoints_and_lists_every_node_path(tmp_path):
     from components.tasks.bootstrap import cache_folder
     from composer.backends.openrlhf.bundle import compile_bundle
     from composer.backends.openrlhf.flags import Layout
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     v = validate_file(ROOT / "specs/opd.yaml", ["train.steps=2"])
     out = tmp_path / "b"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from composer.validate import validate_file
+from composer.checks.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 STUBS = ROOT / "tests" / "openrlhf_cpu_stubs"
@@ -175,7 +175,7 @@ def test_max_len_holds_the_longest_judge_call(bundles):
 
 @needs_openrlhf
 def test_a_judge_that_cannot_fit_the_context_is_refused(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "composer.cli", "compile", "specs/int.yaml",
+    r = subprocess.run([sys.executable, "-m", "composer.cli.main", "compile", "specs/int.yaml",
                         "rollout.guide.max_correction_tokens=400", "--out", str(tmp_path / "b")], cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=180)
     assert r.returncode == 2, r.stderr
@@ -192,7 +192,7 @@ class Hide:
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, Hide())
 sys.argv = ["composer", "compile", "specs/grpo.yaml", "--out", sys.argv[1]]
-from composer.cli import main
+from composer.cli.main import main
 main()
 """
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from composer.validate import validate_file
+from composer.checks.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = ROOT / "tests" / "openrlhf_real"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from composer.validate import validate_file
+from composer.checks.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["train.prompts_per_step=1", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
@@ -97,7 +97,7 @@ def test_resume_writes_no_sample_twice(tiny, tmp_path):
 
 
 def test_sample_writing_never_stops_a_run(tiny, tmp_path, monkeypatch, caplog):
-    from composer import samples
+    from composer.runtime import samples
 
     def full_disk(path, rows):
         raise OSError(28, "No space left on device")
@@ -173,7 +173,7 @@ def test_every_path_is_checked_before_the_run_folder_exists(cli, tmp_path, case)
 
 
 def test_train_checks_paths_itself_and_the_loader_names_a_missing_directory(tmp_path):
-    from composer.paths import PathError
+    from composer.runtime.paths import PathError
     from composer.runtime.models import ModelLoadError, load_model
 
     missing = tmp_path / "no" / "model"
@@ -189,7 +189,7 @@ def test_train_checks_paths_itself_and_the_loader_names_a_missing_directory(tmp_
 
 def test_a_chosen_logger_whose_package_is_missing_is_refused_before_anything_is_written(cli, tmp_path,
                                                                                           monkeypatch):
-    from composer import paths
+    from composer.runtime import paths
 
     monkeypatch.setattr(paths, "installed", lambda module: False)
     out = tmp_path / "run"
@@ -203,7 +203,7 @@ def test_a_chosen_logger_whose_package_is_missing_is_refused_before_anything_is_
 def test_loggers_csv_only_and_the_optional_ones(tiny, tmp_path, monkeypatch):
     """csv alone writes metrics.csv and nothing else; each optional logger that is installed records the run
     (wandb offline, mlflow in a file: store, tensorboard with the samples as text)."""
-    from composer.paths import installed
+    from composer.runtime.paths import installed
 
     out = tmp_path / "csv"
     train_run("specs/grpo.yaml", out, [f"policy.model={tiny}", "train.steps=2", "train.loggers=[csv]", *FAST])

@@ -16,8 +16,8 @@ from components.objectives.grpo import Grpo
 from composer.batch import PolicyView, TrajectoryBatch
 from composer.errors import SpecError
 from composer.origins import CODE
-from composer.schedules import Schedule, resolve, value_at
-from composer.validate import validate_file
+from composer.lang.curves import Schedule, resolve, value_at
+from composer.checks.validate import validate_file
 
 R = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.5, 0.0])  # two groups of 4, not all equal
 G = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])

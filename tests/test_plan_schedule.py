@@ -1,5 +1,5 @@
 """The Plan's schedule is what runs: each backend's observed syncs, segment switches and model-call weights
-against plan["schedule"] (composer/schedule.py), on multi-phase and multi-stage specs.
+against plan["schedule"] (composer/plan/schedule.py), on multi-phase and multi-stage specs.
 
 The cases are the divergences issue 22 measured before the schedule was computed once:
   - sync steps: Lightning counted sync.every from each phase's start, OpenRLHF from the run's start
@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer.plan import compile_plan
-from composer.schedule import Schedule
-from composer.validate import validate_file
+from composer.plan.compile import compile_plan
+from composer.plan.schedule import Schedule
+from composer.checks.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["train.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
@@ -88,7 +88,7 @@ def test_lr_is_the_plans_per_step_number():
 
 
 def test_explain_renders_the_schedule():
-    from composer.explain import text
+    from composer.plan.explain import text
 
     out = text(plan_of("specs/grpo.yaml", PHASED))
     assert "sync after 1, 2, 3 step(s) done" in out and "sync after 5, 7, 9 step(s) done" in out

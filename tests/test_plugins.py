@@ -23,7 +23,7 @@ SPEC = EXAMPLE / "spec.yaml"
 
 def composer(*args, path=(), cwd=REPO):
     env = {**os.environ, "COLUMNS": "250", "PYTHONPATH": os.pathsep.join(str(p) for p in path)}
-    return subprocess.run([sys.executable, "-m", "composer.cli", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "composer.cli.main", *map(str, args)], capture_output=True, text=True,
                           env=env, cwd=cwd)
 
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from composer import reference, registry
-from composer.cli import main
-from composer.spec import spec_model
+from composer import registry
+from composer.lang import reference
+from composer.cli.main import main
+from composer.lang.spec import spec_model
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "reference.md"

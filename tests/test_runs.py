@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer.validate import validate_file
+from composer.checks.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["train.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",

@@ -12,9 +12,9 @@ from click.testing import CliRunner
 from jsonschema import Draft202012Validator
 
 from composer import registry
-from composer.cli import main
-from composer.loader import load_spec
-from composer.schema import spec_schema
+from composer.cli.main import main
+from composer.lang.loader import load_spec
+from composer.lang.schema import spec_schema
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA_FILE = REPO / "schemas" / "spec.schema.json"

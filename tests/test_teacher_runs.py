@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from composer.validate import validate_file
+from composer.checks.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["train.steps=2", "train.prompts_per_step=4", "train.eval_samples=2", "train.eval_every=0",

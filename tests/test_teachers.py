@@ -12,14 +12,14 @@ import torch
 from components.objectives.divergence import Divergence
 from components.tasks import toy
 from composer.batch import PolicyView
-from composer.loader import load_text
+from composer.lang.loader import load_text
 from composer.runtime.context import RunContext
 from composer.runtime.models import load_model, load_tokenizer
 from composer.runtime.step import policy_view
 from components.objectives.base import whole_batch_loss
-from composer.runtime.protocol import Trace
-from composer.runtime.trajectory import assemble
-from composer.validate import validate_loaded
+from composer.protocol import Trace
+from composer.trajectory import assemble
+from composer.checks.validate import validate_loaded
 
 OPSD = """
 name: t
@@ -258,7 +258,7 @@ def test_terms_sharing_a_rollout_keep_their_own_weights_and_share_one_forward(ti
     from composer.runtime.engine import make_engine
 
     ctx = make_ctx(tiny, SDPO_PLUS_AR)
-    ctx.engine = make_engine("hf", ctx.policy, ctx.tokenizer, ctx.spec.rollout)
+    ctx.models.engine = make_engine("hf", ctx.policy, ctx.tokenizer, ctx.spec.rollout)
     examples = [toy.make_example("6-2+9+4-1"), toy.make_example("1+8-3+2-7")]
     distill, reward = step.sample(ctx, examples)
     assert distill.tokens is reward.tokens  # one rollout
@@ -283,7 +283,7 @@ def test_initial_policy_log_probs_are_computed_once_per_shared_rollout(tiny, mon
 
     two_kl = SDPO_PLUS_AR.replace("objective: {kind: advantage_regression, beta1: 1.0}", "objective: {kind: grpo, kl_coef: 0.1}")
     ctx = make_ctx(tiny, two_kl + "  - {name: pg, signal: {kind: reward, source: verifier}, objective: {kind: grpo, kl_coef: 0.1}}\n")
-    ctx.engine = make_engine("hf", ctx.policy, ctx.tokenizer, ctx.spec.rollout)
+    ctx.models.engine = make_engine("hf", ctx.policy, ctx.tokenizer, ctx.spec.rollout)
     calls = []
     real = step.initial_logprobs
     monkeypatch.setattr(step, "initial_logprobs", lambda c, b: calls.append(1) or real(c, b))
@@ -304,7 +304,7 @@ def test_non_toy_templates_follow_opsd_and_sdpo(tiny):
     from composer.data import Example, Task
 
     ctx = make_ctx(tiny, SDPO.replace("CONTEXT", "[sibling, feedback]"))
-    ctx.task = Task(name="m", train=[], eval={}, verifier="exact")
+    ctx.data.task = Task(name="m", train=[], eval={}, verifier="exact")
     teacher = ctx.source("teacher")
     ex = Example(prompt="What is 2+2?", answer="4")
     got = teacher.render(ctx, ex)({"sibling": "It is \\boxed{4}", "feedback": None})
@@ -313,7 +313,7 @@ def test_non_toy_templates_follow_opsd_and_sdpo(tiny):
     assert got == ("What is 2+2?\nThe following is feedback from your unsuccessful earlier attempt:\n\nwrong answer\n"
                    "\n\nCorrectly solve the original question.")
     ctx2 = make_ctx(tiny, OPSD.replace("WEIGHTS", "initial"))
-    ctx2.task = ctx.task
+    ctx2.data.task = ctx.task
     got = ctx2.source("teacher").render(ctx2, ex)({"reference": "2+2=4"})
     assert got.startswith("What is 2+2?\n\nHere is a reference solution to this problem:\n2+2=4\n\n\nAfter")
     assert got.endswith("put your final answer within \\boxed{}.")
@@ -344,7 +344,7 @@ objective: {{kind: divergence}}
 train: {{steps: 2, prompts_per_step: 2, eval_every: 0, eval_samples: 2}}
 """)
     from composer.runtime.models import ModelLoadError
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     with pytest.raises(ModelLoadError) as e:  # the input's fault: a message and exit 2, not an internal error
         train(validate_file(spec), tmp_path / "run", progress=False)

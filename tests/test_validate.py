@@ -1,6 +1,6 @@
 """`composer validate`: every committed spec validates; every broken spec fails with a located, hinted message.
 
-The table below has one case per semantic rule of composer/rules.py (a test checks that none is
+The table below has one case per semantic rule of composer/checks/rules.py (a test checks that none is
 missing) and per error class of the YAML, schema and graph layers. Each case checks exit code 2 (0
 for warnings), the `file:LINE:COL: error: dotted.path: ` line, a fragment of the message, and a hint.
 """
@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from composer import loader, rules
+from composer.lang import loader
+from composer.checks import rules
 from composer.errors import SpecError
-from composer.validate import validate_file
+from composer.checks.validate import validate_file
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGIN_SRC = [str(p) for p in sorted((REPO / "examples").glob("*/src"))]
@@ -55,7 +56,7 @@ def test_every_spec_validates(path, cli):
     data = yaml.safe_load(path.read_text())
     if data.get("plugins"):  # third-party kinds: import them in a fresh process, not into this one's registry
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(PLUGIN_SRC + [os.environ.get("PYTHONPATH", "")])}
-        r = subprocess.run([sys.executable, "-m", "composer.cli", "validate", str(path), "--allow-plugins"], capture_output=True,
+        r = subprocess.run([sys.executable, "-m", "composer.cli.main", "validate", str(path), "--allow-plugins"], capture_output=True,
                            text=True, env=env, cwd=REPO)
         assert r.returncode == 0, r.stderr
         assert "error" not in r.stderr
@@ -414,7 +415,7 @@ def test_merge_keys_let_own_keys_override(tmp_path):
 def test_subprocess_exit_code_and_location(case_id, tmp_path):
     case = next(c for c in CASES if c.id == case_id)
     spec = _write(tmp_path, case)
-    r = subprocess.run([sys.executable, "-m", "composer.cli", "validate", str(spec)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "composer.cli.main", "validate", str(spec)], capture_output=True, text=True,
                        cwd=REPO)
     assert r.returncode == 2
     where = case.where.format(dir=tmp_path) or str(spec)
@@ -425,7 +426,7 @@ def test_subprocess_exit_code_and_location(case_id, tmp_path):
 def test_subprocess_warning_exits_zero(tmp_path):
     case = next(c for c in CASES if c.id == "unused_source_is_a_warning")
     spec = _write(tmp_path, case)
-    r = subprocess.run([sys.executable, "-m", "composer.cli", "validate", str(spec)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "composer.cli.main", "validate", str(spec)], capture_output=True, text=True,
                        cwd=REPO)
     assert r.returncode == 0
     assert "warning: sources.reference" in r.stderr and f"{spec}: ok" in r.stdout

@@ -1,6 +1,6 @@
 """Judge interventions inside rollouts (MInTRL chunk reviews, InT end-of-rollout rewrites).
 
-A rollout is a protocol program (composer/runtime/protocol.py): the policy writes, the judge reviews,
+A rollout is a protocol program (composer/protocol.py): the policy writes, the judge reviews,
 and the trajectory is built as pieces with provenance: the policy's accepted steps (origin `policy`,
 with the sampler's log-probs) and the judge's corrections (origin `guide_intervention`). Policy tokens
 a REVISE discards never enter the stored sequence. The same program runs batched on the Lightning
@@ -18,7 +18,7 @@ from pydantic import Field, model_validator
 from components.guides.judges import MALFORMED, REVISE, VERDICT_TOKENS, check_judge_placement, make_judge
 from composer.contract import Guide, ModelCall
 from composer.registry import register
-from composer.runtime.protocol import Sample, Trace
+from composer.protocol import Sample, Trace
 
 
 @register("guide")

@@ -1,6 +1,6 @@
 """Judges for the intervention guide: who reviews a policy's steps and writes the correction.
 
-A judge decides about one row at a time as a protocol program (composer/runtime/protocol.py):
+A judge decides about one row at a time as a protocol program (composer/protocol.py):
 `decide(ctx, example, accepted, new, trace)` returns a `Decision`: KEEP, REVISE at index j (0-based
 within the new steps) with a correction (one step), or MALFORMED (an unreadable answer, acted on as
 KEEP and counted).
@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from composer.runtime.protocol import Sample
+from composer.protocol import Sample
 
 KEEP, REVISE, MALFORMED = "keep", "revise", "malformed"
 VERDICT_TOKENS = 16  # "REVISE 12" and an end of line, with room to spare
@@ -94,7 +94,7 @@ class ModelJudge:
     """A policy_model source as a judge: a verdict call, then a correction call on the kept prefix."""
 
     def __init__(self, ctx, name: str, guide):
-        from composer.runtime.protocol import INITIAL, POLICY
+        from composer.protocol import INITIAL, POLICY
 
         self.name, self.cfg, self.guide = name, ctx.spec.sources[name], guide
         self.model = (POLICY if self.cfg.weights == "current" else INITIAL) if self.cfg.is_self else name
@@ -108,7 +108,7 @@ class ModelJudge:
 
     def renders(self, ctx, example, accepted: list[str], new: list[str], kept: list[str]):
         """(verdict, correction) prompt functions of the context texts (placement checks use them too)."""
-        from composer.runtime.prompts import Render, correction_prompt, judge_prompt, which_template
+        from composer.prompts import Render, correction_prompt, judge_prompt, which_template
 
         task, cfg, split, fmt = ctx.task, self.cfg, self.guide.step_split, self.fmt
         verdict = Render(lambda t: judge_prompt(task, cfg, self.kinds, example, accepted, new, split, t, fmt),
@@ -127,7 +127,7 @@ class ModelJudge:
 
     def proposal_render(self, ctx, example, steps: list[str]):
         """The proposal prompt function of the context texts (InT): the failed attempt's steps numbered."""
-        from composer.runtime.prompts import Render, proposal_prompt, which_template
+        from composer.prompts import Render, proposal_prompt, which_template
 
         task, cfg, fmt = ctx.task, self.cfg, self.fmt
         return Render(lambda t: proposal_prompt(task, cfg, self.kinds, example, steps, t, fmt),
@@ -180,7 +180,7 @@ def make_judge(ctx, name: str, guide):
 def check_judge_placement(ctx, name: str, guide) -> None:
     """Before training: the judge's verdict and correction prompts place every declared context."""
     from composer.data import Example
-    from composer.runtime.prompts import check_placement
+    from composer.prompts import check_placement
 
     if ctx.spec.sources[name].kind == "oracle":
         return

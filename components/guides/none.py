@@ -28,7 +28,7 @@ class NoGuide(Guide):
 
 def plain_row(ctx, example):
     """The program of one unguided rollout: the policy continues the prompt up to max_new_tokens."""
-    from composer.runtime.protocol import Sample, Trace
+    from composer.protocol import Sample, Trace
 
     trace = Trace(ctx.prompt_ids(example))
     [gen] = yield Sample(trace.prompt, ctx.max_new_tokens)

@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from composer.contract import Guide, ModelCall
 from composer.registry import register
-from composer.runtime.protocol import INITIAL, Sample, Trace
+from composer.protocol import INITIAL, Sample, Trace
 
 
 @register("guide")

@@ -17,7 +17,7 @@ from components.objectives.base import (
 from components.objectives.estimators import AnyEstimator, Estimator, GroupMean
 from composer.lazy import torch
 from composer.registry import register
-from composer.schedules import ScheduledNumber, describe, ever_nonzero, resolved_number, values
+from composer.lang.curves import ScheduledNumber, describe, ever_nonzero, resolved_number, values
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -207,7 +207,7 @@ class Grpo(Objective):
         pg_loss = aggregate(loss_tok, mask, self.loss_agg, self.norm_const)
         total = pg_loss
         kl_val = 0.0
-        kl_coef = resolved_number(self.kl_coef, "grpo.kl_coef")  # the step's value (composer.schedules.resolve)
+        kl_coef = resolved_number(self.kl_coef, "grpo.kl_coef")  # the step's value (composer.lang.curves.resolve)
         if kl_coef > 0:
             if batch.initial_logprobs is None:
                 raise ValueError("grpo: kl_coef > 0 needs batch.initial_logprobs (the frozen initial policy's "

@@ -72,7 +72,7 @@ class DistillationSignal(Signal):
     def preflight(self, ctx) -> None:
         """Before training: the teacher prompt places every declared context."""
         from composer.data import Example
-        from composer.runtime.prompts import check_placement
+        from composer.prompts import check_placement
 
         teacher = ctx.source(self.teacher)
         if teacher.cfg.context:
@@ -86,7 +86,7 @@ class DistillationSignal(Signal):
         reverse-KL estimate, which can be negative), teacher_student_gap = mean_t |log pi_beh - log pi_T|
         (also per difficulty tier of the rollouts' problems, teacher_student_gap/tierN), no_signal_frac, and
         for an EMA teacher ema_param_distance = ||theta_T - theta||_2."""
-        from composer.terms import terms
+        from composer.checks.terms import terms
 
         if self.off_policy != "none" and not self.makes_batch:
             batch = mixed_batch(ctx, self, batch)
@@ -114,9 +114,8 @@ class DistillationSignal(Signal):
 def off_policy_batch(ctx, sig: DistillationSignal, examples: list, prompt_index: list[int]):
     """One sequence the policy did not write per example, its tokens of origin `demonstration`: the reference
     solution + EOS, or what the writer source generates from the policy's prompt (counted as teacher tokens)."""
-    from composer.runtime.protocol import Sample, Trace
-    from composer.runtime.rollout import run
-    from composer.runtime.trajectory import assemble
+    from composer.protocol import Sample, Trace
+    from composer.trajectory import assemble
 
     prompts = [ctx.prompt_ids(ex) for ex in examples]
     if sig.off_policy == "reference":
@@ -126,7 +125,7 @@ def off_policy_batch(ctx, sig: DistillationSignal, examples: list, prompt_index:
         def write(ids):
             return (yield Sample(list(ids), ctx.max_new_tokens, model=sig.writer or sig.teacher, purpose="teacher"))
 
-        texts = [gens[0].tokens for gens in run(ctx, [write(p) for p in prompts])]
+        texts = [gens[0].tokens for gens in ctx.run([write(p) for p in prompts])]
     traces = []
     for ids, toks in zip(prompts, texts):
         trace = Trace(list(ids))
@@ -144,10 +143,10 @@ def mixed_batch(ctx, sig: DistillationSignal, batch):
 
     prompts = sorted(set(batch.prompt_index.tolist()))
     if sig.mix == "per_step":
-        own = ctx.rng.random() < sig.on_policy_fraction
+        own = ctx.data.rng.random() < sig.on_policy_fraction
         keep = {p: own for p in prompts}
     else:
-        keep = {p: ctx.rng.random() < sig.on_policy_fraction for p in prompts}
+        keep = {p: ctx.data.rng.random() < sig.on_policy_fraction for p in prompts}
     ctx.log(on_policy_frac=sum(keep.values()) / max(len(prompts), 1))
     rows = [i for i, p in enumerate(batch.prompt_index.tolist()) if keep[p]]
     off = [p for p in prompts if not keep[p]]

@@ -79,8 +79,8 @@ class SftSignal(Signal):
     def make_batch(self, ctx, examples):
         """prompt + the reference solution + EOS per example, the target tokens of origin `demonstration`;
         offline guided targets: the next train.prompts_per_step of the cached targets."""
-        from composer.runtime.protocol import Trace
-        from composer.runtime.trajectory import assemble
+        from composer.protocol import Trace
+        from composer.trajectory import assemble
 
         if self.builds_ahead:
             return offline_batch(ctx, self, examples)
@@ -114,7 +114,7 @@ class SftSignal(Signal):
 
 def cut_after_intervention(trace):
     """The trace up to and including its last intervention token (a new Trace), or None without one."""
-    from composer.runtime.protocol import Trace
+    from composer.protocol import Trace
 
     last = max((i for i, p in enumerate(trace.pieces) if p.origin == "guide_intervention"), default=None)
     if last is None:
@@ -128,7 +128,7 @@ def cut_after_intervention(trace):
 def keep_program(ctx, example, trace, filter_samples: int):
     """Program: whether one of `filter_samples` continuations of `trace` (no reference shown) succeeds."""
     from components.guides.intervention import successes
-    from composer.runtime.protocol import Sample
+    from composer.protocol import Sample
 
     if filter_samples <= 0:
         return True
@@ -158,7 +158,7 @@ def target_cuts(ctx, trace) -> list:
     first error (policy tokens, with their log-probs) + its intervention; otherwise the trace cut right after
     its last intervention token."""
     from components.guides.intervention import correction_ids
-    from composer.runtime.protocol import Trace
+    from composer.protocol import Trace
 
     proposals, attempt = trace.notes.get("proposals"), trace.notes.get("attempt")
     if not trace.guided:
@@ -210,8 +210,8 @@ def guided_targets(ctx, batch, filter_samples: int, leak_filter: bool = True, te
     """
     from composer.lazy import torch
     from composer.origins import CODE
-    from composer.runtime.protocol import Trace
-    from composer.runtime.trajectory import assemble
+    from composer.protocol import Trace
+    from composer.trajectory import assemble
 
     cands = candidates(batch)
     cands, counts = kept_targets(ctx, batch, cands, filter_samples, leak_filter)
@@ -233,7 +233,7 @@ def candidates(batch) -> list:
     """(row, trace cut right after its last intervention token) of every guided row with an intervention."""
     from composer.lazy import torch
     from composer.origins import CODE, ORIGINS
-    from composer.runtime.protocol import Trace
+    from composer.protocol import Trace
 
     inter = batch.origin == CODE["guide_intervention"]  # [B, T]
     guided = batch.guided if batch.guided is not None else torch.zeros(batch.size, dtype=torch.bool)  # [B]
@@ -256,10 +256,8 @@ def candidates(batch) -> list:
 
 def kept_targets(ctx, batch, cands: list, filter_samples: int, leak_filter: bool) -> tuple[list, dict]:
     """The candidates that survive the answer-leak filter and the continuation filter, and the counts."""
-    from composer.runtime.rollout import run
-
     guided = int(batch.guided.sum()) if batch.guided is not None else 0
-    results = run(ctx, [target_program(ctx, batch.examples[i], t, filter_samples, leak_filter) for i, t in cands])
+    results = ctx.run([target_program(ctx, batch.examples[i], t, filter_samples, leak_filter) for i, t in cands])
     kept = [(i, cut) for (i, _t), (status, cut) in zip(cands, results) if status == "kept"]
     leaked = sum(status == "leak" for status, _ in results)
     return kept, {"sft_kept": len(kept), "sft_candidates": guided, "sft_interventions": len(cands), "sft_leaks": leaked}
@@ -323,7 +321,7 @@ def offline_targets(ctx, sig: SftSignal, build: bool = False) -> dict:
     elif build:
         targets = _build(ctx, sig, path)
     else:
-        from composer.runtime.binding import DataError
+        from composer.errors import DataError
 
         raise DataError(f"InT's offline targets of segment '{ctx.segment}' were never built and are not in "
                            f"{path}: resume from a checkpoint taken after the segment started")
@@ -333,12 +331,11 @@ def offline_targets(ctx, sig: SftSignal, build: bool = False) -> dict:
 
 def _build(ctx, sig: SftSignal, path) -> dict:
     from composer import files
-    from composer.runtime.rollout import run
 
     n = ctx.spec.rollout.samples_per_prompt
     problems = ctx.peek_prompts(sig.problems or (ctx.segment_end - ctx.segment_start) * ctx.spec.train.prompts_per_step)
-    run(ctx, list(ctx.spec.rollout.guide.prepare(ctx, problems)))
-    statuses = run(ctx, [attempt_program(ctx, sig, ex, i, n) for ex in problems for i in range(n)])
+    ctx.run(list(ctx.spec.rollout.guide.prepare(ctx, problems)))
+    statuses = ctx.run([attempt_program(ctx, sig, ex, i, n) for ex in problems for i in range(n)])
     targets, counts = collect_targets(problems, statuses, n)
     ctx.log(**{f"int_offline/{k}": v for k, v in counts.items()})
     ctx.record("int_targets", targets=targets, counts=counts)
@@ -383,8 +380,8 @@ def _load(path, ctx=None, sig: SftSignal | None = None) -> dict:
     import os
     import stat as stat_
 
-    from composer.runtime.binding import DataError
-    from composer.runtime.protocol import Trace
+    from composer.errors import DataError
+    from composer.protocol import Trace
 
     def refuse(why: str) -> DataError:
         return DataError(f"{path}: InT's cached targets {why}; they are not used (training on them would "
@@ -434,8 +431,8 @@ def offline_batch(ctx, sig: SftSignal, examples: list):
     """The step's SFT batch: the cached targets of the step's problems (all of each problem's kept
     attempts), or a zero-loss batch of the first prompt when none of them has one."""
     from composer.lazy import torch
-    from composer.runtime.protocol import Trace
-    from composer.runtime.trajectory import assemble
+    from composer.protocol import Trace
+    from composer.trajectory import assemble
 
     targets = offline_targets(ctx, sig)
     rows = [(k, ex, t) for k, ex in enumerate(examples) for t in targets.get(ex.prompt, [])]

@@ -47,7 +47,7 @@ class RewardScorer:
     def verdicts(self, ctx, batch):
         """Per-row Verdicts, computed once per batch and kept in batch.info."""
         if "verdicts" not in batch.info:
-            from composer.runtime.trajectory import response_texts
+            from composer.trajectory import response_texts
 
             texts = response_texts(batch, ctx.tokenizer)
             batch.info["texts"] = texts

@@ -2,7 +2,7 @@
 
 As a teacher it scores the student's own rollouts and never generates: for each row it builds a
 teacher prompt (the problem plus the privileged texts of its `context` sources, every one placed, as the
-user message of the policy's prompt format: chat template and system prompt, composer/runtime/prompts.py),
+user message of the policy's prompt format: chat template and system prompt, composer/prompts.py),
 tokenizes it once, appends exactly the student's response token ids, and takes
 log pi_T(y_t | teacher prompt, y_<t) in one forward pass (`score_responses`, which both backends call
 with their own forward function).
@@ -84,11 +84,11 @@ class PolicyModel(Source):
         """Before any training: an external model must share the policy's tokenizer (same vocabulary)."""
         if self.is_self or not self.shares_tokenizer:
             return
-        from composer.runtime.models import ModelLoadError, load_tokenizer, resolve, same_vocabulary
+        from composer.errors import ModelLoadError
 
-        path = resolve(self.model)
-        tok = load_tokenizer(path, trust_remote_code=self.trust_remote_code)
-        if not same_vocabulary(tok, ctx.tokenizer):  # the input's fault: a message and exit 2, not an internal error
+        path = ctx.resolve_model(self.model)
+        tok = ctx.load_tokenizer(path, trust_remote_code=self.trust_remote_code)
+        if tok.get_vocab() != ctx.tokenizer.get_vocab():  # the input's fault: a message and exit 2, not an internal error
             raise ModelLoadError(
                 f"sources.{name}: the tokenizer of '{self.model}' ({path}) differs from the policy's tokenizer "
                 f"({getattr(ctx.tokenizer, 'name_or_path', '?')}): {len(tok)} vs {len(ctx.tokenizer)} tokens. "
@@ -112,18 +112,16 @@ class ModelSource(Runtime):
         self._server = None
         device = next(ctx.policy.parameters()).device
         if not cfg.is_self:
-            from composer.runtime.models import load_model, load_tokenizer, resolve
-
             cfg.preflight(ctx, name)
-            path = resolve(cfg.model)
-            self.net = load_model(path, ctx.spec.policy.dtype, trust_remote_code=cfg.trust_remote_code)
+            path = ctx.resolve_model(cfg.model)
+            self.net = ctx.load_model(path, ctx.spec.policy.dtype, trust_remote_code=cfg.trust_remote_code)
             self.net = self.net.eval().requires_grad_(False).to(own_device(device))
             if not cfg.shares_tokenizer:
-                self.tokenizer = load_tokenizer(path, trust_remote_code=cfg.trust_remote_code)
+                self.tokenizer = ctx.load_tokenizer(path, trust_remote_code=cfg.trust_remote_code)
         elif cfg.weights == "initial":
             ctx.initial_policy().to(device)
         elif cfg.weights == "ema":  # SDPO: initialised from the initial (reference) weights
-            start = ctx._initial if ctx._initial is not None else ctx.policy
+            start = ctx.models.initial if ctx.models.initial is not None else ctx.policy
             self.net = copy.deepcopy(start).eval().requires_grad_(False).to(device)
         self.kinds = {c: ctx.spec.sources[c].kind for c in cfg.context}
 
@@ -137,14 +135,12 @@ class ModelSource(Runtime):
     def server(self, ctx):
         """What answers this source's generation requests (a judge): its own weights, or for `self` the
         rollout engine (current) / the frozen initial policy (initial)."""
-        from composer.runtime.engine import LocalModel
-
         if self.cfg.is_self and self.cfg.weights == "current":
             return ctx.engine
         if self.cfg.is_self and self.cfg.weights == "initial":
             return ctx.model_server("initial")
         if self._server is None:
-            self._server = LocalModel(self.model(ctx), self.tokenizer)
+            self._server = ctx.serve(self.model(ctx), self.tokenizer)
         return self._server
 
     def after_optimizer_step(self, ctx) -> None:
@@ -181,7 +177,7 @@ class ModelSource(Runtime):
 
     def render(self, ctx, example):
         """The teacher prompt of one problem as a function of its context texts."""
-        from composer.runtime.prompts import Render, teacher_prompt, which_template
+        from composer.prompts import Render, teacher_prompt, which_template
 
         fmt = ctx.prompt_format()  # rendered as the policy's prompts are (the teacher scores the policy's ids)
         return Render(lambda texts: teacher_prompt(ctx.task, self.cfg, self.kinds, example, texts, fmt),
@@ -225,7 +221,7 @@ def context_texts(ctx, cfg: PolicyModel, kinds: dict[str, str], batch, i: int) -
 def teacher_prompts(ctx, cfg: PolicyModel, kinds: dict[str, str], name: str, batch):
     """(prompt ids or None, weight) per row of `batch` for a teacher with context (see ModelSource.prompts);
     each prompt is recorded with the texts it was built from."""
-    from composer.runtime.prompts import teacher_prompt
+    from composer.prompts import teacher_prompt
 
     out, fmt = [], ctx.prompt_format()  # the policy's prompt format: chat template, system prompt
     for i in range(batch.size):

@@ -74,6 +74,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from composer.errors import MachineUnavailable
 from composer.data import Example, Verdict
 from composer.registry import register_verifier
 
@@ -83,7 +84,7 @@ _SETUP_FAILED = 97
 MAX_CODE_TIMEOUT = 300.0  # seconds: a per-row `timeout` above this is a data error
 
 
-class SandboxUnavailable(RuntimeError):
+class SandboxUnavailable(MachineUnavailable):
     """The sandbox cannot be set up here; code is never run without it."""
 
 
@@ -816,13 +817,27 @@ def _tail(text: str, n: int = 800) -> str:
     return text if len(text) <= n else "..." + text[-n:]
 
 
+def code_answer_problem(ex: Example) -> Optional[str]:
+    """Why a row cannot be verified as code (its timeout, no tests, tests that do not compile), or None."""
+    why = timeout_problem((ex.meta or {}).get("timeout"))
+    if why:
+        return why
+    tests = example_tests(ex)
+    if not tests.strip():
+        return "no tests (the answer or meta['tests'] holds the test code)"
+    if not _compiles(tests):
+        return "the tests are not valid Python"
+    return None
+
+
 STOPPED = {"SIGXCPU": "CPU time limit", "SIGKILL": "killed (CPU or time limit)", "SIGXFSZ": "file size limit"}
 
 
 @register_verifier("code", "Imports the response's last ```python block in a sandbox (no network, read-only "
                            "filesystem view, rlimits, PID/user/mount namespaces, no capabilities) and runs the "
                            "example's tests (answer or meta['tests']) against it from a separate harness; reward "
-                           "1 iff the harness reports every test passed.")
+                           "1 iff the harness reports every test passed.",
+                   check="code_answer_problem", preflight="ensure_sandbox")
 def code_verifier(response: str, example: Example) -> Verdict:
     """Reward 1.0 iff the harness, running the example's tests against the imported program, reports a pass."""
     program = extract_program(response)

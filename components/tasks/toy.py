@@ -60,7 +60,7 @@ def _apply(acc: int, op: str, b: int, m: int) -> int:
 # is the solution lines (for `prefix`: the lines after the prefix), then "#N".
 TEMPLATES = {
     "prompt": "Q:{problem}\nA:",
-    # Privileged context: one line per kind before the question (composer/runtime/prompts.py places
+    # Privileged context: one line per kind before the question (composer/prompts.py places
     # every context a source declares; teachers and judges see the same lines).
     "context:reference_solution": "R:{text}\n",  # OPSD-style self-teacher sees the reference
     "context:feedback": "F:{text}\n",  # verifier feedback on a failed attempt

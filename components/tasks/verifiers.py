@@ -49,7 +49,30 @@ def normalise(s: str) -> str:
     return " ".join(s.split()).lower().rstrip(".").strip()
 
 
-@register_verifier("toy", "Toy testbed: reward 1 iff the response's last non-empty line is `#<answer>`.")
+def toy_answer_problem(example: Example) -> str | None:
+    """Why a row's answer is not a toy answer (one word), or None."""
+    answer = example.answer.strip()
+    return None if answer and not any(c.isspace() for c in answer) else "not a toy answer"
+
+
+def exact_answer_problem(example: Example) -> str | None:
+    return None if normalise(example.answer) else "empty answer"
+
+
+def math_answer_problem(example: Example) -> str | None:
+    """Why math_verify cannot parse a row's answer (only its raw-string fallback matches), or None."""
+    from math_verify import parse
+
+    answer = example.answer
+    kw = {} if threading.current_thread() is threading.main_thread() else {"parsing_timeout": None}
+    found = parse(f"${answer}$", **kw) or parse(answer, **kw)
+    if not any(not isinstance(x, str) for x in found):  # only the raw-string fallback: nothing parsed
+        return f"math_verify cannot parse the answer {answer!r}"
+    return None
+
+
+@register_verifier("toy", "Toy testbed: reward 1 iff the response's last non-empty line is `#<answer>`.",
+                   check="toy_answer_problem")
 def toy_verifier(response: str, example: Example) -> Verdict:
     """Reward 1.0 iff the last non-empty line is `#<answer>`; parsed=False without any `#N` line."""
     lines = [ln.strip() for ln in response.split("\n") if ln.strip()]
@@ -63,8 +86,8 @@ def toy_verifier(response: str, example: Example) -> Verdict:
 
 
 @register_verifier(
-    "exact", "Normalised exact match of the final answer (after '#', in \\boxed{}, or the whole response)."
-)
+    "exact", "Normalised exact match of the final answer (after '#', in \\boxed{}, or the whole response).",
+    check="exact_answer_problem")
 def exact_verifier(response: str, example: Example) -> Verdict:
     """Normalised string equality of the extracted final answer with `example.answer`."""
     pred = normalise(final_answer(response))
@@ -76,7 +99,8 @@ def exact_verifier(response: str, example: Example) -> Verdict:
 
 @register_verifier("math", "math-verify equivalence of the final answer with the reference answer: the last \\boxed{} "
                            "when the response has one (only that one), else a `#` answer line, else an answer math-verify "
-                           "finds after an anchor (\"the final answer is ...\"); never the last number of free text.")
+                           "finds after an anchor (\"the final answer is ...\"); never the last number of free text.",
+                   check="math_answer_problem")
 def math_verifier(response: str, example: Example) -> Verdict:
     """Symbolic equivalence (math_verify) of the response's final answer with `example.answer`.
 

@@ -15,7 +15,7 @@ Checks, in order:
     answers the verifier cannot read (math: math_verify finds no expression; exact: empty; code:
     no tests or tests that do not compile);
   load time (`render_task`, called by `bind_task`): each prompt is rendered (data.prompt_format: the
-    policy tokenizer's chat template, a system prompt, data.prompt_template; composer/runtime/prompts.py),
+    policy tokenizer's chat template, a system prompt, data.prompt_template; composer/prompts.py),
     and a format the tokenizer cannot render is a DataError naming `prompt_format`;
   after the tokenizer is loaded (`check_lengths` / `check_task_lengths`, called by the run): prompts
     longer than the context (the policy's max_position_embeddings, see `context_length`).
@@ -26,26 +26,19 @@ from __future__ import annotations
 import json
 import logging
 import math
-import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 from composer.data import Example, Task
+from composer.errors import DataError
+from composer.prompts import TASK_FORMAT, prompt_format
 
 log = logging.getLogger("composer")
 
 # skip reasons (keys of task.skipped_by_reason)
 BAD_JSON, NOT_UTF8, NOT_OBJECT, MISSING_FIELD, BAD_TYPE, EMPTY_PROMPT, TOO_LONG, UNPARSABLE_ANSWER = (
     "bad_json", "not_utf8", "not_object", "missing_field", "bad_type", "empty_prompt", "too_long", "unparsable_answer")
-
-
-class DataError(Exception):
-    """Bad input data: names the file, the row and the field."""
-
-    def __init__(self, message: str, file: str = "", row: int = -1, field: str = "", reason: str = ""):
-        super().__init__(message)
-        self.file, self.row, self.field, self.reason = file, row, field, reason
 
 
 def _error(file, row: int, field: Optional[str], what: str, reason: str) -> DataError:
@@ -80,11 +73,11 @@ class _Skips:
 
 
 def bind_task(spec) -> Task:
-    from components.tasks.toy import toy_task
-
     d = spec.data
     if d.train is None:
-        task = toy_task(tiers=tuple(d.tiers), train_tiers=tuple(d.train_tiers), eval_per_tier=spec.train.eval_samples,
+        from composer.registry import part
+
+        task = part("toy.task")(tiers=tuple(d.tiers), train_tiers=tuple(d.train_tiers), eval_per_tier=spec.train.eval_samples,
                         seed=spec.train.seed)
         task.skipped_rows, task.skipped_by_reason = 0, {}
         return task
@@ -104,7 +97,7 @@ def bind_task(spec) -> Task:
             task.eval[k], n = validate_answers(task.eval[k], name, d.on_bad_row, file=eval_file(d), field=d.answer_field)
             counts[UNPARSABLE_ANSWER] += n
     _set_counts(task, counts)
-    from composer.runtime.prompts import PromptFormatError, policy_format, render_task
+    from composer.prompts import PromptFormatError, render_task
 
     try:  # each prompt rendered once, here: chat template / system prompt / prompt template (data.prompt_format)
         render_task(task, policy_format(spec))
@@ -182,12 +175,12 @@ def _json_row(path: Path, i: int, text: str):
 
 
 def open_source(name: str, split: str | None = None, role: str = "train") -> tuple[str, Iterator[tuple[int, Any]]]:
-    """(where, rows) of a data source (composer/datafiles.py): `where` names the file (and split) in errors;
+    """(where, rows) of a data source (composer/runtime/datafiles.py): `where` names the file (and split) in errors;
     rows are (1-based row number, row dict or DataError). jsonl is read line by line here, so a bad line is
     named; every other format goes through the `datasets` library."""
-    from composer.datafiles import SourceError, kind_of, locate, rows
+    from composer.runtime.datafiles import SourceError, kind_of, locate, rows
 
-    from composer.paths import data_path_problem
+    from composer.runtime.paths import data_path_problem
 
     why = data_path_problem(name)  # a FIFO or /proc/kmsg would block, /dev/zero would fill memory
     if why:
@@ -286,47 +279,14 @@ def _example(path: Path, i: int, row, d) -> Example:
 # ------------------------------------------------------------------------------------------ answers
 
 
-def _math_reason(answer: str) -> Optional[str]:
-    from math_verify import parse
-
-    kw = {} if threading.current_thread() is threading.main_thread() else {"parsing_timeout": None}
-    found = parse(f"${answer}$", **kw) or parse(answer, **kw)
-    if not any(not isinstance(x, str) for x in found):  # only the raw-string fallback: nothing parsed
-        return f"math_verify cannot parse the answer {answer!r}"
-    return None
-
-
-def _exact_reason(answer: str) -> Optional[str]:
-    from components.tasks.verifiers import normalise
-
-    return None if normalise(answer) else "empty answer"
-
-
-def _code_reason(ex: Example) -> Optional[str]:
-    from components.tasks.code_verifier import _compiles, example_tests, timeout_problem
-
-    why = timeout_problem((ex.meta or {}).get("timeout"))
-    if why:
-        return why
-    tests = example_tests(ex)
-    if not tests.strip():
-        return "no tests (the answer or meta['tests'] holds the test code)"
-    if not _compiles(tests):
-        return "the tests are not valid Python"
-    return None
-
-
 def answer_problem(ex: Example, verifier_name: str) -> Optional[str]:
-    """Why `verifier_name` could not read this example's answer, or None (also for verifiers with no check)."""
-    if verifier_name == "math":
-        return _math_reason(ex.answer)
-    if verifier_name == "exact":
-        return _exact_reason(ex.answer)
-    if verifier_name == "code":
-        return _code_reason(ex)
-    if verifier_name == "toy":
-        return None if ex.answer.strip() and not any(c.isspace() for c in ex.answer.strip()) else "not a toy answer"
-    return None
+    """Why `verifier_name` could not read this example's answer, or None (also for verifiers with no check):
+    the verifier's registered `check` (composer.registry.register_verifier)."""
+    from composer.registry import VERIFIERS, load_builtins
+
+    load_builtins()
+    info = VERIFIERS.get(verifier_name)
+    return None if info is None else info.answer_problem(ex)
 
 
 def validate_answers(examples: Iterable[Example], verifier_name: str, on_bad_row: str = "error",
@@ -416,3 +376,21 @@ def check_task_lengths(task: Task, tokenizer, max_len: Optional[int], on_bad_row
     counts[TOO_LONG] += total
     _set_counts(task, counts)
     return total
+
+
+def policy_format(spec):
+    """The policy's prompt format (a PromptFormat) for `spec`, loading its tokenizer when the format depends on
+    it (a run binds its data with this; the run context renders teachers' and judges' prompts with the same settings)."""
+    d = spec.data
+    if d.train is None:
+        return TASK_FORMAT
+    policy = getattr(spec, "policy", None)  # a spec without one: the toy student
+    name = getattr(policy, "tokenizer", None) or getattr(policy, "model", None) or "toy:student"
+    if d.prompt_format == "plain":
+        return prompt_format(d, None, name)
+    if name.startswith("toy:"):  # the toy tokenizer (character level) has no chat template: no need to load it
+        return prompt_format(d, None, name)
+    from composer.runtime.models import load_tokenizer
+
+    tok = load_tokenizer(name, trust_remote_code=bool(getattr(policy, "trust_remote_code", False)))
+    return prompt_format(d, tok, name)

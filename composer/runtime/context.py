@@ -15,32 +15,185 @@ from composer.runtime.engine import RolloutEngine, Sampling
 
 
 @dataclass
-class RunContext:
+class DataCursor:
+    """Which training prompts come next: the rows in a seeded order per epoch, this rank's slice of every
+    global batch, and the position a checkpoint keeps (`pos`)."""
+
     task: Task
-    tokenizer: Any
-    policy: torch.nn.Module  # the trained weights (live)
-    engine: RolloutEngine  # samples with the rollout copy
-    spec: Any = None  # the resolved spec of the current segment
-    segment: str = "main"
-    segment_start: int = 0  # the steps [start, end) of the segment in force
-    segment_end: int = 0
-    step: int = 0
     seed: int = 0
     rng: random.Random = field(default_factory=random.Random)  # data order and guide decisions
-    data_pos: int = 0
-    runtimes: dict = field(default_factory=dict)  # (kind, name, config) -> built runtime of a component
-    cache: dict = field(default_factory=dict)  # per-run memo of components (prefix search, token texts)
-    recorder: Any = None  # receives events of what ran (tests, conformance checks): recorder(kind, **data)
-    metrics: dict = field(default_factory=dict)  # scalars of the current step
-    costs: dict = field(default_factory=lambda: {"policy_tokens": 0, "judge_tokens": 0, "teacher_tokens": 0})
-    buffer: list | None = None  # stored batches of the current sync interval (sync.reuse)
-    buffer_version: int = -1  # the sync step the buffer was sampled after
-    pending_runtime_state: dict = field(default_factory=dict)  # resumed run: runtime states by key
-    run_dir: Any = None  # the run folder (files a component keeps there, e.g. InT's offline targets)
+    pos: int = 0
     rank: int = 0  # this process's rank and the number of ranks (DDP): prompts are split by rank
     world: int = 1
-    _initial: torch.nn.Module | None = None
-    _compiled: dict = field(default_factory=dict)  # id(model) -> its torch.compile wrapper
+    orders: dict = field(default_factory=dict)  # (epoch, rows) -> that epoch's shuffled row order
+
+    def next_prompts(self, n: int) -> list[Example]:
+        """This rank's n prompts of the step: every rank draws the same global batch of n x world prompts
+        (same seed, same position) and takes its own slice, so prompts are split by rank and each prompt's
+        group stays whole on one rank; with one process, simply the next n."""
+        every = self._draw(n * self.world)
+        return every[self.rank * n:(self.rank + 1) * n]
+
+    def _draw(self, n: int) -> list[Example]:
+        if self.task.sample_train is not None:
+            return self.task.sample_train(self.rng, n)
+        size = len(self.task.train)
+        out = []
+        for _ in range(n):
+            epoch, i = divmod(self.pos, size)
+            out.append(self.task.train[self.epoch_order(epoch)[i]])
+            self.pos += 1
+        return out
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The shuffled order of the training rows in `epoch`: a function of the seed and the epoch alone, so
+        the data position (`pos`, kept in every checkpoint) is all a resumed run needs to draw exactly
+        the prompts an uninterrupted run draws, mid-epoch included."""
+        key = (epoch, len(self.task.train))
+        if key not in self.orders:
+            order = list(range(len(self.task.train)))
+            random.Random(self.seed + epoch * len(self.task.train)).shuffle(order)
+            for old in [k for k in self.orders if k[0] < epoch - 1]:
+                del self.orders[old]  # an epoch before the previous one is never drawn again
+            self.orders[key] = order
+        return self.orders[key]
+
+    def peek_prompts(self, n: int) -> list[Example]:
+        """The next n training prompts, without moving the data position or the data RNG (the prompts the
+        next steps will draw)."""
+        state = (self.rng.getstate(), self.pos)
+        try:
+            return self.next_prompts(n)
+        finally:
+            self.rng.setstate(state[0])
+            self.pos = state[1]
+
+
+@dataclass
+class ModelServer:
+    """The weights a run holds and the tokenizer they read: the trained policy (live), the rollout engine that
+    samples with its copy, the frozen initial weights, the torch.compile wrappers."""
+
+    tokenizer: Any
+    policy: torch.nn.Module | None
+    engine: RolloutEngine | None
+    initial: torch.nn.Module | None = None  # built on first use (`initial_policy`)
+    compiled: dict = field(default_factory=dict)  # id(model) -> its torch.compile wrapper
+
+    def initial_policy(self) -> torch.nn.Module:
+        """The frozen reference weights ("initial"): a copy of the policy at the start of the run, refreshed
+        at each stage's start unless train.reference is run_start (`refresh_initial`)."""
+        if self.initial is None:
+            from composer.runtime.models import AdapterOff, has_adapter
+
+            # a LoRA policy's initial weights are its base model: the adapter off, no copy
+            self.initial = AdapterOff(self.policy) if has_adapter(self.policy) else \
+                copy.deepcopy(self.policy).eval().requires_grad_(False)
+        return self.initial
+
+    def restore_initial(self, state: dict) -> None:
+        """The frozen reference weights of a checkpoint (a LoRA policy's base needs none: {} is kept)."""
+        from composer.runtime.models import has_adapter, merged
+
+        if state and has_adapter(self.policy):  # a later stage's merged copy
+            self.initial = merged(self.policy).eval().requires_grad_(False)
+        self.initial_policy().load_state_dict(state)
+
+    def refresh_initial(self) -> None:
+        """The reference weights become the policy's current weights (the start of a stage)."""
+        from composer.runtime.models import AdapterOff, merged
+
+        if isinstance(self.initial, AdapterOff):  # a LoRA policy's later stage: a merged copy of its weights now
+            self.initial = merged(self.policy).eval().requires_grad_(False)
+        elif self.initial is not None:
+            self.initial.load_state_dict(self.policy.state_dict())
+
+    def forward_model(self, model: torch.nn.Module, compile: bool):
+        """`model` for log-prob forward passes: compiled once when `compile` (train.compile) is set (the
+        wrapper shares the weights; checkpoints keep saving the plain module)."""
+        if not compile:
+            return model
+        if id(model) not in self.compiled:
+            self.compiled[id(model)] = torch.compile(model, dynamic=True)
+        return self.compiled[id(model)]
+
+
+@dataclass
+class MetricsSink:
+    """Where a step reports: its scalars (`metrics`, reset every step), the run's cumulative token costs,
+    and the recorder of events (tests, conformance checks: recorder(kind, **data))."""
+
+    metrics: dict = field(default_factory=dict)
+    costs: dict = field(default_factory=lambda: {"policy_tokens": 0, "judge_tokens": 0, "teacher_tokens": 0})
+    recorder: Any = None
+
+
+@dataclass
+class RunState:
+    """What a run keeps between steps for its components: their built runtimes, their memo (prefix search,
+    token texts, prompt formats), the stored batches of the current sync interval (sync.reuse) and, on
+    resume, the checkpointed runtime states waiting for their runtime to be built."""
+
+    runtimes: dict = field(default_factory=dict)  # (kind, name, config) -> built runtime of a component
+    cache: dict = field(default_factory=dict)  # per-run memo of components
+    buffer: list | None = None  # stored batches of the current sync interval
+    buffer_version: int = -1  # the sync step the buffer was sampled after
+    pending_runtime_state: dict = field(default_factory=dict)  # resumed run: runtime states by key
+
+
+class RunContext:
+    """What component implementations may use at run time (shared by both backends): the segment in force
+    and four parts, `data` (DataCursor), `models` (ModelServer), `sink` (MetricsSink) and `state` (RunState).
+    Components read the names below (task, tokenizer, policy, engine, costs, metrics, cache, spec, step,
+    segment) and call its methods; they import nothing from composer.runtime."""
+
+    def __init__(self, task: Task, tokenizer: Any, policy: torch.nn.Module | None, engine: RolloutEngine | None,
+                 spec: Any = None, segment: str = "main", step: int = 0, seed: int = 0,
+                 rng: random.Random | None = None, recorder: Any = None, run_dir: Any = None, rank: int = 0,
+                 world: int = 1):
+        self.spec = spec  # the resolved spec of the current segment
+        self.segment = segment
+        self.segment_start = self.segment_end = 0  # the steps [start, end) of the segment in force
+        self.step = step
+        self.run_dir = run_dir  # the run folder (files a component keeps there, e.g. InT's offline targets)
+        self.data = DataCursor(task, seed, rng if rng is not None else random.Random(), rank=rank, world=world)
+        self.models = ModelServer(tokenizer, policy, engine)
+        self.sink = MetricsSink(recorder=recorder)
+        self.state = RunState()
+
+    # ---- what components read ----
+    @property
+    def task(self) -> Task:
+        return self.data.task
+
+    @property
+    def tokenizer(self):
+        return self.models.tokenizer
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        return self.models.policy
+
+    @property
+    def engine(self) -> RolloutEngine:
+        return self.models.engine
+
+    @property
+    def costs(self) -> dict:
+        return self.sink.costs
+
+    @property
+    def metrics(self) -> dict:
+        """The scalars of the current step (the step swaps it per term, so it is settable)."""
+        return self.sink.metrics
+
+    @metrics.setter
+    def metrics(self, value: dict) -> None:
+        self.sink.metrics = value
+
+    @property
+    def cache(self) -> dict:
+        return self.state.cache
 
     # ---- text ----
     def prompt_ids(self, example: Example) -> list[int]:
@@ -50,8 +203,8 @@ class RunContext:
 
     def prompt_format(self, tokenizer=None):
         """How prompts are rendered for `tokenizer` (default: the policy's) under the spec's data settings: the
-        teachers' and judges' privileged prompts use it, as the policy's prompts did (composer/runtime/prompts.py)."""
-        from composer.runtime.prompts import prompt_format
+        teachers' and judges' privileged prompts use it, as the policy's prompts did (composer/prompts.py)."""
+        from composer.prompts import prompt_format
 
         tok = self.tokenizer if tokenizer is None else tokenizer
         data = getattr(self.spec, "data", None)
@@ -90,58 +243,23 @@ class RunContext:
 
     # ---- data ----
     def next_prompts(self, n: int) -> list[Example]:
-        """This rank's n prompts of the step: every rank draws the same global batch of n x world prompts
-        (same seed, same position) and takes its own slice, so prompts are split by rank and each prompt's
-        group stays whole on one rank; with one process, simply the next n."""
-        every = self._draw(n * self.world)
-        return every[self.rank * n:(self.rank + 1) * n]
-
-    def _draw(self, n: int) -> list[Example]:
-        if self.task.sample_train is not None:
-            return self.task.sample_train(self.rng, n)
-        size = len(self.task.train)
-        out = []
-        for _ in range(n):
-            epoch, i = divmod(self.data_pos, size)
-            out.append(self.task.train[self.epoch_order(epoch)[i]])
-            self.data_pos += 1
-        return out
-
-    def epoch_order(self, epoch: int) -> list[int]:
-        """The shuffled order of the training rows in `epoch`: a function of the seed and the epoch alone, so
-        the data position (`data_pos`, kept in every checkpoint) is all a resumed run needs to draw exactly
-        the prompts an uninterrupted run draws, mid-epoch included."""
-        key = ("epoch_order", epoch, len(self.task.train))
-        if key not in self.cache:
-            order = list(range(len(self.task.train)))
-            random.Random(self.seed + epoch * len(self.task.train)).shuffle(order)
-            for old in [k for k in self.cache if isinstance(k, tuple) and k[:1] == ("epoch_order",) and k[1] < epoch - 1]:
-                del self.cache[old]  # an epoch before the previous one is never drawn again
-            self.cache[key] = order
-        return self.cache[key]
+        return self.data.next_prompts(n)
 
     def peek_prompts(self, n: int) -> list[Example]:
-        """The next n training prompts, without moving the data position or the data RNG (the prompts the
-        next steps will draw)."""
-        state = (self.rng.getstate(), self.data_pos)
-        try:
-            return self.next_prompts(n)
-        finally:
-            self.rng.setstate(state[0])
-            self.data_pos = state[1]
+        return self.data.peek_prompts(n)
 
     # ---- components ----
     def source(self, name: str):
         """The built runtime of source `name` in the current segment (built once per config)."""
         cfg = self.spec.sources[name]
         key = ("source", name, cfg.model_dump_json())
-        if key not in self.runtimes:
+        if key not in self.state.runtimes:
             rt = cfg.build(self, name)
-            state = self.pending_runtime_state.get(repr(key))
+            state = self.state.pending_runtime_state.get(repr(key))
             if state and isinstance(rt, Runtime):  # resumed run: the checkpointed runtime state
                 rt.load_state_dict(state)
-            self.runtimes[key] = rt
-        return self.runtimes[key]
+            self.state.runtimes[key] = rt
+        return self.state.runtimes[key]
 
     def verifier(self, name: str):
         from composer.registry import VERIFIERS
@@ -152,47 +270,17 @@ class RunContext:
         return VERIFIERS[name].load()
 
     def initial_policy(self) -> torch.nn.Module:
-        """The frozen reference weights ("initial"): a copy of the policy at the start of the run, refreshed
-        at each stage's start unless train.reference is run_start (`refresh_initial`)."""
-        if self._initial is None:
-            from composer.runtime.models import AdapterOff, has_adapter
-
-            # a LoRA policy's initial weights are its base model: the adapter off, no copy
-            self._initial = AdapterOff(self.policy) if has_adapter(self.policy) else \
-                copy.deepcopy(self.policy).eval().requires_grad_(False)
-        return self._initial
-
-    def restore_initial(self, state: dict) -> None:
-        """The frozen reference weights of a checkpoint (a LoRA policy's base needs none: {} is kept)."""
-        from composer.runtime.models import has_adapter, merged
-
-        if state and has_adapter(self.policy):  # a later stage's merged copy
-            self._initial = merged(self.policy).eval().requires_grad_(False)
-        self.initial_policy().load_state_dict(state)
-
-    def refresh_initial(self) -> None:
-        """The reference weights become the policy's current weights (the start of a stage)."""
-        from composer.runtime.models import AdapterOff, merged
-
-        if isinstance(self._initial, AdapterOff):  # a LoRA policy's later stage: a merged copy of its weights now
-            self._initial = merged(self.policy).eval().requires_grad_(False)
-        elif self._initial is not None:
-            self._initial.load_state_dict(self.policy.state_dict())
+        return self.models.initial_policy()
 
     def forward_model(self, model: torch.nn.Module):
-        """`model` for log-prob forward passes: compiled once when train.compile is set (the wrapper
-        shares the weights; checkpoints keep saving the plain module)."""
-        if not (self.spec is not None and self.spec.train.compile):
-            return model
-        if id(model) not in self._compiled:
-            self._compiled[id(model)] = torch.compile(model, dynamic=True)
-        return self._compiled[id(model)]
+        """`model` for log-prob forward passes: compiled once when train.compile is set."""
+        return self.models.forward_model(model, self.spec is not None and self.spec.train.compile)
 
     def model_server(self, model: str):
         """What serves protocol requests for `model`: "policy" (the rollout engine), "initial" (the frozen
         initial policy) or the name of a policy_model source (its own weights, or the engine/initial for `self`)."""
         from composer.runtime.engine import LocalModel
-        from composer.runtime.protocol import INITIAL, POLICY
+        from composer.protocol import INITIAL, POLICY
 
         if model == POLICY:
             return self.engine
@@ -203,10 +291,48 @@ class RunContext:
             return self.cache[key]
         return self.source(model).server(self)
 
+    # ---- services: what components call in the runtime (components import nothing from composer.runtime) ----
+    def run(self, programs: list) -> list:
+        """Run protocol programs (composer/protocol.py) to completion against this run's models; their return
+        values, in order."""
+        from composer.runtime.rollout import run
+
+        return run(self, programs)
+
+    def rollout(self, guide, examples: list, n: int):
+        """n rollouts per example written by `guide`, as a TrajectoryBatch (composer/runtime/rollout.py)."""
+        from composer.runtime.rollout import rollout
+
+        return rollout(self, guide, examples, n)
+
+    def resolve_model(self, name: str) -> str:
+        """The local directory of model `name` (an id, a path, or a toy testbed name)."""
+        from composer.runtime.models import resolve
+
+        return resolve(name)
+
+    def load_model(self, name: str, dtype: str = "float32", trust_remote_code: bool = False):
+        """A causal LM from `name` (resolved); ModelLoadError (composer.errors) when it does not load."""
+        from composer.runtime.models import load_model
+
+        return load_model(self.resolve_model(name), dtype, trust_remote_code=trust_remote_code)
+
+    def load_tokenizer(self, name: str, trust_remote_code: bool = False):
+        """The tokenizer of `name` (resolved); ModelLoadError (composer.errors) when it does not load."""
+        from composer.runtime.models import load_tokenizer
+
+        return load_tokenizer(self.resolve_model(name), trust_remote_code=trust_remote_code)
+
+    def serve(self, model: torch.nn.Module, tokenizer):
+        """A model server (generate / score, the interface of the rollout engine) over local weights."""
+        from composer.runtime.engine import LocalModel
+
+        return LocalModel(model, tokenizer)
+
     def record(self, kind: str, **data) -> None:
         """Report an event of what ran to the recorder, when one is installed (tests, conformance checks)."""
-        if self.recorder is not None:
-            self.recorder(kind, step=self.step, segment=self.segment, **data)
+        if self.sink.recorder is not None:
+            self.sink.recorder(kind, step=self.step, segment=self.segment, **data)
 
     def log(self, **values: float) -> None:
-        self.metrics.update({k: float(v) for k, v in values.items()})
+        self.sink.metrics.update({k: float(v) for k, v in values.items()})

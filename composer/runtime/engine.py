@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from composer.runtime.models import token_logprobs
-from composer.runtime.protocol import Generation
+from composer.protocol import Generation
 
 log = logging.getLogger("composer")
 

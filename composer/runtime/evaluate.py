@@ -234,7 +234,7 @@ def _target(target: Path) -> tuple[Path | None, Path | None, Path | None]:
 def _validate_text(text: str, overrides: list[str]):
     import tempfile
 
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(text)
@@ -249,7 +249,7 @@ def _spec(run: Path | None, ckpt: Path | None, model_dir: Path | None, data: str
     model directory alone) a spec of the model, `data` and the math verifier."""
     import json
 
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     if run is not None:
         return validate_file(run / "spec.yaml", overrides)
@@ -298,7 +298,7 @@ def evaluate_target(target, data: str | None = None, k: int | None = None, out=N
     if spec.data.train is not None and spec.data.eval is None and not spec.data.eval_split:
         raise EvalError("the spec has no data.eval: give --data FILE")
     if spec.data.train is not None and spec.data.eval is not None:  # only the eval rows are read (the training
-        from composer.datafiles import SourceError, choose_split, splits  # file may be gone)
+        from composer.runtime.datafiles import SourceError, choose_split, splits  # file may be gone)
 
         try:  # the eval source stands in for train: with the split evaluation reads
             split = choose_split(spec.data.eval, splits(spec.data.eval), spec.data.eval_split, "eval")

@@ -7,18 +7,16 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-
-class ModelLoadError(Exception):
-    """A model or tokenizer directory that does not load: names the path and the reason."""
+from composer.errors import ModelLoadError
 
 
 def resolve(name: str) -> str:
     """Map `toy:student` / `toy:teacher` to the toy testbed's cached checkpoints; anything else is as given."""
     if name.startswith("toy:"):
-        from components.tasks.bootstrap import ensure_checkpoints
+        from composer.registry import part
 
         which = name.split(":", 1)[1]
-        paths = ensure_checkpoints()
+        paths = part("toy.checkpoints")()
         if which not in paths:
             raise ModelLoadError(f"{name}: the toy testbed has {', '.join(k for k in paths if k != 'tokenizer')}")
         return str(paths[which])
@@ -51,7 +49,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     """A tokenizer; `trust_remote_code` is always passed (transformers would otherwise ask on the terminal)."""
     path = resolve(name)
     if not Path(path).exists():
-        from composer.paths import tokenizer_problem
+        from composer.runtime.paths import tokenizer_problem
 
         why = tokenizer_problem(path)
         if why:
@@ -70,7 +68,7 @@ def load_model(name: str, dtype: str = "float32", trust_remote_code: bool = Fals
     transformers asking "run custom code? [y/N]" in the middle of a run."""
     path = resolve(name)
     if not Path(path).exists():  # not the hub's "Repo id must be in the form ..." for a mistyped path
-        from composer.paths import model_problem
+        from composer.runtime.paths import model_problem
 
         why = model_problem(path, tokenizer_too=False)
         if why:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 
 from composer.runtime.engine import Sampling
-from composer.runtime.protocol import POLICY, Generation, Sample, Score, Trace, drive
-from composer.runtime.trajectory import assemble
-from composer.terms import scored_origins
+from composer.protocol import POLICY, Generation, Sample, Score, Trace, drive
+from composer.trajectory import assemble
+from composer.checks.terms import scored_origins
 
 
 def serve(ctx, key: tuple, requests: list) -> list:

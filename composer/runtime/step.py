@@ -12,8 +12,8 @@ from composer.batch import PolicyView, TrajectoryBatch, concat
 from components.objectives.base import zero_advantage_fraction
 from composer.runtime.context import RunContext
 from composer.runtime.models import token_logprobs
-from composer.schedules import is_scheduled, value_at
-from composer.terms import gates, rolls_out, terms, terms_at  # noqa: F401  (re-exported: components read terms through step)
+from composer.lang.curves import is_scheduled, value_at
+from composer.checks.terms import gates, rolls_out, terms, terms_at  # noqa: F401  (re-exported: components read terms through step)
 
 
 def collect(ctx: RunContext, examples) -> list[TrajectoryBatch]:
@@ -23,13 +23,13 @@ def collect(ctx: RunContext, examples) -> list[TrajectoryBatch]:
     if not sync.reuse:
         return sample(ctx, examples)
     version = ctx.engine.last_sync
-    if ctx.buffer and ctx.buffer_version == version:
+    if ctx.state.buffer and ctx.state.buffer_version == version:
         ctx.log(buffer_reused=1.0)
-        return ctx.buffer
+        return ctx.state.buffer
     fresh = sample(ctx, examples)
-    if ctx.buffer and not sync.clear_buffer:
-        fresh = [concat([old, new], ctx.pad_id) for old, new in zip(ctx.buffer, fresh)]
-    ctx.buffer, ctx.buffer_version = fresh, version
+    if ctx.state.buffer and not sync.clear_buffer:
+        fresh = [concat([old, new], ctx.pad_id) for old, new in zip(ctx.state.buffer, fresh)]
+    ctx.state.buffer, ctx.state.buffer_version = fresh, version
     ctx.log(buffer_reused=0.0, buffer_rows=float(fresh[0].size))
     return fresh
 

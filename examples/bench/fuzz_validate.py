@@ -496,7 +496,7 @@ class Harness:
     def __init__(self, validate_timeout_s: float = 30.0):
         from click.testing import CliRunner
 
-        from composer.cli import main
+        from composer.cli.main import main
 
         self.dir = Path(tempfile.mkdtemp(prefix="composer-fuzz-"))
         shutil.copytree(REPO / "specs", self.dir / "specs")
@@ -615,7 +615,7 @@ def run_overrides(path: Path, case: Case, valid: bool) -> list[str]:
     A staged spec refuses a top-level train.steps, so it gets stages.N.train.steps=1 for each stage; a phased spec
     keeps its phases (the validator warns they are cut). An invalid case gets nothing added: an override could mend
     it (train.steps=1 over a broken train.steps), and `run` must refuse it exactly as validate did."""
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     if not valid:
         return list(case.overrides)

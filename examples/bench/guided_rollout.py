@@ -6,7 +6,7 @@
 Both sides sample the same prompts with the same engine and score their rollouts (behaviour
 log-probs). The figure is wall time per generated policy token (discarded tokens included),
 guided over plain: the target is <= 1.3x. Repeats are interleaved; medians are reported.
-`composer bench --throughput` prints the same measurement (composer/bench_throughput.py: guided_overhead).
+`composer bench --throughput` prints the same measurement (composer/bench/throughput.py: guided_overhead).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from composer.bench_throughput import format_guided, guided_overhead
+    from composer.bench.throughput import format_guided, guided_overhead
 
     torch.set_num_threads(args.threads)
     g = guided_overhead(None, args.prompts, args.repeats, args.overrides, spec=args.spec)

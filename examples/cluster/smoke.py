@@ -194,7 +194,7 @@ def sh(*cmd, check: bool = False, **kw):
 
 
 def compile_spec(spec: str, overrides: list[str], bundle: Path, out: Path) -> None:
-    r = sh(sys.executable, "-m", "composer.cli", "compile", ROOT / "specs" / f"{spec}.yaml", *COMMON, *overrides,
+    r = sh(sys.executable, "-m", "composer.cli.main", "compile", ROOT / "specs" / f"{spec}.yaml", *COMMON, *overrides,
            "--backend", "openrlhf", "--out", bundle, "--nodes", 1, "--gpus-per-node", 1, "--cluster-dir", out / "runs",
            cwd=ROOT, capture_output=True, text=True)
     if r.returncode:
@@ -333,8 +333,8 @@ def lightning_loss(plan: dict, recs: list[dict]) -> tuple[float | None, str]:
     import torch
 
     from composer.runtime import step as run_step
-    from composer.segments import segments_of
-    from composer.terms import terms
+    from composer.plan.segments import segments_of
+    from composer.checks.terms import terms
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     run = plan["openrlhf"]["runs"][0]

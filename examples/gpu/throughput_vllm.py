@@ -7,7 +7,7 @@ side takes to push the trainer's weights into its colocated vLLM (weight sync). 
     python examples/gpu/throughput_vllm.py --model Qwen/Qwen3-0.6B --prompts 16 --group 8 --length 128
 
 Both sides run in this process, interleaved block by block as in `composer bench --throughput`
-(composer/bench_throughput.py: ours is the Lightning module's own step, TRL's side its Trainer loop), each
+(composer/bench/throughput.py: ours is the Lightning module's own step, TRL's side its Trainer loop), each
 with its own colocated vLLM instance taking --gpu-memory-utilization of the GPU. Sized to finish in under
 8 minutes on one GPU with the defaults. Needs a CUDA GPU, vLLM and TRL (`pip install -e '.[gpu,bench]'`).
 """
@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def bench_args(args) -> argparse.Namespace:
     """The throughput bench's arguments for one GRPO comparison on the GPU."""
-    from composer import bench_throughput as bt
+    from composer.bench import throughput as bt
 
     a = bt.parse_args(["--pairs", "grpo", "--modes", "matched", "--length", str(args.length),
                        "--prompts", str(args.prompts), "--group", str(args.group), "--rounds", str(args.rounds),
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(ROOT))
     check_machine()
-    from composer import bench_throughput as bt
+    from composer.bench import throughput as bt
 
     bt.quiet()
     a = bench_args(args)

@@ -81,7 +81,7 @@ def run_one(method: str, engine: str, args) -> None:
     import logging
 
     from composer.backends.lightning.run import train
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     v = validate_file(ROOT / METHODS[method], overrides(method, engine, args))

@@ -176,7 +176,7 @@ class Recorder:
         from composer.backends.openrlhf.batch import shift
         from composer.backends.openrlhf.loss import _pad_cat, step_batch, step_of, term_batches
         from composer.runtime import step as lightning_step
-        from composer.terms import terms
+        from composer.checks.terms import terms
 
         segments = hooks._segments()
         labels = [x for e in experiences for x in e.labels]

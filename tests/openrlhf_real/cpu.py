@@ -248,7 +248,7 @@ def lightning(trainer, module, exp, pad_id: int) -> dict:
     from composer.backends.openrlhf.batch import decode_label, shift
     from composer.backends.openrlhf.loss import _pad_cat, step_batch, step_of, term_batches
     from composer.runtime import step as lightning_step
-    from composer.terms import terms
+    from composer.checks.terms import terms
 
     segments, run = hooks._segments(), hooks._STATE["run"]
     labels = [x for e in experiences for x in e.labels]

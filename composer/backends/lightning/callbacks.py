@@ -29,7 +29,7 @@ class AfterStep(L.Callback):
 
 class SampleWriter(L.Callback):
     """After each step, before any checkpoint of it: the step's rollouts to samples.jsonl when the step is due
-    (composer/samples.py `SampleLog`, the run's recorder). Only rank 0 writes; a failure is a warning."""
+    (composer/runtime/samples.py `SampleLog`, the run's recorder). Only rank 0 writes; a failure is a warning."""
 
     def __init__(self, samples):
         self.samples = samples

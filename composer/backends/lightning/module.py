@@ -16,12 +16,12 @@ from torch.utils.data import Dataset
 
 from composer.batch import to_device
 from composer.runtime import step as run_step
-from composer.schedule import Schedule
-from composer.segments import segment_at, segments_of
+from composer.plan.schedule import Schedule
+from composer.plan.segments import segment_at, segments_of
 from composer.contract import Runtime
 from composer.runtime.context import RunContext
 from composer.runtime.engine import make_engine
-from composer.report import metric_row
+from composer.runtime.report import metric_row
 from composer.runtime.evaluate import evaluate, write_records
 
 
@@ -107,7 +107,7 @@ class ComposerModule(L.LightningModule):
 
     def configure_optimizers(self):
         """AdamW at unit base LR under torch's LambdaLR, whose factor is the Plan's LR of the step (warm-up and
-        decay per segment, composer/schedule.py): the scheduler's state is checkpointed with the optimiser."""
+        decay per segment, composer/plan/schedule.py): the scheduler's state is checkpointed with the optimiser."""
         t = self.segments[0].spec.train
         opt = torch.optim.AdamW(self.policy.parameters(), lr=1.0, betas=tuple(t.betas), weight_decay=t.weight_decay)
         schedule = self.schedule
@@ -133,7 +133,7 @@ class ComposerModule(L.LightningModule):
             first = ctx.segment == ""
             ctx.segment, ctx.spec = seg.name, seg.spec
             if not first and self.schedule.initial_version(step) != self.schedule.initial_version(step - 1):
-                ctx.refresh_initial()
+                ctx.models.refresh_initial()
             ctx.record("segment", name=seg.name, start=seg.start, end=seg.end)
             for _n, sig, _o, _w in run_step.terms(seg.spec):
                 sig.start(ctx)
@@ -243,7 +243,7 @@ class ComposerModule(L.LightningModule):
         """Each term's share of its step-wide normaliser on this rank, times the number of ranks: DDP averages
         gradients over ranks, so the ranks' scaled losses add up to the loss of the whole step as one batch
         (the objectives' `normalizer`, as on OpenRLHF). None with one process."""
-        world = self.ctx.world
+        world = self.ctx.data.world
         if world <= 1:
             return None
         local = torch.stack([obj.normalizer(b).detach().float().cpu().reshape(())
@@ -255,7 +255,7 @@ class ComposerModule(L.LightningModule):
     def _reduced(self, row: dict) -> dict:
         """The step's metrics over every rank: costs and token throughput summed, everything else averaged
         over the ranks that measured it."""
-        world = self.ctx.world
+        world = self.ctx.data.world
         if world <= 1:
             return row
         rows = [None] * world
@@ -280,7 +280,7 @@ class ComposerModule(L.LightningModule):
         """
         ctx = self.ctx
         done = self.global_step if done is None else done
-        for rt in list(ctx.runtimes.values()):
+        for rt in list(ctx.state.runtimes.values()):
             if isinstance(rt, Runtime):
                 rt.after_optimizer_step(ctx)
         if self.schedule.sync_after(done):
@@ -317,13 +317,13 @@ class ComposerModule(L.LightningModule):
         state = {
             "rollout_weights": ctx.engine.model.state_dict() if hasattr(ctx.engine, "model") else None,
             "last_sync": getattr(ctx.engine, "last_sync", 0),
-            "rng": ctx.rng.getstate(), "torch_rng": torch.get_rng_state(), "data_pos": ctx.data_pos,
-            "segment": ctx.segment, "initial": ctx._initial.state_dict() if ctx._initial is not None else None,
-            "runtimes": {repr(k): rt.state_dict() for k, rt in ctx.runtimes.items() if isinstance(rt, Runtime)},
+            "rng": ctx.data.rng.getstate(), "torch_rng": torch.get_rng_state(), "data_pos": ctx.data.pos,
+            "segment": ctx.segment, "initial": ctx.models.initial.state_dict() if ctx.models.initial is not None else None,
+            "runtimes": {repr(k): rt.state_dict() for k, rt in ctx.state.runtimes.items() if isinstance(rt, Runtime)},
             "memo": {repr(k): v for k, v in ctx.cache.items() if k[:2] == ("guide", "prefix-search")},
             "costs": dict(ctx.costs),
-            "buffer": to_device(ctx.buffer, "cpu") if ctx.buffer else None,
-            "buffer_version": ctx.buffer_version,
+            "buffer": to_device(ctx.state.buffer, "cpu") if ctx.state.buffer else None,
+            "buffer_version": ctx.state.buffer_version,
         }
         checkpoint["composer"] = to_plain(state, "composer")
         checkpoint["composer"]["spec"] = spec_record(self.validated)
@@ -346,7 +346,7 @@ class ComposerModule(L.LightningModule):
         ctx.engine.last_sync = state["last_sync"]
         try:
             rng = state["rng"]  # random.setstate wants (version, tuple of ints, gauss)
-            ctx.rng.setstate((rng[0], tuple(rng[1]), rng[2]))
+            ctx.data.rng.setstate((rng[0], tuple(rng[1]), rng[2]))
             torch.set_rng_state(state["torch_rng"])
             if type(state["data_pos"]) is not int or state["data_pos"] < 0:
                 raise TypeError(f"data_pos {state['data_pos']!r:.40}")
@@ -356,13 +356,13 @@ class ComposerModule(L.LightningModule):
             raise CheckpointError(f"the checkpoint's training state is damaged (random state or data position: "
                                   f"{type(e).__name__}: {str(e)[:200]}); it cannot be resumed bit for bit\n"
                                   "    hint: resume from an intact checkpoint, or start a new run") from None
-        ctx.data_pos = state["data_pos"]
+        ctx.data.pos = state["data_pos"]
         if state["initial"] is not None:
-            ctx.restore_initial(state["initial"])
+            ctx.models.restore_initial(state["initial"])
         ctx.costs.update(state.get("costs", {}))
-        ctx.buffer = to_device(state["buffer"], self.device) if state.get("buffer") else None
-        ctx.buffer_version = state.get("buffer_version", -1)
-        ctx.pending_runtime_state = state.get("runtimes", {})
+        ctx.state.buffer = to_device(state["buffer"], self.device) if state.get("buffer") else None
+        ctx.state.buffer_version = state.get("buffer_version", -1)
+        ctx.state.pending_runtime_state = state.get("runtimes", {})
         for k, v in state.get("memo", {}).items():  # searched prefixes (POPE): the same k after a resume
             ctx.cache[eval_key(k)] = v
         self._pending = None

@@ -19,19 +19,19 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from composer import files
-from composer import samples as sample_files
+from composer.runtime import samples as sample_files
 from composer.backends.lightning import checkpoint as ckpt_format
 from composer.backends.lightning.callbacks import (AfterStep, AtomicCheckpointIO, GracefulStop, RunCSVLogger,
                                                    SampleWriter, StepLog, StopRequested)
 from composer.backends.lightning.checkpoint import CheckpointError
 from composer.backends.lightning.module import ComposerModule, NonFiniteError
-from composer.export import MODEL_DIR, save_policy
-from composer.paths import check_run_inputs
-from composer.plan import compile_plan
+from composer.runtime.export import MODEL_DIR, save_policy
+from composer.runtime.paths import check_run_inputs
+from composer.plan.compile import compile_plan
 from composer.runtime.evaluate import prepare_records
 from composer.runtime.binding import bind_task, check_task_lengths, context_length
 from composer.runtime.models import load_model, load_tokenizer, merged, prepare_policy
-from composer.samples import SampleLog
+from composer.runtime.samples import SampleLog
 
 log = logging.getLogger("composer")
 
@@ -264,10 +264,11 @@ def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop:
     tokenizer = load_tokenizer(spec.policy.tokenizer or policy_name, trust_remote_code=trust)
     policy = prepare_policy(load_model(policy_name, spec.policy.dtype, trust_remote_code=trust), spec.policy)
     check_task_lengths(task, tokenizer, context_length(policy), spec.data.on_bad_row, spec.data.prompt_field)
-    if any(getattr(s, "verifier", "") == "code" for seg in validated.segments for s in seg.spec.sources.values()):
-        from components.tasks.code_verifier import ensure_sandbox
+    from composer.registry import VERIFIERS
 
-        ensure_sandbox()  # fail closed before any training: code never runs outside the sandbox
+    for name in sorted({getattr(s, "verifier", "") for seg in validated.segments for s in seg.spec.sources.values()}):
+        if name in VERIFIERS:  # fail closed before any training: e.g. code never runs outside the sandbox
+            VERIFIERS[name].run_preflight()
     samples = SampleLog(out, chain=recorder)  # the run's recorder: keeps rollouts for samples.jsonl
     module = ComposerModule(plan, task, tokenizer, policy, samples, validated)
     module.start_metrics = {"skipped_rows": float(getattr(task, "skipped_rows", 0))}
@@ -354,7 +355,7 @@ def _fit(validated, out: Path, plan: dict, module, loggers, callbacks, ckpt, sto
 def export_policy(module, tokenizer, out: Path, strategy: str) -> Path | None:
     """The trained policy as `model/` in the run folder (save_pretrained of model and tokenizer)."""
     if strategy == "fsdp":  # the module holds one shard: export from the full checkpoint instead
-        from composer.export import export_checkpoint
+        from composer.runtime.export import export_checkpoint
 
         ckpt = last_checkpoint(out)
         return export_checkpoint(ckpt, out / MODEL_DIR) if ckpt is not None else None
@@ -365,8 +366,8 @@ LOGGER_IDS = "loggers.json"  # the W&B and MLflow run ids, so that --resume cont
 
 
 def build_loggers(validated, out: Path, resumed_at: int | None) -> list:
-    """Lightning's loggers named by train.loggers (composer/paths.py has checked their packages)."""
-    from composer.paths import LOGGER_PACKAGES, installed
+    """Lightning's loggers named by train.loggers (composer/runtime/paths.py has checked their packages)."""
+    from composer.runtime.paths import LOGGER_PACKAGES, installed
 
     spec = validated.spec
     ids_path = out / LOGGER_IDS
@@ -546,7 +547,7 @@ def _checkpoint_step(out: Path) -> int | None:
 
 def write_report(out: Path, plan: dict, final: dict, model_dir: Path | None = None) -> None:
     """report.md with a PNG of the loss, the reward and the evaluation against step."""
-    from composer.report import plot_metrics
+    from composer.runtime.report import plot_metrics
 
     metrics = out / "metrics.csv"
     png = None

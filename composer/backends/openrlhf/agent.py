@@ -3,7 +3,7 @@
 OpenRLHF calls `execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)` once per
 sample. The rollout itself is the guide's own program (components/guides, DESIGN.md section 8), the one
 the Lightning backend drives in lockstep: this module only answers the program's requests with
-`run_async` (composer/runtime/protocol.py) against the engines it has. "policy" is `llm_engine` (the
+`run_async` (composer/protocol.py) against the engines it has. "policy" is `llm_engine` (the
 rollout weights); an external judge is its named vLLM actor (`composer-judge-<source>`); "initial" (the
 frozen initial policy: POPE's minimal search, a `weights: initial` self-judge) is `llm_engine` while the
 Plan's schedule says it holds the initial weights (`Schedule.sampler_is_initial`: before the run's first
@@ -25,22 +25,22 @@ from typing import Optional
 
 from composer.backends.openrlhf.batch import action_ranges, decode_label, encode_label, example_of
 from composer.backends.openrlhf.loss import Segments
-from composer.runtime.protocol import INITIAL, POLICY, Generation, Score, Trace, run_async
-from composer.schedule import Schedule
+from composer.protocol import INITIAL, POLICY, Generation, Score, Trace, run_async
+from composer.plan.schedule import Schedule
 
 
 class ComposerAgent:
     """The executor's logic; `executor_class` mixes in OpenRLHF's AgentExecutorBase."""
 
     def __init__(self, plan="plan.json", run: Optional[str] = None):
-        from composer.terms import terms
+        from composer.checks.terms import terms
 
         self.plan = json.load(open(plan)) if isinstance(plan, str) else plan
         runs = self.plan["openrlhf"]["runs"]
         name = run or os.environ.get("COMPOSER_RUN")
         self.run = next((r for r in runs if r["name"] == name), None) or next(r for r in runs if r["plugin"].get("agent"))
         self.segments = Segments(self.plan, self.run["segments"])
-        self.schedule = Schedule(self.plan)  # which weights the engine holds at a step (composer/schedule.py)
+        self.schedule = Schedule(self.plan)  # which weights the engine holds at a step (composer/plan/schedule.py)
         specs = [s.spec for s in self.segments.items]
         self.trainable = {"policy"} | {o for s in specs for _, _, obj, _ in terms(s) for o in obj.loss_tokens}
         self.counts: dict = {}
@@ -127,7 +127,7 @@ class ComposerAgent:
     async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None):
         from components.guides.none import NoGuide
         from composer.runtime.rollout import fill_scores
-        from composer.terms import scored_origins, terms
+        from composer.checks.terms import scored_origins, terms
 
         meta = decode_label(label)
         example = example_of(prompt, meta)

@@ -102,8 +102,9 @@ def write_data(v, out: Path, eos: str | None) -> tuple[dict, Inputs]:
     data.mkdir(parents=True, exist_ok=True)
     train, evals, fmt = _examples(v)
     if train is None:  # the toy testbed, written by its own writer
-        from components.tasks.toy import write_jsonl
+        from composer.registry import part
 
+        write_jsonl = part("toy.write_jsonl")
         d = spec.data
         per_tier = math.ceil(n / len(d.train_tiers))
         paths = write_jsonl(str(data / "toy"), {"tiers": tuple(d.tiers), "train_tiers": tuple(d.train_tiers),
@@ -168,7 +169,7 @@ def _models(v) -> tuple[str, dict[str, str]]:
 
 def _eos(path: str, v) -> str | None:
     """The eos text SFT targets end with (OpenRLHF would otherwise append ' ' + eos)."""
-    from composer.graph import signal_objective_pairs
+    from composer.checks.graph import signal_objective_pairs
 
     if not any(sig is not None and "demonstration" in sig.origins(s.spec.rollout.guide) for s in v.segments
                for sig, _ in signal_objective_pairs(s.spec)):  # no term trains on demonstration text
@@ -195,7 +196,7 @@ def trust_remote_code(v) -> bool:
 
 def compile_bundle(v, out: Path, layout: Layout) -> dict:
     """Write the bundle for validated spec `v` into `out`. Raises Unsupported, parser.ArgsError, BundleError."""
-    from composer.plan import compile_plan
+    from composer.plan.compile import compile_plan
 
     parser.require()
     plan = compile_plan(v, backend="openrlhf")
@@ -261,9 +262,9 @@ def ship_toy_models(out: Path, runs: list[Run], inputs: Inputs) -> tuple[str, di
     """Copy the toy testbed's checkpoints the runs use into `models/` of the bundle and point every argument
     and plugin setting at them relative to the bundle (the job's working directory on every node), so a toy
     bundle runs anywhere and holds no path of the compiling machine. Returns (policy, sources) paths."""
-    from components.tasks.bootstrap import cache_folder
+    from composer.registry import part
 
-    root = os.path.realpath(cache_folder())
+    root = os.path.realpath(part("toy.cache_folder")())
     moves = {}
     for path in [inputs.policy_path, *inputs.source_paths.values()]:
         real = os.path.realpath(path) if path and path != "self" else ""

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from composer.gates import gate_source
-from composer.graph import signal_objective_pairs
-from composer.terms import gates
-from composer.schedules import is_scheduled
+from composer.checks.graph import signal_objective_pairs
+from composer.checks.terms import gates
+from composer.lang.curves import is_scheduled
 
 NATIVE_AGG = ("token-mean", "seq-mean-token-mean")  # --actor.loss_agg_mode choices
 
@@ -283,8 +283,8 @@ def _check_initial_calls(segs, specs, where) -> None:
     """A guide's calls that read the frozen initial weights are served by the rollout engine (agent.py), which
     holds them only until the run's first broadcast (the Plan's `Schedule.sampler_is_initial`): a segment
     that starts after it cannot have them."""
-    from composer.schedule import Schedule, compile_schedule
-    from composer.plan import _models
+    from composer.plan.schedule import Schedule, compile_schedule
+    from composer.plan.compile import _models
 
     sched = Schedule(compile_schedule(segs, _models))
     for seg, spec, w in zip(segs, specs, where):
@@ -614,9 +614,9 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
 
 
 def _toy_cap(spec) -> int:
-    from components.tasks.toy import max_new_tokens_for
+    from composer.registry import part
 
-    return max_new_tokens_for(max(tuple(spec.data.tiers) + tuple(spec.data.train_tiers)))
+    return part("toy.max_new_tokens_for")(max(tuple(spec.data.tiers) + tuple(spec.data.train_tiers)))
 
 
 def _guide_room(specs, inputs: Inputs) -> int:
@@ -654,8 +654,9 @@ def _judge_lengths(spec, inputs: Inputs, response: int) -> tuple[str, int, int, 
     if src.template:
         template = src.template
     elif inputs.toy:
-        from components.tasks.toy import TEMPLATES
+        from composer.registry import part
 
+        TEMPLATES = part("toy.templates")
         template = max(TEMPLATES["judge"], TEMPLATES.get("correction", ""), key=len)
     else:
         return None  # refused by _check_guides

@@ -124,7 +124,7 @@ def _segments():
 
 @functools.lru_cache(maxsize=1)
 def _schedule():
-    from composer.schedule import Schedule
+    from composer.plan.schedule import Schedule
 
     return Schedule(_STATE["plan"])
 
@@ -170,7 +170,7 @@ def _patch_trainer(mod) -> None:
     train_step, broadcast, init_states = cls.train_step, cls.broadcast_to_vllm, cls.init_checkpoint_states
 
     def train_step_(self, rollout_samples, global_step):
-        # the Plan's sync rule (composer/schedule.py), at the global count of steps done after this one
+        # the Plan's sync rule (composer/plan/schedule.py), at the global count of steps done after this one
         sync = _schedule().sync_after(_segments().offset + global_step + 1)
         self._composer_sync = sync
         try:

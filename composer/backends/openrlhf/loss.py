@@ -22,7 +22,7 @@ from composer.batch import PolicyView, TrajectoryBatch
 from composer.lazy import F, torch
 from composer.origins import CODE
 from composer.gates import row_surprisal
-from composer.terms import gates, terms, terms_at  # noqa: F401  (hooks and agent read terms here)
+from composer.checks.terms import gates, terms, terms_at  # noqa: F401  (hooks and agent read terms here)
 
 
 class Segments:
@@ -30,14 +30,14 @@ class Segments:
     from the run's start, which is the first segment's global start."""
 
     def __init__(self, plan: dict, indices: list[int]):
-        from composer.segments import segments_of
+        from composer.plan.segments import segments_of
 
         self.items = segments_of(plan, indices)
         self.offset = self.items[0].start
 
     def segment(self, step: int):
         """The segment in force at run step `step` (the last one past the end)."""
-        from composer.segments import segment_at
+        from composer.plan.segments import segment_at
 
         return segment_at(self.items, step + self.offset)
 

@@ -43,7 +43,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SPECS = {"grpo": "grpo.yaml", "opd": "opd.yaml", "sft": "sft.yaml"}
 TRL_NAME = {"grpo": "GRPOTrainer", "opd": "GKDTrainer", "sft": "SFTTrainer"}
 TARGET = {"matched": 2.0, "defaults": 1.0}  # ours/TRL the issue asks for, per comparison
@@ -117,11 +117,11 @@ class Ours:
         import torch
 
         from composer.backends.lightning.module import ComposerModule
-        from composer.plan import compile_plan
+        from composer.plan.compile import compile_plan
         from composer.runtime import step as run_step
         from composer.runtime.binding import bind_task
         from composer.runtime.models import load_model, load_tokenizer
-        from composer.validate import validate_file
+        from composer.checks.validate import validate_file
 
         self.torch, self.run_step = torch, run_step
         v = validate_file(spec_path, overrides + (["train.compile=true"] if compile_model else []))
@@ -429,7 +429,7 @@ def overrides_for(pair: str, args) -> list[str]:
 def run_pair(pair: str, args, mode: str = "matched") -> dict:
     """One pair in one comparison mode: "matched" (equal work, forced length) or "defaults" (TRL's defaults
     against our spec as written; lengths are the models' own, so samples/s compares, tokens/s does not)."""
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     args.mode = mode
     forced = mode == "matched"
@@ -517,7 +517,7 @@ def guided_overhead(model: str | None, prompts: int = 4, repeats: int = 5, overr
     from composer.runtime.context import RunContext
     from composer.runtime.engine import HFEngine
     from composer.runtime.models import load_model, load_tokenizer
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     ovr = ([f"policy.model={model}"] if model else []) + list(overrides)
     sp = validate_file(str(ROOT / spec), ovr).segments[0].spec

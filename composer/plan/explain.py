@@ -36,11 +36,11 @@ def _load(m: dict) -> str:
 
 
 def data_lines(plan: dict) -> list[str]:
-    """Which file and split a run trains and evaluates on (composer/datafiles.py), and how it evaluates."""
+    """Which file and split a run trains and evaluates on (composer/runtime/datafiles.py), and how it evaluates."""
     d = plan.get("data") or {}
     if plan.get("testbed") == "toy" or not d.get("train"):
         return []
-    from composer.datafiles import describe
+    from composer.runtime.datafiles import describe
 
     lines = [f"train data: {describe(d['train'], d.get('split'), 'train')}"]
     source = d.get("eval") or (d["train"] if d.get("eval_split") else None)
@@ -94,8 +94,8 @@ def text(plan: dict) -> str:
                         lines.append(f"    {'':<19} behaviour log-probs: {o['behaviour']}")
             masked = [o for o, v in t["origins"].items() if v.get("present", True) and not v["loss"]]
             lines.append(f"    no loss: {', '.join(masked) or '-'}")
-    if plan.get("schedule"):  # what both backends execute, step by step (composer/schedule.py)
-        from composer.schedule import lines as schedule_lines
+    if plan.get("schedule"):  # what both backends execute, step by step (composer/plan/schedule.py)
+        from composer.plan.schedule import lines as schedule_lines
 
         lines += schedule_lines(plan)
     return "\n".join(lines)

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from composer.cli import EXIT_INVALID, main
+from composer.cli.main import EXIT_INVALID, main
 
 
 @main.command("eval")
@@ -21,7 +21,7 @@ from composer.cli import EXIT_INVALID, main
 def eval_(target, overrides, data, k, out):
     """Evaluate TARGET (a checkpoint, a run folder, or an exported model directory) as a run's evaluation
     does: greedy pass@1 per tier with the spec's verifier, and pass@k with --k. OVERRIDES: path.to.field=value."""
-    from composer.cli_run import _failure
+    from composer.cli.run import _failure
 
     try:
         from composer.runtime.evaluate import evaluate_target

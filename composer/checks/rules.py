@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from composer.errors import Diagnostic
-from composer.graph import signal_objective_pairs
+from composer.checks.graph import signal_objective_pairs
 
 RULES: dict[str, Callable] = {}
 OFF_POLICY_ORIGINS = ("guide_prefix", "guide_intervention", "demonstration")
@@ -307,7 +307,7 @@ def term_weight_positive(spec, segment):
     """A term whose weight is never positive has its loss ignored or maximised. Not warned: a negative weight on a
     distillation from the policy's own initial weights, which pushes away from the start on purpose (ExOPD's
     extrapolation, -(lambda - 1) KL(pi_theta || pi_ref))."""
-    from composer.schedules import describe, values
+    from composer.lang.curves import describe, values
 
     def away_from_initial(t) -> bool:
         name = getattr(t.signal, "teacher_source", None)
@@ -420,7 +420,7 @@ def reward_parts_are_rewards(spec, segment):
 def rollout_filter(spec, segment):
     """A filter acts on rollouts (a segment must sample some) and equal groups are judged by a reward source."""
     from composer.filters import filter_source
-    from composer.terms import rolls_out
+    from composer.checks.terms import rolls_out
 
     flt = spec.rollout.filter
     if not flt.active or (segment == "base" and spec.stages):
@@ -458,7 +458,7 @@ def term_gates(spec, segment):
     """A gate reads the step's rollout: it needs one, an outcome_reward source that decides success, and a
     term whose batch holds the rollout's rows when it tests a row's own facts."""
     from composer.gates import gate_source
-    from composer.terms import rolls_out
+    from composer.checks.terms import rolls_out
 
     out = []
     for i, t in enumerate(spec.terms or []):

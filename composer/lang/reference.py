@@ -17,8 +17,8 @@ from pydantic_core import PydanticUndefined
 
 from composer import registry
 from composer.errors import did_you_mean
-from composer.schema_errors import _yaml_value
-from composer.spec import Data, Policy, Rollout, Sync, Train, spec_model
+from composer.lang.schema_errors import _yaml_value
+from composer.lang.spec import Data, Policy, Rollout, Sync, Train, spec_model
 
 REGEN = "composer list --markdown --out docs/reference.md"
 COMPONENT_SECTIONS = registry.SECTIONS  # sources, guide, signal, objective

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from composer.cli import EXIT_INVALID, allow_plugins_option, main, validated_or_exit
+from composer.cli.main import EXIT_INVALID, allow_plugins_option, main, validated_or_exit
 from composer.errors import SpecError
 
 
@@ -59,7 +59,7 @@ def compile_(spec, overrides, backend, out, nodes, gpus_per_node, colocate, vllm
         click.echo(f"{out}: error: cannot write the bundle: {getattr(e, 'strerror', None) or e}", err=True)
         sys.exit(EXIT_INVALID)
     except Exception as e:  # every failure is a message and exit 2, never a traceback
-        from composer.cli_run import _failure
+        from composer.cli.run import _failure
 
         click.echo(f"{spec}: error: {_failure(e)}", err=True)
         sys.exit(EXIT_INVALID)

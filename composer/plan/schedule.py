@@ -177,7 +177,7 @@ def _calls(seg, models: list[dict]) -> list[Call]:
 
 
 def _terms(seg) -> list[TermPlan]:
-    from composer.terms import terms
+    from composer.checks.terms import terms
 
     guide = seg.spec.rollout.guide
     out = []

@@ -2,7 +2,7 @@
 
 A segment is a step range with one resolved spec: the whole run (`main`), a phase (`phase<i>`), or a
 stage (its name). Steps are global and 0-based; a stage's steps follow the previous stage's. What happens
-at which step (syncs, LR, weights) is the Plan's schedule: composer/schedule.py.
+at which step (syncs, LR, weights) is the Plan's schedule: composer/plan/schedule.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class RunSegment:
 def segments_of(plan: dict, indices: list[int] | None = None) -> list[RunSegment]:
     """The plan's segments (or those at `indices`) with their specs validated again from plan.json's data."""
     from composer import registry
-    from composer.spec import spec_model
+    from composer.lang.spec import spec_model
 
     registry.load_all()
     segs = plan["segments"] if indices is None else [plan["segments"][i] for i in indices]

@@ -46,7 +46,7 @@ def _datasets():
 
 def hub_snapshot(name: str) -> Path | None:
     """The local snapshot folder of the hub dataset `name` (org/name), None when it is not cached."""
-    from composer.paths import HUB_ID
+    from composer.runtime.paths import HUB_ID
 
     if not HUB_ID.fullmatch(name) or name.startswith((".", "/")):
         return None
@@ -71,7 +71,7 @@ def locate(name: str) -> Path:
 
 def absent_reason(name: str) -> str:
     """Why `name` names no data: with a hint for a hub id that is not cached and for an unknown extension."""
-    from composer.paths import HUB_ID
+    from composer.runtime.paths import HUB_ID
 
     suffix = Path(name).suffix.lower()
     if HUB_ID.fullmatch(name) and "/" in name and suffix not in DATA_SUFFIXES:

@@ -11,7 +11,7 @@ from pydantic_core import PydanticUndefined
 
 from composer import registry
 from composer.errors import Diagnostic, Location, did_you_mean
-from composer.loader import LoadedSpec
+from composer.lang.loader import LoadedSpec
 
 
 def data_path(data: Any, loc: tuple) -> tuple:

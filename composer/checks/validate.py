@@ -15,11 +15,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from composer import graph, registry, rules
+from composer import registry
+from composer.checks import graph
+from composer.checks import rules
 from composer.errors import Diagnostic, Location, SpecError
-from composer.loader import LoadedSpec, deep_merge, load_spec
-from composer.schema_errors import diagnostics_from
-from composer.spec import PARTIAL_KEYS, Train, spec_model
+from composer.lang.loader import LoadedSpec, deep_merge, load_spec
+from composer.lang.schema_errors import diagnostics_from
+from composer.lang.spec import PARTIAL_KEYS, Train, spec_model
 
 
 @dataclass
@@ -289,6 +291,19 @@ def validate_loaded(loaded: LoadedSpec) -> Validated:
     if diags:
         raise SpecError(diags + plugin_warnings)
     model = spec_model()
+    spec = _schema_layer(model, loaded)
+    base = {k: v for k, v in loaded.data.items() if k not in ("phases", "stages", "extends")}
+    segments = _segments(model, spec, loaded, base)
+    used = _graph_layer(spec, segments, loaded, base)
+    warnings = plugin_warnings + [Diagnostic("graph", f"source '{n}' is declared but nothing reads it", ("sources", n),
+                                             loaded.locate(("sources", n)), "remove it, or refer to it from a signal, "
+                                             "guide or another source", severity="warning")
+                                  for n in spec.sources if n not in used]
+    return Validated(loaded, spec, segments, warnings + _rules_layer(spec, segments, loaded, warnings))
+
+
+def _schema_layer(model, loaded: LoadedSpec):
+    """Layer 2: the pydantic spec, or SpecError with located diagnostics (a .nan anywhere is one)."""
     nans = [Diagnostic("schema", "not a number (.nan)", p, loaded.locate(p) or Location(loaded.file, 1, 1),
                        "write a number: no setting takes .nan") for p in _nan_paths(loaded.data, ())]
     try:
@@ -298,48 +313,63 @@ def validate_loaded(loaded: LoadedSpec) -> Validated:
                                 if d.path not in {n.path for n in nans}]) from None
     if nans:
         raise SpecError(nans)
+    return spec
 
-    # phases and stages: each resolved segment must be a valid spec on its own
-    base = {k: v for k, v in loaded.data.items() if k not in ("phases", "stages", "extends")}
-    segments, diags = [], []
+
+def _segments(model, spec, loaded: LoadedSpec, base: dict) -> list[Segment]:
+    """Phases and stages as step ranges: each resolved segment must be a valid spec on its own."""
     if spec.stages:
-        settings = _staged_top_steps(loaded)
-        for i in range(len(spec.stages)):
-            settings += _segment_settings(loaded, ("stages", i), True)
-        if settings:
-            raise SpecError(_locate(settings, loaded))
-        start = 0
-        for i, st in enumerate(spec.stages):
-            data = _segment_data(base, loaded.data["stages"][i])
-            seg_spec, d = _validate_segment(model, data, loaded, ("stages", i))
-            for x in d:
-                x.message = f"in stage '{st.name}': {x.message}"
-            diags += d
-            if seg_spec is not None:
-                segments.append(Segment(st.name, start, start + seg_spec.train.steps, seg_spec, data, ("stages", i)))
-                start += seg_spec.train.steps
-    elif spec.phases:
-        settings = [d for i in range(len(spec.phases)) for d in _segment_settings(loaded, ("phases", i), False)]
-        if settings:
-            raise SpecError(_locate(settings, loaded))
-        start = 0
-        for i, ph in enumerate(spec.phases):
-            data = _segment_data(base, loaded.data["phases"][i])
-            seg_spec, d = _validate_segment(model, data, loaded, ("phases", i))
-            for x in d:
-                x.message = f"in phase {i} (steps {start}-{ph.until}): {x.message}"
-            diags += d
-            end = min(ph.until, spec.train.steps)
-            if seg_spec is not None and end > start:
-                segments.append(Segment(f"phase{i}", start, end, seg_spec, data, ("phases", i)))
-            start = max(start, ph.until)
-    else:
-        segments.append(Segment("main", 0, spec.train.steps, spec, base))
+        return _stage_segments(model, spec, loaded, base)
+    if spec.phases:
+        return _phase_segments(model, spec, loaded, base)
+    return [Segment("main", 0, spec.train.steps, spec, base)]
+
+
+def _stage_segments(model, spec, loaded: LoadedSpec, base: dict) -> list[Segment]:
+    settings = _staged_top_steps(loaded)
+    for i in range(len(spec.stages)):
+        settings += _segment_settings(loaded, ("stages", i), True)
+    if settings:
+        raise SpecError(_locate(settings, loaded))
+    segments, diags, start = [], [], 0
+    for i, st in enumerate(spec.stages):
+        data = _segment_data(base, loaded.data["stages"][i])
+        seg_spec, d = _validate_segment(model, data, loaded, ("stages", i))
+        for x in d:
+            x.message = f"in stage '{st.name}': {x.message}"
+        diags += d
+        if seg_spec is not None:
+            segments.append(Segment(st.name, start, start + seg_spec.train.steps, seg_spec, data, ("stages", i)))
+            start += seg_spec.train.steps
     if diags:
         raise SpecError(_locate(diags, loaded))
+    return segments
 
-    # layer 3: the graph of each segment; unused sources across all of them
+
+def _phase_segments(model, spec, loaded: LoadedSpec, base: dict) -> list[Segment]:
+    settings = [d for i in range(len(spec.phases)) for d in _segment_settings(loaded, ("phases", i), False)]
+    if settings:
+        raise SpecError(_locate(settings, loaded))
+    segments, diags, start = [], [], 0
+    for i, ph in enumerate(spec.phases):
+        data = _segment_data(base, loaded.data["phases"][i])
+        seg_spec, d = _validate_segment(model, data, loaded, ("phases", i))
+        for x in d:
+            x.message = f"in phase {i} (steps {start}-{ph.until}): {x.message}"
+        diags += d
+        end = min(ph.until, spec.train.steps)
+        if seg_spec is not None and end > start:
+            segments.append(Segment(f"phase{i}", start, end, seg_spec, data, ("phases", i)))
+        start = max(start, ph.until)
+    if diags:
+        raise SpecError(_locate(diags, loaded))
+    return segments
+
+
+def _graph_layer(spec, segments: list[Segment], loaded: LoadedSpec, base: dict) -> set[str]:
+    """Layer 3: the graph of each segment (and of the base spec under phases or stages); the sources read."""
     used: set[str] = set()
+    diags: list[Diagnostic] = []
     for seg in segments or [Segment("main", 0, 0, spec, base)]:
         g, d = graph.check(seg.spec)
         for x in d:
@@ -351,12 +381,12 @@ def validate_loaded(loaded: LoadedSpec) -> Validated:
         diags += _locate(graph.check(spec)[1], loaded)
     if diags:
         raise SpecError(_dedupe(diags))
-    warnings = plugin_warnings + [Diagnostic("graph", f"source '{n}' is declared but nothing reads it", ("sources", n),
-                           loaded.locate(("sources", n)), "remove it, or refer to it from a signal, guide or "
-                           "another source", severity="warning")
-                for n in spec.sources if n not in used]
+    return used
 
-    # layer 4: method semantics, on the base spec and each segment
+
+def _rules_layer(spec, segments: list[Segment], loaded: LoadedSpec, warnings: list[Diagnostic]) -> list[Diagnostic]:
+    """Layer 4: method semantics, on the base spec and each segment; its warnings (SpecError on an error,
+    carrying the earlier `warnings` too)."""
     diags = _locate(rules.check(spec, "base"), loaded)
     steps_at = loaded.locate(("train", "steps"))
     if not (steps_at and steps_at.file.startswith("<override")):  # phases the file itself does not run
@@ -370,10 +400,10 @@ def validate_loaded(loaded: LoadedSpec) -> Validated:
                 x.message = f"in {_label(seg)}: {x.message}"
         diags += _locate(d, loaded, seg.origin)
     errors = [d for d in _dedupe(diags) if d.severity == "error"]
-    warnings += [d for d in _dedupe(diags) if d.severity == "warning"]
+    found = [d for d in _dedupe(diags) if d.severity == "warning"]
     if errors:
-        raise SpecError(errors + warnings)
-    return Validated(loaded, spec, segments, warnings)
+        raise SpecError(errors + warnings + found)
+    return found
 
 
 def _dedupe(diags: list[Diagnostic]) -> list[Diagnostic]:

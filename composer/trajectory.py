@@ -1,4 +1,4 @@
-"""Assembling trajectory batches from finished traces (composer/runtime/protocol.py) with provenance."""
+"""Assembling trajectory batches from finished traces (composer/protocol.py) with provenance."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from composer.batch import TrajectoryBatch
 from composer.data import Example
 from composer.origins import CODE
-from composer.runtime.protocol import Trace
+from composer.protocol import Trace
 
 
 def assemble(traces: list[Trace], examples: list[Example], prompt_index: list[int], pad_id: int) -> TrajectoryBatch:

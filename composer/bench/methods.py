@@ -140,7 +140,7 @@ def variants_from(specs: list[str], sweep: str | None, overrides: list[str] = ()
 def samples_per_step(seg) -> int:
     """Policy samples a step of this segment consumes (demonstrations for a no-rollout SFT step)."""
     spec = seg.spec
-    from composer.terms import terms
+    from composer.checks.terms import terms
 
     if all(getattr(sig, "makes_batch", False) for _n, sig, _o, _w in terms(spec)):
         return spec.train.prompts_per_step
@@ -154,7 +154,7 @@ def policy_samples(validated) -> int:
 
 def budget_overrides(variant: Variant, budget: int) -> list[str]:
     """Scale train.steps (and stage steps and phase boundaries alike) so the run uses `budget` samples."""
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     v = validate_file(variant.spec, variant.overrides)
     factor = budget / max(policy_samples(v), 1)
@@ -188,7 +188,7 @@ def run_key(variant: Variant, seed: int, cfg: dict) -> dict:
 def run_one(variant: Variant, seed: int, out: Path, cfg: dict) -> dict:
     from composer.backends.lightning.run import train
     from composer.runtime.evaluate import heldout_entropy, pass_at_k
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     v = validate_file(variant.spec, run_overrides(variant, seed, cfg))
     extra = {}
@@ -726,7 +726,7 @@ def plots(results: list[dict], out: Path) -> list[Path]:
             per_step = r0["policy_samples"] / max(r0["steps"], 1)
             logs = [_read(Path(r["run"]) / "metrics.csv") for r in runs]
             for ax, tier in ((axes[0], HARD), (axes[1], MIDDLE)):
-                from composer.report import metric_name
+                from composer.runtime.report import metric_name
 
                 xs, ys = _curve(logs, metric_name(f"pass@1/{tier}"))  # metrics.csv's name of pass@1/<tier>
                 ax.plot([x * per_step for x in xs], ys, marker=".", label=label)
@@ -890,5 +890,5 @@ def extend_seeds(out: Path, labels: list[str], seeds: int = EXTRA_SEEDS, cfg: di
     missing = set(labels) - {v.label for v in variants}
     if missing:
         raise ValueError(f"not arms of the claims study: {', '.join(sorted(missing))}")
-    command = command or f"composer.bench.extend_seeds({str(out)!r}, {sorted(labels)!r}, {seeds})"
+    command = command or f"composer.bench.methods.extend_seeds({str(out)!r}, {sorted(labels)!r}, {seeds})"
     return bench(variants, out, {**cfg, "seeds": seeds}, command, log=log)

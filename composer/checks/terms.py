@@ -19,8 +19,8 @@ def gates(spec) -> list:
 
 def terms_at(spec, step: int) -> list[tuple[str, object, object, float]]:
     """terms(spec) with every scheduled number (a term's weight, an objective's coefficient) resolved at global
-    optimizer step `step` (composer.schedules): what the losses of that step use, on both backends."""
-    from composer.schedules import resolve, value_at
+    optimizer step `step` (composer.lang.curves): what the losses of that step use, on both backends."""
+    from composer.lang.curves import resolve, value_at
 
     return [(n, sig, resolve(obj, step) if obj is not None else obj, value_at(w, step))
             for n, sig, obj, w in terms(spec)]

@@ -127,7 +127,7 @@ def export_checkpoint(src: Path | str, dest: Path | str, base: str | None = None
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from composer.backends.lightning import checkpoint as ckpt_format
-    from composer.paths import model_problem, tokenizer_problem
+    from composer.runtime.paths import model_problem, tokenizer_problem
     from composer.registry import remote_code_allowed
     from composer.runtime.models import load_tokenizer, resolve
 
@@ -170,7 +170,7 @@ def export_checkpoint(src: Path | str, dest: Path | str, base: str | None = None
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust)  # the checkpoint's dtype
     if any(k.startswith("base_model.model.") for k in weights):  # trained with LoRA: rebuild the adapter, merge below
         from composer.runtime.models import prepare_policy
-        from composer.spec import Policy
+        from composer.lang.spec import Policy
 
         model = prepare_policy(model, Policy(**{k: v for k, v in policy.items() if k in Policy.model_fields}))
     try:

@@ -13,7 +13,7 @@ from pydantic_core import PydanticCustomError
 from composer import registry
 from composer.filters import RolloutFilter
 from composer.gates import Gate
-from composer.schedules import ScheduledNumber
+from composer.lang.curves import ScheduledNumber
 
 # Bounds: far beyond any real run, but inside what the runtime can count and allocate (int64 step
 # counters, one batch in memory). A value past them is a typo or an attack, refused before anything runs.
@@ -255,7 +255,7 @@ def _partial_union(section: str, builtins_only: bool):
 
 
 def _as_raw(schema_type, description: str, nullable: bool = False, raw=dict[str, Any]):
-    """A phase/stage section: kept as the raw mapping (`raw`; validated after merging, in composer.validate),
+    """A phase/stage section: kept as the raw mapping (`raw`; validated after merging, in composer.checks.validate),
     described in the JSON Schema by its partial type.
 
     nullable: `null` removes the base spec's value (a stage that switches from signal + objective to terms)."""

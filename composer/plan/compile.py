@@ -1,7 +1,7 @@
 """Compile a validated spec into the Plan: the one intermediate form both backends read (DESIGN.md section 4).
 
 The Plan is plain JSON-able data: which models load, the per-step dataflow, the segments (phases and
-stages resolved to step ranges), the schedule both backends execute (composer/schedule.py: syncs, LR,
+stages resolved to step ranges), the schedule both backends execute (composer/plan/schedule.py: syncs, LR,
 the weights each model call reads, each term's advantage groups and normaliser), for every token origin whether it gets loss and against which
 anchor, and one rendered example of the prompts (`prompts`: the policy's, each teacher's and judge's).
 `composer explain` prints it; `composer run` writes it as plan.json.
@@ -9,15 +9,15 @@ anchor, and one rendered example of the prompts (`prompts`: the policy's, each t
 
 from __future__ import annotations
 
-from composer import graph
+from composer.checks import graph
 from composer.origins import ORIGINS
-from composer.runtime.prompts import example_prompts
+from composer.runtime.example_prompts import example_prompts
 from composer.runtime.vllm_engine import engine_note
 from composer.gates import gate_source
-from composer.schedule import compile_schedule
-from composer.schedules import describe, is_scheduled, schedule_json
-from composer.terms import gates, rolls_out, scored_origins, terms
-from composer.validate import Segment, Validated
+from composer.plan.schedule import compile_schedule
+from composer.lang.curves import describe, is_scheduled, schedule_json
+from composer.checks.terms import gates, rolls_out, scored_origins, terms
+from composer.checks.validate import Segment, Validated
 
 PI_TYPE = {
     "reference_solution": ("optimal trajectory", "prior"),

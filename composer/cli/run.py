@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from composer.cli import EXIT_INVALID, allow_plugins_option, main, split_args, trust_remote_code_option, validated_or_exit
+from composer.cli.main import EXIT_INVALID, allow_plugins_option, main, split_args, trust_remote_code_option, validated_or_exit
 from composer.errors import SpecError
 
 
@@ -70,7 +70,7 @@ def _run(spec, overrides, out, resume, no_progress):
         click.echo(f"{spec}: train.backend is {v.spec.train.backend}; use `composer compile --backend "
                    f"{v.spec.train.backend}` for it", err=True)
         sys.exit(EXIT_INVALID)
-    from composer.paths import PathError, check_run_inputs
+    from composer.runtime.paths import PathError, check_run_inputs
 
     try:  # every model, tokenizer and data path, and the loggers' packages, before the run folder exists
         check_run_inputs(v)
@@ -122,16 +122,14 @@ def _expected_errors() -> tuple:
     """Failures that are the input's or the machine's, each with its own message."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    from components.tasks.code_verifier import SandboxUnavailable
     from composer.backends.lightning.checkpoint import CheckpointError
     from composer.backends.lightning.module import NonFiniteError
     from composer.backends.lightning.run import RunError
-    from composer.export import ExportError
-    from composer.paths import PathError
-    from composer.runtime.binding import DataError
-    from composer.runtime.models import ModelLoadError
+    from composer.runtime.export import ExportError
+    from composer.runtime.paths import PathError
+    from composer.errors import DataError, MachineUnavailable, ModelLoadError
 
-    return (SpecError, DataError, ModelLoadError, NonFiniteError, SandboxUnavailable, CheckpointError, RunError,
+    return (SpecError, DataError, ModelLoadError, NonFiniteError, MachineUnavailable, CheckpointError, RunError,
             MisconfigurationException, OSError, PathError, ExportError)
 
 
@@ -155,7 +153,7 @@ def _save_resolved(spec: str, overrides, folder: Path) -> None:
     import yaml
 
     from composer import files
-    from composer.loader import load_spec
+    from composer.lang.loader import load_spec
 
     data = load_spec(spec, list(overrides)).data
     data.pop("extends", None)
@@ -168,7 +166,7 @@ def _save_resolved(spec: str, overrides, folder: Path) -> None:
 @click.option("--limit", type=click.IntRange(min=1), default=8, show_default=True, help="Samples to show.")
 def samples(run_dir, step, limit):
     """Print RUN_DIR's rollout samples at a step (samples.jsonl), with the tokens a guide wrote highlighted."""
-    from composer import samples as s
+    from composer.runtime import samples as s
 
     path = Path(run_dir) / s.SAMPLES
     try:
@@ -203,7 +201,7 @@ def _print_samples(rows: list[dict], total: int, step: int, steps: list[int]) ->
     from rich.console import Console
     from rich.text import Text
 
-    from composer import samples as s
+    from composer.runtime import samples as s
 
     console = Console(highlight=False, soft_wrap=True)
     styled = console.is_terminal
@@ -248,7 +246,7 @@ def _print_samples(rows: list[dict], total: int, step: int, steps: list[int]) ->
 @trust_remote_code_option
 def export(source, out, base):
     """Write a checkpoint's policy (SOURCE: a .ckpt file or a run folder) as a transformers directory."""
-    from composer.export import MODEL_DIR, target_problem
+    from composer.runtime.export import MODEL_DIR, target_problem
 
     folder = Path(out)
     why = target_problem(folder)
@@ -259,7 +257,7 @@ def export(source, out, base):
         with _deferred_signals():
             import transformers
 
-            from composer.export import export_checkpoint
+            from composer.runtime.export import export_checkpoint
         transformers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()
         path = export_checkpoint(source, folder, base)
@@ -275,7 +273,9 @@ def export(source, out, base):
 @click.option("--seed", type=click.IntRange(min=0, max=2**32 - 1), default=0, show_default=True)
 def toy_data(out, seed):
     """Write the toy testbed's data as jsonl, to go through the ordinary `data:` path."""
-    from components.tasks.toy import write_jsonl
+    from composer.registry import part
+
+    write_jsonl = part("toy.write_jsonl")
 
     taken = sorted(p.name for p in [*Path(out).glob("train.jsonl"), *Path(out).glob("eval_*.jsonl")]) \
         if Path(out).is_dir() else []
@@ -311,7 +311,7 @@ def bench(specs, seeds, budget_samples, out, sweep, suite, study, quick, through
     summary.md (mean and 95% interval) and plots. Arguments path.to.field=value override every SPEC."""
     import time as _time
 
-    from composer import bench as b
+    from composer.bench import methods as b
 
     if readme_from:
         try:
@@ -322,7 +322,7 @@ def bench(specs, seeds, budget_samples, out, sweep, suite, study, quick, through
         click.echo("wrote README.md (bench results section) and docs/bench/")
         return
     if throughput:
-        from composer.bench_throughput import main as tp_main
+        from composer.bench.throughput import main as tp_main
 
         extra = (["--sweep"] + (["--sweep-axes", sweep] if sweep else [])) if sweep is not None else []  # value: axes
         sys.exit(tp_main(extra + (["--out", out] if out else []) + list(specs)))
@@ -344,7 +344,7 @@ def bench(specs, seeds, budget_samples, out, sweep, suite, study, quick, through
         raise click.UsageError("give SPEC files, or --suite seeds")
     for var in variants:  # the bench measures on the toy testbed's tiers; a data spec has none of them
         try:
-            from composer.validate import validate_file
+            from composer.checks.validate import validate_file
 
             data = validate_file(var.spec, list(var.overrides)).spec.data.train
         except SpecError as e:

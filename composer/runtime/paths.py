@@ -92,7 +92,7 @@ def data_path_problem(name: str | Path) -> str | None:
     the run, /dev/zero would fill memory. Links are followed: where they lead is what counts."""
     path = Path(name)
     if not path.exists() and not path.is_symlink():
-        from composer.datafiles import absent_reason, hub_snapshot
+        from composer.runtime.datafiles import absent_reason, hub_snapshot
 
         return None if hub_snapshot(str(name)) is not None else absent_reason(str(name))  # a cached hub dataset reads
     try:

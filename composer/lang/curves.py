@@ -57,7 +57,7 @@ def value_at(x, step: int) -> float:
 def resolved_number(x, what: str) -> float:
     """A field's number inside a loss: a schedule must have been resolved for the step (`resolve`) before."""
     if isinstance(x, Schedule):
-        raise ValueError(f"{what} is a schedule that was not resolved for the step (composer.schedules.resolve)")
+        raise ValueError(f"{what} is a schedule that was not resolved for the step (composer.lang.curves.resolve)")
     return x
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from composer.spec import spec_model
+from composer.lang.spec import spec_model
 
-DEFAULT_PATH = Path(__file__).resolve().parent.parent / "schemas" / "spec.schema.json"
+DEFAULT_PATH = Path(__file__).resolve().parents[2] / "schemas" / "spec.schema.json"
 
 
 def spec_schema(builtins_only: bool = True) -> dict:

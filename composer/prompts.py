@@ -16,7 +16,7 @@ Every context a policy_model source declares is placed in the text it is given, 
 before training naming the source, the template and the context (`check_placement`). Templates, in
 order of precedence: the source's own `template`; the task's (toy testbed: one line per context kind
 before the question); the published ones (OPSD with a reference solution, SDPO with a sibling success
-and/or feedback); a generic composition of all of them. No torch at import (`policy_format` loads a
+and/or feedback); a generic composition of all of them. No torch at import, nothing from the runtime (`runtime/binding.policy_format` loads a
 tokenizer).
 """
 
@@ -88,7 +88,7 @@ class PromptFormat:
             return (f"{self.system}\n\n" if self.system is not None else "") + user
         messages = ([{"role": "system", "content": self.system}] if self.system is not None else []) + \
             [{"role": "user", "content": user}]
-        from composer.runtime.template_limits import TemplateLimitError, render
+        from composer.template_limits import TemplateLimitError, render
 
         try:  # the template is code from a model folder: rendered with time and size limits
             text = render(self.tokenizer, messages, self.kwargs)
@@ -109,7 +109,7 @@ class PromptFormat:
         stops the run before training, naming the setting."""
         probe = "\u27e6the problem\u27e7"
         where = f"the chat template of {self.tokenizer_name or 'the policy tokenizer'}"
-        from composer.runtime.template_limits import kwargs_problem
+        from composer.template_limits import kwargs_problem
 
         why = kwargs_problem(self.tokenizer, self.kwargs) if self.kwargs else None
         if why:
@@ -166,24 +166,6 @@ def prompt_format(data, tokenizer, tokenizer_name: str = "") -> PromptFormat:
     fmt = PromptFormat(mode, tokenizer if mode == "chat" else None, data.system_prompt, data.prompt_template,
                        data.chat_template_kwargs, data.prompt_format, tokenizer_name)
     return fmt.check() if mode == "chat" else fmt
-
-
-def policy_format(spec) -> PromptFormat:
-    """The policy's prompt format for `spec`, loading its tokenizer when the format depends on it (a run binds
-    its data with this; the run context renders teachers' and judges' prompts with the same settings)."""
-    d = spec.data
-    if d.train is None:
-        return TASK_FORMAT
-    policy = getattr(spec, "policy", None)  # a spec without one: the toy student
-    name = getattr(policy, "tokenizer", None) or getattr(policy, "model", None) or "toy:student"
-    if d.prompt_format == "plain":
-        return prompt_format(d, None, name)
-    if name.startswith("toy:"):  # the toy tokenizer (character level) has no chat template: no need to load it
-        return prompt_format(d, None, name)
-    from composer.runtime.models import load_tokenizer
-
-    tok = load_tokenizer(name, trust_remote_code=bool(getattr(policy, "trust_remote_code", False)))
-    return prompt_format(d, tok, name)
 
 
 def render_task(task, fmt: PromptFormat) -> None:
@@ -324,115 +306,3 @@ def which_template(task, cfg, usage: str, kinds: dict[str, str]) -> str:
     if kinds_present and kinds_present <= {"sibling_success", "feedback"}:
         return "the SDPO template"
     return "the generic context template"
-
-
-# ------------------------------------------------------------------------------------- explain's example
-
-PLACEHOLDER = {
-    "sibling_success": "\u27e8a successful rollout of the same group, when there is one\u27e9",
-    "feedback": "\u27e8the verifier's feedback on this rollout\u27e9",
-    "reference_solution": "\u27e8no reference solution in this row\u27e9",
-}
-
-
-def first_example(spec):
-    """(example, where, task) of the first usable training row: the toy testbed's first problem, or the first
-    row of data.train that loads (the whole file is not read)."""
-    d = spec.data
-    if d.train is None:
-        from components.tasks.toy import toy_task
-
-        task = toy_task(tiers=tuple(d.tiers), train_tiers=tuple(d.train_tiers), eval_per_tier=1, train_per_tier=1,
-                        seed=spec.train.seed)
-        return task.train[0], "the toy testbed's first training problem", task
-    from pathlib import Path
-
-    from composer.data import Task
-    from composer.runtime.binding import DataError, _example, open_source
-
-    path = Path(d.train)
-    where, rows = open_source(d.train, d.split, "train")
-    first = None
-    for i, row in rows:
-        try:
-            if isinstance(row, DataError):
-                raise row
-            ex = _example(where, i, row, d)
-        except DataError as e:
-            first = first or e
-            continue
-        return ex, f"row {i} of {where}", Task(name=path.stem, train=[], eval={}, verifier="math")
-    # no row is usable: the first one's reason (a wrong prompt_field names the fields the rows have)
-    raise DataError(f"{where}: no usable row" + (f"; the first: {first}" if first else ""), file=str(d.train))
-
-
-def example_prompts(spec, segment_specs=()) -> dict:
-    """One rendered example of what the run's models are prompted with, for `explain` and plan.json: the
-    policy's prompt for the first training row, and for the same row every policy_model source's prompt (a
-    teacher's privileged prompt, a judge's verdict prompt with the reference's first steps as the steps under
-    review; posterior texts, known only from rollouts, as placeholders). {"error": why} when it cannot be
-    rendered here (the run itself says why again, before training)."""
-    try:
-        fmt = policy_format(spec)
-        example, where, task = first_example(spec)
-        if fmt.mode != "task":
-            example.prompt = fmt.prompt(example)
-    except Exception as e:  # noqa: BLE001 - explain shows why, the run stops with the same error
-        from composer.runtime.binding import DataError
-
-        out = {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}
-        if isinstance(e, DataError):  # the spec's data cannot be read as declared: explain fails like the run
-            out["data_error"] = str(e)
-        return out
-    out = {"format": fmt.to_json(), "describe": fmt.describe(), "example": where, "policy": example.prompt,
-           "sources": {}}
-    for seg in list(segment_specs) or [spec]:
-        guide = seg.rollout.guide
-        judges = {c.source: c for c in guide.model_calls(seg)} if hasattr(guide, "model_calls") else {}
-        teachers = {getattr(sig, "teacher_source", None) for sig in _signals(seg)} - {None}
-        for name, src in seg.sources.items():
-            if src.kind_name() != "policy_model" or name in out["sources"] or not {name} & (teachers | set(judges)):
-                continue
-            try:
-                out["sources"][name] = _source_prompts(task, fmt, example, seg, src, name in teachers,
-                                                       judges.get(name))
-            except Exception as e:  # noqa: BLE001 - shown by explain; the run's own checks stop it before training
-                out["sources"][name] = {"context": list(src.context), "error": f"{type(e).__name__}: {e}"}
-    return out
-
-
-def _source_prompts(task, fmt: PromptFormat, example, seg, src, teacher: bool, judge) -> dict:
-    """A policy_model source's example prompts: as a teacher and/or as a judge (its verdict prompt)."""
-    kinds = {c: seg.sources[c].kind for c in src.context}
-    texts = {c: _example_text(seg.sources[c], example) for c in src.context}
-    entry = {"context": list(src.context)}
-    if teacher:
-        shown, note = texts, ""
-        if getattr(src, "feedback_only_without_solution", False) and {"sibling_success", "feedback"} <= \
-                set(kinds.values()):  # SDPO's rule: a row sees the feedback only without a sibling success
-            shown = {c: (None if kinds[c] == "feedback" else t) for c, t in texts.items()}
-            note = "; a row without a successful sibling sees the feedback instead"
-        text = teacher_prompt(task, src, kinds, example, shown, fmt)
-        entry["teacher"] = text if text is not None else example.prompt
-        entry["teacher_note"] = (which_template(task, src, "teacher", kinds) + note if text is not None
-                                 else "no context: the student's own prompt")
-    if judge is not None:
-        steps = [s for s in (example.solution or "").split(judge.step_split) if s.strip()] or ["..."]
-        accepted, new = steps[:1], steps[1:3] or ["..."]
-        entry["judge"] = judge_prompt(task, src, kinds, example, accepted, new, judge.step_split, texts, fmt)
-        entry["judge_note"] = which_template(task, src, "judge", kinds)
-    return entry
-
-
-def _signals(spec):
-    from composer.graph import signal_objective_pairs
-
-    return [sig for sig, _obj in signal_objective_pairs(spec) if sig is not None]
-
-
-def _example_text(src, example) -> str:
-    from composer.contract import Source
-
-    per_problem = type(src).example_text is not Source.example_text  # the source has text of the problem alone
-    text = src.example_text(example) if per_problem else None
-    return text if text is not None else PLACEHOLDER.get(src.kind_name(), f"\u27e8{src.kind_name()}\u27e9")

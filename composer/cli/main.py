@@ -50,7 +50,7 @@ def trust_remote_code_option(command):
 
 
 def _validate(path: str, overrides: list[str]):
-    from composer.validate import validate_file
+    from composer.checks.validate import validate_file
 
     return validate_file(path, overrides)
 
@@ -124,8 +124,8 @@ def _entry_point_errors() -> list[str]:
 @allow_plugins_option
 def explain(spec, overrides, fmt):
     """Explain SPEC: sources and readers, token origins with loss and anchor, models, taxonomy."""
-    from composer import explain as ex
-    from composer.plan import compile_plan
+    from composer.plan import explain as ex
+    from composer.plan.compile import compile_plan
 
     try:
         v = _validate(spec, list(overrides))
@@ -162,7 +162,8 @@ def list_(topic, section, markdown, out, with_plugins):
     `stages`, `objective`), a kind (`objective/advantage_regression`, with its formula and paper), or
     `verifiers`.
     """
-    from composer import reference, registry
+    from composer import registry
+    from composer.lang import reference
 
     registry.load_all()
     topic = section or topic
@@ -179,7 +180,7 @@ def list_(topic, section, markdown, out, with_plugins):
 
 
 def _list_markdown(entries, builtins_only: bool, out: str | None) -> None:
-    from composer import reference
+    from composer.lang import reference
 
     text = reference.markdown(builtins_only) if entries is None else \
         "\n".join(line for e in entries for line in reference.entry_markdown(e))
@@ -198,7 +199,8 @@ def _list_terminal(entries) -> None:
     from rich.console import Console
     from rich.text import Text
 
-    from composer import reference, registry
+    from composer import registry
+    from composer.lang import reference
 
     console = Console(highlight=False)
     if entries is None:
@@ -217,7 +219,7 @@ def _list_terminal(entries) -> None:
               "covers built-in kinds only).")
 def schema(out, with_plugins):
     """Write the JSON Schema (2020-12) of the spec language, generated from the component registry."""
-    from composer.schema import write_schema
+    from composer.lang.schema import write_schema
 
     if with_plugins and not out:
         _fail("error: --with-plugins needs --out (the committed schemas/spec.schema.json covers built-in kinds only)")
@@ -230,9 +232,9 @@ def schema(out, with_plugins):
 
 def _register_optional_commands():
     """Commands whose modules only load when they run (they import torch)."""
-    from composer import cli_run  # noqa: F401
-    from composer import cli_compile  # noqa: F401
-    from composer import cli_eval  # noqa: F401
+    from composer.cli import run as cli_run  # noqa: F401
+    from composer.cli import compile as cli_compile  # noqa: F401
+    from composer.cli import eval as cli_eval  # noqa: F401
 
 
 try:
@@ -241,7 +243,7 @@ except ImportError:
     pass
 
 
-if __name__ == "__main__":  # `python -m composer.cli`: use the imported module, where every command registered
-    from composer.cli import main as _main
+if __name__ == "__main__":  # `python -m composer.cli.main`: use the imported module, where every command registered
+    from composer.cli.main import main as _main
 
     _main()

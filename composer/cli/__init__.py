@@ -1,0 +1,1 @@
+"""The `composer` command line (`python -m composer`)."""
