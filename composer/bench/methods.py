@@ -40,7 +40,9 @@ EXTRA_SEEDS = 5  # pre-registered: a claim whose primary difference is within on
 # Intervention intensity (MInTRL): a setting whose answers are long enough for the knob to reach 40%
 # off-policy tokens: 8-step chains join the training tiers (answers up to 51 tokens; the student errs
 # from their first line), the judge reviews every step line (chunk_tokens 6) and max_reviews is the knob.
-INTENSITY_SETTING = ["data.train_tiers=[2,4,6,8]", "rollout.guide.chunk_tokens=6", "train.samples_every=1"]
+# Issue 26: over the whole intervention phase that reached 30%, not 40%; by the procedure fixed in
+# docs/bench/settings.md before rerunning, 10-step chains join too (calibration, seed 0, max_reviews 16: 51.8%).
+INTENSITY_SETTING = ["data.train_tiers=[2,4,6,8,10]", "rollout.guide.chunk_tokens=6", "train.samples_every=1"]
 INTENSITY_REVIEWS = (0, 1, 2, 4, 16)
 # Lag (OAPL vs GRPO): 4 prompts x 8 samples per step, so the 4096-sample budget is 128 steps: lag 24
 # syncs at steps 24, 48, 72, 96 and 120 (5 syncs inside the run).
