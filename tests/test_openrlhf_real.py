@@ -325,11 +325,13 @@ oapl_pope_job, test_oapl_pope_losses_equal_lightning = _method(
                                                   "objective.beta2=1.0"], 2)
 
 
-def test_oapl_pope_guided_rows_are_their_own_groups(oapl_pope_job):
-    """POPE's guided rollouts reached the OAPL trainer from prefixed prompts."""
+def test_oapl_pope_guided_rows_come_from_prefixed_prompts(oapl_pope_job):
+    """POPE's guided rollouts reached the OAPL trainer, sampled from prefixed prompts, tagged as their own
+    advantage group."""
     _bundle, out = oapl_pope_job
     rows = [r for f in out["fits"] for r in f["samples"]]
     assert any(r["guided"] and r["sampled_prompt"] != r["prompt"] for r in rows)
+    assert all(r["tag"] == "guided" for r in rows if r["guided"])
     assert all(r["sampled_prompt"] == r["prompt"] for r in rows if not r["guided"])
 
 
