@@ -400,6 +400,34 @@ def test_int_stages_chain_and_losses_equal_lightning(int_job):
     assert (bundle.parent / "cluster" / "sft" / "model" / "config.json").exists()
 
 
+# the shipped curriculum: SFT (train_sft, torchrun), then OPD, then GRPO: three OpenRLHF runs of two trainers
+# in one job, each from the model the previous one saved
+CURRICULUM = ["train.prompts_per_step=2", "stages[0].train.steps=2", "stages[1].train.steps=2",
+              "stages[2].train.steps=2", "rollout.samples_per_prompt=4", "stages[2].rollout.samples_per_prompt=4",
+              "rollout.temperature=1.5"]
+
+
+@pytest.fixture(scope="module")
+def curriculum_job(head, tmp_path_factory):
+    bundle = compile_for_cpu("specs/hybrids/sft-opd-grpo.yaml", CURRICULUM, tmp_path_factory.mktemp("curriculum"))
+    return bundle, job(head, bundle)
+
+
+def test_sft_opd_grpo_stages_chain_across_trainers(curriculum_job):
+    """Every step of the three runs equals Lightning's loss; the OPD run starts from the weights train_sft
+    saved and the GRPO run from those the OPD run saved."""
+    bundle, out = curriculum_job
+    plan = json.loads((bundle / "plan.json").read_text())
+    assert [(r["name"], r["trainer"]) for r in plan["openrlhf"]["runs"]] == [("sft", "sft"), ("opd", "ppo"),
+                                                                               ("grpo", "ppo")]
+    fits = out["fits"]
+    print(f"sft-opd-grpo: largest |openrlhf - lightning| = {check_losses(out, 6):.3g}")
+    assert [f.get("trainer", "ppo") for f in fits] == ["sft"] * 2 + ["ppo"] * 4
+    for before, after in ((2, 1), (4, 3)):
+        assert fits[before]["weights_before"] == fits[after]["weights_after"], (before, after)
+    assert fits[1]["weights_after"] != fits[0]["weights_before"]
+
+
 def test_check_names_the_gpus_the_cluster_lacks(head, tmp_path):
     """A bundle compiled for 2 nodes x 8 GPUs, checked on the 1-GPU head: launch.sh --check fails and says what
     is missing instead of OpenRLHF waiting forever for its placement group."""
