@@ -248,7 +248,8 @@ class ComposerAgent:
                 await run_async(p, serve)
 
     async def _prepare_run(self, ctx, guide, example, engines, initial_ok: bool) -> None:
-        """`guide.prepare` for every (step, training problem) of this run where the guide is in force."""
+        """`guide.prepare` for every (step, training problem) of this run from the current step on where the
+        guide is in force."""
         problems = self._run_problems(ctx)
         if example.prompt not in {ex.prompt for ex in problems}:
             problems.append(example)
@@ -257,7 +258,7 @@ class ComposerAgent:
             if seg.spec.rollout.guide.model_dump_json() != key:
                 continue
             base = self.context(seg.spec, ctx.tokenizer)
-            for step in range(seg.start, seg.end):
+            for step in range(max(seg.start, ctx.step), seg.end):  # this step on (a resumed run: no earlier)
                 at = copy.copy(base)
                 at.step = step
                 work = [(p, ex) for ex in problems for p in guide.prepare(at, [ex])]
