@@ -340,18 +340,24 @@ def test_oapl_pope_guided_rows_come_from_prefixed_prompts(oapl_pope_job):
 PLUGIN_SRC = ROOT / "examples" / "custom_component" / "src"
 
 
-@pytest.fixture(scope="module")
-def plugin_job(head, tmp_path_factory):
+def compile_with_plugins(spec: str, src: Path, overrides: list[str], out: Path) -> Path:
+    """compile_for_cpu for a spec whose `plugins:` live in folder `src` (allowed, as --allow-plugins does);
+    the bundle carries its own copy, and the Ray workers' path never holds `src`."""
     from composer import registry
 
-    sys.path.insert(0, str(PLUGIN_SRC))
+    sys.path.insert(0, str(src))
     registry.allow_spec_plugins(True)
     try:
-        bundle = compile_for_cpu("examples/custom_component/spec.yaml", ["train.steps=2", *SMALL],
-                                 tmp_path_factory.mktemp("plugin"))
+        return compile_for_cpu(spec, overrides, out)
     finally:
         registry.allow_spec_plugins(None)
-        sys.path.remove(str(PLUGIN_SRC))
+        sys.path.remove(str(src))
+
+
+@pytest.fixture(scope="module")
+def plugin_job(head, tmp_path_factory):
+    bundle = compile_with_plugins("examples/custom_component/spec.yaml", PLUGIN_SRC, ["train.steps=2", *SMALL],
+                                  tmp_path_factory.mktemp("plugin"))
     return bundle, job(head, bundle)
 
 
@@ -367,6 +373,32 @@ def test_plugin_objective_runs_in_the_workers(plugin_job):
         assert f["objectives"] == ["length_penalty.LengthPenalizedGrpo"], f["objectives"]
         assert f["objective_files"][0].endswith("length_penalty/__init__.py")
         assert str(PLUGIN_SRC) not in f["objective_files"][0]  # the bundle's copy, not the source tree
+
+
+# a plugin guide (tests/openrlhf_real/plugin_src/first_step_hint.py): run by the agent in the rollout engine's
+# Ray worker, from the bundle's copy; OPD on its rollouts (the teacher in the reference slot)
+@pytest.fixture(scope="module")
+def plugin_guide_job(head, tmp_path_factory):
+    bundle = compile_with_plugins("tests/openrlhf_real/plugin_guide.yaml", HERE / "plugin_src",
+                                  ["rollout.temperature=1.5"], tmp_path_factory.mktemp("plugin_guide"))
+    return bundle, job(head, bundle)
+
+
+def test_plugin_guide_runs_in_the_rollout_workers(plugin_guide_job):
+    """Every step's loss equals Lightning's; the rows of the trained batches are what the plugin guide wrote:
+    even rollouts carry the reference's first line as guide_prefix tokens after the prompt (no loss: they
+    come before the first action token) and are tagged as their own group, odd ones are plain."""
+    bundle, out = plugin_guide_job
+    assert (bundle / "first_step_hint.py").exists()
+    print(f"plugin_guide: largest |openrlhf - lightning| = {check_losses(out, 2):.3g}")
+    rows = [r for f in out["fits"] for r in f["samples"]]
+    hinted = [r for r in rows if r["guided"]]
+    assert len(hinted) == len(rows) // 2
+    for r in rows:
+        if r["guided"]:
+            assert r["tag"] == "hint" and r["sampled_prompt"] == r["prompt"] + r["solution"].split("\n")[0] + "\n"
+        else:
+            assert r["control"] and r["sampled_prompt"] == r["prompt"]
 
 
 # InT: stage 1 (SFT on the agent's guided targets, built once by the engine's agent from the initial weights)
