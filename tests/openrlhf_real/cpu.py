@@ -19,8 +19,9 @@ The patches (nothing else of OpenRLHF, Ray, DeepSpeed or transformers is changed
   P9 EMA copy       DeepspeedStrategy.moving_average on "cpu" (OpenRLHF's actor asks for "cuda")
   P8 shm all-reduce DeepSpeed's optional CPU shared-memory all-reduce kernel (a JIT compile) is not built:
                     DeepSpeed then uses torch.distributed's gloo collectives, as where the kernel is unavailable
-The recorder (only with COMPOSER_REAL_OUT set) writes fits.jsonl: per PolicyModelActor fit, the loss the
-real DeepSpeed engine back-propagated and the Lightning backend's loss of the same batch and weights.
+The recorder (only with COMPOSER_REAL_OUT set) writes fits.jsonl: per PolicyModelActor fit (PPO runs) and per
+SFTTrainer optimizer step (train_sft runs), the loss the real DeepSpeed engine back-propagated, the Lightning
+backend's loss of the same batch and weights, the weights before and after, and what each row holds.
 """
 
 from __future__ import annotations
