@@ -249,8 +249,10 @@ sdpo_job, test_sdpo_losses_equal_lightning = _method("sdpo", "specs/sdpo.yaml", 
 # (tiers 6 and 8: references long enough for a prefix within max_fraction 0.25; every prompt drawn for
 # guidance; 2 search samples per candidate prefix)
 POPE = ["data.train_tiers=[6,8]", "rollout.guide.search_samples=2"]
+# lr 0.02 and kl_coef 1: step 2's KL term against the initial policy is far from 0 whatever the rewards
 pope_job, test_pope_losses_equal_lightning = _method("pope", "specs/pope.yaml",
-                                                     [*SMALL, *POPE, "rollout.guide.guided_fraction=1.0"], 2)
+                                                     [*SMALL, *POPE, "rollout.guide.guided_fraction=1.0",
+                                                      "train.lr=0.02", "objective.kl_coef=1.0"], 2)
 
 
 def test_pope_rollouts_were_sampled_from_prefixed_prompts(pope_job):
