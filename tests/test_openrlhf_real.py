@@ -6,7 +6,10 @@ working_dir and the composer's worker setup hook); the composer's entry point an
 job driver; OpenRLHF's PPOTrainer, PolicyModelActor (real DeepSpeed ZeRO-2 engine, bf16, gloo), the
 reference actor and RolloutRayActor (with the bundle's reward.py / agent.py), each a separate Ray worker
 process, talking through Ray; the colocated weight sync over OpenRLHF's CUDA-IPC code path on shared CPU
-tensors; checkpoints, TensorBoard logs and the final model written by OpenRLHF.
+tensors; checkpoints, TensorBoard logs and the final model written by OpenRLHF; for SFT runs the entry
+point's `torchrun -m openrlhf.cli.train_sft` (OpenRLHF's SFTTrainer on the same DeepSpeed setup); a bundle's
+later runs (stages) starting from the model the earlier run saved; plugin modules imported from the bundle's
+copy in the workers.
 
 What is replaced: vLLM's engine (tests/openrlhf_real/hf_vllm.py, an HF-transformers model with vLLM's
 interface; its assumptions are pinned by test_engine_interface and checked against real vLLM on a GPU by
