@@ -652,7 +652,42 @@ def test_agent_pope_prefix_in_the_prompt_with_minimal_search():
         assert tok.decode(out["observation_tokens"][: len(guided_prompt)]) == guided_prompt
         assert out["prompt"] == ex.prompt  # grouping and the label keep the original prompt
     # k = 0 (the plain prompt) failed, one reference line suffices: searched once, with the initial weights
-    assert next(iter(agent.contexts.values())).cache[("guide", "prefix-search", agent.segments.at(0).rollout.guide.model_dump_json())][ex.prompt] == 1
+    assert agent.cache[("guide", "prefix-search", agent.segments.at(0).rollout.guide.model_dump_json())][ex.prompt] == 1
+
+
+def test_agent_pope_searches_every_run_problem_at_every_step_before_the_first_broadcast(tmp_path, monkeypatch):
+    """POPE draws its guided prompts per step, and its minimal search reads the initial policy, which the
+    rollout engine holds only until the first broadcast (sync every step here: step 1 samples with updated
+    weights). The agent's first call searches every training problem of the run (the bundle's train rows) that
+    any step of the run guides; a problem guided only at step 1 is then served from that search, where the
+    agent used to search it at step 1 and refuse ("initial policy after the first broadcast")."""
+    from types import SimpleNamespace
+
+    from components.tasks import toy
+    from components.tasks.tokenizer import char_tokenizer
+
+    tok = char_tokenizer()
+    agent = agent_for("specs/pope.yaml", ["train.steps=2", "train.prompts_per_step=1"])
+    spec, guide = agent.segments.at(0), agent.segments.at(0).rollout.guide
+    pool = [toy.make_example(p) for p in ("7+3-5+9", "2+2-1+4", "5-3+8-2", "9-4+1+6", "3+3+3-7", "8-1-2+5")]
+    at = lambda s, ex: guide.chosen(SimpleNamespace(step=s, spec=spec), ex)  # noqa: E731
+    late = next(ex for ex in pool if at(1, ex) and not at(0, ex))  # guided at step 1 only
+    first = next(ex for ex in pool if ex is not late)
+    rows = tmp_path / "train.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": ex.prompt, "label": ob.encode_label(ob.label_of(ex))}) + "\n"
+                            for ex in (first, late)))
+    agent.run["plugin"].update(train_file=str(rows), train_rows=2)
+    assert agent.schedule.sampler_is_initial(0) and not agent.schedule.sampler_is_initial(1)
+
+    engine = FakeEngine(tok, lambda text: ["7+3=0\n#1"])  # never solves: the search ends at the largest k
+    run_agent(agent, engine, tok, first.prompt, ob.encode_label(ob.label_of(first, step=0)), 2)
+    cache = agent.cache[("guide", "prefix-search", guide.model_dump_json())]
+    assert late.prompt in cache  # searched on the first call, with the initial weights
+    calls = engine.calls
+    outs = run_agent(agent, engine, tok, late.prompt, ob.encode_label(ob.label_of(late, step=1)), 2)
+    assert engine.calls == calls + 2  # the two rollouts only: no search after the broadcast
+    k = cache[late.prompt]
+    assert all(ob.decode_label(o["label"])["guided"] == (k > 0) for o in outs)
 
 
 def test_agent_int_stage_one_self_judge_and_sft_filter():

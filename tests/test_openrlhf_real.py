@@ -6,7 +6,10 @@ working_dir and the composer's worker setup hook); the composer's entry point an
 job driver; OpenRLHF's PPOTrainer, PolicyModelActor (real DeepSpeed ZeRO-2 engine, bf16, gloo), the
 reference actor and RolloutRayActor (with the bundle's reward.py / agent.py), each a separate Ray worker
 process, talking through Ray; the colocated weight sync over OpenRLHF's CUDA-IPC code path on shared CPU
-tensors; checkpoints, TensorBoard logs and the final model written by OpenRLHF.
+tensors; checkpoints, TensorBoard logs and the final model written by OpenRLHF; for SFT runs the entry
+point's `torchrun -m openrlhf.cli.train_sft` (OpenRLHF's SFTTrainer on the same DeepSpeed setup); a bundle's
+later runs (stages) starting from the model the earlier run saved; plugin modules imported from the bundle's
+copy in the workers.
 
 What is replaced: vLLM's engine (tests/openrlhf_real/hf_vllm.py, an HF-transformers model with vLLM's
 interface; its assumptions are pinned by test_engine_interface and checked against real vLLM on a GPU by
@@ -120,9 +123,8 @@ def compile_for_cpu(spec: str, overrides: list[str], out: Path, gpus_per_node: i
     bundle = out / "bundle"
     compile_bundle(v, bundle, Layout(nodes=nodes, gpus_per_node=gpus_per_node, cluster_dir=str(out / "cluster")))
     plan = json.loads((bundle / "plan.json").read_text())
-    for run in plan["openrlhf"]["runs"]:
-        if run["trainer"] == "ppo":
-            run["argv"] += ["--ds.attn_implementation", "sdpa"]
+    for run in plan["openrlhf"]["runs"]:  # both trainers: no flash-attn on CPU
+        run["argv"] += ["--ds.attn_implementation", "sdpa"]
     (bundle / "plan.json").write_text(json.dumps(plan, indent=1))
     return bundle
 
@@ -239,6 +241,228 @@ opsd_job, test_opsd_losses_equal_lightning = _method("opsd", "specs/opsd.yaml", 
 mintrl_job, test_mintrl_losses_equal_lightning = _method(
     "mintrl", "specs/mintrl.yaml", [*SMALL, "rollout.guide.control_samples=2", "phases[0].until=1",
                                     "phases[1].until=2", "train.micro_batch_size=4"], 2)
+
+# SDPO: the self-teacher is the EMA copy of the policy (rate 0.05) re-prompted with a successful sibling or
+# the verifier's feedback, scored in the training actor; alpha-JSD over the student's top-k plus a tail
+# bucket (full-vocabulary logits of the training forward); rows with neither context get no loss. lr 0.02:
+# the EMA teacher moves after step 1, so step 2's teacher differs from the initial weights
+sdpo_job, test_sdpo_losses_equal_lightning = _method("sdpo", "specs/sdpo.yaml", [*SMALL, "train.lr=0.02"], 2)
+# POPE: the minimal prefix search runs in the agent on the rollout engine while it holds the initial
+# weights; guided prompts carry the reference prefix in the prompt and form their own advantage groups
+# (tiers 6 and 8: references long enough for a prefix within max_fraction 0.25; every prompt drawn for
+# guidance; 2 search samples per candidate prefix)
+POPE = ["data.train_tiers=[6,8]", "rollout.guide.search_samples=2"]
+# lr 0.02 and kl_coef 1: step 2's KL term against the initial policy is far from 0 whatever the rewards
+pope_job, test_pope_losses_equal_lightning = _method("pope", "specs/pope.yaml",
+                                                     [*SMALL, *POPE, "rollout.guide.guided_fraction=1.0",
+                                                      "train.lr=0.02", "objective.kl_coef=1.0"], 2)
+
+
+def test_pope_rollouts_were_sampled_from_prefixed_prompts(pope_job):
+    """The guide acted on the cluster: some rows of the trained batches were sampled from a prompt that is the
+    dataset prompt plus the start of the reference solution (the minimal search's prefix), labelled guided and
+    tagged as their own group; the other rows from the plain dataset prompt."""
+    _bundle, out = pope_job
+    rows = [r for f in out["fits"] for r in f["samples"]]
+    guided = [r for r in rows if r["guided"]]
+    assert guided, "no guided rollout reached the trainer"
+    for r in guided:
+        first_step = r["solution"].split("\n")[0].strip()
+        assert r["tag"] == "guided" and not r["control"]
+        assert r["sampled_prompt"] != r["prompt"] and first_step in r["sampled_prompt"], r
+    plain = [r for r in rows if not r["guided"]]
+    assert all(r["sampled_prompt"] == r["prompt"] for r in plain), plain[:2]
+    # the minimal search ran on the rollout engine while it held the initial weights (version 0): it served
+    # more requests then than step 0's 2 x 4 rollouts
+    assert sum(e["event"] == "request" and e["version"] == 0 for e in out["engine"]) > 2 * 4
+
+
+def test_sdpo_teacher_context_reached_the_loss(sdpo_job):
+    """Some rows had a teacher context (a successful sibling or feedback: weight 1) and the loss is non-zero
+    because of them (check_losses); the rows' teacher weights come from the experience step's labels."""
+    _bundle, out = sdpo_job
+    weights = [(r["teacher_weight"] or {}).get("teacher") for f in out["fits"] for r in f["samples"]]
+    assert any(w not in (None, 0, 0.0) for w in weights), weights
+
+
+# SFT through OpenRLHF's native route: the entry point execs `torchrun -m openrlhf.cli.train_sft` in the job
+# driver's node; two micro-batches per optimizer step (OpenRLHF normalises by the window's token count)
+sft_job, test_sft_losses_equal_lightning = _method("sft", "specs/sft.yaml", ["train.prompts_per_step=4",
+                                                                            "train.micro_batch_size=2"], 2)
+
+
+def test_sft_trained_the_lightning_demonstrations(sft_job):
+    """The tokens OpenRLHF's SFT dataset built are the Lightning backend's SFT rows (components/signals/sft.py
+    make_batch: the prompt's ids, then the reference solution's ids and EOS as `demonstration`): each trained
+    sequence is one of them, its loss tokens exactly the demonstration; the final model was written."""
+    from transformers import AutoTokenizer
+
+    bundle, out = sft_job
+    plan = json.loads((bundle / "plan.json").read_text())
+    tok = AutoTokenizer.from_pretrained(str(bundle / plan["openrlhf"]["policy_path"]))
+    rows = [json.loads(x) for x in (bundle / "data" / "train.jsonl").read_text().splitlines()]
+    lightning = {}
+    for r in rows:
+        p = tok.encode(r["prompt"], add_special_tokens=False)
+        d = tok.encode(json.loads(r["label"])["solution"], add_special_tokens=False) + [tok.eos_token_id]
+        lightning[tuple(p + d)] = [False] * len(p) + [True] * len(d)
+    seen = 0
+    assert out["fits"][1]["weights_before"] == out["fits"][0]["weights_after"] != out["fits"][0]["weights_before"]
+    for f in out["fits"]:
+        assert f["gas"] == 2 and f["micro_batches"] == 2 and f["demo_tokens"] > 0
+        for seq, mask in zip(f["sequences"], f["demo_masks"]):
+            assert tuple(seq) in lightning, tok.decode(seq)
+            assert mask[:len(seq)] == lightning[tuple(seq)]
+            seen += 1
+    assert seen == 2 * 4
+    assert (bundle.parent / "cluster" / "main" / "model" / "config.json").exists()
+
+
+# hybrids. OPD plus outcome reward: two terms in the composer's loss, the teacher in the reference slot and
+# GRPO advantages over the step's groups
+opd_reward_job, test_opd_reward_losses_equal_lightning = _method("opd_reward", "specs/hybrids/opd-plus-reward.yaml",
+                                                                 SMALL, 2)
+# OAPL with POPE prefixes: the lagged engine (sync every 2) holds the initial weights for both steps, so the
+# minimal search and the rollouts share the engine; beta2 1 and a large lr, as for OAPL, so that the
+# lagged step's log-ratio term is far from 0
+oapl_pope_job, test_oapl_pope_losses_equal_lightning = _method(
+    "oapl_pope", "specs/hybrids/oapl-pope.yaml", [*SMALL, *POPE, "sync.every=2", "train.lr=0.005",
+                                                  "objective.beta2=1.0"], 2)
+
+
+def test_oapl_pope_guided_rows_come_from_prefixed_prompts(oapl_pope_job):
+    """POPE's guided rollouts reached the OAPL trainer, sampled from prefixed prompts, tagged as their own
+    advantage group."""
+    _bundle, out = oapl_pope_job
+    rows = [r for f in out["fits"] for r in f["samples"]]
+    assert any(r["guided"] and r["sampled_prompt"] != r["prompt"] for r in rows)
+    assert all(r["tag"] == "guided" for r in rows if r["guided"])
+    assert all(r["sampled_prompt"] == r["prompt"] for r in rows if not r["guided"])
+
+
+# a plugin objective (examples/custom_component: `length_penalized_grpo` from the spec's `plugins:`), shipped
+# in the bundle and imported by the composer in the job driver and every Ray worker
+PLUGIN_SRC = ROOT / "examples" / "custom_component" / "src"
+
+
+def compile_with_plugins(spec: str, src: Path, overrides: list[str], out: Path) -> Path:
+    """compile_for_cpu for a spec whose `plugins:` live in folder `src` (allowed, as --allow-plugins does);
+    the bundle carries its own copy, and the Ray workers' path never holds `src`."""
+    from composer import registry
+
+    sys.path.insert(0, str(src))
+    registry.allow_spec_plugins(True)
+    try:
+        return compile_for_cpu(spec, overrides, out)
+    finally:
+        registry.allow_spec_plugins(None)
+        sys.path.remove(str(src))
+
+
+@pytest.fixture(scope="module")
+def plugin_job(head, tmp_path_factory):
+    bundle = compile_with_plugins("examples/custom_component/spec.yaml", PLUGIN_SRC, ["train.steps=2", *SMALL],
+                                  tmp_path_factory.mktemp("plugin"))
+    return bundle, job(head, bundle)
+
+
+def test_plugin_objective_runs_in_the_workers(plugin_job):
+    """The bundle's copy of the plugin module is what the training actor's loss used: the recorder (in that
+    actor's process) found `length_penalized_grpo` from the bundle's `length_penalty/`, and OpenRLHF's loss
+    equals the Lightning loss of that objective on the same batch. The length penalty makes every group's
+    rewards differ, so the loss is not 0 even where no answer is right."""
+    bundle, out = plugin_job
+    assert (bundle / "length_penalty" / "__init__.py").exists()
+    print(f"plugin: largest |openrlhf - lightning| = {check_losses(out, 2):.3g}")
+    for f in out["fits"]:
+        assert f["objectives"] == ["length_penalty.LengthPenalizedGrpo"], f["objectives"]
+        assert f["objective_files"][0].endswith("length_penalty/__init__.py")
+        assert str(PLUGIN_SRC) not in f["objective_files"][0]  # the bundle's copy, not the source tree
+
+
+# a plugin guide (tests/openrlhf_real/plugin_src/first_step_hint.py): run by the agent in the rollout engine's
+# Ray worker, from the bundle's copy; OPD on its rollouts (the teacher in the reference slot)
+@pytest.fixture(scope="module")
+def plugin_guide_job(head, tmp_path_factory):
+    bundle = compile_with_plugins("tests/openrlhf_real/plugin_guide.yaml", HERE / "plugin_src",
+                                  ["rollout.temperature=1.5"], tmp_path_factory.mktemp("plugin_guide"))
+    return bundle, job(head, bundle)
+
+
+def test_plugin_guide_runs_in_the_rollout_workers(plugin_guide_job):
+    """Every step's loss equals Lightning's; the rows of the trained batches are what the plugin guide wrote:
+    even rollouts carry the reference's first line as guide_prefix tokens after the prompt (no loss: they
+    come before the first action token) and are tagged as their own group, odd ones are plain."""
+    bundle, out = plugin_guide_job
+    assert (bundle / "first_step_hint.py").exists()
+    print(f"plugin_guide: largest |openrlhf - lightning| = {check_losses(out, 2):.3g}")
+    rows = [r for f in out["fits"] for r in f["samples"]]
+    hinted = [r for r in rows if r["guided"]]
+    assert len(hinted) == len(rows) // 2
+    for r in rows:
+        if r["guided"]:
+            assert r["tag"] == "hint" and r["sampled_prompt"] == r["prompt"] + r["solution"].split("\n")[0] + "\n"
+        else:
+            assert r["control"] and r["sampled_prompt"] == r["prompt"]
+
+
+# InT: stage 1 (SFT on the agent's guided targets, built once by the engine's agent from the initial weights)
+# and stage 2 (GRPO) as two OpenRLHF runs chained in one job, stage 2 starting from stage 1's saved model
+INT = ["train.prompts_per_step=2", "stages[0].train.steps=2", "stages[1].train.steps=2",
+       "stages[0].signal.filter_samples=2", "stages[1].rollout.samples_per_prompt=4",
+       "stages[1].rollout.temperature=1.5"]
+
+
+@pytest.fixture(scope="module")
+def int_job(head, tmp_path_factory):
+    bundle = compile_for_cpu("specs/int.yaml", INT, tmp_path_factory.mktemp("int"))
+    return bundle, job(head, bundle)
+
+
+def test_int_stages_chain_and_losses_equal_lightning(int_job):
+    """Both runs' step losses equal Lightning's; stage 2's trainer starts from exactly the weights stage 1
+    ended with (its saved final model, loaded by both the policy actor and the rollout engine of run 2)."""
+    bundle, out = int_job
+    plan = json.loads((bundle / "plan.json").read_text())
+    assert [r["name"] for r in plan["openrlhf"]["runs"]] == ["sft", "rl"]
+    fits, engine = out["fits"], out["engine"]
+    print(f"int: largest |openrlhf - lightning| = {check_losses(out, 4):.3g}")
+    one, two = fits[:2], fits[2:]
+    assert len({f["pid"] for f in one}) == 1 and len({f["pid"] for f in two}) == 1 and one[0]["pid"] != two[0]["pid"]
+    assert one[0]["weights_before"] != one[-1]["weights_after"] or all(abs(f["lightning_loss"]) < 1e-9 for f in one)
+    assert two[0]["weights_before"] == one[-1]["weights_after"]
+    pids = list(dict.fromkeys(e["pid"] for e in engine))  # each run's engine, in order
+    first_gen = [next(e for e in engine if e["pid"] == p and e["event"] == "generate") for p in pids]
+    assert first_gen[-1]["weights"] == one[-1]["weights_after"]  # run 2's engine loaded stage 1's model
+    assert (bundle.parent / "cluster" / "sft" / "model" / "config.json").exists()
+
+
+# the shipped curriculum: SFT (train_sft, torchrun), then OPD, then GRPO: three OpenRLHF runs of two trainers
+# in one job, each from the model the previous one saved
+CURRICULUM = ["train.prompts_per_step=2", "stages[0].train.steps=2", "stages[1].train.steps=2",
+              "stages[2].train.steps=2", "rollout.samples_per_prompt=4", "stages[2].rollout.samples_per_prompt=4",
+              "rollout.temperature=1.5"]
+
+
+@pytest.fixture(scope="module")
+def curriculum_job(head, tmp_path_factory):
+    bundle = compile_for_cpu("specs/hybrids/sft-opd-grpo.yaml", CURRICULUM, tmp_path_factory.mktemp("curriculum"))
+    return bundle, job(head, bundle)
+
+
+def test_sft_opd_grpo_stages_chain_across_trainers(curriculum_job):
+    """Every step of the three runs equals Lightning's loss; the OPD run starts from the weights train_sft
+    saved and the GRPO run from those the OPD run saved."""
+    bundle, out = curriculum_job
+    plan = json.loads((bundle / "plan.json").read_text())
+    assert [(r["name"], r["trainer"]) for r in plan["openrlhf"]["runs"]] == [("sft", "sft"), ("opd", "ppo"),
+                                                                               ("grpo", "ppo")]
+    fits = out["fits"]
+    print(f"sft-opd-grpo: largest |openrlhf - lightning| = {check_losses(out, 6):.3g}")
+    assert [f.get("trainer", "ppo") for f in fits] == ["sft"] * 2 + ["ppo"] * 4
+    for before, after in ((2, 1), (4, 3)):
+        assert fits[before]["weights_before"] == fits[after]["weights_after"], (before, after)
+    assert fits[1]["weights_after"] != fits[0]["weights_before"]
 
 
 def test_check_names_the_gpus_the_cluster_lacks(head, tmp_path):

@@ -19,8 +19,9 @@ The patches (nothing else of OpenRLHF, Ray, DeepSpeed or transformers is changed
   P9 EMA copy       DeepspeedStrategy.moving_average on "cpu" (OpenRLHF's actor asks for "cuda")
   P8 shm all-reduce DeepSpeed's optional CPU shared-memory all-reduce kernel (a JIT compile) is not built:
                     DeepSpeed then uses torch.distributed's gloo collectives, as where the kernel is unavailable
-The recorder (only with COMPOSER_REAL_OUT set) writes fits.jsonl: per PolicyModelActor fit, the loss the
-real DeepSpeed engine back-propagated and the Lightning backend's loss of the same batch and weights.
+The recorder (only with COMPOSER_REAL_OUT set) writes fits.jsonl: per PolicyModelActor fit (PPO runs) and per
+SFTTrainer optimizer step (train_sft runs), the loss the real DeepSpeed engine back-propagated, the Lightning
+backend's loss of the same batch and weights, the weights before and after, and what each row holds.
 """
 
 from __future__ import annotations
@@ -177,6 +178,11 @@ def p_actor(mod) -> None:
         record_fits(mod)
 
 
+def p_sft(mod) -> None:
+    if os.environ.get("COMPOSER_REAL_OUT"):
+        record_sft(mod)
+
+
 # ------------------------------------------------------------------------------------------ recorder
 
 BACKWARDS: list[float] = []
@@ -193,7 +199,8 @@ def record_fits(mod) -> None:
 
         module = self.actor.model.module
         rec = {"pid": os.getpid(), "weights_before": fingerprint(module.named_parameters()),
-               "gas": int(self.strategy.accumulated_gradient), "rows": len(self.replay_buffer.items)}
+               "gas": int(self.strategy.accumulated_gradient), "rows": len(self.replay_buffer.items),
+               "samples": samples(self)}
         try:
             rec.update(lightning(self, module, make_experience_batch(list(self.replay_buffer.items), False),
                                  self.tokenizer.pad_token_id))
@@ -212,6 +219,24 @@ def record_fits(mod) -> None:
         return status
 
     cls.ppo_train = ppo_train_
+
+
+def samples(trainer) -> list[dict]:
+    """What each row of the step holds: the dataset prompt, the prompt the sequence was sampled from (the
+    tokens before its first action token, decoded), the label's guided / control flags, tag and weight."""
+    from composer.backends.openrlhf.batch import decode_label
+
+    out = []
+    for item in trainer.replay_buffer.items:
+        seq, act = item.sequences.reshape(-1).tolist(), item.action_mask.reshape(-1).tolist()
+        first = next((j + 1 for j, a in enumerate(act) if a), len(seq))
+        meta = decode_label(item.labels if isinstance(item.labels, str) else item.labels[0])
+        prompt = item.prompts if isinstance(item.prompts, str) else item.prompts[0]
+        out.append({"prompt": prompt, "sampled_prompt": trainer.tokenizer.decode(seq[:first]),
+                    "guided": bool(meta.get("guided", False)), "control": bool(meta.get("control", True)),
+                    "tag": meta.get("tag", ""), "weight": meta.get("weight"), "solution": meta.get("solution"),
+                    "teacher_weight": meta.get("teacher_weight")})
+    return out
 
 
 def teacher_forward(trainer, info: dict):
@@ -287,7 +312,96 @@ def lightning(trainer, module, exp, pad_id: int) -> dict:
     with torch.no_grad():
         total, _metrics = lightning_step.loss(ctx, module, batches)
     module.train(was)
-    return {"lightning_loss": float(total), "label_steps": sorted({int(m.get("step", -1)) for m in metas})}
+    import inspect
+
+    objs = [obj for _n, _s, obj, _w in term_list]
+    return {"lightning_loss": float(total), "label_steps": sorted({int(m.get("step", -1)) for m in metas}),
+            "objectives": [f"{type(o).__module__}.{type(o).__name__}" for o in objs],
+            "objective_files": [inspect.getfile(type(o)) for o in objs]}
+
+
+# ------------------------------------------------------------------------------- the SFT recorder
+
+SFT: dict = {}
+
+
+def record_sft(mod) -> None:
+    """OpenRLHF's SFTTrainer (train_sft, torchrun): per optimizer step (a window of gas micro-batches, each
+    normalised by the whole window's token count), the loss DeepSpeed back-propagated and the Lightning
+    backend's loss of the same tokens and pre-update weights, into fits.jsonl as for the PPO path."""
+    fit, window_iter = mod.SFTTrainer.fit, mod.iter_grad_accum_global_norm
+
+    def fit_(self, *args, **kwargs):
+        SFT["trainer"] = self
+        return fit(self, *args, **kwargs)
+
+    def recorded(window, strategy, gas, mask_fn):
+        from hf_vllm import fingerprint
+
+        trainer = SFT["trainer"]
+        engine = trainer.model.model
+        module = engine.module
+        rec = {"pid": os.getpid(), "trainer": "sft", "step": int(engine.global_steps), "gas": int(gas),
+               "weights_before": fingerprint(module.named_parameters()), "rows": sum(len(b[0]) for b in window)}
+        try:
+            rec.update(lightning_sft(trainer, module, list(window), int(engine.global_steps)))
+        except Exception:  # noqa: BLE001 - reported; the test names it
+            import traceback
+
+            rec["lightning_error"] = traceback.format_exc()
+        start = len(BACKWARDS)
+        yield from window_iter(window, strategy, gas, mask_fn)  # resumes after the last micro-batch's step
+        losses = BACKWARDS[start:]
+        rec.update(micro_batches=len(losses), openrlhf_loss=sum(losses) / max(int(gas), 1),
+                   weights_after=fingerprint(module.named_parameters()))
+        with open(os.path.join(os.environ["COMPOSER_REAL_OUT"], "fits.jsonl"), "a") as f:
+            f.write(json.dumps(rec, default=float) + "\n")
+
+    mod.SFTTrainer.fit, mod.iter_grad_accum_global_norm = fit_, recorded
+
+
+def sft_run(plan: dict) -> dict:
+    """The plan's train_sft run this process runs (its output folder is in this process's arguments)."""
+    runs = [r for r in plan["openrlhf"]["runs"] if r["trainer"] == "sft"]
+    return next((r for r in runs if r["output_dir"] + "/" in " ".join(sys.argv)), runs[0])
+
+
+def lightning_sft(trainer, module, window: list, step: int) -> dict:
+    """The Lightning backend's loss (composer/runtime/step.py `loss`) of the window's tokens: OpenRLHF's
+    loss mask (the target tokens, shifted: mask[t-1] marks token t) as origin `demonstration`, every term of
+    the run's spec at this step, the signal's loss temperature."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from composer.backends.openrlhf.batch import shift, to_batch
+    from composer.backends.openrlhf.loss import Segments, _pad_cat
+    from composer.origins import CODE
+    from composer.runtime import step as lightning_step
+    from composer.terms import terms
+
+    plan = json.load(open(os.environ.get("COMPOSER_PLAN", "plan.json")))
+    run = sft_run(plan)
+    spec = Segments(plan, run["segments"]).at(step)
+    pad = trainer.tokenizer.pad_token_id
+    ids = _pad_cat([b[0].squeeze(1) for b in window], pad)  # [B, T]
+    att = _pad_cat([b[1].squeeze(1) for b in window])  # [B, T]
+    lm = _pad_cat([b[2].squeeze(1) for b in window])  # [B, T]
+    batch = to_batch(ids, att, lm[:, :-1], [""] * len(ids), ["{}"] * len(ids))
+    demo = shift(lm[:, :-1]).bool() & att.bool()
+    batch.origin = torch.where(demo, torch.tensor(CODE["demonstration"], dtype=torch.uint8),
+                               torch.where(att.bool(), torch.tensor(CODE["prompt"], dtype=torch.uint8),
+                                           torch.tensor(CODE["pad"], dtype=torch.uint8)))
+    term_list = terms(spec)
+    temps = {sig.loss_temperature for _, sig, _, _ in term_list if sig is not None} - {None}
+    batch.info["temperature"] = temps.pop() if temps else 1.0
+    ctx = SimpleNamespace(spec=spec, step=step, record=lambda *a, **k: None)
+    was = module.training
+    with torch.no_grad():
+        total, _metrics = lightning_step.loss(ctx, module, [batch] * len(term_list))
+    module.train(was)
+    return {"lightning_loss": float(total), "run": run["name"], "demo_tokens": int(demo.sum()),
+            "sequences": [x[a.bool()].tolist() for x, a in zip(ids, att)], "demo_masks": demo.tolist()}
 
 
 HOOKS = {
@@ -300,6 +414,7 @@ HOOKS = {
     "openrlhf.trainer.ray.ppo_actor": p_actor,
     "vllm": p6_vllm,
     "torchdata.stateful_dataloader": p7_torchdata,
+    "openrlhf.trainer.sft_trainer": p_sft,
 }
 
 

@@ -195,6 +195,7 @@ class HFEngine:
         if self.noted != self.version:  # the weights this engine samples with, once per sync
             self._note(event="generate", version=self.version, weights=fingerprint(self.model.named_parameters()))
             self.noted = self.version
+        self._note(event="request", version=self.version, prompt_tokens=len(ids))  # every request it served
         room = self.max_model_len - len(ids)
         max_tokens = room if sp.max_tokens is None else min(int(sp.max_tokens), room)
         greedy = not sp.temperature or sp.temperature <= 0

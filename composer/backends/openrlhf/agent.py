@@ -45,6 +45,7 @@ class ComposerAgent:
         self.trainable = {"policy"} | {o for s in specs for _, _, obj, _ in terms(s) for o in obj.loss_tokens}
         self.counts: dict = {}
         self.contexts: dict = {}
+        self.cache: dict = {}  # the run's memo, shared by every segment's context
         self.prepared: set = set()
         self.built: dict = {}  # targets a signal builds once per segment (InT offline)
         self.lock: asyncio.Lock | None = None
@@ -56,8 +57,9 @@ class ComposerAgent:
             from composer.backends.openrlhf.hooks import task_of
             from composer.runtime.context import RunContext
 
+            # one memo for the run, as on Lightning: a phase's context finds what another prepared (prefixes)
             self.contexts[key] = RunContext(task=task_of(self.plan, self.run, spec), tokenizer=tok, policy=None,
-                                            engine=None, spec=spec)
+                                            engine=None, spec=spec, cache=self.cache)
         return self.contexts[key]
 
     # ---- answering the guide's requests ----
@@ -146,7 +148,7 @@ class ComposerAgent:
         if ahead:  # targets built once at the segment's start (InT offline): this sample is one of them
             trace, weight = await self._built_ahead(ctx, ahead[0], example, idx, seg, engines)
         else:
-            await self._prepare(ctx, guide, example, serve)
+            await self._prepare(ctx, guide, example, serve, engines, initial_ok)
             trace = await run_async(guide.row(ctx, example, idx, spec.rollout.samples_per_prompt), serve)
             weight = trace.weight
             for _n, sig, _o, _w in terms(spec):  # a term that trains on part of the row (InT's online targets)
@@ -200,7 +202,7 @@ class ComposerAgent:
             return mine[idx], 1.0
         return Trace(engines[3].encode(example.prompt, add_special_tokens=False)), 0.0
 
-    def _run_problems(self, ctx, sig) -> list:
+    def _run_problems(self, ctx, sig=None) -> list:
         """The training problems of this run: the first `data.max_samples` rows of the bundle's train file
         (OpenRLHF's prompt dataset; at most `signal.problems` of them), else the task's own set."""
         plugin = self.run["plugin"]
@@ -216,22 +218,51 @@ class ComposerAgent:
                         out.append(example_of(rec["prompt"], decode_label(rec["label"])))
         else:
             out = list(ctx.task.train)
-        return out[: sig.problems] if sig.problems else out
+        problems = getattr(sig, "problems", None)
+        return out[:problems] if problems else out
 
-    async def _prepare(self, ctx, guide, example, serve) -> None:
-        """The guide's per-problem preparation (POPE's minimal search), once: for the whole training set on
-        the first call, while the engine still holds the initial weights; for a problem outside it when
-        first seen."""
+    @staticmethod
+    def _reads_initial(guide, spec) -> bool:
+        """The guide's own calls read the frozen initial policy (POPE's minimal search)."""
+        return "initial" in guide.reads().values() or any(c.weights == "initial" for c in guide.model_calls(spec))
+
+    async def _prepare(self, ctx, guide, example, serve, engines=None, initial_ok: bool = True) -> None:
+        """The guide's per-problem preparation (POPE's minimal search). A guide whose preparation reads the
+        initial policy prepares everything on the run's first call, while the engine still holds the initial
+        weights (the Plan's schedule: before the first broadcast): every training problem of the run (the
+        bundle's train rows) at every step of the run where this guide is in force, since what it prepares
+        may depend on the step (POPE draws the guided prompts per step); a later call finds it done. Any
+        other guide prepares the training set once, then each new problem when first seen."""
         if self.lock is None:
             self.lock = asyncio.Lock()
         async with self.lock:
             key = guide.model_dump_json()
             if key not in self.prepared:
                 self.prepared.add(key)
-                programs = list(guide.prepare(ctx, list(ctx.task.train) or [example]))
-                await asyncio.gather(*(run_async(p, serve) for p in programs))
+                if engines is not None and self._reads_initial(guide, ctx.spec):
+                    await self._prepare_run(ctx, guide, example, engines, initial_ok)
+                else:
+                    programs = list(guide.prepare(ctx, list(ctx.task.train) or [example]))
+                    await asyncio.gather(*(run_async(p, serve) for p in programs))
             for p in list(guide.prepare(ctx, [example])):
                 await run_async(p, serve)
+
+    async def _prepare_run(self, ctx, guide, example, engines, initial_ok: bool) -> None:
+        """`guide.prepare` for every (step, training problem) of this run from the current step on where the
+        guide is in force."""
+        problems = self._run_problems(ctx)
+        if example.prompt not in {ex.prompt for ex in problems}:
+            problems.append(example)
+        key = guide.model_dump_json()
+        for seg in self.segments.items:
+            if seg.spec.rollout.guide.model_dump_json() != key:
+                continue
+            base = self.context(seg.spec, ctx.tokenizer)
+            for step in range(max(seg.start, ctx.step), seg.end):  # this step on (a resumed run: no earlier)
+                at = copy.copy(base)
+                at.step = step
+                work = [(p, ex) for ex in problems for p in guide.prepare(at, [ex])]
+                await asyncio.gather(*(run_async(p, self._serve_for(at, ex, engines, initial_ok)) for p, ex in work))
 
     def _reward(self, ctx, example, text: str) -> float:
         verifier = self.run["plugin"].get("verifier", "none")
