@@ -378,7 +378,7 @@ def lightning_sft(trainer, module, window: list, step: int) -> dict:
     from composer.backends.openrlhf.loss import Segments, _pad_cat
     from composer.origins import CODE
     from composer.runtime import step as lightning_step
-    from composer.terms import terms
+    from composer.checks.terms import terms
 
     plan = json.load(open(os.environ.get("COMPOSER_PLAN", "plan.json")))
     run = sft_run(plan)

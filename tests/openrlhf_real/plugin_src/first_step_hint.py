@@ -31,7 +31,7 @@ class FirstStepHint(Guide):
         return "even rollouts start from the reference solution's first line (guide_prefix, no loss)"
 
     def row(self, ctx, example, index: int, n: int):
-        from composer.runtime.protocol import Sample, Trace
+        from composer.protocol import Sample, Trace
 
         hinted = index % 2 == 0 and bool(example.solution)
         trace = Trace(ctx.prompt_ids(example), control=not hinted, guided=hinted, tag="hint" if hinted else "")
