@@ -58,8 +58,10 @@ class ComposerAgent:
             from composer.runtime.context import RunContext
 
             # one memo for the run, as on Lightning: a phase's context finds what another prepared (prefixes)
-            self.contexts[key] = RunContext(task=task_of(self.plan, self.run, spec), tokenizer=tok, policy=None,
-                                            engine=None, spec=spec, cache=self.cache)
+            ctx = RunContext(task=task_of(self.plan, self.run, spec), tokenizer=tok, policy=None, engine=None,
+                             spec=spec)
+            ctx.state.cache = self.cache
+            self.contexts[key] = ctx
         return self.contexts[key]
 
     # ---- answering the guide's requests ----
