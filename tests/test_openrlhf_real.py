@@ -408,9 +408,11 @@ def test_plugin_guide_runs_in_the_rollout_workers(plugin_guide_job):
 
 # InT: stage 1 (SFT on the agent's guided targets, built once by the engine's agent from the initial weights)
 # and stage 2 (GRPO) as two OpenRLHF runs chained in one job, stage 2 starting from stage 1's saved model
-INT = ["train.prompts_per_step=2", "stages[0].train.steps=2", "stages[1].train.steps=2",
-       "stages[0].signal.filter_samples=2", "stages[1].rollout.samples_per_prompt=4",
-       "stages[1].rollout.temperature=1.5"]
+# 6-step chains only: the toy student fails them often enough that the proposer's interventions are kept as
+# targets (on the default tiers 2-6 it rarely fails, no target is kept and stage 1's loss is 0)
+INT = ["train.prompts_per_step=4", "data.train_tiers=[6]", "stages[0].train.steps=2", "stages[1].train.steps=2",
+       "stages[0].signal.filter_samples=2", "stages[1].train.prompts_per_step=2",
+       "stages[1].rollout.samples_per_prompt=4", "stages[1].rollout.temperature=1.5"]
 
 
 @pytest.fixture(scope="module")
@@ -429,7 +431,9 @@ def test_int_stages_chain_and_losses_equal_lightning(int_job):
     print(f"int: largest |openrlhf - lightning| = {check_losses(out, 4):.3g}")
     one, two = fits[:2], fits[2:]
     assert len({f["pid"] for f in one}) == 1 and len({f["pid"] for f in two}) == 1 and one[0]["pid"] != two[0]["pid"]
-    assert one[0]["weights_before"] != one[-1]["weights_after"] or all(abs(f["lightning_loss"]) < 1e-9 for f in one)
+    # targets reached the loss: stage 1 trained on kept interventions, so the weights moved
+    assert any(abs(f["lightning_loss"]) > 1e-3 for f in one), [f["lightning_loss"] for f in one]
+    assert one[0]["weights_before"] != one[-1]["weights_after"]
     assert two[0]["weights_before"] == one[-1]["weights_after"]
     pids = list(dict.fromkeys(e["pid"] for e in engine))  # each run's engine, in order
     first_gen = [next(e for e in engine if e["pid"] == p and e["event"] == "generate") for p in pids]

@@ -887,7 +887,7 @@ def extend_seeds(out: Path, labels: list[str], seeds: int = EXTRA_SEEDS, cfg: di
                  command: str | None = None) -> list[dict]:
     """The pre-registered extension: give the `claims` arms `labels` seeds up to `seeds` in the bench folder
     `out` (earlier seeds are reused from their folders)."""
-    cfg = dict(cfg or DEFAULTS)
+    out, cfg = Path(out), dict(cfg or DEFAULTS)
     variants = [Variant(label, spec, list(ov), study="claims") for label, spec, ov in SUITE["claims"] if label in labels]
     missing = set(labels) - {v.label for v in variants}
     if missing:
