@@ -281,7 +281,10 @@ def lightning(trainer, module, exp, pad_id: int) -> dict:
     spec = segments.at(step_of(labels))
     full = step_batch(experiences, pad_id, trainable_only=True)
     whole = step_batch(experiences, pad_id)
-    full.info["temperature"] = spec.rollout.temperature  # what the Lightning rollout records
+    # what the Lightning backend's batch records: a signal's own loss temperature (SFT, InT's guided targets:
+    # signal.temperature, 1), else the sampler's
+    own = {sig.loss_temperature for _, sig, _, _ in terms(spec) if sig is not None} - {None}
+    full.info["temperature"] = own.pop() if own else spec.rollout.temperature
     if not run["plugin"].get("loss"):  # native route: OpenRLHF's PPO reads the trainer's own rollout log-probs
         full.behavior_logprobs = shift(_pad_cat([e.action_log_probs for e in experiences]).float())
         base = [e.base_action_log_probs for e in experiences]
