@@ -36,7 +36,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class _After(importlib.abc.MetaPathFinder):
-    """Runs callbacks right after a named module executes (re-entrant: other finders may call back)."""
+    """Runs callbacks right after a named module executes (re-entrant: other finders may call back).
+
+    The same mechanism as composer/backends/openrlhf/hooks.py's `_PostImport`, kept apart on purpose: this
+    file runs as a sitecustomize at interpreter start, and importing `composer` there would put the
+    installed copy in sys.modules before the job's working_dir (the bundle's own copy) is on the path."""
 
     def __init__(self, hooks: dict):
         self.hooks, self.busy = hooks, threading.local()
