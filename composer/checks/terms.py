@@ -17,6 +17,13 @@ def gates(spec) -> list:
     return [None]
 
 
+def own_loss_temperature(spec) -> float | None:
+    """The temperature a step's policy forward scores at when a term's signal declares its own (SFT: 1,
+    whatever the sampler's), else None (the sampler's). flags.py refuses terms that declare different ones."""
+    temps = {sig.loss_temperature for _, sig, _, _ in terms(spec) if sig is not None} - {None}
+    return temps.pop() if temps else None
+
+
 def terms_at(spec, step: int) -> list[tuple[str, object, object, float]]:
     """terms(spec) with every scheduled number (a term's weight, an objective's coefficient) resolved at global
     optimizer step `step` (composer.lang.curves): what the losses of that step use, on both backends."""

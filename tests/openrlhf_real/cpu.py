@@ -277,7 +277,7 @@ def lightning(trainer, module, exp, pad_id: int) -> dict:
     from composer.backends.openrlhf.batch import decode_label, shift
     from composer.backends.openrlhf.loss import _pad_cat, step_batch, step_of, term_batches
     from composer.runtime import step as lightning_step
-    from composer.checks.terms import terms
+    from composer.checks.terms import own_loss_temperature, terms
 
     segments, run = hooks._segments(), hooks._STATE["run"]
     labels = [x for e in experiences for x in e.labels]
@@ -287,8 +287,8 @@ def lightning(trainer, module, exp, pad_id: int) -> dict:
     whole = step_batch(experiences, pad_id)
     # what the Lightning backend's batch records: a signal's own loss temperature (SFT, InT's guided targets:
     # signal.temperature, 1), else the sampler's
-    own = {sig.loss_temperature for _, sig, _, _ in terms(spec) if sig is not None} - {None}
-    full.info["temperature"] = own.pop() if own else spec.rollout.temperature
+    own = own_loss_temperature(spec)
+    full.info["temperature"] = own if own is not None else spec.rollout.temperature
     if not run["plugin"].get("loss"):  # native route: OpenRLHF's PPO reads the trainer's own rollout log-probs
         full.behavior_logprobs = shift(_pad_cat([e.action_log_probs for e in experiences]).float())
         base = [e.base_action_log_probs for e in experiences]
@@ -385,7 +385,7 @@ def lightning_sft(trainer, module, window: list, step: int) -> dict:
     from composer.backends.openrlhf.loss import Segments, _pad_cat
     from composer.origins import CODE
     from composer.runtime import step as lightning_step
-    from composer.checks.terms import terms
+    from composer.checks.terms import own_loss_temperature, terms
 
     plan = json.load(open(os.environ.get("COMPOSER_PLAN", "plan.json")))
     run = sft_run(plan)
@@ -400,8 +400,8 @@ def lightning_sft(trainer, module, window: list, step: int) -> dict:
                                torch.where(att.bool(), torch.tensor(CODE["prompt"], dtype=torch.uint8),
                                            torch.tensor(CODE["pad"], dtype=torch.uint8)))
     term_list = terms(spec)
-    temps = {sig.loss_temperature for _, sig, _, _ in term_list if sig is not None} - {None}
-    batch.info["temperature"] = temps.pop() if temps else 1.0
+    own = own_loss_temperature(spec)
+    batch.info["temperature"] = own if own is not None else 1.0
     ctx = SimpleNamespace(spec=spec, step=step, record=lambda *a, **k: None)
     was = module.training
     with torch.no_grad():

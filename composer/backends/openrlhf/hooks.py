@@ -288,6 +288,7 @@ def _patch_actor(mod) -> None:
     from composer.backends.openrlhf.batch import decode_label, to_batch
     from components.sources.policy_model import score_responses
     from composer.backends.openrlhf.loss import ComposerLoss, prompt_lengths, step_inputs, step_of, terms
+    from composer.checks.terms import own_loss_temperature
 
     cls = mod.ActorPPOTrainer
     init, training_step, ppo_train = cls.__init__, cls.training_step, cls.ppo_train
@@ -335,10 +336,10 @@ def _patch_actor(mod) -> None:
                        "teachers": teacher_scores(self, experience, spec)}
         undo = _capture_logits(self.actor, loss_fn.ctx) if any(o.wants_logits for _, _, o, _ in terms(spec)) else None
         # a signal's own loss temperature (SFT: 1) for this step's forward; the sampler's otherwise
-        temps = {sig.loss_temperature for _, sig, _, _ in terms(spec) if sig is not None} - {None}
+        own = own_loss_temperature(spec)
         sampling = getattr(self.actor, "temperature", 1.0)
-        if temps:
-            self.actor.temperature = temps.pop()
+        if own is not None:
+            self.actor.temperature = own
         try:  # the composer's terms own every KL: OpenRLHF's KL loss (reference slot) gets weight 0
             status = training_step(self, experience, 0.0, step, loss_batch_info)
         finally:
