@@ -237,3 +237,33 @@ def test_loggers_csv_only_and_the_optional_ones(tiny, tmp_path, monkeypatch):
         assert (run / "metrics" / "loss").exists() and list((run / "params").iterdir())
         assert "status: 3" in (run / "meta.yaml").read_text()  # FINISHED
         assert list((run / "artifacts" / "samples").glob("step-*.md"))
+
+
+def test_a_resumed_run_records_each_step_once_in_mlflow_and_wandb(tiny, tmp_path, monkeypatch):
+    """A run killed after logging a step but before its checkpoint trains that step again on --resume;
+    the W&B and MLflow runs it continues already hold it: each step is recorded once (before: MLflow's
+    history held the re-run step twice)."""
+    import shutil
+
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    out = tmp_path / "run"
+    base = [f"policy.model={tiny}", "train.checkpoint_every=1", "train.loggers=[csv,wandb,mlflow]", *FAST]
+    train_run("specs/grpo.yaml", out, base + ["train.steps=2"])
+    shutil.copytree(out / "checkpoints", tmp_path / "at2")
+    train_run("specs/grpo.yaml", out, base + ["train.steps=3"], resume=True)
+    shutil.rmtree(out / "checkpoints")  # killed after step 3 was logged, before its checkpoint was written
+    shutil.copytree(tmp_path / "at2", out / "checkpoints")
+    train_run("specs/grpo.yaml", out, base + ["train.steps=3"], resume=True)
+    ids = json.loads((out / "loggers.json").read_text())
+    run = next((tmp_path / "mlruns").glob(f"*/{ids['mlflow']}"))
+    steps = [int(line.split()[2]) for line in (run / "metrics" / "loss").read_text().splitlines()]
+    assert steps == [0, 1, 2]
+    import csv
+
+    with open(out / "metrics.csv", newline="") as f:
+        assert [r["step"] for r in csv.DictReader(f) if r.get("loss")] == ["0", "1", "2"]

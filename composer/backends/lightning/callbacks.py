@@ -4,6 +4,7 @@ from the first moment of a run, and a CSV log that survives --resume and a full 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import logging
@@ -263,6 +264,32 @@ class _KeepingWriter(_ExperimentWriter):
                     f.truncate(size)
                     raise
         self.metrics = []
+
+
+def last_logged_step(out: Path) -> int | None:
+    """The last training step metrics.csv holds (what an interrupted run trained and logged), None without one.
+    Training rows carry `loss`; the final evaluation's row, logged at the step after the last, does not."""
+    path = Path(out) / _ExperimentWriter.NAME_METRICS_FILE
+    if not path.is_file():
+        return None
+    with contextlib.suppress(OSError, csv.Error), open(path, newline="") as f:
+        steps = [st for r in csv.DictReader(f) if r.get("loss") and (st := _step_cell(r)) is not None]
+        return max(steps) if steps else None
+    return None
+
+
+def keep_logged_steps(logger, upto: int) -> None:
+    """A resumed run trains again the steps after its checkpoint; W&B and MLflow runs continue the interrupted
+    ones, which already hold those steps (MLflow would record each twice, W&B refuses them with a warning): the
+    logger skips metrics of steps <= `upto` and keeps the values the interrupted run logged, which an exact
+    resume reproduces."""
+    inner = logger.log_metrics
+
+    def log_metrics(metrics, step=None):
+        if step is None or step > upto:
+            inner(metrics, step)
+
+    logger.log_metrics = log_metrics
 
 
 class RunCSVLogger(CSVLogger):

@@ -22,7 +22,8 @@ from composer import files
 from composer.runtime import samples as sample_files
 from composer.backends.lightning import checkpoint as ckpt_format
 from composer.backends.lightning.callbacks import (AfterStep, AtomicCheckpointIO, GracefulStop, RunCSVLogger,
-                                                   SampleWriter, StepLog, StopRequested)
+                                                   SampleWriter, StepLog, StopRequested, keep_logged_steps,
+                                                   last_logged_step)
 from composer.backends.lightning.checkpoint import CheckpointError
 from composer.backends.lightning.module import ComposerModule, NonFiniteError
 from composer.runtime.export import MODEL_DIR, save_policy
@@ -376,6 +377,7 @@ def build_loggers(validated, out: Path, resumed_at: int | None) -> list:
         with contextlib.suppress(ValueError, OSError):
             ids = json.loads(ids_path.read_text())
     loggers, new_ids = [], {}
+    logged = last_logged_step(out) if resumed_at is not None else None  # read before metrics.csv is cut
     for kind in spec.train.loggers:
         if kind == "csv":
             loggers.append(RunCSVLogger(out, keep_before=resumed_at))
@@ -415,6 +417,9 @@ def build_loggers(validated, out: Path, resumed_at: int | None) -> list:
                 raise RunError(f"train.loggers: mlflow cannot start a run at {uri}: {detail}\n    hint: set "
                                "MLFLOW_TRACKING_URI to a tracking server or store you can write to") from None
             loggers.append(lg)
+    for lg in loggers:
+        if type(lg).__name__ in ("WandbLogger", "MLFlowLogger") and logged is not None and logged >= resumed_at:
+            keep_logged_steps(lg, logged)
     if new_ids and new_ids != ids and _rank_zero():
         files.write_text(ids_path, json.dumps(new_ids, indent=2))
     if resumed_at is None:
