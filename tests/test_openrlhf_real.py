@@ -403,16 +403,16 @@ def test_oapl_pope_guided_rows_come_from_prefixed_prompts(oapl_pope_job):
 
 # MInTRL's self-judge ablation: the policy, shown the reference solution, reviews its own chunks on the rollout
 # engine (the agent's "policy" calls); the Proxy anchor on intervention tokens; the guide on for both steps
-self_proxy_job, test_mintrl_self_proxy_losses_equal_lightning = _method(
+mintrl_self_proxy_job, test_mintrl_self_proxy_losses_equal_lightning = _method(
     "mintrl_self_proxy", "specs/hybrids/mintrl-self-proxy.yaml",
     [*SMALL, "rollout.guide.control_samples=2", "phases[0].until=2", "phases[1].until=3", "train.micro_batch_size=4"], 2)
 
 
-def test_mintrl_self_proxy_judge_is_the_policy(self_proxy_job):
+def test_mintrl_self_proxy_judge_is_the_policy(mintrl_self_proxy_job):
     """Each step trained 2 control and 2 reviewed rollouts per prompt; the reviews were served by the rollout
     engine (it answered more requests than the steps' rollouts alone make) and corrections reached the
     trained rows (guided rows: the judge wrote into them)."""
-    _bundle, out = self_proxy_job
+    _bundle, out = mintrl_self_proxy_job
     for f in out["fits"]:
         assert sum(r["control"] for r in f["samples"]) == 2 * 2 == len(f["samples"]) - 4, f["samples"]
     assert any(r["guided"] for f in out["fits"] for r in f["samples"])
@@ -423,16 +423,16 @@ def test_mintrl_self_proxy_judge_is_the_policy(self_proxy_job):
 # composer's named judge actor (hooks.start_judges: vLLM's offline LLM, here hf_vllm.LLM) on a GPU of its own:
 # compiled for 1 node x 2 GPUs (one trains and samples, colocated; one serves the judge); the guide on for
 # step 1 only (the phase switch to plain rollouts at step 2, as the spec's half)
-judge_half_job, test_judge_proxy_half_losses_equal_lightning = _method(
+judge_proxy_half_job, test_judge_proxy_half_losses_equal_lightning = _method(
     "judge_proxy_half", "specs/hybrids/judge-proxy-half.yaml",
     [*SMALL, "rollout.guide.control_samples=2", "phases[0].until=1", "phases[1].until=2"], 2, gpus=2)
 
 
-def test_judge_proxy_half_external_judge_served_the_reviews(judge_half_job):
+def test_judge_proxy_half_external_judge_served_the_reviews(judge_proxy_half_job):
     """The judge actor (its own Ray worker, the teacher's checkpoint from the bundle) answered the reviews of
     step 1, whose guided rows reached the loss; step 2 (guide off) trained plain rollouts only and the judge
     served nothing more."""
-    bundle, out = judge_half_job
+    bundle, out = judge_proxy_half_job
     judged = records(bundle, "judge.jsonl")
     assert judged and len({j["pid"] for j in judged} | {e["pid"] for e in out["engine"]}) == 2, judged[:2]
     one, two = out["fits"]
