@@ -425,7 +425,8 @@ def test_mintrl_self_proxy_judge_is_the_policy(mintrl_self_proxy_job):
 # step 1 only (the phase switch to plain rollouts at step 2, as the spec's half)
 judge_proxy_half_job, test_judge_proxy_half_losses_equal_lightning = _method(
     "judge_proxy_half", "specs/hybrids/judge-proxy-half.yaml",
-    [*SMALL, "rollout.guide.control_samples=2", "phases[0].until=1", "phases[1].until=2"], 2, gpus=2)
+    [*SMALL, "rollout.guide.control_samples=2", "phases[0].until=1", "phases[1].until=2", "data.train_tiers=[2]"], 2,
+    gpus=2)
 
 
 def test_judge_proxy_half_external_judge_served_the_reviews(judge_proxy_half_job):
