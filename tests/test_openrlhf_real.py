@@ -9,13 +9,15 @@ process, talking through Ray; the colocated weight sync over OpenRLHF's CUDA-IPC
 tensors; checkpoints, TensorBoard logs and the final model written by OpenRLHF; for SFT runs the entry
 point's `torchrun -m openrlhf.cli.train_sft` (OpenRLHF's SFTTrainer on the same DeepSpeed setup); a bundle's
 later runs (stages) starting from the model the earlier run saved; plugin modules imported from the bundle's
-copy in the workers.
+copy in the workers; the composer's external-judge actor (its own worker, a logical GPU of its own); a job
+resubmitted by launch.sh after a preemption resuming from OpenRLHF's checkpoint.
 
 What is replaced: vLLM's engine (tests/openrlhf_real/hf_vllm.py, an HF-transformers model with vLLM's
-interface; its assumptions are pinned by test_engine_interface and checked against real vLLM on a GPU by
+interface, also as the judge actor's offline vllm.LLM; its assumptions are pinned by test_engine_interface and checked against real vLLM on a GPU by
 examples/cluster/vllm_interface_check.py). CPU patches (tests/openrlhf_real/cpu.py, P1-P7): torch.cuda
 no-ops, a CPU device mesh, DeepSpeed's `torch_adam` optimizer setting, file-system tensor sharing, DeepSpeed
-state offload as no-ops, a StatefulDataLoader. Two argv changes in the copied plan.json: sdpa attention (no
+state offload as no-ops, a StatefulDataLoader; the test-only preemption switch (the training actor SIGKILLs
+itself right after writing a named checkpoint). Two argv changes in the copied plan.json: sdpa attention (no
 flash-attn) and the test's folders.
 
 Marked `cluster` (pytest -m cluster): `make test` runs this tier as its own pytest call.
