@@ -11,7 +11,7 @@ What is patched, and only when the run's plugin section asks for it:
   samples_generator  SamplesGenerator._dispatch_prompts_to_vllm: the trainer step into every label (phases),
                      top_k into vLLM's SamplingParams; generate_samples: each episode's prompt order seeded
                      from (seed, episode)
-  agent              SingleTurnAgentExecutor.execute (rollout engine, runs without a guide): each sample's
+  agent              (always) SingleTurnAgentExecutor.execute (rollout engine, runs without a guide): each sample's
                      vLLM request seeded from (seed, global step, prompt, draw): see sample_seeds. The
                      composer's agent (agent.py) seeds its own requests the same way
   ppo_trainer        BasePPOTrainer.train_step / broadcast_to_vllm / init_checkpoint_states: weights reach
@@ -19,7 +19,7 @@ What is patched, and only when the run's plugin section asks for it:
                      actor classes built from it (PPOTrainer, TrainingActor): see reach_actor_classes
   experience_maker   RemoteExperienceMaker.make_experience_batch: step advantages and teacher prompts
   ppo_actor          ActorPPOTrainer.__init__ / training_step: the composer loss, self-teacher scores;
-                     ppo_train: torch's RNG seeded from (seed, global step) before each step's update (the
+                     ppo_train (always): torch's RNG seeded from (seed, global step) before each step's update (the
                      replay buffer's shuffle into micro-batches draws from it), as the rollouts' seeds
   launcher           RayActorGroup.async_init_model_from_pretrained (driver): the teacher in the reference slot
 """
