@@ -793,6 +793,14 @@ def test_dispatch_and_sync_patches_on_fake_openrlhf_classes(installed):
         def _dispatch_prompts_to_vllm(self, prompts, labels, *, images=None, **kw):
             return labels, kw
 
+        def generate_samples(self):  # OpenRLHF's: a new episode's iterator draws its permutation (global RNG)
+            if getattr(self, "_dataloader_iter", None) is None:
+                self._dataloader_iter = iter(torch.randperm(8).tolist())
+            x = next(self._dataloader_iter, None)
+            if x is None:
+                self._dataloader_iter = None
+            return x
+
     class BasePPOTrainer:
         broadcasts = 0
 
@@ -818,6 +826,20 @@ def test_dispatch_and_sync_patches_on_fake_openrlhf_classes(installed):
         status, _ = t.train_step([], step)
         synced.append(status["composer/synced"])
     assert BasePPOTrainer.broadcasts == 2 and [i for i, s in enumerate(synced) if s] == [9, 19]  # sync.every 10
+    # the prompt order of each episode is fixed by (seed, episode), whatever the RNG did before; a resumed
+    # trainer (checkpoint in episode 1) draws episode 1's order
+    def episodes(gen, n):
+        out = []
+        for _ in range(n):
+            torch.rand(5)  # other draws from the global RNG
+            out.append([gen.generate_samples() for _ in range(9)][:8])
+        return out
+
+    two = episodes(t.samples_generator, 2)
+    assert two == episodes(SamplesGenerator(), 2) and two[0] != two[1]
+    resumed = SamplesGenerator()
+    resumed.composer_episode = 1
+    assert episodes(resumed, 1) == two[1:]
 
 
 def test_entry_point_help():

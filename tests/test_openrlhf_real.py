@@ -9,13 +9,15 @@ process, talking through Ray; the colocated weight sync over OpenRLHF's CUDA-IPC
 tensors; checkpoints, TensorBoard logs and the final model written by OpenRLHF; for SFT runs the entry
 point's `torchrun -m openrlhf.cli.train_sft` (OpenRLHF's SFTTrainer on the same DeepSpeed setup); a bundle's
 later runs (stages) starting from the model the earlier run saved; plugin modules imported from the bundle's
-copy in the workers.
+copy in the workers; the composer's external-judge actor (its own worker, a logical GPU of its own); a job
+resubmitted by launch.sh after a preemption resuming from OpenRLHF's checkpoint.
 
 What is replaced: vLLM's engine (tests/openrlhf_real/hf_vllm.py, an HF-transformers model with vLLM's
-interface; its assumptions are pinned by test_engine_interface and checked against real vLLM on a GPU by
+interface, also as the judge actor's offline vllm.LLM; its assumptions are pinned by test_engine_interface and checked against real vLLM on a GPU by
 examples/cluster/vllm_interface_check.py). CPU patches (tests/openrlhf_real/cpu.py, P1-P7): torch.cuda
 no-ops, a CPU device mesh, DeepSpeed's `torch_adam` optimizer setting, file-system tensor sharing, DeepSpeed
-state offload as no-ops, a StatefulDataLoader. Two argv changes in the copied plan.json: sdpa attention (no
+state offload as no-ops, a StatefulDataLoader; the test-only preemption switch (the training actor SIGKILLs
+itself right after writing a named checkpoint). Two argv changes in the copied plan.json: sdpa attention (no
 flash-attn) and the test's folders.
 
 Marked `cluster` (pytest -m cluster): `make test` runs this tier as its own pytest call.
@@ -67,7 +69,7 @@ class Head:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         env.update(PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
                    PYTHONPATH=f"{HERE / 'site'}{os.pathsep}{STUBS}", RAY_TMP=str(self.tmp), RAY_TMPDIR=str(self.tmp),
-                   COMPOSER_REAL_OUT=str(self.out), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                   COMPOSER_REAL_OUT=str(self.out), COMPOSER_REAL_KILL=str(self.tmp / "kill_after"), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                    RAY_DEDUP_LOGS="0")
         self.env = env
         self.proc = subprocess.Popen([sys.executable, str(HERE / "head.py"), str(_free_port()), str(gpus)], env=env,
@@ -102,7 +104,7 @@ class Head:
 
 @pytest.fixture(scope="module")
 def head():
-    h = Head(gpus=1)
+    h = Head(gpus=2)  # 2 logical GPUs: judge-proxy-half's external judge takes one of its own
     yield h
     h.stop()
 
@@ -165,14 +167,15 @@ def check_losses(out: dict, steps: int) -> float:
 SMALL = ["train.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.temperature=1.5"]
 
 
+# lr 0.02 and beta2 1: the lagged steps (1 and 3) then sample with weights far from the trainer's, so OAPL's
+# beta2 * log-ratio term is far from 0 there and the loss comparison says something even where every reward is
+# 0 (the spec's beta2 1e-3 leaves ~1e-6)
+OAPL = ["sync.every=2", "train.steps=4", "train.micro_batch_size=4", "train.lr=0.02", "objective.beta2=1.0", *SMALL]
+
+
 @pytest.fixture(scope="module")
 def oapl(head, tmp_path_factory):
-    # lr 0.02 and beta2 1: the lagged steps (1 and 3) then sample with weights far from the trainer's, so
-    # OAPL's beta2 * log-ratio term is far from 0 there and the loss comparison says something even where
-    # every reward is 0 (the spec's beta2 1e-3 leaves ~1e-6)
-    bundle = compile_for_cpu("specs/oapl.yaml", ["sync.every=2", "train.steps=4", "train.micro_batch_size=4",
-                                                 "train.lr=0.02", "objective.beta2=1.0", *SMALL],
-                             tmp_path_factory.mktemp("oapl"))
+    bundle = compile_for_cpu("specs/oapl.yaml", OAPL, tmp_path_factory.mktemp("oapl"))
     return bundle, job(head, bundle)
 
 
@@ -213,10 +216,70 @@ def test_oapl_syncs_only_at_declared_steps(oapl):
     assert gens[1]["weights"] == fits[1]["weights_after"] == fits[2]["weights_before"]
 
 
-def _method(name: str, spec: str, overrides: list[str], steps: int):
+# exact resume: the same OAPL job with a checkpoint every step, preempted right after step 1's checkpoint (the
+# training actor's process SIGKILLs itself once it has written global_step1: cpu.py's preemption switch), then
+# the same bundle submitted again by its launch.sh; OpenRLHF resumes from the checkpoint (ckpt.load_enable)
+@pytest.fixture(scope="module")
+def oapl_resumed(head, tmp_path_factory):
+    bundle = compile_for_cpu("specs/oapl.yaml", [*OAPL, "train.checkpoint_every=1"], tmp_path_factory.mktemp("resume"))
+    switch = Path(head.env["COMPOSER_REAL_KILL"])
+    switch.write_text("global_step1")
+    try:
+        r = head.submit(bundle)
+    finally:
+        left = switch.exists()
+        switch.unlink(missing_ok=True)
+    ckpt = bundle.parent / "cluster" / "main" / "ckpt" / "_actor"
+    killed = {"returncode": r.returncode, "switch_left": left, "seconds": r.seconds,
+              "checkpoints": sorted(p.name for p in ckpt.glob("global_step*")) if ckpt.is_dir() else [],
+              "fits": records(bundle, "fits.jsonl"), "engine": records(bundle, "engine.jsonl")}
+    print(f"\nresume: preempted job {r.seconds:.0f}s (exit {r.returncode})")
+    return bundle, killed, job(head, bundle)
+
+
+def _rows(fit: dict) -> list:
+    """What a step trained on, whatever order the rollouts finished in: (prompt, sampled tokens) of every row."""
+    return sorted((r["prompt"], r["tokens"]) for r in fit["samples"])
+
+
+def test_oapl_resume_is_exact(oapl, oapl_resumed):
+    """A real OAPL job (sync every 2) preempted after step 1 and resumed from its checkpoint by launch.sh does
+    what the uninterrupted job did: the same prompts in the same steps, the same sampled tokens (each rollout
+    request seeded from the run's seed, the step, the prompt and its draw), the engine holding the initial
+    weights for step 2 (no broadcast on resume at a step the schedule does not sync after) and receiving the
+    trainer's weights after steps 2 and 4 only, the same weights after every step and the same losses."""
+    _b, whole = oapl
+    bundle, killed, resumed = oapl_resumed
+    assert killed["returncode"] != 0 and not killed["switch_left"], killed["returncode"]
+    assert len(killed["fits"]) == 1 and killed["checkpoints"] == ["global_step1"], killed["checkpoints"]
+    fits = killed["fits"] + resumed["fits"]
+    assert len(resumed["fits"]) == 3 and len(whole["fits"]) == 4
+    assert resumed["fits"][0]["weights_before"] == killed["fits"][0]["weights_after"]  # the checkpoint's weights
+    for i, (a, b) in enumerate(zip(whole["fits"], fits)):
+        assert _rows(a) == _rows(b), f"step {i + 1}: other prompts or other sampled tokens after the resume"
+        assert a["label_steps"] == b["label_steps"] == [i]
+        assert a["weights_before"] == b["weights_before"] and a["weights_after"] == b["weights_after"], i + 1
+        assert abs(a["lightning_loss"] - b["lightning_loss"]) <= TOL * max(1.0, abs(a["lightning_loss"])), (i, a, b)
+        assert abs(a["openrlhf_loss"] - b["openrlhf_loss"]) <= TOL * max(1.0, abs(a["openrlhf_loss"])), (i, a, b)
+    worst = check_losses({"fits": fits}, 4)
+    # the engine: the resumed job's engine starts from the initial weights and samples step 2 with them (a
+    # broadcast on resume would give it step 1's), then receives the weights after steps 2 and 4
+    eng = resumed["engine"]
+    gens = [e for e in eng if e["event"] == "generate"]
+    assert gens[0]["weights"] == whole["fits"][0]["weights_before"] != fits[0]["weights_after"]
+    assert [e["weights"] for e in eng if e["event"] == "sync"] == [fits[1]["weights_after"], fits[3]["weights_after"]]
+    assert [e["weights"] for e in eng if e["event"] == "sync"] == [e["weights"] for e in whole["engine"]
+                                                                   if e["event"] == "sync"]
+    print(f"resume: resumed job {resumed['seconds']:.0f}s, largest |openrlhf - lightning| = {worst:.3g}, "
+          f"largest |resumed - uninterrupted| = "
+          f"{max(abs(a['openrlhf_loss'] - b['openrlhf_loss']) for a, b in zip(whole['fits'], fits)):.3g}")
+
+
+def _method(name: str, spec: str, overrides: list[str], steps: int, gpus: int = 1):
     @pytest.fixture(scope="module", name=f"{name}_job")
     def fixture(head, tmp_path_factory):
-        bundle = compile_for_cpu(spec, [f"train.steps={steps}", *overrides], tmp_path_factory.mktemp(name))
+        bundle = compile_for_cpu(spec, [f"train.steps={steps}", *overrides], tmp_path_factory.mktemp(name),
+                                 gpus_per_node=gpus)
         return bundle, job(head, bundle)
 
     def test(request):
@@ -338,6 +401,48 @@ def test_oapl_pope_guided_rows_come_from_prefixed_prompts(oapl_pope_job):
     assert any(r["guided"] and r["sampled_prompt"] != r["prompt"] for r in rows)
     assert all(r["tag"] == "guided" for r in rows if r["guided"])
     assert all(r["sampled_prompt"] == r["prompt"] for r in rows if not r["guided"])
+
+
+# MInTRL's self-judge ablation: the policy, shown the reference solution, reviews its own chunks on the rollout
+# engine (the agent's "policy" calls); the Proxy anchor on intervention tokens; the guide on for both steps
+mintrl_self_proxy_job, test_mintrl_self_proxy_losses_equal_lightning = _method(
+    "mintrl_self_proxy", "specs/hybrids/mintrl-self-proxy.yaml",
+    [*SMALL, "rollout.guide.control_samples=2", "phases[0].until=2", "phases[1].until=3", "train.micro_batch_size=4"], 2)
+
+
+def test_mintrl_self_proxy_judge_is_the_policy(mintrl_self_proxy_job):
+    """Each step trained 2 control and 2 reviewed rollouts per prompt; the reviews were served by the rollout
+    engine (it answered more requests than the steps' rollouts alone make) and corrections reached the
+    trained rows (guided rows: the judge wrote into them)."""
+    _bundle, out = mintrl_self_proxy_job
+    for f in out["fits"]:
+        assert sum(r["control"] for r in f["samples"]) == 2 * 2 == len(f["samples"]) - 4, f["samples"]
+    assert any(r["guided"] for f in out["fits"] for r in f["samples"])
+    assert sum(e["event"] == "request" for e in out["engine"]) > 2 * 2 * 4
+
+
+# judge-proxy-half: an external judge (the toy teacher checkpoint, shipped in the bundle) served by the
+# composer's named judge actor (hooks.start_judges: vLLM's offline LLM, here hf_vllm.LLM) on a GPU of its own:
+# compiled for 1 node x 2 GPUs (one trains and samples, colocated; one serves the judge); the guide on for
+# step 1 only (the phase switch to plain rollouts at step 2, as the spec's half)
+judge_proxy_half_job, test_judge_proxy_half_losses_equal_lightning = _method(
+    "judge_proxy_half", "specs/hybrids/judge-proxy-half.yaml",
+    [*SMALL, "rollout.guide.control_samples=2", "phases[0].until=1", "phases[1].until=2", "data.train_tiers=[2]"], 2,
+    gpus=2)
+
+
+def test_judge_proxy_half_external_judge_served_the_reviews(judge_proxy_half_job):
+    """The judge actor (its own Ray worker, the teacher's checkpoint from the bundle) answered the reviews of
+    step 1, whose guided rows reached the loss; step 2 (guide off) trained plain rollouts only and the judge
+    served nothing more."""
+    bundle, out = judge_proxy_half_job
+    judged = records(bundle, "judge.jsonl")
+    assert judged and len({j["pid"] for j in judged} | {e["pid"] for e in out["engine"]}) == 2, judged[:2]
+    one, two = out["fits"]
+    assert sum(r["control"] for r in one["samples"]) == 2 * 2 == len(one["samples"]) - 4
+    assert any(r["guided"] for r in one["samples"])
+    assert all(r["control"] and not r["guided"] for r in two["samples"])
+    assert (bundle / "models" / "teacher" / "config.json").exists()
 
 
 # a plugin objective (examples/custom_component: `length_penalized_grpo` from the spec's `plugins:`), shipped
@@ -470,11 +575,11 @@ def test_sft_opd_grpo_stages_chain_across_trainers(curriculum_job):
 
 
 def test_check_names_the_gpus_the_cluster_lacks(head, tmp_path):
-    """A bundle compiled for 2 nodes x 8 GPUs, checked on the 1-GPU head: launch.sh --check fails and says what
+    """A bundle compiled for 2 nodes x 8 GPUs, checked on the 2-GPU head: launch.sh --check fails and says what
     is missing instead of OpenRLHF waiting forever for its placement group."""
     bundle = compile_for_cpu("specs/oapl.yaml", ["train.steps=2"], tmp_path, gpus_per_node=8, nodes=2)
     r = head.submit(bundle, "--check", timeout=600)
     assert r.returncode != 0
     report = json.loads(r.stdout.split("composer-check: ", 1)[1].splitlines()[0])
-    assert report["cluster"] == {"nodes": 1, "gpus_per_node": [1], "gpus": 1}
+    assert report["cluster"] == {"nodes": 1, "gpus_per_node": [2], "gpus": 2}
     assert any("missing 2 node(s) with 8 GPU(s)" in p for p in report["problems"]), report["problems"]

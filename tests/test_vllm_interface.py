@@ -1,4 +1,4 @@
-"""The vLLM interface the real-job harness's replaced engine assumes (tests/openrlhf_real/hf_vllm.py, A1-A4),
+"""The vLLM interface the real-job harness's replaced engine assumes (tests/openrlhf_real/hf_vllm.py, A1-A5),
 pinned against numbers computed here from the model's own logits. The same assumptions are checked against
 real vLLM on a GPU by examples/cluster/vllm_interface_check.py; a change there must change both."""
 
@@ -102,3 +102,16 @@ def test_greedy_at_temperature_zero(model_dir):
     o = run(eng, ids, SamplingParams(max_tokens=4, temperature=0.0)).outputs[0]
     lg = logits_of(eng, ids + o.token_ids)
     assert o.token_ids == [int(torch.argmax(lg[len(ids) - 1 + i])) for i in range(len(o.token_ids))]
+
+
+def test_seeded_request_samples_the_same_tokens_whatever_came_before(model_dir):
+    """A5: a request with SamplingParams.seed samples from its own generator: the same tokens after other
+    requests drew from the engine's generator; without a seed the engine's generator moves on."""
+    eng = engine(model_dir, "processed_logprobs")
+    ids = [eng.tok.bos_token_id or 2] + eng.tok.encode("12+7=", add_special_tokens=False)
+    sp = SamplingParams(max_tokens=12, temperature=3.0, seed=7)
+    first = run(eng, ids, sp).outputs[0].token_ids
+    plain = [run(eng, ids, SamplingParams(max_tokens=12, temperature=3.0)).outputs[0].token_ids for _ in range(3)]
+    assert run(eng, ids, sp).outputs[0].token_ids == first
+    assert len({tuple(x) for x in plain + [first]}) > 1  # at temperature 3 the samples differ: the check can fail
+    assert run(eng, ids, SamplingParams(max_tokens=12, temperature=3.0, seed=8)).outputs[0].token_ids != first

@@ -2,7 +2,7 @@
 """Checks on a GPU that real vLLM behaves as the real-job tests' replaced engine assumes.
 
 tests/openrlhf_real/hf_vllm.py stands in for vLLM in the CPU tests (tests/test_openrlhf_real.py) and states
-its assumptions A1-A4 in its docstring; tests/test_vllm_interface.py pins them for the stand-in. This script
+its assumptions A1-A5 in its docstring; tests/test_vllm_interface.py pins them for the stand-in. This script
 asks real vLLM (the version OpenRLHF 0.11.2 pins) the same questions about the toy student checkpoint and
 compares against an fp32 HF forward of the same weights:
 
@@ -13,6 +13,8 @@ compares against an fp32 HF forward of the same weights:
   A3  prompt_logprobs follow the same mode; position 0 is None
   A4  load_weights under the HF parameter names changes the next generation as an HF model with those
       weights would (the colocated sync's contract)
+  A5  a request with SamplingParams.seed samples the same tokens whatever the engine served before, and in a
+      batch beside other requests (the composer seeds every rollout request: exact resume)
 
     python examples/cluster/vllm_interface_check.py          # prints one line per check, exit 1 on a failure
 
@@ -79,6 +81,14 @@ def main() -> int:
             check("A1 finish_reason: stop with EOS in token_ids, else length",
                   (g.finish_reason == "stop") == (g.token_ids[-1] == eos)
                   and (g.finish_reason == "stop" or len(g.token_ids) == 12), g.finish_reason)
+            # A5: a seeded request samples the same tokens after other requests and inside a batch
+            sp = SamplingParams(temperature=1.5, max_tokens=12, seed=1234)
+            first = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0].token_ids
+            llm.generate([{"prompt_token_ids": ids}] * 3, SamplingParams(temperature=1.5, max_tokens=12), use_tqdm=False)
+            again = llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": ids[:-1]}], [sp, SamplingParams(
+                temperature=1.5, max_tokens=12)], use_tqdm=False)[0].outputs[0].token_ids
+            check("A5 a seeded request samples the same tokens after other requests, in a batch",
+                  list(first) == list(again), f"{list(first)} vs {list(again)}")
             m = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12),
                              use_tqdm=False)[0].outputs[0]
             check("A1 min_tokens keeps EOS out", eos not in m.token_ids[:12])

@@ -13,7 +13,7 @@ The patches (nothing else of OpenRLHF, Ray, DeepSpeed or transformers is changed
                     strategy (a handle that can cross Ray's pickling) and get_physical_gpu_id() -> "cpu"
   P5 sleep mode     DeepSpeed's offload_states / reload_states (move optimizer state GPU <-> CPU): no-ops,
                     the state already lives on the CPU
-  P6 vLLM           vllm.AsyncLLMEngine / AsyncEngineArgs -> hf_vllm.HFEngine (THE replaced part); the rest of
+  P6 vLLM           vllm.AsyncLLMEngine / AsyncEngineArgs / LLM -> hf_vllm (THE replaced part); the rest of
                     the `vllm` import stub (tests/openrlhf_cpu_stubs) is names only
   P7 torchdata      StatefulDataLoader with state_dict / load_state_dict (the import stub has none)
   P9 EMA copy       DeepspeedStrategy.moving_average on "cpu" (OpenRLHF's actor asks for "cuda")
@@ -22,6 +22,9 @@ The patches (nothing else of OpenRLHF, Ray, DeepSpeed or transformers is changed
 The recorder (only with COMPOSER_REAL_OUT set) writes fits.jsonl: per PolicyModelActor fit (PPO runs) and per
 SFTTrainer optimizer step (train_sft runs), the loss the real DeepSpeed engine back-propagated, the Lightning
 backend's loss of the same batch and weights, the weights before and after, and what each row holds.
+The preemption switch (test-only, COMPOSER_REAL_KILL names a file holding a checkpoint tag, e.g.
+`global_step1`): the training actor's process that has just written that checkpoint deletes the file and
+SIGKILLs itself, as a preempted node would die; the job fails and a resubmitted one resumes from the checkpoint.
 """
 
 from __future__ import annotations
@@ -108,6 +111,19 @@ def p2_strategy(mod) -> None:
         return backward(self, loss, model, optimizer, **kw)
 
     cls.backward = recorded_backward
+    save_ckpt = cls.save_ckpt
+
+    def save_ckpt_(self, model, save_dir, tag=None, *args, **kw):  # the preemption switch
+        out = save_ckpt(self, model, save_dir, tag, *args, **kw)
+        switch = os.environ.get("COMPOSER_REAL_KILL")
+        if switch and os.path.exists(switch) and open(switch).read().strip() == str(tag):
+            import signal
+
+            os.remove(switch)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    cls.save_ckpt = save_ckpt_
     moving_average = cls.moving_average  # P9: ActorPPOTrainer passes device "cuda" for the EMA copy
 
     def moving_average_(self, model, model_ema, beta=0.992, device="cpu"):
@@ -145,7 +161,7 @@ def p6_vllm(vllm) -> None:
     sys.path.insert(0, HERE)
     import hf_vllm
 
-    vllm.AsyncEngineArgs, vllm.AsyncLLMEngine = hf_vllm.EngineArgs, hf_vllm.HFEngine
+    vllm.AsyncEngineArgs, vllm.AsyncLLMEngine, vllm.LLM = hf_vllm.EngineArgs, hf_vllm.HFEngine, hf_vllm.LLM
 
 
 def p7_torchdata(mod) -> None:
@@ -239,6 +255,7 @@ def samples(trainer) -> list[dict]:
         out.append({"prompt": prompt, "sampled_prompt": trainer.tokenizer.decode(seq[:first]),
                     "guided": bool(meta.get("guided", False)), "control": bool(meta.get("control", True)),
                     "tag": meta.get("tag", ""), "weight": meta.get("weight"), "solution": meta.get("solution"),
+                    "tokens": [t for t, m in zip(seq, item.attention_mask.reshape(-1).tolist()) if m],  # sampled
                     "teacher_weight": meta.get("teacher_weight")})
     return out
 

@@ -18,6 +18,11 @@ against real vLLM 0.29 on a GPU by examples/cluster/vllm_interface_check.py):
   A4 weights: `update_weight_cuda_ipc(name, dtype, shape, ipc_handles)` rebuilds the tensor from the handle of
      this device's id and loads it under the HF parameter name (the trainer's names; vLLM maps the same names);
      the dtype must equal the engine's (WorkerWrap's assert).
+  A5 a request with `SamplingParams.seed` samples from its own generator seeded with it: the same seed, prompt
+     and weights give the same tokens whatever the engine served before (the composer seeds every rollout
+     request, composer/backends/openrlhf/batch.py request_seeds); without a seed, the engine's generator.
+The offline `vllm.LLM` (the composer's external-judge actor, hooks.start_judges) is the same engine behind
+`LLM.generate(prompts, sampling_params, use_tqdm)`.
 """
 
 from __future__ import annotations
@@ -199,6 +204,8 @@ class HFEngine:
         room = self.max_model_len - len(ids)
         max_tokens = room if sp.max_tokens is None else min(int(sp.max_tokens), room)
         greedy = not sp.temperature or sp.temperature <= 0
+        seed = getattr(sp, "seed", None)  # A5
+        generator = self.generator if seed is None else torch.Generator().manual_seed(int(seed))
         t = sp.temperature if sp.temperature and sp.temperature > 0 else 1.0
         out = self.model(input_ids=torch.tensor([ids]), use_cache=True)
         prompt_lps = None
@@ -211,7 +218,7 @@ class HFEngine:
         for _ in range(max_tokens):
             x = process(logits, sp, len(toks), self.eos)
             tok = int(torch.argmax(x)) if greedy else int(torch.multinomial(torch.softmax(x, -1), 1,
-                                                                            generator=self.generator))
+                                                                            generator=generator))
             if getattr(sp, "logprobs", None) is not None:  # A2
                 entries.append(self._entry(torch.log_softmax(x if self.processed else logits, -1), tok))
             toks.append(tok)
@@ -226,3 +233,26 @@ class HFEngine:
         cum = sum(next(iter(e.values())).logprob for e in entries) if entries else None
         return RequestOutput(request_id or f"req{self.requests}", None, ids, prompt_lps,
                              [CompletionOutput(0, text, toks, cum, entries or None, finish)])
+
+
+class LLM:
+    """vllm.LLM (offline) as the composer's judge actor uses it: `LLM(path, **kw)`, `generate([{"prompt_token_ids":
+    ids}], SamplingParams, use_tqdm=False)` -> [RequestOutput]."""
+
+    def __init__(self, model: str, max_model_len: int | None = None, seed: int = 0, **_kw):
+        from transformers import AutoConfig
+
+        n = max_model_len or AutoConfig.from_pretrained(model).max_position_embeddings
+        self.engine = HFEngine({"model": model, "dtype": "bfloat16", "max_model_len": n, "seed": seed})
+        self.engine.log = None  # engine.jsonl records the rollout engine only
+
+    def generate(self, prompts, sampling_params, use_tqdm: bool = True):
+        outs = [self.engine._generate(list(p["prompt_token_ids"]), sampling_params, None) for p in prompts]
+        log = os.environ.get("COMPOSER_REAL_OUT")
+        if log:  # the harness's record of what the judge served (judge.jsonl)
+            with open(os.path.join(log, "judge.jsonl"), "a") as f:
+                for p, o in zip(prompts, outs):
+                    f.write(json.dumps({"pid": os.getpid(), "prompt_tokens": len(p["prompt_token_ids"]),
+                                        "tokens": list(o.outputs[0].token_ids), "seed": sampling_params.seed,
+                                        "temperature": sampling_params.temperature}) + "\n")
+        return outs

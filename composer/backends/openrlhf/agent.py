@@ -23,7 +23,7 @@ import json
 import os
 from typing import Optional
 
-from composer.backends.openrlhf.batch import action_ranges, decode_label, encode_label, example_of
+from composer.backends.openrlhf.batch import action_ranges, decode_label, encode_label, example_of, request_seeds
 from composer.backends.openrlhf.loss import Segments
 from composer.protocol import INITIAL, POLICY, Generation, Score, Trace, run_async
 from composer.plan.schedule import Schedule
@@ -65,10 +65,12 @@ class ComposerAgent:
         return self.contexts[key]
 
     # ---- answering the guide's requests ----
-    def server(self, engine, sp, max_length: int, room: int, prompt_len: int, initial_ok: bool):
+    def server(self, engine, sp, max_length: int, room: int, prompt_len: int, initial_ok: bool, seeds):
         """`serve(request)` for run_async: Sample and Score requests against this actor's engines. A rollout's
         continuation fits the response room; every request (a judge's prompt included) fits the engine's
-        context, one position spare for scoring."""
+        context, one position spare for scoring. Every sampled continuation gets the next of `seeds`
+        (batch.request_seeds: fixed by the rollout's step, prompt and draw, so a resumed job samples as an
+        uninterrupted one; the requests of one rollout are made in the guide program's order)."""
 
         async def serve(req):
             if isinstance(req, Score):
@@ -80,10 +82,11 @@ class ComposerAgent:
                 import ray
 
                 actor = ray.get_actor(f"composer-judge-{req.model}")
-                outs = [await actor.generate_ids.remote(list(req.tokens), budget, req.greedy) for _ in range(req.n)]
+                outs = [await actor.generate_ids.remote(list(req.tokens), budget, req.greedy, seeds())
+                        for _ in range(req.n)]
                 return [Generation(t, f, None) for t, f in outs]
             eng = self._engine(engine, req.model, initial_ok)
-            return list(await asyncio.gather(*(self.generate(eng, req.tokens, sp, budget, req.greedy)
+            return list(await asyncio.gather(*(self.generate(eng, req.tokens, sp, budget, req.greedy, seeds())
                                                for _ in range(req.n))))
 
         return serve
@@ -96,12 +99,14 @@ class ComposerAgent:
                                "before it (POPE's prefixes are searched for the whole training set then)")
         return engine
 
-    async def generate(self, engine, ids, sp, max_tokens: int, greedy: bool = False) -> Generation:
+    async def generate(self, engine, ids, sp, max_tokens: int, greedy: bool = False,
+                       seed: Optional[int] = None) -> Generation:
         """One continuation of `ids`: its tokens, whether it stopped at EOS, and the sampler's log-probs."""
         if max_tokens < 1:
             return Generation([], False, None if greedy else [])
         p = copy.deepcopy(sp)
         p.max_tokens = max_tokens
+        p.seed = seed
         if greedy:
             p.temperature, p.logprobs = 0.0, None
         out = (await engine.generate(list(ids), p)).outputs[0]
@@ -119,14 +124,15 @@ class ComposerAgent:
         return [0.0 if d is None else (d[t].logprob if t in d else 0.0) for t, d in zip(ids, out.prompt_logprobs)]
 
     # ---- one sample ----
-    def _index(self, prompt: str, label, n: int) -> int:
-        """Which of the n samples of this prompt this call is (OpenRLHF starts them in order)."""
+    def _draw(self, prompt: str, label) -> int:
+        """How many samples of this prompt (at this step: the label holds it) this engine started before
+        (OpenRLHF starts them in order); modulo samples_per_prompt, which of the prompt's samples it is."""
         key = (prompt, str(label))
         i = self.counts.get(key, 0)
         self.counts[key] = i + 1
         if len(self.counts) > 100_000:
             self.counts.clear()
-        return i % n
+        return i
 
     async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None):
         from components.guides.none import NoGuide
@@ -139,13 +145,15 @@ class ComposerAgent:
         seg = self.segments.segment(step)
         spec = seg.spec
         guide = NoGuide() if meta.get("eval") else spec.rollout.guide
-        idx = self._index(prompt, label, spec.rollout.samples_per_prompt)
+        draw = self._draw(prompt, label)
+        idx = draw % spec.rollout.samples_per_prompt
         ctx = copy.copy(self.context(spec, hf_tokenizer))  # shares caches; this call's step and room
         ctx.step = self.segments.offset + step
+        seeds = request_seeds(spec.train.seed, ctx.step, prompt, draw)  # as hooks.sample_seeds
         # the engine serves "initial" calls only while the Plan says it holds the frozen initial weights
         initial_ok = self.schedule.sampler_is_initial(ctx.step)
         engines = (llm_engine, sampling_params, max_length, hf_tokenizer)
-        serve = self._serve_for(ctx, example, engines, initial_ok)
+        serve = self._serve_for(ctx, example, engines, initial_ok, seeds)
         ahead = [sig for _n, sig, _o, _w in terms(spec) if sig.builds_ahead]
         if ahead:  # targets built once at the segment's start (InT offline): this sample is one of them
             trace, weight = await self._built_ahead(ctx, ahead[0], example, idx, seg, engines)
@@ -163,13 +171,16 @@ class ComposerAgent:
         reward = self._reward(ctx, example, hf_tokenizer.decode(trace.response, skip_special_tokens=True))
         return self._result(ctx, prompt, meta, trace, weight, reward)
 
-    def _serve_for(self, ctx, example, engines, initial_ok: bool):
-        """`serve` for a rollout of `example` (its own prompt length and response room)."""
+    def _serve_for(self, ctx, example, engines, initial_ok: bool, seeds=None):
+        """`serve` for a rollout of `example` (its own prompt length and response room); `seeds` (default: the
+        run's seed, the step, the example's prompt and "prepare") seed its sampled requests."""
         llm_engine, sp, max_length, tok = engines
         n = len(tok.encode(example.prompt, add_special_tokens=False))
         # one position spare: scoring guide tokens (prompt_logprobs) asks vLLM for one more token
         room = min(sp.max_tokens or max_length, ctx.max_new_tokens, max_length - n - 1)
-        return self.server(llm_engine, sp, max_length, room, n, initial_ok)
+        if seeds is None:
+            seeds = request_seeds(ctx.spec.train.seed, ctx.step, example.prompt, "prepare")
+        return self.server(llm_engine, sp, max_length, room, n, initial_ok, seeds)
 
     async def _built_ahead(self, ctx, sig, example, idx: int, seg, engines):
         """(trace, weight) of sample `idx` of `example` from the targets `sig` builds once (InT offline,
@@ -195,7 +206,10 @@ class ComposerAgent:
                 if example.prompt not in {ex.prompt for ex in problems}:
                     problems.append(example)
                 statuses = await asyncio.gather(*(run_async(attempt_program(ctx, sig, ex, i, n),
-                                                            self._serve_for(ctx, ex, engines, initial_ok))
+                                                            self._serve_for(ctx, ex, engines, initial_ok,
+                                                                            request_seeds(ctx.spec.train.seed,
+                                                                                          seg.start, ex.prompt,
+                                                                                          "built", i)))
                                                   for ex in problems for i in range(n)))
                 self.built[key] = collect_targets(problems, statuses, n)
         targets, _counts = self.built[key]
@@ -264,7 +278,8 @@ class ComposerAgent:
                 at = copy.copy(base)
                 at.step = step
                 work = [(p, ex) for ex in problems for p in guide.prepare(at, [ex])]
-                await asyncio.gather(*(run_async(p, self._serve_for(at, ex, engines, initial_ok)) for p, ex in work))
+                await asyncio.gather(*(run_async(p, self._serve_for(at, ex, engines, initial_ok, request_seeds(
+                    at.spec.train.seed, step, ex.prompt, "prepare", j))) for j, (p, ex) in enumerate(work)))
 
     def _reward(self, ctx, example, text: str) -> float:
         verifier = self.run["plugin"].get("verifier", "none")

@@ -41,6 +41,23 @@ def decode_label(label: Any) -> dict:
     return {"answer": "" if label is None else str(label)}
 
 
+def request_seeds(*key):
+    """The vLLM `SamplingParams.seed` of each request of one rollout: a counter over the requests made for `key`
+    (the run's seed, the global step, the prompt, the sample's draw number, ...), each seed a hash of (key,
+    k). vLLM samples a request with a seed from its own generator, so what a rollout samples depends on the
+    step and its place in the step only, not on what the engine served before: a job resumed from a checkpoint
+    samples what an uninterrupted one did (OpenRLHF's checkpoint holds no sampler state)."""
+    import hashlib
+
+    count = iter(range(1 << 62))
+
+    def seed() -> int:
+        blob = json.dumps([*key, next(count)], separators=(",", ":"), default=str).encode()
+        return int.from_bytes(hashlib.sha256(blob).digest()[:4], "big") & 0x7FFFFFFF
+
+    return seed
+
+
 def example_of(prompt: str, meta: dict) -> Example:
     return Example(prompt=prompt, answer=str(meta.get("answer", "")), solution=meta.get("solution"),
                    problem=meta.get("problem") or "", tier=meta.get("tier"), meta=dict(meta.get("meta") or {}))

@@ -548,7 +548,12 @@ def readme(v, plan, runs: list[Run], layout: Layout, inputs: Inputs, warnings: d
              "## Launch", "", "```bash", "./launch.sh                      # head at $RAY_ADDRESS or http://127.0.0.1:8265",
              "./launch.sh http://HEAD:8265     # another head",
              "./launch.sh --check              # start the entry points on the cluster, check, exit (no training)",
-             "```", "", "The bundle is self-contained: copy the whole folder to the head node (any path) and run "
+             "```", "", "Resume: after a preemption, run `./launch.sh` again: OpenRLHF resumes from the latest "
+             "checkpoint in the run's output folder (`ckpt/`, written every train.checkpoint_every steps), and the "
+             "composer's seeds (prompt order per episode, every rollout request, each update's micro-batch split) "
+             "make the continuation the one the uninterrupted job would have trained; a lagged engine (sync.every "
+             "> 1) resumes only from a checkpoint at a sync step or before the first sync (else refused, with the "
+             "reason).", "", "The bundle is self-contained: copy the whole folder to the head node (any path) and run "
              "`./launch.sh` there. `ray job submit` uploads this folder as the job's working_dir, with the copy of "
              "the composer's `composer/` and `components/` packages it holds (runtime_env.json has relative paths "
              f"only); every Ray worker runs `{HOOK}` at start, which installs the plugin. Runs, in order "

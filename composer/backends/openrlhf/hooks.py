@@ -9,12 +9,18 @@ in the driver too (the reference-slot patch is driver-side).
 
 What is patched, and only when the run's plugin section asks for it:
   samples_generator  SamplesGenerator._dispatch_prompts_to_vllm: the trainer step into every label (phases),
-                     top_k into vLLM's SamplingParams
+                     top_k into vLLM's SamplingParams; generate_samples: each episode's prompt order seeded
+                     from (seed, episode)
+  agent              (always) SingleTurnAgentExecutor.execute (rollout engine, runs without a guide): each sample's
+                     vLLM request seeded from (seed, global step, prompt, draw): see sample_seeds. The
+                     composer's agent (agent.py) seeds its own requests the same way
   ppo_trainer        BasePPOTrainer.train_step / broadcast_to_vllm / init_checkpoint_states: weights reach
                      vLLM after the steps the Plan's schedule names; the step counter. Also the copies Ray made of them on the
                      actor classes built from it (PPOTrainer, TrainingActor): see reach_actor_classes
   experience_maker   RemoteExperienceMaker.make_experience_batch: step advantages and teacher prompts
-  ppo_actor          ActorPPOTrainer.__init__ / training_step: the composer loss, self-teacher scores
+  ppo_actor          ActorPPOTrainer.__init__ / training_step: the composer loss, self-teacher scores;
+                     ppo_train (always): torch's RNG seeded from (seed, global step) before each step's update (the
+                     replay buffer's shuffle into micro-batches draws from it), as the rollouts' seeds
   launcher           RayActorGroup.async_init_model_from_pretrained (driver): the teacher in the reference slot
 """
 
@@ -107,6 +113,8 @@ def install(plan: dict, run: dict, driver: bool = False) -> None:
     p = run["plugin"]
     when_imported("openrlhf.trainer.ppo_utils.samples_generator", _patch_dispatch)
     when_imported("openrlhf.trainer.ppo_trainer", _patch_trainer)
+    when_imported("openrlhf.utils.agent", _patch_single_turn)
+    when_imported("openrlhf.trainer.ray.ppo_actor", _patch_step_seed)
     if p.get("loss"):
         when_imported("openrlhf.trainer.ppo_utils.experience_maker", _patch_experience_maker)
     if p.get("loss") or p.get("ema_beta") is not None:
@@ -163,6 +171,80 @@ def _patch_dispatch(mod) -> None:
         return orig(self, prompts, labels, images=images, **kw)
 
     cls._dispatch_prompts_to_vllm = _dispatch_prompts_to_vllm
+    generate_samples = cls.generate_samples
+
+    def generate_samples_(self, **kw):
+        """The prompt order of every episode a function of the run's seed and the episode: OpenRLHF's prompt
+        loader shuffles with a RandomSampler that draws its permutation from the global RNG of the trainer's
+        process (never seeded there) when an episode's iterator starts, so two jobs, or a job and its resumed
+        copy, would train other prompts at the same step. The global RNG is seeded from (seed, episode) right
+        before that draw (episode: the checkpoint's, set by init_checkpoint_states)."""
+        if getattr(self, "_dataloader_iter", None) is None and not getattr(self, "_sample_buffer", None):
+            import torch
+
+            from composer.backends.openrlhf.batch import request_seeds
+
+            episode = getattr(self, "composer_episode", 0)
+            self.composer_episode = episode + 1
+            torch.manual_seed(request_seeds(_segments().items[0].spec.train.seed, "prompts", episode)())
+        return generate_samples(self, **kw)
+
+    cls.generate_samples = generate_samples_
+
+
+def sample_seeds(prompt: str, label, counts: dict):
+    """`request_seeds` of the next sample of (prompt, label) in this engine: the run's seed, the global step
+    (the label's trainer step), the prompt and how many samples of it this engine started before at that step
+    (OpenRLHF starts a prompt's samples in order); returns (seeds, draw number)."""
+    from composer.backends.openrlhf.batch import decode_label, request_seeds
+
+    meta = decode_label(label)
+    step = int(meta.get("step", 0))
+    key = (prompt, str(label))
+    draw = counts.get(key, 0)
+    counts[key] = draw + 1
+    if len(counts) > 100_000:
+        counts.clear()
+    seed = _segments().at(step).train.seed
+    return request_seeds(seed, _segments().offset + step, prompt, draw), draw
+
+
+def _patch_single_turn(mod) -> None:
+    cls = mod.SingleTurnAgentExecutor
+    orig = cls.execute
+
+    async def execute(self, prompt, label, sampling_params, *args, **kwargs):
+        seeds, _draw = sample_seeds(prompt, label, self.__dict__.setdefault("_composer_draws", {}))
+        sp = copy.deepcopy(sampling_params)
+        sp.seed = seeds()
+        return await orig(self, prompt, label, sp, *args, **kwargs)
+
+    cls.execute = execute
+
+
+def _patch_step_seed(mod) -> None:
+    """Each step's update draws its randomness (OpenRLHF shuffles the replay buffer into micro-batches with
+    torch's global RNG) from a seed fixed by the run's seed and the global step, not from the RNG state the
+    previous steps left: OpenRLHF's checkpoint holds no RNG state, so a resumed job would otherwise split the
+    step into other micro-batches than an uninterrupted one."""
+    import torch
+
+    from composer.backends.openrlhf.batch import request_seeds
+    from composer.backends.openrlhf.loss import step_of
+
+    cls = mod.ActorPPOTrainer
+    ppo_train = cls.ppo_train
+
+    def ppo_train_(self, kl_ctl):
+        items = list(getattr(self.replay_buffer, "items", []) or [])
+        if items:
+            labels = [x for it in items[:1] for x in (it.labels if isinstance(it.labels, (list, tuple)) else [it.labels])]
+            step = step_of(labels)
+            seed = _segments().at(step).train.seed
+            torch.manual_seed(request_seeds(seed, _segments().offset + step, "update")())
+        return ppo_train(self, kl_ctl)
+
+    cls.ppo_train = ppo_train_
 
 
 def _patch_trainer(mod) -> None:
@@ -189,6 +271,7 @@ def _patch_trainer(mod) -> None:
         states = init_states(self)
         step = states.get("global_step", 0)
         self.samples_generator.composer_step = step
+        self.samples_generator.composer_episode = int(states.get("episode", 0))
         self._composer_sync = resume_sync(step)  # fit() broadcasts on resume, outside train_step
         return states
 
@@ -399,11 +482,13 @@ def start_judges(judges: dict[str, str], max_model_len: int | None = None) -> li
             extra = {"max_model_len": max_model_len} if max_model_len else {}
             self.llm = LLM(path, gpu_memory_utilization=0.85, enforce_eager=True, **extra)
 
-        def generate_ids(self, ids: list, max_tokens: int, greedy: bool = True) -> tuple[list, bool]:
-            """(tokens, stopped at EOS) of one continuation of token ids (the guide protocol's Sample)."""
+        def generate_ids(self, ids: list, max_tokens: int, greedy: bool = True,
+                         seed: int | None = None) -> tuple[list, bool]:
+            """(tokens, stopped at EOS) of one continuation of token ids (the guide protocol's Sample); a sampled
+            one from its own generator seeded with `seed` (the agent's request_seeds)."""
             from vllm import SamplingParams
 
-            p = SamplingParams(temperature=0.0 if greedy else 1.0, max_tokens=max(max_tokens, 1))
+            p = SamplingParams(temperature=0.0 if greedy else 1.0, max_tokens=max(max_tokens, 1), seed=seed)
             out = self.llm.generate([{"prompt_token_ids": list(ids)}], p, use_tqdm=False)[0].outputs[0]
             return list(out.token_ids), out.finish_reason != "length"
 

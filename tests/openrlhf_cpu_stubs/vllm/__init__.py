@@ -15,4 +15,5 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    seed: int | None = None
     extra: dict = field(default_factory=dict)
