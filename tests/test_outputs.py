@@ -200,6 +200,14 @@ def test_a_chosen_logger_whose_package_is_missing_is_refused_before_anything_is_
     assert r.exit_code == 2 and "a logger is listed twice" in r.stderr
 
 
+def offline_loggers(monkeypatch, tmp_path: Path) -> None:
+    """W&B offline and MLflow in a file store under tmp_path: no server, nothing leaves the machine."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+
+
 def test_loggers_csv_only_and_the_optional_ones(tiny, tmp_path, monkeypatch):
     """csv alone writes metrics.csv and nothing else; each optional logger that is installed records the run
     (wandb offline, mlflow in a file: store, tensorboard with the samples as text)."""
@@ -212,10 +220,7 @@ def test_loggers_csv_only_and_the_optional_ones(tiny, tmp_path, monkeypatch):
     have = [k for k, m in (("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow")) if installed(m)]
     if not have:
         pytest.skip("none of tensorboard, wandb, mlflow is installed")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    offline_loggers(monkeypatch, tmp_path)
     out = tmp_path / "all"
     train_run("specs/grpo.yaml", out, [f"policy.model={tiny}", "train.steps=2", "train.samples_every=1",
                                        f"train.loggers=[csv,{','.join(have)}]", *FAST])
@@ -247,10 +252,7 @@ def test_a_resumed_run_records_each_step_once_in_mlflow_and_wandb(tiny, tmp_path
 
     pytest.importorskip("mlflow")
     pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    offline_loggers(monkeypatch, tmp_path)
     out = tmp_path / "run"
     base = [f"policy.model={tiny}", "train.checkpoint_every=1", "train.loggers=[csv,wandb,mlflow]", *FAST]
     train_run("specs/grpo.yaml", out, base + ["train.steps=2"])
