@@ -172,3 +172,31 @@ def test_policy_view_reads_each_rows_prompt_length(model, monkeypatch):
     ref = torch.log_softmax(model(input_ids=tokens, attention_mask=mask.long()).logits[:, :-1], -1)
     ref = ref.gather(-1, tokens[:, 1:, None]).squeeze(-1)
     assert torch.allclose(view.logprobs[:, 1:][mask[:, 1:]], ref[mask[:, 1:]], atol=1e-5, rtol=0)
+
+
+def test_a_compiled_model_always_takes_the_packed_layout(model):
+    """Under train.compile a batch that packs and one that does not must make the same call (else each switch
+    recompiles): a torch.compile wrapper (`_orig_mod`) gets position_ids even when packing saves nothing,
+    and the logits stay the padded forward's."""
+    from composer.runtime.models import packed_logits
+
+    calls = []
+
+    class Wrapper(torch.nn.Module):  # what torch.compile returns: the model under `_orig_mod`
+        def __init__(self, inner):
+            super().__init__()
+            self._orig_mod = inner
+
+        def forward(self, **kw):
+            calls.append(sorted(kw))
+            return self._orig_mod(**kw)
+
+    V = model.config.vocab_size
+    tokens, mask = batch([12, 11, 12, 10], 12, V, seed=2)  # nothing to save by packing
+    ref = model(input_ids=tokens, attention_mask=mask.long()).logits
+    got = packed_logits(Wrapper(model), tokens, mask)
+    assert calls == [["input_ids", "position_ids", "use_cache"]]
+    assert torch.allclose(got[mask], ref[mask], atol=1e-5, rtol=0)
+    calls.clear()
+    packed_logits(model, tokens, mask)  # uncompiled: the padded forward (no packing pays)
+    assert calls == []

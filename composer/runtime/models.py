@@ -225,7 +225,9 @@ def packed_logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor):
     (`pack_rows`), else with the padded batch. Real positions get the logits the padded forward gives
     (up to float rounding: same tokens, same positions, same causal scope); pad positions get their row's
     last real position's logits (finite, and masked by every reader)."""
-    plan = pack_rows(attention_mask) if _packable(model) else None
+    # a compiled model (train.compile) always takes the packed layout: one call signature, so one graph serves
+    # batches that pack and batches that do not (else each switch is a recompile)
+    plan = pack_rows(attention_mask, 0.0 if hasattr(model, "_orig_mod") else 0.1) if _packable(model) else None
     if plan is None:
         return model(input_ids=tokens, attention_mask=attention_mask.long()).logits
     bins, index = plan
@@ -374,7 +376,9 @@ def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor, te
         logits = shared_prefix_logits(model, tokens, mask, prefix_len.to(tokens.device))
     if logits is None:
         logits = packed_logits(model, tokens, mask)
-    logits = logits[:, :-1].float() / temperature  # [B, T-1, V]
+    logits = logits[:, :-1].float()  # [B, T-1, V]
+    if temperature != 1.0:
+        logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     lp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)  # [B, T-1]
     ent = -(logp_all.exp() * logp_all).sum(-1)  # [B, T-1]
