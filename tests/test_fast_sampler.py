@@ -101,21 +101,3 @@ def test_unsupported_generation_config_falls_back_to_hf_generate(tiny):
         _same(hf_generate(model, tok, prompts, 8, greedy), fast_generate(model, tok, prompts, 8, greedy))
     finally:
         model.generation_config.repetition_penalty = 1.0
-
-
-def test_one_query_attention_equals_sdpa():
-    """The decode step's attention (one query per row, grouped query heads, an additive padding mask) gives
-    `scaled_dot_product_attention`'s values."""
-    import torch.nn.functional as F
-
-    from composer.runtime.fast_sampler import _attend_one
-
-    g = torch.Generator().manual_seed(0)
-    B, nh, nkv, d, S = 5, 6, 2, 8, 11
-    q = torch.randn(B, nh + nkv, 1, d, generator=g)[:, :nh]  # a view, as the sampler's
-    k, v = torch.randn(B, nkv, S + 3, d, generator=g)[:, :, :S], torch.randn(B, nkv, S, d, generator=g)
-    valid = torch.rand(B, S, generator=g) > 0.3
-    valid[:, -1] = True
-    mask = torch.zeros(B, 1, 1, S).masked_fill_(~valid[:, None, None], float("-inf"))
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d ** -0.5, enable_gqa=True)
-    assert torch.allclose(_attend_one(q, k, v, mask, d ** -0.5), want, atol=1e-6, rtol=0)

@@ -98,16 +98,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def _attend_one(q, k, v, mask, scale: float) -> torch.Tensor:
-    """Attention of one query per row: q [B, nh, 1, d], k/v [B, nkv, S, d] (GQA: query heads grouped by their
-    kv head, as transformers' repeat_kv), mask [B, 1, 1, S] additive. Returns [B, nh, 1, d]; the same values
-    as `F.scaled_dot_product_attention` up to float rounding (tests/test_fast_sampler.py)."""
-    B, nh, _, d = q.shape
-    nkv = k.shape[1]
-    s = torch.matmul(q.reshape(B, nkv, nh // nkv, d), k.transpose(-1, -2)).mul_(scale).add_(mask)  # [B, nkv, g, S]
-    return torch.matmul(s.softmax(-1), v).view(B, nh, 1, d)
-
-
 def _forward(W: _Weights, ids, cos, sin, mask, cache_k, cache_v, start: int) -> torch.Tensor:
     """Run tokens `ids` [B, T] written at cache slots start..start+T; returns the last position's hidden [B, H].
 
@@ -131,11 +121,8 @@ def _forward(W: _Weights, ids, cos, sin, mask, cache_k, cache_v, start: int) -> 
         v = v.view(B, T, nkv, d).transpose(1, 2)  # [B, nkv, T, d]
         cache_k[i][:, :, start:end] = k
         cache_v[i][:, :, start:end] = v
-        if T == 1:  # a decode step: two small batched matmuls beat sdpa's kernel on one query
-            o = _attend_one(q, cache_k[i][:, :, :end], cache_v[i][:, :, :end], mask, d ** -0.5)
-        else:
-            o = F.scaled_dot_product_attention(q, cache_k[i][:, :, :end], cache_v[i][:, :, :end], attn_mask=mask,
-                                               scale=d ** -0.5, enable_gqa=nh != nkv)  # [B, nh, T, d]
+        o = F.scaled_dot_product_attention(q, cache_k[i][:, :, :end], cache_v[i][:, :, :end], attn_mask=mask,
+                                           scale=d ** -0.5, enable_gqa=nh != nkv)  # [B, nh, T, d]
         x = x + F.linear(o.transpose(1, 2).reshape(B, T, nh * d), L["o"], L["o_b"])
         h = _rms(x, L["ln2"], W.eps)
         gate, up = F.linear(h, L["gate_up"]).chunk(2, dim=-1)
