@@ -160,3 +160,18 @@ def test_compiled_rows_report_their_graphs_and_recompiles():
     assert "torch.compile built 4 graph(s) for our side, 0 of them inside timed rounds" in text
     assert "meets the 2.0x target" in text
     assert "compiled" in bt.MODES and bt.parse_args(["--modes", "compiled"]).modes == "compiled"
+
+
+def test_a_forced_length_past_the_tasks_response_cap_is_generated_in_full(tmp_path, tiny):
+    """The toy task caps responses at 59 tokens; a forced length of 70 is matched work only if our side
+    generates all 70 (it stopped at 59 while TRL wrote 70: the sweep's longest point compared unequal work)."""
+    from composer.bench import throughput as bt
+    from composer.runtime.binding import bind_task
+    from composer.checks.validate import validate_file
+
+    cap = bind_task(validate_file(str(bt.ROOT / "specs" / "grpo.yaml"), []).spec).max_new_tokens
+    assert cap is not None and cap < 70
+    out = tmp_path / "tp.json"
+    assert bt.main(["--pairs", "grpo", "--modes", "matched", *tiny, "--length", "70", "--json", str(out)]) == 0
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["ours_mean_response_tokens"] == 70.0

@@ -140,6 +140,9 @@ class Ours:
         self.ctx = self.module.ctx
         self.policy = policy
         self.ctx.task.sample_train = cycler(examples)
+        cap = self.ctx.task.max_new_tokens
+        if length and cap and cap < length:  # the forced length is the matched work: the task's response cap
+            self.ctx.task.max_new_tokens = length  # (the toy task's is 59) must not cut ours short of TRL's
         optim = self.module.configure_optimizers()
         self.opt, self.lr_sched = optim["optimizer"], optim["lr_scheduler"]["scheduler"]
         self.train_model = self.ctx.forward_model(policy)  # compiled with train.compile, as in a run
