@@ -825,8 +825,9 @@ def parse_args(argv):
                    help="Also measure guided (specs/mintrl.yaml) vs plain rollouts per token, this many interleaved "
                         "repeats (0: skip).")
     p.add_argument("--modes", default="matched,defaults",
-                   help="Comparisons: matched (equal work, forced length) and/or defaults (TRL's default config for "
-                        "the same spec; grpo and sft only).")
+                   help="Comparisons: matched (equal work, forced length), compiled (the same with our "
+                        "train.compile: true) and/or defaults (TRL's default config for the same spec; grpo and sft "
+                        "only).")
     p.add_argument("--sweep", action="store_true",
                    help="After the table: how a GRPO step's cost grows with group size, response length and "
                         "prompts per step, ours and TRL (CSV + PNG under --out).")
