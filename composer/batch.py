@@ -58,6 +58,11 @@ class TrajectoryBatch:
         return self.attention_mask & (self.origin != CODE["prompt"])
 
     @property
+    def prompt_len(self) -> "torch.Tensor":
+        """[B] long: each row's leading prompt tokens (what rows of a group share; `token_logprobs` runs it once)."""
+        return (self.origin == CODE["prompt"]).long().cumprod(1).sum(1)
+
+    @property
     def known_mask(self) -> "torch.Tensor":
         """[B, T] bool: tokens whose behaviour log-prob is known (every non-pad token when not recorded)."""
         return self.attention_mask if self.behavior_known is None else self.behavior_known & self.attention_mask

@@ -141,3 +141,37 @@ def test_cli_forwards_throughput_sweep_and_out(monkeypatch, tmp_path):
     assert seen[-1] == ["--sweep", "--sweep-axes", "group=4,8", "--pairs", "grpo"]
     r = CliRunner().invoke(main, ["bench", "specs/grpo.yaml", "--sweep"])
     assert r.exit_code == 2 and "--sweep needs a field and its values" in r.output
+
+
+def test_compiled_rows_report_their_graphs_and_recompiles():
+    """The `compiled` comparison prints how many graphs torch.compile built for our side and how many of them
+    inside timed rounds (a recompile while timing), beside the ratio and its target."""
+    import argparse
+
+    from composer.bench import throughput as bt
+
+    r = {"pair": "grpo", "mode": "compiled", "trl": "GRPOTrainer", "rows_per_step": 64, "ours_samples_per_s": 2.0,
+         "trl_samples_per_s": 1.0, "ratio": 2.0, "round_ratios": [1.9, 2.1], "median_round_ratio": 2.0,
+         "ours_compiled_graphs": 4, "ours_graphs_in_rounds": 0, "ours_first_step_s": 71.0}
+    args = argparse.Namespace(threads=1, model="m", length=32, sampler="hf", compile=False, trl_compile=False,
+                              rounds=2, steps=1, warmup=1)
+    text = bt.format_results([r], args)
+    assert "compiled: matched work as above, our side with train.compile: true" in text
+    assert "torch.compile built 4 graph(s) for our side, 0 of them inside timed rounds" in text
+    assert "meets the 2.0x target" in text
+    assert "compiled" in bt.MODES and bt.parse_args(["--modes", "compiled"]).modes == "compiled"
+
+
+def test_a_forced_length_past_the_tasks_response_cap_is_generated_in_full(tmp_path, tiny):
+    """The toy task caps responses at 59 tokens; a forced length of 70 is matched work only if our side
+    generates all 70 (it stopped at 59 while TRL wrote 70: the sweep's longest point compared unequal work)."""
+    from composer.bench import throughput as bt
+    from composer.runtime.binding import bind_task
+    from composer.checks.validate import validate_file
+
+    cap = bind_task(validate_file(str(bt.ROOT / "specs" / "grpo.yaml"), []).spec).max_new_tokens
+    assert cap is not None and cap < 70
+    out = tmp_path / "tp.json"
+    assert bt.main(["--pairs", "grpo", "--modes", "matched", *tiny, "--length", "70", "--json", str(out)]) == 0
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["ours_mean_response_tokens"] == 70.0

@@ -72,3 +72,131 @@ def test_only_transformers_models_are_packed(model):
         config = model.config
 
     assert not _packable(Custom())
+
+
+# ------------------------------------------------------------------ shared prompts (GRPO groups)
+
+
+def grouped_batch(prompt_lens, group, max_resp, vocab, seed=0):
+    """Right-padded rows [prompt][response]: each prompt repeated `group` times with its own response."""
+    g = torch.Generator().manual_seed(seed)
+    rows, plen = [], []
+    for n in prompt_lens:
+        prompt = torch.randint(4, vocab, (n,), generator=g)
+        for _ in range(group):
+            m = int(torch.randint(1, max_resp + 1, (1,), generator=g))
+            rows.append(torch.cat([prompt, torch.randint(4, vocab, (m,), generator=g)]))
+            plen.append(n)
+    T = max(len(r) for r in rows)
+    tokens = torch.zeros((len(rows), T), dtype=torch.long)
+    mask = torch.zeros((len(rows), T), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)], mask[i, : len(r)] = r, True
+    perm = torch.randperm(len(rows), generator=g)  # groups need not be contiguous
+    return tokens[perm], mask[perm], torch.tensor(plen)[perm]
+
+
+def test_shared_prompt_forward_equals_padded_forward(model):
+    """Each distinct prompt runs once and its keys/values are copied to its rows: the same logits, log-probs,
+    entropies and parameter gradients (to 1e-5) as the padded forward over every row."""
+    from composer.runtime.models import shared_prefix_logits, shared_prefix_plan, token_logprobs
+
+    V = model.config.vocab_size
+    tokens, mask, plen = grouped_batch([5, 11, 7], 4, 9, V, seed=3)
+    first, owner = shared_prefix_plan(tokens, mask, plen)
+    assert first.numel() == 3 and sorted(owner.tolist()) == [0] * 4 + [1] * 4 + [2] * 4
+    ref = model(input_ids=tokens, attention_mask=mask.long()).logits  # [B, T, V], padded
+    got = shared_prefix_logits(model, tokens, mask, plen)
+    assert torch.allclose(got[mask], ref[mask], atol=1e-5, rtol=0)
+    real = mask[:, 1:]
+    lp_ref = torch.log_softmax(ref[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    lp, _, ent = token_logprobs(model, tokens, mask, prefix_len=plen)
+    _lp0, _, ent0 = token_logprobs(model, tokens, mask)  # no prompt lengths: the padded/packed path
+    assert torch.allclose(lp[:, 1:][real], lp_ref[real], atol=1e-5, rtol=0)
+    assert torch.allclose(ent[:, 1:][real], ent0[:, 1:][real], atol=1e-5, rtol=0)
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
+    # gradients of a masked loss (weights per token, so every position matters) agree
+    w = torch.randn(real.shape, generator=torch.Generator().manual_seed(5)) * real
+    model.zero_grad()
+    (lp_ref * w).sum().backward()
+    g_ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    (token_logprobs(model, tokens, mask, prefix_len=plen)[0][:, 1:] * w).sum().backward()
+    moved = 0
+    for a, b in zip(g_ref, (p.grad for p in model.parameters())):
+        assert (a - b).abs().max() <= 1e-5 * max(1.0, float(a.abs().max())), (a - b).abs().max()
+        moved += int(a.abs().sum() > 0)
+    assert moved > 0
+
+
+def test_shared_prompts_only_when_they_save_tokens(model):
+    """Distinct prompts (SFT-like rows), left padding or a prompt length of 0: no plan (the padded or packed
+    forward runs); gradient checkpointing turns the cache off in training, so it keeps the padded forward."""
+    from composer.runtime.models import _shareable, shared_prefix_plan
+
+    V = model.config.vocab_size
+    tokens, mask, plen = grouped_batch([6, 8, 5, 9], 1, 9, V)
+    assert shared_prefix_plan(tokens, mask, plen) is None  # nothing repeats
+    tokens, mask, plen = grouped_batch([6, 8], 4, 9, V)
+    assert shared_prefix_plan(tokens, mask, plen) is not None
+    assert shared_prefix_plan(tokens, mask.flip(1), plen) is None  # not right-padded
+    assert shared_prefix_plan(tokens, mask, torch.zeros_like(plen)) is None
+    assert _shareable(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        assert not _shareable(model)
+    finally:
+        model.gradient_checkpointing_disable()
+
+
+def test_policy_view_reads_each_rows_prompt_length(model, monkeypatch):
+    """The step's policy forward passes the batch's prompt lengths (leading prompt-origin tokens), so a
+    GRPO group's prompt runs once there."""
+    from composer.batch import TrajectoryBatch
+    from composer.origins import CODE
+    from composer.runtime import models
+    from composer.runtime.step import policy_view
+
+    V = model.config.vocab_size
+    tokens, mask, plen = grouped_batch([6, 8], 4, 5, V, seed=7)
+    t = torch.arange(tokens.shape[1])[None]
+    origin = torch.where(t < plen[:, None], CODE["prompt"], CODE["policy"]).masked_fill(~mask, CODE["pad"])
+    b = TrajectoryBatch(tokens=tokens, origin=origin.to(torch.uint8), behavior_logprobs=torch.zeros(tokens.shape),
+                        group=torch.zeros(len(tokens), dtype=torch.long), control=torch.ones(len(tokens), dtype=torch.bool))
+    assert torch.equal(b.prompt_len, plen)
+    seen = []
+    real = models.shared_prefix_logits
+    monkeypatch.setattr(models, "shared_prefix_logits", lambda *a, **k: seen.append(1) or real(*a, **k))
+    view = policy_view(model, b, want_logits=False)
+    assert seen
+    ref = torch.log_softmax(model(input_ids=tokens, attention_mask=mask.long()).logits[:, :-1], -1)
+    ref = ref.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    assert torch.allclose(view.logprobs[:, 1:][mask[:, 1:]], ref[mask[:, 1:]], atol=1e-5, rtol=0)
+
+
+def test_a_compiled_model_always_takes_the_packed_layout(model):
+    """Under train.compile a batch that packs and one that does not must make the same call (else each switch
+    recompiles): a torch.compile wrapper (`_orig_mod`) gets position_ids even when packing saves nothing,
+    and the logits stay the padded forward's."""
+    from composer.runtime.models import packed_logits
+
+    calls = []
+
+    class Wrapper(torch.nn.Module):  # what torch.compile returns: the model under `_orig_mod`
+        def __init__(self, inner):
+            super().__init__()
+            self._orig_mod = inner
+
+        def forward(self, **kw):
+            calls.append(sorted(kw))
+            return self._orig_mod(**kw)
+
+    V = model.config.vocab_size
+    tokens, mask = batch([12, 11, 12, 10], 12, V, seed=2)  # nothing to save by packing
+    ref = model(input_ids=tokens, attention_mask=mask.long()).logits
+    got = packed_logits(Wrapper(model), tokens, mask)
+    assert calls == [["input_ids", "position_ids", "use_cache"]]
+    assert torch.allclose(got[mask], ref[mask], atol=1e-5, rtol=0)
+    calls.clear()
+    packed_logits(model, tokens, mask)  # uncompiled: the padded forward (no packing pays)
+    assert calls == []

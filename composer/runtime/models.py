@@ -225,7 +225,9 @@ def packed_logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor):
     (`pack_rows`), else with the padded batch. Real positions get the logits the padded forward gives
     (up to float rounding: same tokens, same positions, same causal scope); pad positions get their row's
     last real position's logits (finite, and masked by every reader)."""
-    plan = pack_rows(attention_mask) if _packable(model) else None
+    # a compiled model (train.compile) always takes the packed layout: one call signature, so one graph serves
+    # batches that pack and batches that do not (else each switch is a recompile)
+    plan = pack_rows(attention_mask, 0.0 if hasattr(model, "_orig_mod") else 0.1) if _packable(model) else None
     if plan is None:
         return model(input_ids=tokens, attention_mask=attention_mask.long()).logits
     bins, index = plan
@@ -244,14 +246,139 @@ def packed_logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor):
     return logits.reshape(len(bins) * T, -1)[index.reshape(-1)].view(B, T, -1)
 
 
+def shared_prefix_plan(tokens: torch.Tensor, attention_mask: torch.Tensor, prefix_len: torch.Tensor,
+                       min_saving: float = 0.1):
+    """Rows that begin with the same prefix (a GRPO group's prompt), for a forward pass that runs each distinct
+    prefix once. Returns (first, owner) or None when the rows are not right-padded or sharing would save less
+    than `min_saving` of the real tokens: first [P] the first row of each distinct prefix, owner [B] which of
+    them each row's prefix is (its index into `first`)."""
+    B, T = tokens.shape
+    lens = attention_mask.sum(1)
+    if B < 2 or not bool((attention_mask == (torch.arange(T, device=lens.device)[None] < lens[:, None])).all()):
+        return None
+    plen = prefix_len.clamp(min=0).minimum(lens)
+    if not bool((plen >= 1).all()):
+        return None
+    rows = tokens.tolist()
+    seen: dict[tuple, int] = {}
+    first: list[int] = []
+    owner: list[int] = []
+    for r, n in enumerate(plen.tolist()):
+        key = tuple(rows[r][:n])
+        if key not in seen:
+            seen[key] = len(first)
+            first.append(r)
+        owner.append(seen[key])
+    saved = int(plen.sum()) - int(plen[first].sum())
+    if saved < min_saving * max(int(lens.sum()), 1):
+        return None
+    dev = tokens.device
+    return torch.tensor(first, device=dev), torch.tensor(owner, device=dev)
+
+
+def _shareable(model) -> bool:
+    """Models whose forward can continue from a copied past (`shared_prefix_logits`): transformers' own
+    attention (`_packable`), every layer full attention (a plain DynamicCache), no gradient checkpointing
+    (which turns the cache off in training)."""
+    if not _packable(model):
+        return False
+    inner = getattr(model, "_orig_mod", model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    flag = "is_activation_checkpointing" if hasattr(type(inner), "is_activation_checkpointing") else \
+        "is_gradient_checkpointing"  # transformers renamed it (the old name warns)
+    if getattr(inner, flag, False):
+        return False
+    cfg = inner.config
+    cfg = getattr(cfg, "text_config", None) or cfg
+    types = getattr(cfg, "layer_types", None) or ["full_attention"]
+    return all(t == "full_attention" for t in types) and not getattr(cfg, "use_sliding_window", False)
+
+
+def _cache_argument(model) -> str:
+    """The forward's name for a past cache: `cache` (transformers >= 5.2x) or `past_key_values` (before)."""
+    import inspect
+
+    inner = getattr(model, "_orig_mod", model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    return "cache" if "cache" in inspect.signature(type(inner).forward).parameters else "past_key_values"
+
+
+def _output_cache(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def shared_prefix_logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor, prefix_len: torch.Tensor,
+                         plan=None):
+    """The model's logits [B, T, V] of right-padded rows whose first `prefix_len[b]` tokens repeat across rows
+    (a group's prompt): each distinct prefix runs once, its keys and values are copied to the rows that share
+    it, and each row's remaining tokens run with that past (positions continuing after its prefix). Real
+    positions get the padded forward's logits up to float rounding; gradients through a shared prefix flow
+    once, summed over its rows (the same sum the padded forward's copies make). Pad positions get their row's
+    last real position's logits. None when the plan does not apply (`shared_prefix_plan`)."""
+    from transformers import DynamicCache
+
+    plan = plan or shared_prefix_plan(tokens, attention_mask, prefix_len)
+    if plan is None:
+        return None
+    first, owner = plan
+    B, T = tokens.shape
+    dev = tokens.device
+    lens = attention_mask.sum(1)
+    plen = prefix_len.clamp(min=0).minimum(lens)
+    P, Lp = first.numel(), int(plen.max())
+    t = torch.arange(T, device=dev)
+    # the distinct prefixes, right-padded to Lp (pads follow every real token: causal attention never sees them)
+    ptok = tokens[first, :Lp]
+    pl = plen[first]
+    ptok = ptok.masked_fill(t[None, :Lp] >= pl[:, None], 0)
+    out = model(input_ids=ptok, use_cache=True)
+    plogits, past = out.logits, _output_cache(out)  # [P, Lp, V]
+    if past is None:  # the model kept no cache after all
+        return None
+    # each row's rest: tokens plen..lens-1, right-padded to R, positions plen + j, attending to its prefix's
+    # real slots of the cache and to itself causally
+    rlen = lens - plen
+    R = max(int(rlen.max()), 1)
+    j = torch.arange(R, device=dev)
+    src = (plen[:, None] + j[None]).clamp(max=T - 1)
+    rtok = tokens.gather(1, src).masked_fill(j[None] >= rlen[:, None], 0)
+    pos = plen[:, None] + j[None]  # [B, R]
+    mask = torch.cat([t[None, :Lp] < plen[:, None], torch.ones((B, R), dtype=torch.bool, device=dev)], dim=1)
+    layers = getattr(past, "layers", None)
+    kv = [(layer.keys, layer.values) for layer in layers] if layers is not None else list(past)
+    cache = DynamicCache(ddp_cache_data=[(k.index_select(0, owner), v.index_select(0, owner)) for k, v in kv])
+    rlogits = model(input_ids=rtok, attention_mask=mask.long(), position_ids=pos, use_cache=True,
+                    **{_cache_argument(model): cache}).logits  # [B, R, V]
+    # position t of row b: its prefix's logits (t < plen), else its rest's (t - plen), pads: the last real one
+    V = plogits.shape[-1]
+    last = (lens.clamp(min=1) - 1)[:, None]
+    tt = torch.minimum(t[None], last)  # [B, T]
+    in_prefix = tt < plen[:, None]
+    idx = torch.where(in_prefix, owner[:, None] * Lp + tt.clamp(max=Lp - 1),
+                      P * Lp + torch.arange(B, device=dev)[:, None] * R + (tt - plen[:, None]).clamp(min=0, max=R - 1))
+    flat = torch.cat([plogits.reshape(P * Lp, V), rlogits.reshape(B * R, V)])
+    return flat[idx.reshape(-1)].view(B, T, V)
+
+
 def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
-                   want_logits: bool = False):
+                   want_logits: bool = False, prefix_len: torch.Tensor | None = None):
     """One forward pass: per-token log-probs aligned with `tokens` (and the predicting logits if wanted).
 
     tokens, attention_mask: [B, T]. Returns logprobs [B, T] (0 at t=0), logits [B, T, V] or None,
-    entropy [B, T]. Right-padded rows are packed padding-free when that saves tokens (`packed_logits`).
+    entropy [B, T]. With `prefix_len` [B] (each row's prompt length), rows that share a prompt run it once
+    (`shared_prefix_logits`) when that saves tokens; otherwise right-padded rows are packed padding-free when
+    that saves tokens (`packed_logits`).
     """
-    logits = packed_logits(model, tokens, attention_mask.bool())[:, :-1].float() / temperature  # [B, T-1, V]
+    mask = attention_mask.bool()
+    logits = None
+    if prefix_len is not None and _shareable(model):
+        logits = shared_prefix_logits(model, tokens, mask, prefix_len.to(tokens.device))
+    if logits is None:
+        logits = packed_logits(model, tokens, mask)
+    logits = logits[:, :-1].float()  # [B, T-1, V]
+    if temperature != 1.0:
+        logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     lp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)  # [B, T-1]
     ent = -(logp_all.exp() * logp_all).sum(-1)  # [B, T-1]

@@ -110,15 +110,15 @@ def apply_gates(ctx: RunContext, batches: list[TrajectoryBatch], rollout: Trajec
 def initial_logprobs(ctx: RunContext, batch: TrajectoryBatch) -> torch.Tensor:
     """Log-probs of the batch under the frozen reference policy (KL losses, A*PO's anchor)."""
     model = ctx.forward_model(ctx.initial_policy())
-    lp, _, _ = token_logprobs(model, batch.tokens.to(next(model.parameters()).device),
-                              batch.attention_mask.to(next(model.parameters()).device),
-                              batch.info.get("temperature", 1.0))
+    device = next(model.parameters()).device
+    lp, _, _ = token_logprobs(model, batch.tokens.to(device), batch.attention_mask.to(device),
+                              batch.info.get("temperature", 1.0), prefix_len=batch.prompt_len.to(device))
     return lp.to(batch.tokens.device)
 
 
 def policy_view(policy, batch: TrajectoryBatch, want_logits: bool) -> PolicyView:
     lp, logits, ent = token_logprobs(policy, batch.tokens, batch.attention_mask,
-                                     batch.info.get("temperature", 1.0), want_logits)
+                                     batch.info.get("temperature", 1.0), want_logits, prefix_len=batch.prompt_len)
     return PolicyView(lp, logits, ent)
 
 
