@@ -53,6 +53,9 @@ EXTRA_ALL = os.environ.get("COMPOSER_REAL_OVERRIDES", "").split()
 TOL = float(os.environ.get("COMPOSER_REAL_TOL", "2e-3"))  # bf16 weights on both sides: the same forward
 
 
+NO_AGENT = "No available agent to submit job"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -85,8 +88,14 @@ class Head:
         for f in self.out.iterdir():
             f.unlink()
         t0 = time.time()
-        r = subprocess.run(["bash", str(bundle / "launch.sh"), *args, self.address], env=self.env,
-                           capture_output=True, text=True, timeout=timeout)
+        for _ in range(60):
+            r = subprocess.run(["bash", str(bundle / "launch.sh"), *args, self.address], env=self.env,
+                               capture_output=True, text=True, timeout=timeout)
+            # the head's job agent registers some seconds after the job server answers (longer on a busy
+            # machine): the server then refuses the submission before creating any job, so submit again
+            if r.returncode == 0 or NO_AGENT not in r.stdout + r.stderr:
+                break
+            time.sleep(2)
         r.seconds = time.time() - t0
         rec = bundle.parent / "record"
         shutil.rmtree(rec, ignore_errors=True)

@@ -3,6 +3,8 @@ packed into fewer rows give the padded forward's logits and log-probs, gradients
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -147,6 +149,10 @@ def test_shared_prompts_only_when_they_save_tokens(model):
         assert not _shareable(model)
     finally:
         model.gradient_checkpointing_disable()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # reduced precision keeps one full pass (as OpenRLHF's actor)
+        assert not _shareable(model)
+    assert not _shareable(copy.deepcopy(model).to(torch.bfloat16))
+    assert _shareable(model)
 
 
 def test_policy_view_reads_each_rows_prompt_length(model, monkeypatch):
