@@ -23,7 +23,8 @@ import json
 import os
 from typing import Optional
 
-from composer.backends.openrlhf.batch import action_ranges, decode_label, encode_label, example_of, request_seeds
+from composer.backends.openrlhf.batch import (action_ranges, decode_label, encode_label, example_of, next_draw,
+                                              request_seeds)
 from composer.backends.openrlhf.loss import Segments
 from composer.protocol import INITIAL, POLICY, Generation, Score, Trace, run_async
 from composer.plan.schedule import Schedule
@@ -124,16 +125,6 @@ class ComposerAgent:
         return [0.0 if d is None else (d[t].logprob if t in d else 0.0) for t, d in zip(ids, out.prompt_logprobs)]
 
     # ---- one sample ----
-    def _draw(self, prompt: str, label) -> int:
-        """How many samples of this prompt (at this step: the label holds it) this engine started before
-        (OpenRLHF starts them in order); modulo samples_per_prompt, which of the prompt's samples it is."""
-        key = (prompt, str(label))
-        i = self.counts.get(key, 0)
-        self.counts[key] = i + 1
-        if len(self.counts) > 100_000:
-            self.counts.clear()
-        return i
-
     async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None):
         from components.guides.none import NoGuide
         from composer.runtime.rollout import fill_scores
@@ -145,7 +136,7 @@ class ComposerAgent:
         seg = self.segments.segment(step)
         spec = seg.spec
         guide = NoGuide() if meta.get("eval") else spec.rollout.guide
-        draw = self._draw(prompt, label)
+        draw = next_draw(self.counts, prompt, label)  # modulo samples_per_prompt: which of the prompt's samples
         idx = draw % spec.rollout.samples_per_prompt
         ctx = copy.copy(self.context(spec, hf_tokenizer))  # shares caches; this call's step and room
         ctx.step = self.segments.offset + step

@@ -41,6 +41,17 @@ def decode_label(label: Any) -> dict:
     return {"answer": "" if label is None else str(label)}
 
 
+def next_draw(counts: dict, prompt: str, label) -> int:
+    """How many samples of (prompt, label) this engine started before this one (OpenRLHF starts a prompt's
+    samples in order; the label holds the trainer step), counted in `counts`."""
+    key = (prompt, str(label))
+    draw = counts.get(key, 0)
+    counts[key] = draw + 1
+    if len(counts) > 100_000:
+        counts.clear()
+    return draw
+
+
 def request_seeds(*key):
     """The vLLM `SamplingParams.seed` of each request of one rollout: a counter over the requests made for `key`
     (the run's seed, the global step, the prompt, the sample's draw number, ...), each seed a hash of (key,

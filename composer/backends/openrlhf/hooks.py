@@ -196,15 +196,10 @@ def sample_seeds(prompt: str, label, counts: dict):
     """`request_seeds` of the next sample of (prompt, label) in this engine: the run's seed, the global step
     (the label's trainer step), the prompt and how many samples of it this engine started before at that step
     (OpenRLHF starts a prompt's samples in order); returns (seeds, draw number)."""
-    from composer.backends.openrlhf.batch import decode_label, request_seeds
+    from composer.backends.openrlhf.batch import decode_label, next_draw, request_seeds
 
-    meta = decode_label(label)
-    step = int(meta.get("step", 0))
-    key = (prompt, str(label))
-    draw = counts.get(key, 0)
-    counts[key] = draw + 1
-    if len(counts) > 100_000:
-        counts.clear()
+    step = int(decode_label(label).get("step", 0))
+    draw = next_draw(counts, prompt, label)
     seed = _segments().at(step).train.seed
     return request_seeds(seed, _segments().offset + step, prompt, draw), draw
 
