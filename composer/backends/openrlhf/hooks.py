@@ -10,7 +10,7 @@ in the driver too (the reference-slot patch is driver-side).
 What is patched, and only when the run's plugin section asks for it:
   samples_generator  SamplesGenerator._dispatch_prompts_to_vllm: the trainer step into every label (phases),
                      top_k into vLLM's SamplingParams; generate_samples: each episode's prompt order seeded
-                     from (seed, episode)
+                     from (seed, episode); _generate_vllm: the rollouts in dispatch order (dispatch_order)
   agent              (always) SingleTurnAgentExecutor.execute (rollout engine, runs without a guide): each sample's
                      vLLM request seeded from (seed, global step, prompt, draw): see sample_seeds. The
                      composer's agent (agent.py) seeds its own requests the same way
@@ -166,11 +166,21 @@ def _patch_dispatch(mod) -> None:
     def _dispatch_prompts_to_vllm(self, prompts, labels, *, images=None, **kw):
         step = getattr(self, "composer_step", 0)
         labels = [encode_label(dict(decode_label(x), step=step)) for x in labels]
+        self.__dict__.setdefault("_composer_dispatched", []).extend(zip(prompts, labels))
         if top_k:
             kw["top_k"] = top_k
         return orig(self, prompts, labels, images=images, **kw)
 
     cls._dispatch_prompts_to_vllm = _dispatch_prompts_to_vllm
+    generate_vllm = cls._generate_vllm
+
+    def _generate_vllm(self, dataloader_iter, num_prompts, dynamic_filtering, **kw):
+        self._composer_dispatched = []
+        experiences, consumed, exhausted = generate_vllm(self, dataloader_iter, num_prompts, dynamic_filtering, **kw)
+        n = kw.get("n_samples_per_prompt", self.args.rollout.n_samples_per_prompt)
+        return dispatch_order(experiences, self._composer_dispatched, n), consumed, exhausted
+
+    cls._generate_vllm = _generate_vllm
     generate_samples = cls.generate_samples
 
     def generate_samples_(self, **kw):
@@ -190,6 +200,28 @@ def _patch_dispatch(mod) -> None:
         return generate_samples(self, **kw)
 
     cls.generate_samples = generate_samples_
+
+
+def dispatch_order(experiences: list, dispatched: list, n: int) -> list:
+    """The step's rollouts in the order their prompts were sent, not the order the engines finished them:
+    OpenRLHF collects each prompt's group of n samples as it completes (ray.wait), and that order decides the
+    reference forward's batches and the replay buffer's order, which the (seeded) shuffle into micro-batches
+    permutes. So two runs, or a run and its resumed copy, with the same rows would otherwise update on other
+    micro-batches. Groups keep their samples' order; groups of one (prompt, label) sent twice are ordered by
+    their tokens. Left as collected when the rows do not split into groups of n."""
+    if n <= 0 or len(experiences) % n:
+        return experiences
+    first: dict = {}
+    for i, key in enumerate(dispatched):
+        first.setdefault(key, i)
+    groups = [experiences[i: i + n] for i in range(0, len(experiences), n)]
+
+    def key(group):
+        e = group[0]
+        rank = first.get((e.prompts[0], e.labels[0]), len(first))
+        return rank, [g.sequences[0].tolist() for g in group]
+
+    return [e for g in sorted(groups, key=key) for e in g]
 
 
 def sample_seeds(prompt: str, label, counts: dict):
