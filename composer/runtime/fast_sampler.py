@@ -98,14 +98,32 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def _attend(q, k, v, bias, scale: float) -> torch.Tensor:
+    """Attention of q [B, nh, T, d] over k/v [B, nkv, S, d] with the additive bias [B, 1, T, S]; GQA heads
+    share their group's k/v (head h reads kv head h // (nh / nkv), as transformers' repeat_kv).
+
+    A decode step (T = 1) runs as two batched matmuls over the kv groups: one query row per head is a shape
+    CPU scaled_dot_product_attention serves slowly (its flash kernel tiles queries; ~1.3x the matmul pair's
+    time at 64 rows x 50 keys, the toy student, one thread). Prefill keeps scaled_dot_product_attention."""
+    B, nh, T, d = q.shape
+    nkv = k.shape[1]
+    if T != 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=nh != nkv)
+    qg = q.reshape(B, nkv, nh // nkv, d)  # [B, nkv, g, d]: a group's query heads as rows
+    att = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale).add_(bias)  # [B, nkv, g, S] (+ [B, 1, 1, S])
+    return torch.matmul(att.softmax(-1), v).reshape(B, nh, 1, d)
+
+
 def _forward(W: _Weights, ids, cos, sin, mask, cache_k, cache_v, start: int) -> torch.Tensor:
     """Run tokens `ids` [B, T] written at cache slots start..start+T; returns the last position's hidden [B, H].
 
-    cos/sin [B, T, D]; mask [B, 1, T, start+T] bool (True = may attend); cache_k/v: per layer [B, KV, S, D].
+    cos/sin [B, T, D]; mask [B, 1, T, start+T]: bool (True = may attend) or additive (0 / -inf);
+    cache_k/v: per layer [B, KV, S, D].
     """
     B, T = ids.shape
     nh, nkv, d = W.n_heads, W.n_kv, W.head_dim
-    mask = torch.zeros(mask.shape, dtype=W.embed.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=W.embed.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     x = F.embedding(ids, W.embed)  # [B, T, H]
     cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
     end = start + T
@@ -121,8 +139,7 @@ def _forward(W: _Weights, ids, cos, sin, mask, cache_k, cache_v, start: int) -> 
         v = v.view(B, T, nkv, d).transpose(1, 2)  # [B, nkv, T, d]
         cache_k[i][:, :, start:end] = k
         cache_v[i][:, :, start:end] = v
-        o = F.scaled_dot_product_attention(q, cache_k[i][:, :, :end], cache_v[i][:, :, :end], attn_mask=mask,
-                                           scale=d ** -0.5, enable_gqa=nh != nkv)  # [B, nh, T, d]
+        o = _attend(q, cache_k[i][:, :, :end], cache_v[i][:, :, :end], mask, d ** -0.5)  # [B, nh, T, d]
         x = x + F.linear(o.transpose(1, 2).reshape(B, T, nh * d), L["o"], L["o_b"])
         h = _rms(x, L["ln2"], W.eps)
         gate, up = F.linear(h, L["gate_up"]).chunk(2, dim=-1)
@@ -193,6 +210,8 @@ def _generate_chunk(W: _Weights, model, chunk, limits, sampling, pad, eos, min_n
     out = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
     lps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device) if want_logprobs else None
     done = torch.zeros(B, dtype=torch.bool, device=device)
+    # the decode steps' additive mask over every key slot, built once: [B, 1, 1, S] (0 or -inf)
+    bias = torch.zeros((B, 1, 1, S), dtype=dtype, device=device).masked_fill_(~valid[:, None, None], float("-inf"))
     n = 0
     for t in range(max_new_tokens):
         logits = F.linear(hidden, W.lm_head)  # [B, V]
@@ -208,8 +227,7 @@ def _generate_chunk(W: _Weights, model, chunk, limits, sampling, pad, eos, min_n
         if t == max_new_tokens - 1 or bool(done.all()):
             break
         p = (lens + t)[:, None]  # [B, 1] position of the token just sampled
-        hidden = _forward(W, tok[:, None], cos_t[p], sin_t[p], valid[:, None, None, : P + t + 1],
-                          cache_k, cache_v, P + t)
+        hidden = _forward(W, tok[:, None], cos_t[p], sin_t[p], bias[:, :, :, : P + t + 1], cache_k, cache_v, P + t)
     rows = [r[: max(b, 0)] for r, b in zip(out[:, :n].tolist(), limits)]
     return rows, ([lp[: len(r)] for lp, r in zip(lps[:, :n].tolist(), rows)] if want_logprobs else None)
 
