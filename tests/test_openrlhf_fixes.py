@@ -50,6 +50,27 @@ def test_resume_between_two_later_syncs_is_refused(monkeypatch):
         hooks.resume_sync(4)
 
 
+def _exp(prompt: str, label: str, tokens: list[int]):
+    import torch
+
+    return SimpleNamespace(prompts=[prompt], labels=[label], sequences=torch.tensor([tokens]))
+
+
+def test_rollouts_are_put_in_dispatch_order_group_by_group():
+    """OpenRLHF collects each prompt's group in the order the engines finish; the step trains them in the order
+    the prompts were sent, each group's samples kept in their order, one (prompt, label) sent twice ordered by
+    tokens; rows that do not split into groups of n are left as collected."""
+    sent = [("p0", "l0"), ("p1", "l1"), ("p0", "l0")]
+    a = [_exp("p1", "l1", [5, 1]), _exp("p1", "l1", [5, 2])]
+    b = [_exp("p0", "l0", [9, 9]), _exp("p0", "l0", [9, 8])]  # the second send of p0 (larger tokens)
+    c = [_exp("p0", "l0", [3, 7]), _exp("p0", "l0", [3, 6])]
+    out = hooks.dispatch_order(a + b + c, sent, 2)
+    assert [e.sequences[0].tolist() for e in out] == [[3, 7], [3, 6], [9, 9], [9, 8], [5, 1], [5, 2]]
+    assert [e.sequences[0].tolist() for e in hooks.dispatch_order(c + a + b, sent, 2)] == \
+        [e.sequences[0].tolist() for e in out]  # whatever order they finished in
+    assert hooks.dispatch_order(a + b[:1], sent, 2) == a + b[:1]
+
+
 # ---------------------------------------------------------------------------------- the import hook
 
 class Delegating(importlib.abc.MetaPathFinder):
