@@ -101,3 +101,33 @@ def test_unsupported_generation_config_falls_back_to_hf_generate(tiny):
         _same(hf_generate(model, tok, prompts, 8, greedy), fast_generate(model, tok, prompts, 8, greedy))
     finally:
         model.generation_config.repetition_penalty = 1.0
+
+
+def test_prompts_extending_the_previous_calls_rows_are_prefilled_from_their_cache(student, monkeypatch):
+    """A guided row's next chunk: prompts that extend the previous call's rows (prompt + some sampled tokens +
+    tokens a guide wrote) get the same greedy tokens and log-probs (to float rounding) with the prefix cache as
+    from scratch, and the cached call prefills only the new tokens; other weights drop the cache."""
+    import composer.runtime.fast_sampler as fs
+
+    model, tok = student
+    prompts = _prompts(tok, 8, seed=4)
+    cache = fs.PrefixCache()
+    first, _ = fast_generate_with_logprobs(model, tok, prompts, 12, Sampling(greedy=True), prefixes=cache)
+    extra = tok.encode("7 ", add_special_tokens=False)
+    later = [p + g.tokens[: 3 + i % 4] + extra for i, (p, g) in enumerate(zip(prompts, first))]
+    widths = []
+    forward = fs._forward
+    monkeypatch.setattr(fs, "_forward", lambda W, ids, *a: widths.append(ids.shape[1]) or forward(W, ids, *a))
+    fresh, fresh_lp = fast_generate_with_logprobs(model, tok, later, 12, Sampling(greedy=True))
+    P = max(len(p) for p in later)
+    assert widths[0] == P
+    widths.clear()
+    cached, cached_lp = fast_generate_with_logprobs(model, tok, later, 12, Sampling(greedy=True), prefixes=cache)
+    assert widths[0] <= len(extra) < P  # only the tokens after each row's cached prefix
+    _same(fresh, cached)
+    assert max(abs(a - b) for x, y in zip(fresh_lp, cached_lp) for a, b in zip(x, y)) < 1e-4
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.0)  # an in-place write: the weights' version moves, the cache is stale
+    widths.clear()
+    fast_generate_with_logprobs(model, tok, later, 4, Sampling(greedy=True), prefixes=cache)
+    assert widths[0] == P

@@ -71,6 +71,20 @@ class LocalModel:
     def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 256):
         self.model, self.tok, self.batch_size = model, tokenizer, batch_size
         self.generated_tokens = 0
+        self._prefixes = None  # a fast_sampler.PrefixCache inside `reusing_prefixes`
+
+    @contextmanager
+    def reusing_prefixes(self):
+        """Within the block, a `generate` whose prompts extend the rows of the previous call (a guided row's
+        next chunk) prefills them from that call's keys and values (`fast_sampler.PrefixCache`, same weights
+        only); outside it every call starts from scratch, so a step's rollouts never depend on an earlier one's."""
+        from composer.runtime.fast_sampler import PrefixCache
+
+        self._prefixes = PrefixCache()
+        try:
+            yield self
+        finally:
+            self._prefixes = None
 
     @property
     def device(self):
@@ -84,7 +98,7 @@ class LocalModel:
             return []
         limits = budgets(max_new_tokens, len(prompts))
         out, logprobs = fast_generate_with_logprobs(self.model, self.tok, prompts, max(max(limits), 1), sampling,
-                                                    self.batch_size)
+                                                    self.batch_size, self._prefixes)
         out = [cut(g, b) for g, b in zip(out, limits)]
         if not sampling.greedy:
             if logprobs is None:  # plain `generate` ran: score what it sampled with the same weights

@@ -167,9 +167,54 @@ def _next_token(logits: torch.Tensor, sampling: Sampling, block_eos: bool, eos: 
     return torch.multinomial(scores.softmax(-1), 1).squeeze(1)
 
 
+class PrefixCache:
+    """The keys and values of the rows one sampling call wrote (prompt + generated tokens), kept for the next
+    call with the same weights: a prompt that extends one of those rows (a guided row's next chunk: its prompt,
+    the accepted text, a correction) is prefilled from there instead of from its first token.
+
+    RoPE positions count a row's real tokens from 0 whatever the padding (`attention_mask.cumsum - 1`), so a
+    row's cached keys and values hold for any prompt that starts with its tokens. Entries are dropped when the
+    weights change (the parameters' in-place version counters) and replaced by each call's rows."""
+
+    def __init__(self):
+        self.version: tuple | None = None
+        self.keys: list[tuple] = []  # sorted token tuples
+        self.where: dict[tuple, tuple] = {}  # tokens -> (k per layer, v per layer, row, first slot)
+
+    def valid_for(self, model) -> bool:
+        return self.version == _version(model)
+
+    def longest(self, prompt: list[int]) -> tuple[int, tuple | None]:
+        """(c, entry): the longest cached row sharing the first c tokens of `prompt` (0, None if none)."""
+        import bisect
+
+        key = tuple(prompt)
+        i = bisect.bisect_left(self.keys, key)
+        best, entry = 0, None
+        for j in (i - 1, i):  # the longest common prefix is with a sorted neighbour
+            if 0 <= j < len(self.keys):
+                other = self.keys[j]
+                c = next((t for t, (a, b) in enumerate(zip(key, other)) if a != b), min(len(key), len(other)))
+                if c > best:
+                    best, entry = c, self.where[other]
+        return best, entry
+
+    def store(self, model, rows: list[list[int]], cache_k, cache_v, first: list[int]) -> None:
+        self.version = _version(model)
+        self.where = {tuple(r): (cache_k, cache_v, i, first[i]) for i, r in enumerate(rows)}
+        self.keys = sorted(self.where)
+
+
+def _version(model) -> tuple:
+    return tuple(p._version for p in model.parameters())
+
+
 @torch.no_grad()
-def _generate_chunk(W: _Weights, model, chunk, limits, sampling, pad, eos, min_new, want_logprobs):
-    """Sample every prompt of `chunk` up to its own limit (the loop ends when every row has stopped)."""
+def _generate_chunk(W: _Weights, model, chunk, limits, sampling, pad, eos, min_new, want_logprobs,
+                    prefixes: PrefixCache | None = None):
+    """Sample every prompt of `chunk` up to its own limit (the loop ends when every row has stopped).
+    With `prefixes`, prompts extending a row of the previous call are prefilled from its cache (and this
+    call's rows are kept for the next)."""
     device = W.embed.device
     max_new_tokens = max(max(limits), 1)
     limit = torch.tensor(limits, device=device)  # [B] per-row token budget
@@ -197,12 +242,18 @@ def _generate_chunk(W: _Weights, model, chunk, limits, sampling, pad, eos, min_n
     cache_k = [torch.empty((B, W.n_kv, S, W.head_dim), dtype=dtype, device=device) for _ in W.layers]
     cache_v = [torch.empty((B, W.n_kv, S, W.head_dim), dtype=dtype, device=device) for _ in W.layers]
     # the prompts' cache: [U, KV, P, D] per layer, copied to the rows that share each prompt
-    pre_k = [torch.empty((U, W.n_kv, P, W.head_dim), dtype=dtype, device=device) for _ in W.layers]
-    pre_v = [torch.empty((U, W.n_kv, P, W.head_dim), dtype=dtype, device=device) for _ in W.layers]
+    # (zeros with a prefix cache: the pad slots before a cached prompt are never written, and a masked key's
+    # garbage would still reach the softmax as 0 x NaN)
+    alloc = torch.zeros if prefixes is not None else torch.empty
+    pre_k = [alloc((U, W.n_kv, P, W.head_dim), dtype=dtype, device=device) for _ in W.layers]
+    pre_v = [alloc((U, W.n_kv, P, W.head_dim), dtype=dtype, device=device) for _ in W.layers]
     # prefill: causal over real prompt tokens; a pad query attends to itself only (keeps it finite)
     causal = torch.ones((P, P), dtype=torch.bool, device=device).tril()
     mask = (causal[None] & valid[uniq, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)[None]
-    hidden = _forward(W, ids[uniq], cos_t[pos[uniq]], sin_t[pos[uniq]], mask[:, None], pre_k, pre_v, 0)
+    # slots [0, P - T) of every prompt come from the cache of the previous call's rows (T = P without one)
+    T = _from_cache(prefixes, model, [chunk[u] for u in uniq.tolist()], P, pre_k, pre_v) if prefixes else P
+    hidden = _forward(W, ids[uniq, P - T:], cos_t[pos[uniq, P - T:]], sin_t[pos[uniq, P - T:]],
+                      mask[:, None, P - T:], pre_k, pre_v, P - T)
     rows = torch.tensor(owner, device=device)  # [B] row -> its prompt's prefill
     for c, pre in zip(cache_k + cache_v, pre_k + pre_v):
         c[:, :, :P] = pre[rows]
@@ -229,7 +280,33 @@ def _generate_chunk(W: _Weights, model, chunk, limits, sampling, pad, eos, min_n
         p = (lens + t)[:, None]  # [B, 1] position of the token just sampled
         hidden = _forward(W, tok[:, None], cos_t[p], sin_t[p], bias[:, :, :, : P + t + 1], cache_k, cache_v, P + t)
     rows = [r[: max(b, 0)] for r, b in zip(out[:, :n].tolist(), limits)]
+    if prefixes is not None:
+        # keys and values exist for the prompt and every sampled token but the last (never fed back)
+        real = [r[: r.index(eos) + 1] if eos in r else r for r in rows]
+        prefixes.store(model, [p + r[: min(len(r), n - 1)] for p, r in zip(chunk, real)], cache_k, cache_v,
+                       [P - len(p) for p in chunk])
     return rows, ([lp[: len(r)] for lp, r in zip(lps[:, :n].tolist(), rows)] if want_logprobs else None)
+
+
+def _from_cache(prefixes: PrefixCache, model, prompts: list[list[int]], P: int, pre_k, pre_v) -> int:
+    """Copy into pre_k/pre_v [U, KV, P, D] (prompts right-aligned at P) the cached keys and values of each
+    prompt's longest cached prefix, as far as every prompt can start its prefill at one slot P - T; returns T,
+    the prefill's width (P when nothing is cached). At least a prompt's last token is always run: its hidden
+    state gives the first sampled token's logits."""
+    if not prefixes.valid_for(model):
+        return P
+    found = [prefixes.longest(p) for p in prompts]
+    T = max(len(p) - min(c, len(p) - 1) for p, (c, _e) in zip(prompts, found))
+    if T >= P:
+        return P
+    for u, (p, (_c, entry)) in enumerate(zip(prompts, found)):
+        keep = len(p) - T  # this prompt's tokens before slot P - T
+        if keep <= 0:
+            continue
+        ks, vs, row, first = entry
+        for dst, src in zip(pre_k + pre_v, ks + vs):
+            dst[u, :, P - len(p): P - T] = src[row, :, first: first + keep]
+    return T
 
 
 def _post(row: list[int], eos: int, pad: int, greedy: bool) -> Generation:
@@ -241,10 +318,11 @@ def _post(row: list[int], eos: int, pad: int, greedy: bool) -> Generation:
 
 @torch.no_grad()
 def fast_generate_with_logprobs(model, tok, prompts: list[list[int]], max_new_tokens: int | list[int],
-                                sampling: Sampling, batch_size: int = 256
+                                sampling: Sampling, batch_size: int = 256, prefixes: PrefixCache | None = None
                                 ) -> tuple[list[Generation], list[list[float]] | None]:
     """`fast_generate`, plus each generated token's log-prob under the sampling temperature (None on fallback).
-    `max_new_tokens` is one budget or one per prompt."""
+    `max_new_tokens` is one budget or one per prompt. `prefixes`: see PrefixCache (one batch per call: a
+    call of more than `batch_size` prompts does not use it)."""
     limits = budgets(max_new_tokens, len(prompts))
     ok, _why = supported(model)
     if not ok:
@@ -257,7 +335,7 @@ def fast_generate_with_logprobs(model, tok, prompts: list[list[int]], max_new_to
     logprobs: list[list[float]] = []
     for i in range(0, len(prompts), batch_size):
         rows, lps = _generate_chunk(W, model, prompts[i: i + batch_size], limits[i: i + batch_size], sampling,
-                                    pad, eos, min_new, True)
+                                    pad, eos, min_new, True, prefixes if len(prompts) <= batch_size else None)
         for row, lp in zip(rows, lps):
             g = _post(row, eos, pad, sampling.greedy)
             gens.append(g)

@@ -8,6 +8,7 @@ ones the OpenRLHF agent runs one row at a time (composer/backends/openrlhf/agent
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from composer.runtime.engine import Sampling
@@ -16,8 +17,9 @@ from composer.trajectory import assemble
 from composer.checks.terms import scored_origins
 
 
-def serve(ctx, key: tuple, requests: list) -> list:
-    """Answer requests that share `key` with one batched call."""
+def serve(ctx, key: tuple, requests: list, scope: contextlib.ExitStack | None = None) -> list:
+    """Answer requests that share `key` with one batched call. Within `scope` (one `run`), a local model's
+    generate calls reuse the previous call's keys and values for prompts that extend its rows."""
     if key[0] == "score":
         server = ctx.model_server(key[1])
         scored = server.score([r.tokens for r in requests], ctx.sampling.temperature)
@@ -31,7 +33,10 @@ def serve(ctx, key: tuple, requests: list) -> list:
     if not flat:
         return answers
     sampling = Sampling(greedy=True) if greedy else ctx.sampling
-    gens = ctx.model_server(model).generate([r.tokens for _, r in flat], [r.max_tokens for _, r in flat], sampling)
+    server = ctx.model_server(model)
+    if scope is not None and getattr(server, "_prefixes", False) is None:  # a LocalModel not yet reusing
+        scope.enter_context(server.reusing_prefixes())
+    gens = server.generate([r.tokens for _, r in flat], [r.max_tokens for _, r in flat], sampling)
     for (i, _r), g in zip(flat, gens):
         answers[i].append(g)
     generated = sum(len(g.tokens) for g in gens)
@@ -46,7 +51,8 @@ def serve(ctx, key: tuple, requests: list) -> list:
 
 def run(ctx, programs: list) -> list:
     """Run protocol programs to completion against this run's models; their return values, in order."""
-    return drive(programs, lambda key, reqs: serve(ctx, key, reqs))
+    with contextlib.ExitStack() as scope:
+        return drive(programs, lambda key, reqs: serve(ctx, key, reqs, scope))
 
 
 def rollout(ctx, guide, examples, n: int):
