@@ -194,8 +194,8 @@ def run_recorded(path: Path, tmp_path: Path, extra=()):
     rec = Recorder()
     real = rollout_mod.serve
 
-    def serve(ctx, key, requests):  # watch what the rollout weights sample (not how the run labels it)
-        answers = real(ctx, key, requests)
+    def serve(ctx, key, requests, *scope):  # watch what the rollout weights sample (not how the run labels it)
+        answers = real(ctx, key, requests, *scope)
         if key[0] == "sample" and key[1] == POLICY and not key[2] and key[3] == "rollout":
             rec.on_sample(requests, answers)
         return answers

@@ -793,6 +793,9 @@ def test_dispatch_and_sync_patches_on_fake_openrlhf_classes(installed):
         def _dispatch_prompts_to_vllm(self, prompts, labels, *, images=None, **kw):
             return labels, kw
 
+        def _generate_vllm(self, dataloader_iter, num_prompts, dynamic_filtering, **kw):
+            return [], 0, True
+
         def generate_samples(self):  # OpenRLHF's: a new episode's iterator draws its permutation (global RNG)
             if getattr(self, "_dataloader_iter", None) is None:
                 self._dataloader_iter = iter(torch.randperm(8).tolist())
