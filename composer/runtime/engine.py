@@ -73,6 +73,10 @@ class LocalModel:
         self.generated_tokens = 0
         self._prefixes = None  # a fast_sampler.PrefixCache inside `reusing_prefixes`
 
+    @property
+    def reuses_prefixes(self) -> bool:
+        return self._prefixes is not None
+
     @contextmanager
     def reusing_prefixes(self):
         """Within the block, a `generate` whose prompts extend the rows of the previous call (a guided row's

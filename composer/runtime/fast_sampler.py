@@ -21,6 +21,8 @@ under the sampling temperature (what `HFEngine.score` recomputes with a separate
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 import torch.nn.functional as F
 
@@ -186,8 +188,6 @@ class PrefixCache:
 
     def longest(self, prompt: list[int]) -> tuple[int, tuple | None]:
         """(c, entry): the longest cached row sharing the first c tokens of `prompt` (0, None if none)."""
-        import bisect
-
         key = tuple(prompt)
         i = bisect.bisect_left(self.keys, key)
         best, entry = 0, None

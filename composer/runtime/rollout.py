@@ -34,7 +34,7 @@ def serve(ctx, key: tuple, requests: list, scope: contextlib.ExitStack | None = 
         return answers
     sampling = Sampling(greedy=True) if greedy else ctx.sampling
     server = ctx.model_server(model)
-    if scope is not None and getattr(server, "_prefixes", False) is None:  # a LocalModel not yet reusing
+    if scope is not None and hasattr(server, "reusing_prefixes") and not server.reuses_prefixes:  # a LocalModel
         scope.enter_context(server.reusing_prefixes())
     gens = server.generate([r.tokens for _, r in flat], [r.max_tokens for _, r in flat], sampling)
     for (i, _r), g in zip(flat, gens):
