@@ -78,3 +78,38 @@ def test_int_runs(tmp_path):
     m = run(path, tmp_path, [o for o in SMALL if not o.startswith("train.steps")])
     assert "sft_kept" in m
 
+
+
+def test_a_guided_rollout_prefills_its_later_rounds_from_the_earlier_rounds_cache(monkeypatch):
+    """MInTRL's review rounds through the rollout driver: after the first round, the engine's generate calls
+    prefill from the previous call's keys and values (composer/runtime/fast_sampler.py: PrefixCache), so each
+    later round runs fewer prompt tokens than its longest prompt; the reuse ends with the rollout."""
+    import random
+
+    import torch
+
+    import composer.runtime.fast_sampler as fs
+    from composer.runtime.binding import bind_task
+    from composer.runtime.context import RunContext
+    from composer.runtime.engine import HFEngine
+    from composer.runtime.models import load_model, load_tokenizer
+
+    sp = validate_file("specs/mintrl.yaml", []).segments[0].spec
+    tok, policy = load_tokenizer("toy:student"), load_model("toy:student")
+    ctx = RunContext(task=bind_task(sp), tokenizer=tok, policy=policy, engine=HFEngine(policy, tok), spec=sp,
+                     rng=random.Random(0))
+    widths = []  # (prefill width T, longest prompt P) of every generate call
+    real = fs._from_cache
+
+    def from_cache(prefixes, model, prompts, P, pre_k, pre_v):
+        T = real(prefixes, model, prompts, P, pre_k, pre_v)
+        widths.append((T, P))
+        return T
+
+    monkeypatch.setattr(fs, "_from_cache", from_cache)
+    torch.manual_seed(0)
+    for _ in range(3):
+        sp.rollout.guide.rollout(ctx, ctx.next_prompts(4), sp.rollout.samples_per_prompt)
+    assert len(widths) > 3, widths  # some rollout had review rounds after its first
+    assert any(T < P for T, P in widths), widths
+    assert not ctx.engine.reuses_prefixes
