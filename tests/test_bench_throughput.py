@@ -175,3 +175,21 @@ def test_a_forced_length_past_the_tasks_response_cap_is_generated_in_full(tmp_pa
     assert bt.main(["--pairs", "grpo", "--modes", "matched", *tiny, "--length", "70", "--json", str(out)]) == 0
     (res,) = json.loads(out.read_text())["results"]
     assert res["ours_mean_response_tokens"] == 70.0
+
+
+def test_matmul_table_times_both_kernels_at_each_shape():
+    """`composer bench --throughput --matmul`: one row per shape, MKL / oneDNN for the forward product and
+    both gradient products, as positive rates."""
+    import re
+
+    from composer.runtime import onednn
+
+    from composer.bench import throughput as T
+
+    text = T.matmul_table(1, shapes=((256, 64, 96), (256, 96, 64)), repeats=7)
+    rows = [line for line in text.splitlines() if line.split()[0].isdigit()]
+    assert [r.split()[:5] for r in rows] == [["256", "x", "64", "x", "96"], ["256", "x", "96", "x", "64"]]
+    for r in rows:
+        cells = re.findall(r"(\d+) / +(\d+|-)", r)
+        assert len(cells) == 3
+        assert all(int(m) > 0 and (d == "-" if not onednn.available() else int(d) > 0) for m, d in cells)

@@ -101,8 +101,8 @@ def test_a_guided_rollout_prefills_its_later_rounds_from_the_earlier_rounds_cach
     widths = []  # (prefill width T, longest prompt P) of every generate call
     real = fs._from_cache
 
-    def from_cache(prefixes, model, prompts, P, pre_k, pre_v):
-        T = real(prefixes, model, prompts, P, pre_k, pre_v)
+    def from_cache(prefixes, weights, prompts, P, pre_k, pre_v):
+        T = real(prefixes, weights, prompts, P, pre_k, pre_v)
         widths.append((T, P))
         return T
 

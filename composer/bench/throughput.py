@@ -714,6 +714,50 @@ def plot_sweep(rows: list[dict], path: Path, args) -> None:
 # -------------------------------------------------------------------------------------- profiling
 
 
+MATMUL_SHAPES = ((2048, 128, 384), (2048, 384, 128), (2048, 128, 256), (64, 128, 768), (64, 384, 128))  # M, K, N
+
+
+def matmul_table(threads: int, shapes=MATMUL_SHAPES, repeats: int = 20) -> str:
+    """GFLOPS of y = x w^T (x [M, K], w [N, K]) and of its two gradient products (g w, g^T x) through MKL's
+    sgemm (`F.linear`, `mm`) and through oneDNN (`composer.runtime.onednn`, in the operand order its backward
+    uses), float32 on CPU, median of `repeats`: whether routing the linears through oneDNN pays here."""
+    import torch
+    import torch.nn.functional as F
+
+    from composer.runtime import onednn
+
+    torch.set_num_threads(threads)
+
+    def gflops(flop, fn):
+        for _ in range(5):
+            fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return flop / statistics.median(times) / 1e9
+
+    lines = [f"float32 products on {threads} thread(s), GFLOPS, MKL / oneDNN (oneDNN "
+             f"{'in use' if onednn.available() else 'not available or switched off'}):",
+             f"  {'M x K x N':>18s} {'forward':>15s} {'grad of x':>15s} {'grad of w':>15s}"]
+    g = torch.Generator().manual_seed(0)
+    for M, K, N in shapes:
+        x, w, d = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(M, N, generator=g)
+        flop = 2 * M * K * N
+        cells = []
+        for mkl, dnn in ((lambda: F.linear(x, w), lambda: onednn._raw(x, w)),
+                         (lambda: d.mm(w), lambda: onednn._raw(d, w.t())),
+                         (lambda: d.t().mm(x), lambda: onednn._raw(x.t(), d.t()) if N > K else onednn._raw(d.t(), x.t()))):
+            cells.append(f"{gflops(flop, mkl):6.0f} / {gflops(flop, dnn):5.0f}" if onednn.available()
+                         else f"{gflops(flop, mkl):6.0f} / {'-':>5s}")
+        lines.append(f"  {f'{M} x {K} x {N}':>18s} " + " ".join(f"{c:>15s}" for c in cells))
+    return "\n".join(lines)
+
+
+KERNELS = ("aten::", "mkldnn::")  # profiler events that are kernels (oneDNN's linear: composer/runtime/onednn.py)
+
+
 def profile_ours(pair: str, args, steps: int = 3) -> str:
     """Where our step's time goes: per phase, wall time vs time inside ATen ops (the rest is Python,
     dispatch and module-call overhead, plus the profiler's own per-op cost), and the heaviest ops."""
@@ -734,7 +778,7 @@ def profile_ours(pair: str, args, steps: int = 3) -> str:
     finally:
         ours.close()
     events = prof.events()
-    ops = sorted((e for e in events if e.name.startswith("aten::")), key=lambda e: e.time_range.start)
+    ops = sorted((e for e in events if e.name.startswith(KERNELS)), key=lambda e: e.time_range.start)
     starts = [e.time_range.start for e in ops]
     prefix = [0.0]
     for e in ops:
@@ -756,7 +800,7 @@ def profile_ours(pair: str, args, steps: int = 3) -> str:
     top = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:8]
     lines.append("  heaviest ATen ops (self ms per step): " + ", ".join(
         f"{a.key.removeprefix('aten::')} {a.self_cpu_time_total / 1e3 / steps:.0f} ({a.count // steps}x)"
-        for a in top if a.key.startswith("aten::")))
+        for a in top if a.key.startswith(KERNELS)))
     return "\n".join(lines)
 
 
@@ -859,6 +903,9 @@ def parse_args(argv):
     p.add_argument("--json", help="Also write the results as JSON here.")
     p.add_argument("--profile", action="store_true",
                    help="Instead of comparing, profile our step for each pair (phase wall time vs ATen time).")
+    p.add_argument("--matmul", action="store_true",
+                   help="Instead of comparing, time float32 products at the toy step's shapes through MKL "
+                        "(F.linear) and oneDNN (composer/runtime/onednn.py), forward and both backward products.")
     p.add_argument("--debug", action="store_true", help="Raise TRL errors instead of reporting them.")
     return p.parse_args(argv)
 
@@ -900,6 +947,9 @@ def main(argv=None) -> int:
         paths = ensure_checkpoints()
         args.model = args.model or paths["student"]
         args.teacher = args.teacher or paths["teacher"]
+    if args.matmul:
+        print(matmul_table(args.threads))
+        return 0
     if args.profile:
         for pair in pairs:
             print(profile_ours(pair, args), flush=True)

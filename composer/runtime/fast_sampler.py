@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from composer.runtime.engine import Generation, Sampling, budgets, cut, hf_generate
+from composer.runtime.onednn import linear
 
 _FAMILIES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
 
@@ -59,7 +60,8 @@ def supported(model) -> tuple[bool, str]:
 
 
 class _Weights:
-    """The decoder's weights, fused where a matmul can be shared (read once per call)."""
+    """The decoder's weights, fused where a matmul can be shared (read once per call); `version`: the in-place
+    version counters of the parameters they were read from (what a PrefixCache entry is valid for)."""
 
     def __init__(self, model):
         cfg = model.config
@@ -86,6 +88,11 @@ class _Weights:
                 o=a.o_proj.weight, o_b=a.o_proj.bias,
                 gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]), down=m.down_proj.weight,
             ))
+        read = [self.embed, self.final_norm, self.lm_head] + [
+            t for layer in inner.layers[: cfg.num_hidden_layers] for mod in (layer.self_attn, layer.mlp)
+            for t in mod.parameters()] + [layer.input_layernorm.weight for layer in inner.layers] + [
+            layer.post_attention_layernorm.weight for layer in inner.layers]
+        self.version = tuple(t._version for t in read)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -131,7 +138,7 @@ def _forward(W: _Weights, ids, cos, sin, mask, cache_k, cache_v, start: int) -> 
     end = start + T
     for i, L in enumerate(W.layers):
         h = _rms(x, L["ln1"], W.eps)
-        qkv = F.linear(h, L["qkv"], L["qkv_b"])  # [B, T, (nh + 2 nkv) d]
+        qkv = linear(h, L["qkv"], L["qkv_b"])  # [B, T, (nh + 2 nkv) d]
         qk, v = qkv.split(((nh + nkv) * d, nkv * d), dim=-1)
         qk = qk.view(B, T, nh + nkv, d)  # q and k heads side by side: norm and RoPE are per head
         if L["qk_norm"] is not None:
@@ -142,10 +149,10 @@ def _forward(W: _Weights, ids, cos, sin, mask, cache_k, cache_v, start: int) -> 
         cache_k[i][:, :, start:end] = k
         cache_v[i][:, :, start:end] = v
         o = _attend(q, cache_k[i][:, :, :end], cache_v[i][:, :, :end], mask, d ** -0.5)  # [B, nh, T, d]
-        x = x + F.linear(o.transpose(1, 2).reshape(B, T, nh * d), L["o"], L["o_b"])
+        x = x + linear(o.transpose(1, 2).reshape(B, T, nh * d), L["o"], L["o_b"])
         h = _rms(x, L["ln2"], W.eps)
-        gate, up = F.linear(h, L["gate_up"]).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, L["down"])
+        gate, up = linear(h, L["gate_up"]).chunk(2, dim=-1)
+        x = x + linear(F.silu(gate) * up, L["down"])
     return _rms(x[:, -1], W.final_norm, W.eps)  # [B, H]
 
 
@@ -183,8 +190,8 @@ class PrefixCache:
         self.keys: list[tuple] = []  # sorted token tuples
         self.where: dict[tuple, tuple] = {}  # tokens -> (k per layer, v per layer, row, first slot)
 
-    def valid_for(self, model) -> bool:
-        return self.version == _version(model)
+    def valid_for(self, W: _Weights) -> bool:
+        return self.version == W.version
 
     def longest(self, prompt: list[int]) -> tuple[int, tuple | None]:
         """(c, entry): the longest cached row sharing the first c tokens of `prompt` (0, None if none)."""
@@ -199,18 +206,14 @@ class PrefixCache:
                     best, entry = c, self.where[other]
         return best, entry
 
-    def store(self, model, rows: list[list[int]], cache_k, cache_v, first: list[int]) -> None:
-        self.version = _version(model)
+    def store(self, W: _Weights, rows: list[list[int]], cache_k, cache_v, first: list[int]) -> None:
+        self.version = W.version
         self.where = {tuple(r): (cache_k, cache_v, i, first[i]) for i, r in enumerate(rows)}
         self.keys = sorted(self.where)
 
 
-def _version(model) -> tuple:
-    return tuple(p._version for p in model.parameters())
-
-
 @torch.no_grad()
-def _generate_chunk(W: _Weights, model, chunk, limits, sampling, pad, eos, min_new, want_logprobs,
+def _generate_chunk(W: _Weights, chunk, limits, sampling, pad, eos, min_new, want_logprobs,
                     prefixes: PrefixCache | None = None):
     """Sample every prompt of `chunk` up to its own limit (the loop ends when every row has stopped).
     With `prefixes`, prompts extending a row of the previous call are prefilled from its cache (and this
@@ -220,13 +223,9 @@ def _generate_chunk(W: _Weights, model, chunk, limits, sampling, pad, eos, min_n
     limit = torch.tensor(limits, device=device)  # [B] per-row token budget
     B, P = len(chunk), max(len(p) for p in chunk)
     S = P + max_new_tokens
-    ids = torch.full((B, P), pad, dtype=torch.long)
-    valid = torch.zeros((B, S), dtype=torch.bool)  # key slots holding real tokens
-    for r, p in enumerate(chunk):
-        ids[r, P - len(p):] = torch.tensor(p)
-        valid[r, P - len(p):] = True
-    valid[:, P:] = True  # generated slots always attend (as generate's growing attention_mask)
-    ids, valid = ids.to(device), valid.to(device)
+    ids = torch.tensor([[pad] * (P - len(p)) + p for p in chunk], dtype=torch.long, device=device)  # [B, P]
+    # key slots holding real tokens; generated slots always attend (as generate's growing attention_mask)
+    valid = torch.arange(S, device=device)[None] >= torch.tensor([P - len(p) for p in chunk], device=device)[:, None]
     # positions as generate computes them: cumsum(attention_mask) - 1, pads at 1
     lens = valid[:, :P].sum(1)  # [B]
     pos = (valid[:, :P].long().cumsum(1) - 1).masked_fill(~valid[:, :P], 1)  # [B, P]
@@ -251,7 +250,7 @@ def _generate_chunk(W: _Weights, model, chunk, limits, sampling, pad, eos, min_n
     causal = torch.ones((P, P), dtype=torch.bool, device=device).tril()
     mask = (causal[None] & valid[uniq, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)[None]
     # slots [0, P - T) of every prompt come from the cache of the previous call's rows (T = P without one)
-    T = _from_cache(prefixes, model, [chunk[u] for u in uniq.tolist()], P, pre_k, pre_v) if prefixes else P
+    T = _from_cache(prefixes, W, [chunk[u] for u in uniq.tolist()], P, pre_k, pre_v) if prefixes else P
     hidden = _forward(W, ids[uniq, P - T:], cos_t[pos[uniq, P - T:]], sin_t[pos[uniq, P - T:]],
                       mask[:, None, P - T:], pre_k, pre_v, P - T)
     rows = torch.tensor(owner, device=device)  # [B] row -> its prompt's prefill
@@ -265,7 +264,7 @@ def _generate_chunk(W: _Weights, model, chunk, limits, sampling, pad, eos, min_n
     bias = torch.zeros((B, 1, 1, S), dtype=dtype, device=device).masked_fill_(~valid[:, None, None], float("-inf"))
     n = 0
     for t in range(max_new_tokens):
-        logits = F.linear(hidden, W.lm_head)  # [B, V]
+        logits = linear(hidden, W.lm_head)  # [B, V]
         tok = _next_token(logits, sampling, t < min_new, eos)
         tok = tok.masked_fill(done, pad)
         out[:, t] = tok
@@ -283,29 +282,38 @@ def _generate_chunk(W: _Weights, model, chunk, limits, sampling, pad, eos, min_n
     if prefixes is not None:
         # keys and values exist for the prompt and every sampled token but the last (never fed back)
         real = [r[: r.index(eos) + 1] if eos in r else r for r in rows]
-        prefixes.store(model, [p + r[: min(len(r), n - 1)] for p, r in zip(chunk, real)], cache_k, cache_v,
+        prefixes.store(W, [p + r[: min(len(r), n - 1)] for p, r in zip(chunk, real)], cache_k, cache_v,
                        [P - len(p) for p in chunk])
     return rows, ([lp[: len(r)] for lp, r in zip(lps[:, :n].tolist(), rows)] if want_logprobs else None)
 
 
-def _from_cache(prefixes: PrefixCache, model, prompts: list[list[int]], P: int, pre_k, pre_v) -> int:
+def _from_cache(prefixes: PrefixCache, W: _Weights, prompts: list[list[int]], P: int, pre_k, pre_v) -> int:
     """Copy into pre_k/pre_v [U, KV, P, D] (prompts right-aligned at P) the cached keys and values of each
     prompt's longest cached prefix, as far as every prompt can start its prefill at one slot P - T; returns T,
     the prefill's width (P when nothing is cached). At least a prompt's last token is always run: its hidden
     state gives the first sampled token's logits."""
-    if not prefixes.valid_for(model):
+    if not prefixes.valid_for(W):
         return P
     found = [prefixes.longest(p) for p in prompts]
     T = max(len(p) - min(c, len(p) - 1) for p, (c, _e) in zip(prompts, found))
     if T >= P:
         return P
+    # one indexed copy per layer tensor and cache source: (prompt u, slot d) <- (cached row r, slot s)
+    moves: dict[int, tuple[list, list[list[int]]]] = {}
     for u, (p, (_c, entry)) in enumerate(zip(prompts, found)):
         keep = len(p) - T  # this prompt's tokens before slot P - T
         if keep <= 0:
             continue
         ks, vs, row, first = entry
-        for dst, src in zip(pre_k + pre_v, ks + vs):
-            dst[u, :, P - len(p): P - T] = src[row, :, first: first + keep]
+        idx = moves.setdefault(id(ks), (ks + vs, [[], [], [], []]))[1]
+        idx[0] += [u] * keep
+        idx[1] += range(P - len(p), P - T)
+        idx[2] += [row] * keep
+        idx[3] += range(first, first + keep)
+    for srcs, idx in moves.values():
+        u, d, r, s = (torch.tensor(i, device=pre_k[0].device) for i in idx)
+        for dst, src in zip(pre_k + pre_v, srcs):
+            dst[u, :, d] = src[r, :, s]  # [n, KV, D]
     return T
 
 
@@ -334,7 +342,7 @@ def fast_generate_with_logprobs(model, tok, prompts: list[list[int]], max_new_to
     gens: list[Generation] = []
     logprobs: list[list[float]] = []
     for i in range(0, len(prompts), batch_size):
-        rows, lps = _generate_chunk(W, model, prompts[i: i + batch_size], limits[i: i + batch_size], sampling,
+        rows, lps = _generate_chunk(W, prompts[i: i + batch_size], limits[i: i + batch_size], sampling,
                                     pad, eos, min_new, True, prefixes if len(prompts) <= batch_size else None)
         for row, lp in zip(rows, lps):
             g = _post(row, eos, pad, sampling.greedy)
@@ -355,7 +363,7 @@ def fast_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, sam
     min_new = model.generation_config.min_new_tokens or 0
     gens: list[Generation] = []
     for i in range(0, len(prompts), batch_size):
-        rows, _ = _generate_chunk(W, model, prompts[i: i + batch_size], [max_new_tokens] * len(prompts[i: i + batch_size]),
+        rows, _ = _generate_chunk(W, prompts[i: i + batch_size], [max_new_tokens] * len(prompts[i: i + batch_size]),
                                   sampling, pad, eos, min_new, False)
         gens += [_post(row, eos, pad, sampling.greedy) for row in rows]
     return gens

@@ -78,7 +78,9 @@ def load_model(name: str, dtype: str = "float32", trust_remote_code: bool = Fals
                                                      trust_remote_code=_trusted(trust_remote_code))
     except Exception as e:
         raise _load_error("model", path, e) from None
-    return model
+    from composer.runtime.onednn import use_onednn
+
+    return use_onednn(model)  # float32 products on CPU through oneDNN (composer/runtime/onednn.py)
 
 
 def prepare_policy(model, cfg):

@@ -109,7 +109,14 @@ class ComposerModule(L.LightningModule):
         """AdamW at unit base LR under torch's LambdaLR, whose factor is the Plan's LR of the step (warm-up and
         decay per segment, composer/plan/schedule.py): the scheduler's state is checkpointed with the optimiser."""
         t = self.segments[0].spec.train
-        opt = torch.optim.AdamW(self.policy.parameters(), lr=1.0, betas=tuple(t.betas), weight_decay=t.weight_decay)
+        params = list(self.policy.parameters())
+        # torch's fused AdamW (one kernel over all tensors; CPU and CUDA) does the per-tensor loop's arithmetic
+        # in a third of its time on the toy student (1.1 vs 2.9 ms with the clip, one thread). Not under
+        # Lightning's mixed precision, which refuses to clip the gradients of an optimiser that unscales them
+        precision = str(getattr(self._trainer, "precision", "32-true"))
+        fused = (precision in ("32-true", "32", "64-true", "64")
+                 and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)) or None
+        opt = torch.optim.AdamW(params, lr=1.0, betas=tuple(t.betas), weight_decay=t.weight_decay, fused=fused)
         schedule = self.schedule
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule.lr(step))  # a function: not pickled
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
