@@ -741,16 +741,21 @@ def matmul_table(threads: int, shapes=MATMUL_SHAPES, repeats: int = 20) -> str:
     lines = [f"float32 products on {threads} thread(s), GFLOPS, MKL / oneDNN (oneDNN "
              f"{'in use' if onednn.available() else 'not available or switched off'}):",
              f"  {'M x K x N':>18s} {'forward':>15s} {'grad of x':>15s} {'grad of w':>15s}"]
+    def products(x, w, d):
+        """(MKL, oneDNN) callables for x w^T, d w and d^T x; oneDNN's weight gradient in the operand order the
+        backward uses (the narrower operand first)."""
+        wide = w.shape[0] > w.shape[1]  # N > K
+        return ((lambda: F.linear(x, w), lambda: onednn._raw(x, w)),
+                (lambda: d.mm(w), lambda: onednn._raw(d, w.t())),
+                (lambda: d.t().mm(x),
+                 (lambda: onednn._raw(x.t(), d.t())) if wide else (lambda: onednn._raw(d.t(), x.t()))))
+
     g = torch.Generator().manual_seed(0)
     for M, K, N in shapes:
         x, w, d = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(M, N, generator=g)
         flop = 2 * M * K * N
-        cells = []
-        for mkl, dnn in ((lambda: F.linear(x, w), lambda: onednn._raw(x, w)),
-                         (lambda: d.mm(w), lambda: onednn._raw(d, w.t())),
-                         (lambda: d.t().mm(x), lambda: onednn._raw(x.t(), d.t()) if N > K else onednn._raw(d.t(), x.t()))):
-            cells.append(f"{gflops(flop, mkl):6.0f} / {gflops(flop, dnn):5.0f}" if onednn.available()
-                         else f"{gflops(flop, mkl):6.0f} / {'-':>5s}")
+        cells = [f"{gflops(flop, mkl):6.0f} / " + (f"{gflops(flop, dnn):5.0f}" if onednn.available() else f"{'-':>5s}")
+                 for mkl, dnn in products(x, w, d)]
         lines.append(f"  {f'{M} x {K} x {N}':>18s} " + " ".join(f"{c:>15s}" for c in cells))
     return "\n".join(lines)
 

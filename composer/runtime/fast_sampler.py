@@ -223,7 +223,7 @@ def _generate_chunk(W: _Weights, chunk, limits, sampling, pad, eos, min_new, wan
     limit = torch.tensor(limits, device=device)  # [B] per-row token budget
     B, P = len(chunk), max(len(p) for p in chunk)
     S = P + max_new_tokens
-    ids = torch.tensor([[pad] * (P - len(p)) + p for p in chunk], dtype=torch.long, device=device)  # [B, P]
+    ids = torch.tensor([[pad] * (P - len(p)) + list(p) for p in chunk], dtype=torch.long, device=device)  # [B, P]
     # key slots holding real tokens; generated slots always attend (as generate's growing attention_mask)
     valid = torch.arange(S, device=device)[None] >= torch.tensor([P - len(p) for p in chunk], device=device)[:, None]
     # positions as generate computes them: cumsum(attention_mask) - 1, pads at 1

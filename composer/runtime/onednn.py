@@ -5,8 +5,8 @@ the core has AVX-512 (MKL dispatches on the vendor), so it reaches about half of
 oneDNN library that ships inside PyTorch (`torch.ops.mkldnn._linear_pointwise`, the kernel inductor uses for
 frozen linears) dispatches on the instruction set, in float32, with the same IEEE arithmetic: only the order of
 the K-sums can differ (float rounding, ~1e-6 relative). On the development machine (AMD EPYC with AVX-512,
-one thread) the toy step's products ([2048, 128] x [128, 384] and the like) run at 73-95 GFLOPS through MKL,
-and through oneDNN at 165-215 forward and for the input gradient, 120-190 for the weight gradient (whose
+one thread) the toy step's products ([2048, 128] x [128, 384] and the like) run at 73-96 GFLOPS through MKL,
+and through oneDNN at 165-227 forward and for the input gradient, 118-194 for the weight gradient (whose
 transposed operand oneDNN copies). `composer bench --throughput --matmul` prints the table for the machine
 at hand.
 
