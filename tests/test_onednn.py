@@ -37,6 +37,11 @@ def test_linear_equals_f_linear_forward_and_backward_and_runs_on_onednn():
         assert a.shape == r.shape
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6 * float(r.abs().max()))  # float32 sums of 40-640 terms
 
+    # a trainable bias alone (a first layer under adapters: frozen input and weight) still gets its gradient
+    b = b0.clone().requires_grad_()
+    (onednn.linear(x0, w0, b) * up).sum().backward()
+    torch.testing.assert_close(b.grad, out["ref"][3])
+
     x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
     ran = kernels(lambda: onednn.linear(x, w).sum().backward())
     assert ran.get("mkldnn::_linear_pointwise", 0) == 3  # forward, grad of x, grad of w

@@ -85,7 +85,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if not applies(x, w):
         return F.linear(x, w, b)
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+    grads = x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and grads):
         y = onednn_mm(x2, w)
         y = y if b is None else y + b
     else:  # inference (the sampler's decode step): the bare kernel, without the operator's dispatch
