@@ -88,10 +88,8 @@ class _Weights:
                 o=a.o_proj.weight, o_b=a.o_proj.bias,
                 gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]), down=m.down_proj.weight,
             ))
-        read = [self.embed, self.final_norm, self.lm_head] + [
-            t for layer in inner.layers[: cfg.num_hidden_layers] for mod in (layer.self_attn, layer.mlp)
-            for t in mod.parameters()] + [layer.input_layernorm.weight for layer in inner.layers] + [
-            layer.post_attention_layernorm.weight for layer in inner.layers]
+        read = [self.embed, self.final_norm, self.lm_head, *(t for layer in inner.layers[: cfg.num_hidden_layers]
+                                                               for t in layer.parameters())]
         self.version = tuple(t._version for t in read)
 
 
