@@ -193,3 +193,17 @@ def test_matmul_table_times_both_kernels_at_each_shape():
         cells = re.findall(r"(\d+) / +(\d+|-)", r)
         assert len(cells) == 3
         assert all(int(m) > 0 and (d == "-" if not onednn.available() else int(d) > 0) for m, d in cells)
+
+
+def test_matmul_mode_needs_no_model(monkeypatch, capsys):
+    """`--matmul` times products only: it never bootstraps or loads a checkpoint."""
+    from components.tasks import bootstrap
+    from composer.bench import throughput as T
+
+    def no_bootstrap():
+        raise AssertionError("--matmul asked for the toy checkpoints")
+
+    monkeypatch.setattr(bootstrap, "ensure_checkpoints", no_bootstrap)
+    monkeypatch.setattr(T, "MATMUL_SHAPES", ((256, 64, 96),))
+    assert T.main(["--matmul", "--threads", "1"]) == 0
+    assert "256 x 64 x 96" in capsys.readouterr().out

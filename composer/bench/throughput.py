@@ -741,6 +741,7 @@ def matmul_table(threads: int, shapes=MATMUL_SHAPES, repeats: int = 20) -> str:
     lines = [f"float32 products on {threads} thread(s), GFLOPS, MKL / oneDNN (oneDNN "
              f"{'in use' if onednn.available() else 'not available or switched off'}):",
              f"  {'M x K x N':>18s} {'forward':>15s} {'grad of x':>15s} {'grad of w':>15s}"]
+
     def products(x, w, d):
         """(MKL, oneDNN) callables for x w^T, d w and d^T x; oneDNN's weight gradient in the operand order the
         backward uses (the narrower operand first)."""
@@ -754,7 +755,8 @@ def matmul_table(threads: int, shapes=MATMUL_SHAPES, repeats: int = 20) -> str:
     for M, K, N in shapes:
         x, w, d = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(M, N, generator=g)
         flop = 2 * M * K * N
-        cells = [f"{gflops(flop, mkl):6.0f} / " + (f"{gflops(flop, dnn):5.0f}" if onednn.available() else f"{'-':>5s}")
+        cells = [f"{gflops(flop, mkl):6.0f} / "
+                 + (f"{gflops(flop, dnn):5.0f}" if onednn.available() else f"{'-':>5s}")
                  for mkl, dnn in products(x, w, d)]
         lines.append(f"  {f'{M} x {K} x {N}':>18s} " + " ".join(f"{c:>15s}" for c in cells))
     return "\n".join(lines)
@@ -946,15 +948,15 @@ def main(argv=None) -> int:
     if bad:
         print(f"unknown pair(s) {', '.join(bad)}; choose from {', '.join(SPECS)}", file=sys.stderr)
         return 2
+    if args.matmul:  # no model: no toy bootstrap
+        print(matmul_table(args.threads, MATMUL_SHAPES))
+        return 0
     if not args.model or ("opd" in pairs and not args.teacher):
         from components.tasks.bootstrap import ensure_checkpoints
 
         paths = ensure_checkpoints()
         args.model = args.model or paths["student"]
         args.teacher = args.teacher or paths["teacher"]
-    if args.matmul:
-        print(matmul_table(args.threads))
-        return 0
     if args.profile:
         for pair in pairs:
             print(profile_ours(pair, args), flush=True)
