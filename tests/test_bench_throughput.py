@@ -36,11 +36,15 @@ def test_tiny_throughput_runs_both_sides_through_the_modules_step(tmp_path, monk
     monkeypatch.setattr(ComposerModule, "step_loss", spy)
     out = tmp_path / "tp.json"
     assert bt.main(["--pairs", "grpo", "--modes", "matched", *tiny, "--json", str(out)]) == 0
-    (res,) = json.loads(out.read_text())["results"]
+    data = json.loads(out.read_text())
+    (res,) = data["results"]
     assert res["ours_error"] is None and res["trl_error"] is None, res
     assert len(res["ours_block_s"]) == 1 and len(res["trl_block_s"]) == 1
     assert res["ours_samples_per_s"] > 0 and res["trl_samples_per_s"] > 0
     assert calls == [0, 1]  # the check step, then the timed block: the module's own step ran
+    host = data["host"]  # what the ratios depend on, kept with them
+    assert host["threads"] == 1 and host["mkl_gflops"] > 0 and host["isa"] and host["cpu"]
+    assert bt.format_host(host).startswith("host: ")
 
 
 def test_throughput_exits_nonzero_when_a_side_did_not_run(tmp_path, capsys, monkeypatch, tiny):

@@ -1,5 +1,6 @@
-"""Padding-free forward passes (composer/runtime/models.py: pack_rows, packed_logits): right-padded rows
-packed into fewer rows give the padded forward's logits and log-probs, gradients included."""
+"""Padding-free forward passes (composer/runtime/models.py: pack_rows, packed_logits; composer/runtime/varlen.py):
+right-padded rows packed into fewer rows, or flattened into one sequence with per-row attention, give the
+padded forward's logits and log-probs, gradients included."""
 
 from __future__ import annotations
 
@@ -38,8 +39,10 @@ def test_pack_rows_bins_first_fit_decreasing_and_refuses_left_padding():
     assert pack_rows(torch.ones((4, 8), dtype=torch.bool)) is None  # nothing to save
 
 
-def test_packed_forward_equals_padded_forward(model):
+def test_packed_forward_equals_padded_forward(model, monkeypatch):
     from composer.runtime.models import pack_rows, packed_logits, token_logprobs
+
+    monkeypatch.setenv("COMPOSER_VARLEN", "0")  # the bins layout (the flat one: the varlen tests below)
 
     V = model.config.vocab_size
     tokens, mask = batch([24, 5, 9, 13, 3, 20, 7, 11], 24, V, seed=1)
@@ -206,3 +209,123 @@ def test_a_compiled_model_always_takes_the_packed_layout(model):
     calls.clear()
     packed_logits(model, tokens, mask)  # uncompiled: the padded forward (no packing pays)
     assert calls == []
+
+
+# ------------------------------------------------------------------ one flat sequence, attention per row (varlen)
+
+
+def _flat_inputs(model):
+    """Record the input_ids shape of every forward of `model` (a pre-hook on its embeddings)."""
+    shapes = []
+    model.get_input_embeddings().register_forward_pre_hook(lambda _m, a: shapes.append(tuple(a[0].shape)))
+    return shapes
+
+
+def _grads(model, tokens, mask, fn):
+    model.zero_grad()
+    lp = torch.log_softmax(fn(tokens, mask)[:, :-1], -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)  # [B, T-1]
+    (lp * mask[:, 1:]).sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_varlen_forward_equals_padded_forward(model):
+    """Uncompiled, right-padded rows run as one flat row of their real tokens (the embeddings see [1, N]); each
+    attention layer honours the layout; logits and gradients equal the padded forward's."""
+    from composer.runtime import varlen
+    from composer.runtime.models import packed_logits
+
+    m = copy.deepcopy(model)
+    V = m.config.vocab_size
+    tokens, mask = batch([24, 5, 9, 13, 3, 20, 7, 11], 24, V, seed=1)
+    shapes = _flat_inputs(m)
+    seen = []
+    varlen.install()
+    inner = varlen._inner
+    orig = varlen.attention
+
+    def spy(module, q, k, v, attention_mask, **kw):
+        seen.append((tuple(q.shape), kw.get(varlen.KEY) is not None))
+        return orig(module, q, k, v, attention_mask, **kw)
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = spy
+    try:
+        got = packed_logits(m, tokens, mask)
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = orig
+    assert varlen._inner is inner
+    n = int(mask.sum())
+    assert shapes == [(1, n)]  # one flat row, no pad token
+    assert len(seen) == m.config.num_hidden_layers and all(flat for _s, flat in seen)
+    assert all(s[2] == n for s, _f in seen)  # queries arrive flat: [1, H, N, D]
+    ref = m(input_ids=tokens, attention_mask=mask.long()).logits
+    assert torch.allclose(got[mask], ref[mask], atol=1e-5, rtol=0)
+    assert torch.isfinite(got).all()
+    g_ref = _grads(m, tokens, mask, lambda t, k: m(input_ids=t, attention_mask=k.long()).logits)
+    g = _grads(m, tokens, mask, lambda t, k: packed_logits(m, t, k))
+    for a, b in zip(g_ref, g):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+    assert any(float(a.abs().max()) > 0 for a in g)  # the check compared gradients that exist
+
+
+def test_varlen_under_gradient_checkpointing(model):
+    """Checkpointed layers recompute their forward in the backward pass: the layout travels with the layer's
+    keyword arguments, so the recomputed attention is per row too and the gradients stay the padded ones."""
+    from composer.runtime.models import packed_logits
+
+    m = copy.deepcopy(model)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    m.train()
+    tokens, mask = batch([16, 4, 9, 12, 2], 16, m.config.vocab_size, seed=3)
+    g_ref = _grads(m, tokens, mask, lambda t, k: m(input_ids=t, attention_mask=k.long()).logits)
+    shapes = _flat_inputs(m)
+    g = _grads(m, tokens, mask, lambda t, k: packed_logits(m, t, k))
+    assert shapes == [(1, int(mask.sum()))]  # flat, and no fallback forward
+    for a, b in zip(g_ref, g):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_varlen_refused_where_a_layer_drops_the_layout(model):
+    """A model whose attention does not receive the forward's keyword arguments would attend across rows:
+    the layout counts the layers that honoured it, and a shortfall falls back to the bins layout (and the
+    model class is not tried again)."""
+    from composer.runtime import varlen
+    from composer.runtime.models import packed_logits
+
+    m = copy.deepcopy(model)
+    attn = m.model.layers[1].self_attn
+    forward = attn.forward
+    attn.forward = lambda *a, **kw: forward(*a, **{k: v for k, v in kw.items() if k != varlen.KEY})
+    tokens, mask = batch([12, 3, 7, 10], 12, m.config.vocab_size, seed=4)
+    shapes = _flat_inputs(m)
+    try:
+        got = packed_logits(m, tokens, mask)
+        assert type(m) in varlen._refused
+        assert shapes[0] == (1, int(mask.sum())) and shapes[1][0] < 4  # tried flat, then bins (fewer rows)
+        ref = m(input_ids=tokens, attention_mask=mask.long()).logits
+        assert torch.allclose(got[mask], ref[mask], atol=1e-5, rtol=0)
+    finally:
+        varlen._refused.discard(type(m))
+
+
+def test_varlen_layout_only_for_right_padded_rows():
+    from composer.runtime.varlen import layout
+
+    _t, mask = batch([5, 2, 0, 3], 5, 50)
+    lay = layout(mask)
+    assert lay.real.tolist() == [0, 1, 2, 3, 4, 5, 6, 15, 16, 17]  # grid slots of the real tokens
+    assert lay.grid.view(4, 5).tolist() == [[0, 1, 2, 3, 4], [5, 6, 6, 6, 6], [6, 6, 6, 6, 6], [7, 8, 9, 9, 9]]
+    assert layout(mask.flip(1)) is None  # left-padded
+    assert layout(torch.ones((3, 4), dtype=torch.bool)) is None  # nothing to drop
+    assert layout(torch.zeros((3, 4), dtype=torch.bool)) is None  # no token at all
+
+
+def test_varlen_switch_and_compiled_models_keep_the_bins(model, monkeypatch):
+    """COMPOSER_VARLEN=0 and a compiled model (one call signature for every batch) take the bins layout."""
+    from composer.runtime import varlen
+
+    tokens, mask = batch([12, 3, 7, 10], 12, model.config.vocab_size, seed=5)
+    assert varlen.logits(model, tokens, mask) is not None
+    monkeypatch.setenv("COMPOSER_VARLEN", "0")
+    assert varlen.logits(model, tokens, mask) is None

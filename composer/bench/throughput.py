@@ -717,6 +717,60 @@ def plot_sweep(rows: list[dict], path: Path, args) -> None:
 MATMUL_SHAPES = ((2048, 128, 384), (2048, 384, 128), (2048, 128, 256), (64, 128, 768), (64, 384, 128))  # M, K, N
 
 
+def _gflops(flop: int, fn, repeats: int) -> float:
+    """flop / the median wall time of `repeats` calls of fn (after 5 untimed ones), in GFLOPS."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return flop / statistics.median(times) / 1e9
+
+
+def host_info(threads: int) -> dict:
+    """What the ratios depend on: the CPU (vendor, family/model, name), ATen's vector ISA, and how fast one
+    float32 product of the toy step (2048 x 128 x 384) runs through MKL and through oneDNN here. MKL takes
+    its AVX2 path on AMD CPUs: where the core runs 512-bit FMAs at full width (e.g. Zen 5) oneDNN's product is
+    about twice as fast, where it runs them as two 256-bit halves (Zen 4: family 25, model 17) both reach the
+    same speed, and our matched ratios move with it (README, throughput)."""
+    import platform
+
+    import torch
+    import torch.nn.functional as F
+
+    from composer.runtime import onednn
+
+    cpu = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            k, _, v = line.partition(":")
+            k = k.strip()
+            if k in ("vendor_id", "cpu family", "model", "model name") and k not in cpu:
+                cpu[k] = v.strip()
+    except OSError:
+        pass
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2048, 128, generator=g), torch.randn(384, 128, generator=g)
+    flop = 2 * 2048 * 128 * 384
+    return {
+        "cpu": cpu.get("model name") or platform.processor() or platform.machine(),
+        "vendor": cpu.get("vendor_id"), "family": cpu.get("cpu family"), "model": cpu.get("model"),
+        "isa": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__, "threads": threads,
+        "mkl_gflops": round(_gflops(flop, lambda: F.linear(x, w), 10), 1),
+        "onednn_gflops": round(_gflops(flop, lambda: onednn._raw(x, w), 10), 1) if onednn.available() else None,
+    }
+
+
+def format_host(h: dict) -> str:
+    dnn = f"{h['onednn_gflops']:.0f}" if h.get("onednn_gflops") else "-"
+    return (f"host: {h['cpu']} ({h['vendor']}, family {h['family']} model {h['model']}), ATen ISA {h['isa']}, "
+            f"torch {h['torch']}; one 2048x128x384 float32 product on {h['threads']} thread(s): MKL "
+            f"{h['mkl_gflops']:.0f} / oneDNN {dnn} GFLOPS")
+
+
 def matmul_table(threads: int, shapes=MATMUL_SHAPES, repeats: int = 20) -> str:
     """GFLOPS of y = x w^T (x [M, K], w [N, K]) and of its two gradient products (g w, g^T x) through MKL's
     sgemm (`F.linear`, `mm`) and through oneDNN (`composer.runtime.onednn`, in the operand order its backward
@@ -729,14 +783,7 @@ def matmul_table(threads: int, shapes=MATMUL_SHAPES, repeats: int = 20) -> str:
     torch.set_num_threads(threads)
 
     def gflops(flop, fn):
-        for _ in range(5):
-            fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return flop / statistics.median(times) / 1e9
+        return _gflops(flop, fn, repeats)
 
     lines = [f"float32 products on {threads} thread(s), GFLOPS, MKL / oneDNN (oneDNN "
              f"{'in use' if onednn.available() else 'not available or switched off'}):",
@@ -949,6 +996,7 @@ def main(argv=None) -> int:
         print(f"unknown pair(s) {', '.join(bad)}; choose from {', '.join(SPECS)}", file=sys.stderr)
         return 2
     if args.matmul:  # no model: no toy bootstrap
+        print(format_host(host_info(args.threads)))
         print(matmul_table(args.threads, MATMUL_SHAPES))
         return 0
     if not args.model or ("opd" in pairs and not args.teacher):
@@ -973,7 +1021,8 @@ def main(argv=None) -> int:
             print(f"[bench] {pair} ({mode}): ours ({SPECS[pair]}, sampler {args.sampler}) vs TRL {TRL_NAME[pair]} ...",
                   flush=True)
             results.append(run_pair(pair, args, mode))
-    text = format_results(results, args) if results else ""
+    host = host_info(args.threads)
+    text = format_host(host) + "\n" + (format_results(results, args) if results else "")
     guided = None
     if args.guided:
         print(f"[bench] guided vs plain rollouts ({GUIDED_SPEC}) ...", flush=True)
@@ -985,8 +1034,8 @@ def main(argv=None) -> int:
             text += f"\nguided rollouts did not run: {guided['error']}"
     print(text)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "results": results,
-                                               "guided": guided}, indent=2, default=str))
+        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "host": host,
+                                               "results": results, "guided": guided}, indent=2, default=str))
     failed = [f"{r['pair']}{'' if r['mode'] == 'matched' else ' (' + r['mode'] + ')'} {side}: {r[side + '_error']}" for r in results for side in ("ours", "trl")
               if r.get(side + "_error") or (side == "ours" and not r.get("ours_block_s"))
               or (side == "trl" and not r.get("trl_block_s"))]

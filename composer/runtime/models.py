@@ -223,10 +223,17 @@ def _packable(model) -> bool:
 
 
 def packed_logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor):
-    """The model's logits [B, T, V] of right-padded rows, computed on a padding-free layout when it pays
-    (`pack_rows`), else with the padded batch. Real positions get the logits the padded forward gives
+    """The model's logits [B, T, V] of right-padded rows, computed on a padding-free layout: uncompiled, one
+    flat sequence with per-row attention (`varlen.logits`) where the model supports it; else rows packed into
+    bins (`pack_rows`) when that pays, else the padded batch. Real positions get the logits the padded forward gives
     (up to float rounding: same tokens, same positions, same causal scope); pad positions get their row's
     last real position's logits (finite, and masked by every reader)."""
+    if not hasattr(model, "_orig_mod"):  # eager: one flat sequence, attention per row (composer/runtime/varlen.py)
+        from composer.runtime import varlen
+
+        flat = varlen.logits(model, tokens, attention_mask)
+        if flat is not None:
+            return flat
     # a compiled model (train.compile) always takes the packed layout: one call signature, so one graph serves
     # batches that pack and batches that do not (else each switch is a recompile)
     plan = pack_rows(attention_mask, 0.0 if hasattr(model, "_orig_mod") else 0.1) if _packable(model) else None

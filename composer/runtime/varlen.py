@@ -1,0 +1,142 @@
+"""Padding-free forward passes with per-row attention ("varlen"), on any device and any SDPA kernel.
+
+Right-padded rows [B, T] become one flat sequence [1, N] of their N real tokens (positions restart at each
+row), so the embeddings, norms, projections, MLPs and the LM head run on N tokens instead of B * T. Only
+attention needs the rows apart: at each layer, the flat queries, keys and values are gathered back into the
+padded grid [B, H, T, D], run through transformers' own SDPA attention with the causal flag (no mask, so
+the fused kernels apply) and the real positions are gathered back into the flat sequence. Pad slots of the
+grid hold copies of their row's last real token; causality keeps them out of every real token's attention.
+
+This is what flash-attention's varlen kernels do on a GPU, built from parts every backend has: it is the
+padding-free layout of TRL's `padding_free=True` without its flash-attention requirement. The layout
+reaches the attention through the model's keyword arguments (transformers passes them down to every
+attention call, gradient-checkpointed recomputation included), and every attention layer must report that
+it honoured it: a model that does not pass the keywords through gets the packed-bins forward instead.
+
+Measured on the toy student's SFT step (one thread, 32 rows of 14-57 tokens): see the README's throughput
+section; `COMPOSER_VARLEN=0` switches it off.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+KEY = "composer_varlen"  # the keyword that carries the layout to the attention functions
+
+
+@dataclass
+class Layout:
+    """Where the flat sequence's tokens sit in the padded grid.
+
+    grid [B * T] long: the flat index of each (row, t) slot (a pad slot: its row's last real token).
+    real [N] long: the grid slot of each flat token. rows, width: B and T. used: attention calls that
+    honoured this layout in the current forward.
+    """
+
+    grid: torch.Tensor
+    real: torch.Tensor
+    rows: int
+    width: int
+    used: int = 0
+
+    def to_grid(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, H, N, D] flat -> [B, H, T, D] padded (a view of a gathered [B, T, H, D])."""
+        x = x[0].transpose(0, 1)  # [N, H, D]
+        return x.index_select(0, self.grid).view(self.rows, self.width, *x.shape[1:]).transpose(1, 2)
+
+    def to_flat(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, H, D] padded -> [1, N, H, D] flat (real slots only)."""
+        return x.reshape(self.rows * self.width, *x.shape[2:]).index_select(0, self.real)[None]
+
+
+def layout(attention_mask: torch.Tensor) -> Layout | None:
+    """The flat layout of right-padded rows (attention_mask [B, T] bool, each row a prefix of True), or None
+    when there is no padding to drop, a row is not right-padded, or no row has a token."""
+    B, T = attention_mask.shape
+    lens = attention_mask.sum(1)  # [B]
+    t = torch.arange(T, device=attention_mask.device)
+    if not bool((attention_mask == (t[None] < lens[:, None])).all()):
+        return None
+    n = int(lens.sum())
+    if n == 0 or n == B * T:
+        return None
+    real = attention_mask.reshape(-1).nonzero().squeeze(1)  # [N]
+    flat_of = torch.zeros(B * T, dtype=torch.long, device=attention_mask.device)
+    flat_of[real] = torch.arange(n, device=attention_mask.device)
+    last = (torch.cumsum(lens, 0) - 1).clamp(min=0)  # [B] flat index of each row's last real token
+    grid = torch.where(t[None] < lens[:, None], flat_of.view(B, T), last[:, None]).reshape(-1)  # [B * T]
+    return Layout(grid, real, B, T)
+
+
+_inner = None  # the "sdpa" attention function this module wraps
+_refused: set[type] = set()  # model classes whose attention did not honour the layout
+
+
+def attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' "sdpa" attention, per row when the call carries a `Layout` (query [1, H, N, D]);
+    unchanged otherwise. Returns (output [1, N, H, D] or as the wrapped function, None)."""
+    lay = kwargs.pop(KEY, None)
+    if lay is None or kwargs.get("sliding_window") is not None:  # a window: not ours to honour
+        return _inner(module, query, key, value, attention_mask, **kwargs)
+    lay.used += 1
+    kwargs.pop("position_ids", None)  # flat positions; the grid's causal order is each row's
+    out, _ = _inner(module, lay.to_grid(query), lay.to_grid(key), lay.to_grid(value), None, **kwargs)
+    return lay.to_flat(out), None  # out: [B, T, H, D]
+
+
+def install() -> None:
+    """Wrap transformers' "sdpa" attention (once per process); calls without a layout are unchanged."""
+    global _inner
+    if _inner is not None:
+        return
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    _inner = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
+
+
+def _attention_layers(model) -> int | None:
+    """How many attention calls one forward of a plain decoder makes (its layer count), or None when the
+    model is not one: sliding-window or mixed layer types, a non-sdpa attention, or not transformers' code."""
+    inner = inner_model(model)
+    cfg = getattr(inner, "config", None)
+    if cfg is None or not type(inner).__module__.startswith("transformers."):
+        return None
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if getattr(cfg, "_attn_implementation", None) != "sdpa" or getattr(cfg, "use_sliding_window", False):
+        return None
+    types = getattr(cfg, "layer_types", None)
+    if types and any(t != "full_attention" for t in types):
+        return None
+    return getattr(cfg, "num_hidden_layers", None)
+
+
+def inner_model(model):
+    """The transformers model under torch.compile's and peft's wrappers."""
+    inner = getattr(model, "_orig_mod", model)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
+def logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
+    """The model's logits [B, T, V] of right-padded rows from one flat forward, or None where this layout
+    does not apply (see `layout` and `_attention_layers`; `COMPOSER_VARLEN=0`). Pad positions get their
+    row's last real position's logits, as `packed_logits` gives them."""
+    if os.environ.get("COMPOSER_VARLEN", "1") == "0":
+        return None
+    layers = _attention_layers(model)
+    lay = layout(attention_mask) if layers and type(inner_model(model)) not in _refused else None
+    if lay is None:
+        return None
+    install()
+    tokens_flat = tokens.reshape(-1).index_select(0, lay.real)[None]  # [1, N]
+    pos = torch.arange(lay.width, device=tokens.device).repeat(lay.rows).index_select(0, lay.real)[None]
+    # an all-ones mask: transformers then skips building one (SDPA's causal flag covers it); no cache
+    out = model(input_ids=tokens_flat, position_ids=pos, attention_mask=torch.ones_like(tokens_flat),
+                use_cache=False, **{KEY: lay}).logits  # [1, N, V]
+    if lay.used != layers:  # some attention layer never saw the layout: its output mixed rows
+        _refused.add(type(inner_model(model)))
+        return None
+    return out[0].index_select(0, lay.grid).view(lay.rows, lay.width, -1)
