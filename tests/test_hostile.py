@@ -303,6 +303,33 @@ def test_non_finite_weights_are_never_checkpointed(tiny, tmp_path, monkeypatch):
     assert (out / "checkpoints" / "last.ckpt").read_bytes() == good
 
 
+def test_a_non_finite_gradient_stops_the_step_and_an_overflowing_norm_does_not():
+    """The gradient check before each optimiser step: one fused norm, then a per-tensor look only when the
+    norm is not finite. A NaN or an infinity in any gradient stops the step; finite gradients whose norm
+    overflows float32 (1e30 each) do not."""
+    from types import SimpleNamespace
+
+    from composer.backends.lightning.module import ComposerModule, NonFiniteError
+
+    policy = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2, bias=False))
+    host = SimpleNamespace(policy=policy, global_step=7)
+    check = ComposerModule.on_before_optimizer_step
+    check(host, None)  # no gradients yet
+    for p in policy.parameters():
+        p.grad = torch.ones_like(p)
+    check(host, None)
+    for p in policy.parameters():
+        p.grad = torch.full_like(p, 1e30)
+    assert not torch.isfinite(torch.nn.utils.get_total_norm([p.grad for p in policy.parameters()]))
+    check(host, None)  # the norm overflows, every gradient is finite
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for p in policy.parameters():
+            p.grad = torch.ones_like(p)
+        policy[1].weight.grad[1, 2] = bad
+        with pytest.raises(NonFiniteError, match="a gradient is not finite at step 7"):
+            check(host, None)
+
+
 def test_a_full_disk_keeps_the_previous_checkpoint_and_no_temp_file(tiny, tmp_path, monkeypatch):
     import errno
 
