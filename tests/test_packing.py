@@ -329,3 +329,31 @@ def test_varlen_switch_and_compiled_models_keep_the_bins(model, monkeypatch):
     assert varlen.logits(model, tokens, mask) is not None
     monkeypatch.setenv("COMPOSER_VARLEN", "0")
     assert varlen.logits(model, tokens, mask) is None
+
+
+@pytest.mark.parametrize("arch, window, flat", [("llama", None, True), ("mistral", 32, True), ("mistral", 8, False)])
+def test_varlen_other_architectures_and_sliding_windows(arch, window, flat):
+    """Other decoders take the flat layout too; a sliding window narrower than the rows is not per-row causal
+    attention, so that forward falls back to the bins layout (the window wider than every row is honoured).
+    Logits equal the padded forward's either way."""
+    import transformers
+
+    from composer.runtime import varlen
+    from composer.runtime.models import packed_logits
+
+    kw = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    if arch == "llama":
+        m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+    else:
+        m = transformers.MistralForCausalLM(transformers.MistralConfig(**kw, sliding_window=window))
+    m.eval()
+    tokens, mask = batch([20, 3, 11, 1, 17], 20, 64, seed=6)
+    try:
+        assert (varlen.logits(m, tokens, mask) is not None) == flat
+        ref = m(input_ids=tokens, attention_mask=mask.long()).logits
+        got = packed_logits(m, tokens, mask)
+        assert torch.allclose(got[mask], ref[mask], atol=1e-5, rtol=0)
+    finally:
+        varlen._refused.discard(type(m))

@@ -79,7 +79,8 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' "sdpa" attention, per row when the call carries a `Layout` (query [1, H, N, D]);
     unchanged otherwise. Returns (output [1, N, H, D] or as the wrapped function, None)."""
     lay = kwargs.pop(KEY, None)
-    if lay is None or kwargs.get("sliding_window") is not None:  # a window: not ours to honour
+    window = kwargs.get("sliding_window")
+    if lay is None or (window is not None and lay.width > window):  # a window inside a row: not ours to honour
         return _inner(module, query, key, value, attention_mask, **kwargs)
     lay.used += 1
     kwargs.pop("position_ids", None)  # flat positions; the grid's causal order is each row's
