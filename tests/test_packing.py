@@ -321,8 +321,9 @@ def test_varlen_layout_only_for_right_padded_rows():
     assert layout(torch.zeros((3, 4), dtype=torch.bool)) is None  # no token at all
 
 
-def test_varlen_switch_and_compiled_models_keep_the_bins(model, monkeypatch):
-    """COMPOSER_VARLEN=0 and a compiled model (one call signature for every batch) take the bins layout."""
+def test_varlen_switch(model, monkeypatch):
+    """COMPOSER_VARLEN=0 keeps the bins layout (a compiled model keeps it too: see
+    test_a_compiled_model_always_takes_the_packed_layout, whose call has no layout keyword)."""
     from composer.runtime import varlen
 
     tokens, mask = batch([12, 3, 7, 10], 12, model.config.vocab_size, seed=5)

@@ -170,6 +170,25 @@ def same_vocabulary(tok_a, tok_b) -> bool:
     return tok_a.get_vocab() == tok_b.get_vocab()
 
 
+def unwrapped(model):
+    """The model under torch.compile's wrapper (`_orig_mod`) and peft's (`get_base_model`)."""
+    inner = getattr(model, "_orig_mod", model)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
+def full_attention(cfg) -> bool:
+    """Every layer of this (text) config attends to the whole causal past: no sliding or mixed layer types."""
+    types = getattr(cfg, "layer_types", None) or ["full_attention"]
+    return all(t == "full_attention" for t in types) and not getattr(cfg, "use_sliding_window", False)
+
+
+def right_padded(attention_mask: torch.Tensor) -> bool:
+    """attention_mask [B, T] bool: each row a prefix of True."""
+    lens = attention_mask.sum(1)
+    t = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return bool((attention_mask == (t[None] < lens[:, None])).all())
+
+
 def pack_rows(attention_mask: torch.Tensor, min_saving: float = 0.1):
     """A padding-free layout of right-padded rows: first-fit-decreasing bins of the batch's width.
 
@@ -180,7 +199,7 @@ def pack_rows(attention_mask: torch.Tensor, min_saving: float = 0.1):
     """
     B, T = attention_mask.shape
     lens = attention_mask.sum(1)
-    if B < 2 or not bool((attention_mask == (torch.arange(T, device=lens.device)[None] < lens[:, None])).all()):
+    if B < 2 or not right_padded(attention_mask):
         return None
     lens_l = lens.tolist()
     bins: list[list[tuple[int, int]]] = []
@@ -214,8 +233,7 @@ def pack_rows(attention_mask: torch.Tensor, min_saving: float = 0.1):
 def _packable(model) -> bool:
     """Models whose attention honours packed position_ids with no attention mask (transformers' sdpa/eager
     masks detect the sequence boundaries from the positions; flash-attention reads them directly)."""
-    inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
+    inner = unwrapped(model)
     if not type(inner).__module__.startswith("transformers."):  # remote code builds its own masks
         return False
     impl = getattr(getattr(inner, "config", None), "_attn_implementation", None)
@@ -263,7 +281,7 @@ def shared_prefix_plan(tokens: torch.Tensor, attention_mask: torch.Tensor, prefi
     them each row's prefix is (its index into `first`)."""
     B, T = tokens.shape
     lens = attention_mask.sum(1)
-    if B < 2 or not bool((attention_mask == (torch.arange(T, device=lens.device)[None] < lens[:, None])).all()):
+    if B < 2 or not right_padded(attention_mask):
         return None
     plen = prefix_len.clamp(min=0).minimum(lens)
     if not bool((plen >= 1).all()):
@@ -293,8 +311,7 @@ def _shareable(model) -> bool:
     tolerance), so reduced precision keeps the one pass OpenRLHF's actor makes."""
     if not _packable(model):
         return False
-    inner = getattr(model, "_orig_mod", model)
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    inner = unwrapped(model)
     param = next(inner.parameters(), None)
     if param is None or param.dtype != torch.float32 or torch.is_autocast_enabled(param.device.type):
         return False
@@ -303,17 +320,14 @@ def _shareable(model) -> bool:
     if getattr(inner, flag, False):
         return False
     cfg = inner.config
-    cfg = getattr(cfg, "text_config", None) or cfg
-    types = getattr(cfg, "layer_types", None) or ["full_attention"]
-    return all(t == "full_attention" for t in types) and not getattr(cfg, "use_sliding_window", False)
+    return full_attention(getattr(cfg, "text_config", None) or cfg)
 
 
 def _cache_argument(model) -> str:
     """The forward's name for a past cache: `cache` (transformers >= 5.2x) or `past_key_values` (before)."""
     import inspect
 
-    inner = getattr(model, "_orig_mod", model)
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    inner = unwrapped(model)
     return "cache" if "cache" in inspect.signature(type(inner).forward).parameters else "past_key_values"
 
 

@@ -13,7 +13,7 @@ reaches the attention through the model's keyword arguments (transformers passes
 attention call, gradient-checkpointed recomputation included), and every attention layer must report that
 it honoured it: a model that does not pass the keywords through gets the packed-bins forward instead.
 
-Measured on the toy student's SFT step (one thread, 32 rows of 14-57 tokens): see the README's throughput
+Measured on the toy student's SFT step (one thread, 32 rows of at most 57 tokens): see the README's throughput
 section; `COMPOSER_VARLEN=0` switches it off.
 """
 
@@ -23,6 +23,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from composer.runtime.models import full_attention, right_padded, unwrapped
 
 KEY = "composer_varlen"  # the keyword that carries the layout to the attention functions
 
@@ -56,10 +58,10 @@ def layout(attention_mask: torch.Tensor) -> Layout | None:
     """The flat layout of right-padded rows (attention_mask [B, T] bool, each row a prefix of True), or None
     when there is no padding to drop, a row is not right-padded, or no row has a token."""
     B, T = attention_mask.shape
+    if not right_padded(attention_mask):
+        return None
     lens = attention_mask.sum(1)  # [B]
     t = torch.arange(T, device=attention_mask.device)
-    if not bool((attention_mask == (t[None] < lens[:, None])).all()):
-        return None
     n = int(lens.sum())
     if n == 0 or n == B * T:
         return None
@@ -101,24 +103,16 @@ def install() -> None:
 
 def _attention_layers(model) -> int | None:
     """How many attention calls one forward of a plain decoder makes (its layer count), or None when the
-    model is not one: sliding-window or mixed layer types, a non-sdpa attention, or not transformers' code."""
-    inner = inner_model(model)
+    model is not one: sliding or mixed layer types, a non-sdpa attention, or not transformers' code. (A
+    sliding window set on full-attention layers is checked per call, against the rows' width.)"""
+    inner = unwrapped(model)
     cfg = getattr(inner, "config", None)
     if cfg is None or not type(inner).__module__.startswith("transformers."):
         return None
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    if getattr(cfg, "_attn_implementation", None) != "sdpa" or getattr(cfg, "use_sliding_window", False):
-        return None
-    types = getattr(cfg, "layer_types", None)
-    if types and any(t != "full_attention" for t in types):
+    if getattr(cfg, "_attn_implementation", None) != "sdpa" or not full_attention(cfg):
         return None
     return getattr(cfg, "num_hidden_layers", None)
-
-
-def inner_model(model):
-    """The transformers model under torch.compile's and peft's wrappers."""
-    inner = getattr(model, "_orig_mod", model)
-    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
 
 
 def logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
@@ -128,7 +122,7 @@ def logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.T
     if os.environ.get("COMPOSER_VARLEN", "1") == "0":
         return None
     layers = _attention_layers(model)
-    lay = layout(attention_mask) if layers and type(inner_model(model)) not in _refused else None
+    lay = layout(attention_mask) if layers and type(unwrapped(model)) not in _refused else None
     if lay is None:
         return None
     install()
@@ -138,6 +132,6 @@ def logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.T
     out = model(input_ids=tokens_flat, position_ids=pos, attention_mask=torch.ones_like(tokens_flat),
                 use_cache=False, **{KEY: lay}).logits  # [1, N, V]
     if lay.used != layers:  # some attention layer never saw the layout: its output mixed rows
-        _refused.add(type(inner_model(model)))
+        _refused.add(type(unwrapped(model)))
         return None
     return out[0].index_select(0, lay.grid).view(lay.rows, lay.width, -1)
