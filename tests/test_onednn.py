@@ -48,6 +48,25 @@ def test_linear_equals_f_linear_forward_and_backward_and_runs_on_onednn():
     assert ran.get("aten::mm", 0) == 0 and ran.get("aten::addmm", 0) == 0
 
 
+def test_a_broadcast_gradient_reaches_onednn_as_memory(monkeypatch):
+    """`y.sum().backward()` hands the product a stride-0 gradient, which oneDNN serves on a very slow path:
+    the backward products get contiguous operands (strides > 0), and the gradients stay F.linear's."""
+    seen = []
+    real = onednn._raw
+    monkeypatch.setattr(onednn, "_raw", lambda a, b, bias=None: seen.append(0 in a.stride() + b.stride())
+                        or real(a, b, bias))
+    g = torch.Generator().manual_seed(1)
+    x0, w0 = torch.randn(64, 128, generator=g), torch.randn(384, 128, generator=g)
+    grads = {}
+    for name, fn in (("ref", F.linear), ("onednn", onednn.linear)):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        fn(x, w).sum().backward()
+        grads[name] = (x.grad, w.grad)
+    assert seen == [False, False, False]  # forward, input gradient, weight gradient
+    for a, r in zip(grads["onednn"], grads["ref"]):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-4)
+
+
 def test_small_products_other_dtypes_and_a_switched_off_onednn_keep_f_linear(monkeypatch):
     x, w = torch.randn(8, 128), torch.randn(128, 128)  # a decode step of 8 rows: MKL's call is the cheaper
     assert x.numel() * w.shape[0] < onednn.MIN_MACS

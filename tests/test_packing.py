@@ -183,10 +183,10 @@ def test_policy_view_reads_each_rows_prompt_length(model, monkeypatch):
     assert torch.allclose(view.logprobs[:, 1:][mask[:, 1:]], ref[mask[:, 1:]], atol=1e-5, rtol=0)
 
 
-def test_a_compiled_model_always_takes_the_packed_layout(model):
-    """Under train.compile a batch that packs and one that does not must make the same call (else each switch
-    recompiles): a torch.compile wrapper (`_orig_mod`) gets position_ids even when packing saves nothing,
-    and the logits stay the padded forward's."""
+def test_a_compiled_model_always_takes_the_flat_layout(model):
+    """Under train.compile a batch with padding and one without must make the same call (else each switch
+    recompiles): a torch.compile wrapper (`_orig_mod`) gets the flat layout even when there is no padding to
+    drop, and the logits stay the padded forward's."""
     from composer.runtime.models import packed_logits
 
     calls = []
@@ -197,18 +197,52 @@ def test_a_compiled_model_always_takes_the_packed_layout(model):
             self._orig_mod = inner
 
         def forward(self, **kw):
-            calls.append(sorted(kw))
+            calls.append((sorted(kw), tuple(kw["input_ids"].shape)))
             return self._orig_mod(**kw)
 
     V = model.config.vocab_size
-    tokens, mask = batch([12, 11, 12, 10], 12, V, seed=2)  # nothing to save by packing
-    ref = model(input_ids=tokens, attention_mask=mask.long()).logits
-    got = packed_logits(Wrapper(model), tokens, mask)
-    assert calls == [["input_ids", "position_ids", "use_cache"]]
-    assert torch.allclose(got[mask], ref[mask], atol=1e-5, rtol=0)
-    calls.clear()
-    packed_logits(model, tokens, mask)  # uncompiled: the padded forward (no packing pays)
-    assert calls == []
+    flat = ["attention_mask", "composer_varlen", "input_ids", "position_ids", "use_cache"]
+    for lens in ([12, 12, 12, 12], [12, 11, 12, 10]):  # no padding at all, then some
+        tokens, mask = batch(lens, 12, V, seed=2)
+        ref = model(input_ids=tokens, attention_mask=mask.long()).logits
+        calls.clear()
+        got = packed_logits(Wrapper(model), tokens, mask)
+        assert calls == [(flat, (1, sum(lens)))]
+        assert torch.allclose(got[mask], ref[mask], atol=1e-5, rtol=0)
+    from composer.runtime import varlen
+
+    tokens, mask = batch([12, 12, 12, 12], 12, V, seed=2)
+    assert varlen.logits(model, tokens, mask) is None  # uncompiled: no padding, the padded forward
+
+
+def test_compiled_flat_forward_is_one_graph_with_the_padded_gradients(model):
+    """torch.compile (train.compile's dynamic=True) of the flat layout: batches of other row counts, widths
+    and token counts reuse one graph (the sizes are symbolic), every attention layer honours the layout
+    inside it, and logits and gradients equal the padded forward's."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from composer.runtime import varlen
+    from composer.runtime.models import packed_logits
+
+    m = copy.deepcopy(model)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(m, dynamic=True)
+    V = m.config.vocab_size
+    for lens, T, seed in (([12, 5, 9, 3], 12, 3), ([7, 7, 2, 6, 4, 1], 7, 4), ([10, 10, 10], 10, 5)):
+        tokens, mask = batch(lens, T, V, seed=seed)
+        seen = []
+        real = varlen.logits
+        lay = varlen.layout(mask, unpadded=True)
+        got = _grads(m, tokens, mask, lambda t, k: seen.append(real(compiled, t, k)) or seen[-1])
+        assert seen[0] is not None and lay.real.numel() == sum(lens)  # the flat layout ran, compiled
+        want = _grads(m, tokens, mask, lambda t, k: m(input_ids=t, attention_mask=k.long()).logits)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+        assert torch.allclose(seen[0].detach()[mask], packed_logits(m, tokens, mask).detach()[mask], atol=1e-5, rtol=0)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert type(m) not in varlen._refused
 
 
 # ------------------------------------------------------------------ one flat sequence, attention per row (varlen)

@@ -241,19 +241,18 @@ def _packable(model) -> bool:
 
 
 def packed_logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor):
-    """The model's logits [B, T, V] of right-padded rows, computed on a padding-free layout: uncompiled, one
-    flat sequence with per-row attention (`varlen.logits`) where the model supports it; else rows packed into
-    bins (`pack_rows`) when that pays, else the padded batch. Real positions get the logits the padded forward gives
-    (up to float rounding: same tokens, same positions, same causal scope); pad positions get their row's
+    """The model's logits [B, T, V] of right-padded rows, computed on a padding-free layout: one flat sequence
+    with per-row attention (`varlen.logits`; compiled or not) where the model supports it; else rows packed
+    into bins (`pack_rows`) when that pays, else the padded batch. Real positions get the logits the padded
+    forward gives (up to float rounding: same tokens, same positions, same causal scope); pad positions get their row's
     last real position's logits (finite, and masked by every reader)."""
-    if not hasattr(model, "_orig_mod"):  # eager: one flat sequence, attention per row (composer/runtime/varlen.py)
-        from composer.runtime import varlen
+    from composer.runtime import varlen  # one flat sequence, attention per row
 
-        flat = varlen.logits(model, tokens, attention_mask)
-        if flat is not None:
-            return flat
-    # a compiled model (train.compile) always takes the packed layout: one call signature, so one graph serves
-    # batches that pack and batches that do not (else each switch is a recompile)
+    flat = varlen.logits(model, tokens, attention_mask)
+    if flat is not None:
+        return flat
+    # where the flat layout does not apply, a compiled model (train.compile) always takes the bins: one call
+    # signature, so one graph serves batches that pack and batches that do not (else each switch recompiles)
     plan = pack_rows(attention_mask, 0.0 if hasattr(model, "_orig_mod") else 0.1) if _packable(model) else None
     if plan is None:
         return model(input_ids=tokens, attention_mask=attention_mask.long()).logits

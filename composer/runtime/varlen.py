@@ -33,44 +33,51 @@ KEY = "composer_varlen"  # the keyword that carries the layout to the attention 
 class Layout:
     """Where the flat sequence's tokens sit in the padded grid.
 
-    grid [B * T] long: the flat index of each (row, t) slot (a pad slot: its row's last real token).
-    real [N] long: the grid slot of each flat token. rows, width: B and T. used: attention calls that
-    honoured this layout in the current forward.
+    grid [B, T] long: the flat index of each (row, t) slot (a pad slot: its row's last real token).
+    real [N] long: the grid slot of each flat token. used: attention calls that honoured this layout in the
+    current forward. B and T are read from `grid`'s shape, so under torch.compile they are the graph's
+    symbolic sizes (one graph for every batch), not constants.
     """
 
     grid: torch.Tensor
     real: torch.Tensor
-    rows: int
-    width: int
     used: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.grid.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.grid.shape[1]
 
     def to_grid(self, x: torch.Tensor) -> torch.Tensor:
         """[1, H, N, D] flat -> [B, H, T, D] padded (a view of a gathered [B, T, H, D])."""
         x = x[0].transpose(0, 1)  # [N, H, D]
-        return x.index_select(0, self.grid).view(self.rows, self.width, *x.shape[1:]).transpose(1, 2)
+        return x.index_select(0, self.grid.reshape(-1)).view(*self.grid.shape, *x.shape[1:]).transpose(1, 2)
 
     def to_flat(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, H, D] padded -> [1, N, H, D] flat (real slots only)."""
-        return x.reshape(self.rows * self.width, *x.shape[2:]).index_select(0, self.real)[None]
+        return x.reshape(-1, *x.shape[2:]).index_select(0, self.real)[None]
 
 
-def layout(attention_mask: torch.Tensor) -> Layout | None:
+def layout(attention_mask: torch.Tensor, unpadded: bool = False) -> Layout | None:
     """The flat layout of right-padded rows (attention_mask [B, T] bool, each row a prefix of True), or None
-    when there is no padding to drop, a row is not right-padded, or no row has a token."""
+    when a row is not right-padded, no row has a token, or (unless `unpadded`) there is no padding to drop."""
     B, T = attention_mask.shape
     if not right_padded(attention_mask):
         return None
     lens = attention_mask.sum(1)  # [B]
     t = torch.arange(T, device=attention_mask.device)
     n = int(lens.sum())
-    if n == 0 or n == B * T:
+    if n == 0 or (n == B * T and not unpadded):
         return None
     real = attention_mask.reshape(-1).nonzero().squeeze(1)  # [N]
     flat_of = torch.zeros(B * T, dtype=torch.long, device=attention_mask.device)
     flat_of[real] = torch.arange(n, device=attention_mask.device)
     last = (torch.cumsum(lens, 0) - 1).clamp(min=0)  # [B] flat index of each row's last real token
-    grid = torch.where(t[None] < lens[:, None], flat_of.view(B, T), last[:, None]).reshape(-1)  # [B * T]
-    return Layout(grid, real, B, T)
+    grid = torch.where(t[None] < lens[:, None], flat_of.view(B, T), last[:, None])  # [B, T]
+    return Layout(grid, real)
 
 
 _inner = None  # the "sdpa" attention function this module wraps
@@ -118,11 +125,15 @@ def _attention_layers(model) -> int | None:
 def logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
     """The model's logits [B, T, V] of right-padded rows from one flat forward, or None where this layout
     does not apply (see `layout` and `_attention_layers`; `COMPOSER_VARLEN=0`). Pad positions get their
-    row's last real position's logits, as `packed_logits` gives them."""
+    row's last real position's logits, as `packed_logits` gives them.
+
+    A compiled model (train.compile) takes this layout for every batch, unpadded ones included: one call
+    signature [1, N] whose N (and B, T) are symbolic, so one graph serves every batch."""
     if os.environ.get("COMPOSER_VARLEN", "1") == "0":
         return None
     layers = _attention_layers(model)
-    lay = layout(attention_mask) if layers and type(unwrapped(model)) not in _refused else None
+    compiled = hasattr(model, "_orig_mod")
+    lay = layout(attention_mask, unpadded=compiled) if layers and type(unwrapped(model)) not in _refused else None
     if lay is None:
         return None
     install()
@@ -134,4 +145,4 @@ def logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.T
     if lay.used != layers:  # some attention layer never saw the layout: its output mixed rows
         _refused.add(type(unwrapped(model)))
         return None
-    return out[0].index_select(0, lay.grid).view(lay.rows, lay.width, -1)
+    return out[0].index_select(0, lay.grid.reshape(-1)).view(lay.rows, lay.width, -1)
