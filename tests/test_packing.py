@@ -223,7 +223,6 @@ def test_compiled_flat_forward_is_one_graph_with_the_padded_gradients(model):
     from torch._dynamo.utils import counters
 
     from composer.runtime import varlen
-    from composer.runtime.models import packed_logits
 
     m = copy.deepcopy(model)
     torch._dynamo.reset()
@@ -233,14 +232,13 @@ def test_compiled_flat_forward_is_one_graph_with_the_padded_gradients(model):
     for lens, T, seed in (([12, 5, 9, 3], 12, 3), ([7, 7, 2, 6, 4, 1], 7, 4), ([10, 10, 10], 10, 5)):
         tokens, mask = batch(lens, T, V, seed=seed)
         seen = []
-        real = varlen.logits
-        lay = varlen.layout(mask, unpadded=True)
-        got = _grads(m, tokens, mask, lambda t, k: seen.append(real(compiled, t, k)) or seen[-1])
-        assert seen[0] is not None and lay.real.numel() == sum(lens)  # the flat layout ran, compiled
+        got = _grads(m, tokens, mask, lambda t, k, seen=seen: seen.append(varlen.logits(compiled, t, k)) or seen[-1])
+        assert seen[0] is not None  # the flat layout ran, compiled, and every attention layer honoured it
         want = _grads(m, tokens, mask, lambda t, k: m(input_ids=t, attention_mask=k.long()).logits)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
-        assert torch.allclose(seen[0].detach()[mask], packed_logits(m, tokens, mask).detach()[mask], atol=1e-5, rtol=0)
+        ref = m(input_ids=tokens, attention_mask=mask.long()).logits  # the padded forward
+        assert torch.allclose(seen[0].detach()[mask], ref.detach()[mask], atol=1e-5, rtol=0)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert type(m) not in varlen._refused
 
@@ -356,8 +354,8 @@ def test_varlen_layout_only_for_right_padded_rows():
 
 
 def test_varlen_switch(model, monkeypatch):
-    """COMPOSER_VARLEN=0 keeps the bins layout (a compiled model keeps it too: see
-    test_a_compiled_model_always_takes_the_packed_layout, whose call has no layout keyword)."""
+    """COMPOSER_VARLEN=0 keeps the bins layout (compiled models take the flat one: see
+    test_a_compiled_model_always_takes_the_flat_layout)."""
     from composer.runtime import varlen
 
     tokens, mask = batch([12, 3, 7, 10], 12, model.config.vocab_size, seed=5)
