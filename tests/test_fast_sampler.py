@@ -73,6 +73,18 @@ def test_greedy_matches_with_min_new_tokens_and_random_weights(tiny):
         model.generation_config.min_new_tokens = None
 
 
+def _forward_logprobs(model, tok, prompts, gens, temperature):
+    """Each generated token's log-prob from one padded forward pass of the same weights."""
+    seqs = [p + g.tokens for p, g in zip(prompts, gens)]
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), tok.pad_token_id)
+    mask = torch.zeros((len(seqs), T), dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), True
+    ref, _, _ = token_logprobs(model, ids, mask, temperature=temperature)
+    return [ref[i, len(p): len(p) + len(g.tokens)] for i, (p, g) in enumerate(zip(prompts, gens))]
+
+
 def test_sampling_respects_lengths_and_logprobs_match_a_forward_pass(tiny):
     model, tok = tiny
     prompts = _prompts(tok, 16, seed=2)
@@ -80,15 +92,8 @@ def test_sampling_respects_lengths_and_logprobs_match_a_forward_pass(tiny):
     gens, lps = fast_generate_with_logprobs(model, tok, prompts, 10, Sampling(temperature=0.7, top_k=20, top_p=0.9))
     assert all(1 <= len(g.tokens) <= 10 for g in gens)
     assert all(g.finished == (g.tokens[-1] == tok.eos_token_id) for g in gens)
-    seqs = [p + g.tokens for p, g in zip(prompts, gens)]
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), tok.pad_token_id)
-    mask = torch.zeros((len(seqs), T), dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), True
-    ref, _, _ = token_logprobs(model, ids, mask, temperature=0.7)
-    for i, (p, g, lp) in enumerate(zip(prompts, gens, lps)):
-        assert torch.allclose(ref[i, len(p): len(p) + len(g.tokens)], torch.tensor(lp), atol=1e-4)
+    for ref, lp in zip(_forward_logprobs(model, tok, prompts, gens, 0.7), lps):
+        assert torch.allclose(ref, torch.tensor(lp), atol=1e-4)
 
 
 def test_unsupported_generation_config_falls_back_to_hf_generate(tiny):
@@ -131,3 +136,50 @@ def test_prompts_extending_the_previous_calls_rows_are_prefilled_from_their_cach
     widths.clear()
     fast_generate_with_logprobs(model, tok, later, 4, Sampling(greedy=True), prefixes=cache)
     assert widths[0] == P
+
+
+def test_the_compiled_decode_step_samples_as_the_eager_one_with_one_graph_for_every_shape(student):
+    """train.compile's decode step (`compiled=True`): every slot of a fixed-size cache attended, the unwritten
+    ones masked; greedy rows equal the eager loop's and hf_generate's, sampled rows' log-probs equal a forward
+    pass, and a batch of other rows and cache length reuses the graph (rows and slots are dynamic sizes)."""
+    from torch._dynamo.utils import counters
+
+    from components.tasks.toy import max_new_tokens_for
+
+    model, tok = student
+    prompts = _prompts(tok, 24, seed=4)
+    greedy = Sampling(greedy=True)
+    eager, _ = fast_generate_with_logprobs(model, tok, prompts, max_new_tokens_for(8), greedy)
+    compiled, _ = fast_generate_with_logprobs(model, tok, prompts, max_new_tokens_for(8), greedy, compiled=True)
+    _same(eager, compiled)
+    _same(hf_generate(model, tok, prompts, max_new_tokens_for(8), greedy), compiled)
+    assert any(g.finished for g in compiled) and any(len(g.tokens) > 3 for g in compiled)
+    graphs = counters["stats"]["unique_graphs"]
+    few = prompts[5:10]  # other rows, other prompt lengths, another budget: other sizes of every input
+    _same(fast_generate_with_logprobs(model, tok, few, 7, greedy)[0],
+          fast_generate_with_logprobs(model, tok, few, 7, greedy, compiled=True)[0])
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompile
+    torch.manual_seed(0)
+    gens, lps = fast_generate_with_logprobs(model, tok, prompts, 12, Sampling(temperature=0.7), compiled=True)
+    assert len({tuple(g.tokens) for g in gens}) > 1
+    for ref, lp in zip(_forward_logprobs(model, tok, prompts, gens, 0.7), lps):
+        torch.testing.assert_close(ref, torch.tensor(lp), atol=1e-4, rtol=1e-4)
+
+
+def test_the_compiled_decode_step_continues_from_the_prefix_cache(student):
+    """A guided row's next chunk (`reusing_prefixes`) prefilled from the previous call's cache, decoded by the
+    compiled step: the rows equal the eager engine's."""
+    from composer.runtime.engine import LocalModel
+
+    model, tok = student
+    prompts = _prompts(tok, 6, seed=5)
+    greedy = Sampling(greedy=True)
+    out = {}
+    for compiled in (False, True):
+        engine = LocalModel(model, tok, compiled=compiled)
+        with engine.reusing_prefixes():
+            first = engine.generate(prompts, 6, greedy)
+            nxt = [p + g.tokens + tok.encode(" so", add_special_tokens=False) for p, g in zip(prompts, first)]
+            out[compiled] = (first, engine.generate(nxt, 6, greedy))
+    for a, b in zip(out[False], out[True]):
+        _same(a, b)

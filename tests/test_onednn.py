@@ -56,7 +56,7 @@ def test_a_broadcast_gradient_reaches_onednn_as_memory(monkeypatch):
     monkeypatch.setattr(onednn, "_raw", lambda a, b, bias=None: seen.append(0 in a.stride() + b.stride())
                         or real(a, b, bias))
     g = torch.Generator().manual_seed(1)
-    x0, w0 = torch.randn(64, 128, generator=g), torch.randn(384, 128, generator=g)
+    x0, w0 = torch.randn(onednn.MIN_ROWS, 128, generator=g), torch.randn(384, 128, generator=g)
     grads = {}
     for name, fn in (("ref", F.linear), ("onednn", onednn.linear)):
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
@@ -67,11 +67,17 @@ def test_a_broadcast_gradient_reaches_onednn_as_memory(monkeypatch):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-4)
 
 
-def test_small_products_other_dtypes_and_a_switched_off_onednn_keep_f_linear(monkeypatch):
+def test_small_products_decode_rows_other_dtypes_and_a_switched_off_onednn_keep_f_linear(monkeypatch):
     x, w = torch.randn(8, 128), torch.randn(128, 128)  # a decode step of 8 rows: MKL's call is the cheaper
     assert x.numel() * w.shape[0] < onednn.MIN_MACS
     assert torch.equal(onednn.linear(x, w), F.linear(x, w))
     assert "mkldnn::_linear_pointwise" not in kernels(lambda: onednn.linear(x, w))
+    # a decode step of 64 rows on the toy's MLP: many multiply-adds, but few rows: MKL's (as measured in the loop)
+    x, w = torch.randn(64, 1, 128), torch.randn(768, 128)
+    assert x.numel() * w.shape[0] >= onednn.MIN_MACS and 64 < onednn.MIN_ROWS
+    assert torch.equal(onednn.linear(x, w), F.linear(x, w))
+    assert "mkldnn::_linear_pointwise" not in kernels(lambda: onednn.linear(x, w))
+    assert "mkldnn::_linear_pointwise" in kernels(lambda: onednn.linear(torch.randn(onednn.MIN_ROWS, 128), w))
     x, w = torch.randn(1024, 64, dtype=torch.float64), torch.randn(64, 64, dtype=torch.float64)
     assert torch.equal(onednn.linear(x, w), F.linear(x, w))
     assert "mkldnn::_linear_pointwise" not in kernels(lambda: onednn.linear(x, w))

@@ -171,19 +171,28 @@ def test_compiled_forwards_train_the_same_weights(tiny, tmp_path, monkeypatch):
     the plain module's keys."""
     import torch
 
+    from composer.runtime import fast_sampler
+
     compiled_models = []
     real_compile = torch.compile
 
     def spy(model, **kw):
-        compiled_models.append(type(model).__name__)
+        compiled_models.append(getattr(model, "__name__", type(model).__name__))
         return real_compile(model, **kw)
 
     monkeypatch.setattr(torch, "compile", spy)
+    monkeypatch.setattr(fast_sampler, "_COMPILED", None)  # built inside this test, not by an earlier one
+    decode_steps = []
+    real_step = fast_sampler.compiled_step
+    monkeypatch.setattr(fast_sampler, "compiled_step",
+                        lambda: (lambda *a: decode_steps.append(1) or real_step()(*a)))
     ovr = FAST + [f"policy.model={tiny}", "train.steps=1", "train.checkpoint_every=1"]
     run("specs/grpo.yaml", tmp_path / "plain", ovr)
-    assert compiled_models == []
+    assert compiled_models == [] and decode_steps == []
     run("specs/grpo.yaml", tmp_path / "compiled", ovr + ["train.compile=true"])
-    assert len(compiled_models) == 2  # the policy and the initial policy (GRPO's KL)
+    # the policy and the initial policy (GRPO's KL), and the rollout engine's decode step, which ran
+    assert len(compiled_models) == 3 and compiled_models.count("_decode_step") == 1
+    assert len(decode_steps) > 0
     a, b = rows(tmp_path / "plain")[0], rows(tmp_path / "compiled")[0]
     assert float(b["loss"]) == pytest.approx(float(a["loss"]), rel=1e-4, abs=1e-6)
     weights = [torch.load(tmp_path / run_ / "checkpoints" / "last.ckpt", map_location="cpu",

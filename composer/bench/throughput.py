@@ -50,9 +50,10 @@ TARGET = {"matched": 2.0, "compiled": 2.0, "defaults": 1.0}  # ours/TRL the issu
 MODES = ("matched", "compiled", "defaults")
 MODE_TITLE = {
     "matched": "matched work (same model, batch, forced completion length, KL setting, threads)",
-    "compiled": "matched work as above, our side with train.compile: true (torch.compile of the log-prob forwards, "
-                "compiled in the untimed warm-up); TRL as in matched (its TrainingArguments.torch_compile measured "
-                "no faster at this size: SFT 150 vs 151 samples/s, 2026-11-29)",
+    "compiled": "matched work as above, our side with train.compile: true (torch.compile of the log-prob forwards and of "
+                "the hf engine's decode step, compiled in the untimed warm-up); TRL as in matched (its TrainingArguments.torch_compile measured "
+                "no faster at this size: SFT 150 vs 151 samples/s, 2026-11-29; GRPO 4.4 samples/s, recompiling as "
+                "it generates, 2026-12-03)",
     "defaults": "TRL defaults (TRL's config defaults for the same spec: GRPO beta 0, so no reference model, and "
                 "generation stopping at EOS; SFTTrainer's defaults) vs our spec as written (its KL term, EOS stops)",
 }
@@ -1034,6 +1035,7 @@ def main(argv=None) -> int:
             text += f"\nguided rollouts did not run: {guided['error']}"
     print(text)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "host": host,
                                                "results": results, "guided": guided}, indent=2, default=str))
     failed = [f"{r['pair']}{'' if r['mode'] == 'matched' else ' (' + r['mode'] + ')'} {side}: {r[side + '_error']}" for r in results for side in ("ours", "trl")

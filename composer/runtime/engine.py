@@ -68,8 +68,9 @@ class LocalModel:
     name = "hf"
     exact_logprobs = True
 
-    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 256):
+    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 256, compiled: bool = False):
         self.model, self.tok, self.batch_size = model, tokenizer, batch_size
+        self.compiled = compiled  # the sampler's decode step under torch.compile (train.compile)
         self.generated_tokens = 0
         self._prefixes = None  # a fast_sampler.PrefixCache inside `reusing_prefixes`
 
@@ -102,7 +103,7 @@ class LocalModel:
             return []
         limits = budgets(max_new_tokens, len(prompts))
         out, logprobs = fast_generate_with_logprobs(self.model, self.tok, prompts, max(max(limits), 1), sampling,
-                                                    self.batch_size, self._prefixes)
+                                                    self.batch_size, self._prefixes, self.compiled)
         out = [cut(g, b) for g, b in zip(out, limits)]
         if not sampling.greedy:
             if logprobs is None:  # plain `generate` ran: score what it sampled with the same weights
@@ -132,8 +133,8 @@ class LocalModel:
 class HFEngine(LocalModel):
     """The rollout engine on any device: a separate copy of the policy, refreshed only by `sync`."""
 
-    def __init__(self, policy: torch.nn.Module, tokenizer, batch_size: int = 256):
-        super().__init__(copy.deepcopy(policy).eval().requires_grad_(False), tokenizer, batch_size)
+    def __init__(self, policy: torch.nn.Module, tokenizer, batch_size: int = 256, compiled: bool = False):
+        super().__init__(copy.deepcopy(policy).eval().requires_grad_(False), tokenizer, batch_size, compiled)
         self.last_sync = 0
         # The engine is built in LightningModule.setup, before the Trainer moves the policy to its
         # device; the rollout copy follows the policy's device (never its weights) when it samples.
@@ -223,8 +224,9 @@ def engine_factory(factory: Callable):
         set_engine_factory(previous)
 
 
-def make_engine(kind: str, policy, tokenizer, rollout_cfg=None) -> RolloutEngine:
-    """`hf`, `vllm`, or `auto` (vLLM when installed and a GPU is present, else hf, said in the log)."""
+def make_engine(kind: str, policy, tokenizer, rollout_cfg=None, compiled: bool = False) -> RolloutEngine:
+    """`hf`, `vllm`, or `auto` (vLLM when installed and a GPU is present, else hf, said in the log).
+    `compiled` (train.compile): the hf engine's decode step runs under torch.compile."""
     if _ENGINE_FACTORY is not None:
         return _ENGINE_FACTORY(kind, policy, tokenizer, rollout_cfg)
     if kind not in ("auto", "hf", "vllm"):
@@ -241,7 +243,7 @@ def make_engine(kind: str, policy, tokenizer, rollout_cfg=None) -> RolloutEngine
             except Exception as e:
                 log.warning("rollout engine: auto -> hf (vLLM did not start: %s: %s); set rollout.engine: vllm "
                             "to make this an error", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-                return HFEngine(policy, tokenizer)
+                return HFEngine(policy, tokenizer, compiled=compiled)
         if kind == "vllm":
             hint = ("install it on a GPU machine with `pip install -e '.[gpu]'`" if "not installed" in why
                     else "vLLM needs a CUDA GPU")
@@ -250,7 +252,7 @@ def make_engine(kind: str, policy, tokenizer, rollout_cfg=None) -> RolloutEngine
         log.info("rollout engine: auto -> hf (%s, so vLLM is not used)", why)
     else:
         log.info("rollout engine: hf")
-    return HFEngine(policy, tokenizer)
+    return HFEngine(policy, tokenizer, compiled=compiled)
 
 
 def engine_note(rollout_cfg) -> str:

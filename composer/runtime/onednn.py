@@ -71,16 +71,20 @@ def _backward(ctx, g):
 onednn_mm.register_autograd(_backward, setup_context=_setup)
 
 
-# oneDNN's call costs ~12 us more than MKL's; below ~2^20 multiply-adds (e.g. a decode step of fewer than
-# ~20-60 rows on the toy student's shapes, one thread) MKL's sgemm is the faster of the two
+# oneDNN's call costs ~12 us more than MKL's; below ~2^20 multiply-adds MKL's sgemm is the faster of the two.
+# A decode step's products (one row per sequence) stay with MKL too: inside the sampler's loop, 64 rows on the
+# toy student, MKL's were ~15% faster over a whole generation (one thread, AMD EPYC Zen 4, 2026-12-03), and
+# under torch.compile they are plain `mm` calls where oneDNN's would be an opaque custom operator.
 MIN_MACS = 1 << 20
+MIN_ROWS = 128
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether this product goes through oneDNN: CPU float32 tensors, no autocast, oneDNN available, and at
-    least MIN_MACS multiply-adds."""
+    """Whether this product goes through oneDNN: CPU float32 tensors, no autocast, oneDNN available, at least
+    MIN_ROWS rows and MIN_MACS multiply-adds."""
+    rows = x.numel() // max(x.shape[-1], 1)
     return (_ON and x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
-            and not torch.is_autocast_enabled("cpu") and x.numel() * w.shape[0] >= MIN_MACS)
+            and not torch.is_autocast_enabled("cpu") and rows >= MIN_ROWS and rows * x.shape[-1] * w.shape[0] >= MIN_MACS)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

@@ -85,7 +85,7 @@ class ComposerModule(L.LightningModule):
         seg = self.segments[0]
         spec = seg.spec
         self.policy.train()
-        engine = make_engine(spec.rollout.engine, self.policy, self.tokenizer, spec.rollout)
+        engine = make_engine(spec.rollout.engine, self.policy, self.tokenizer, spec.rollout, spec.train.compile)
         seed = spec.train.seed  # the same data stream on every rank: each takes its slice (next_prompts)
         self.ctx = RunContext(task=self.task, tokenizer=self.tokenizer, policy=self.policy, engine=engine, spec=spec,
                               segment="", seed=seed, rng=random.Random(seed), recorder=self.recorder,
