@@ -296,9 +296,9 @@ def _generate_chunk(W: _Weights, chunk, limits, sampling, pad, eos, min_new, wan
     if compiled:  # every slot is attended: the generated ones open as they are written
         step = compiled_step()
         bias[:, :, :, P:] = float("-inf")
-        for x in (bias, *cache_k, *cache_v):  # one graph for any rows and cache length
+        for x, slots in ((bias, 3), *((c, 2) for c in cache_k + cache_v)):  # one graph for any rows and length
             torch._dynamo.maybe_mark_dynamic(x, 0)
-            torch._dynamo.maybe_mark_dynamic(x, x.dim() - 1 if x is bias else 2)
+            torch._dynamo.maybe_mark_dynamic(x, slots)
     logits = linear(hidden, W.lm_head)  # [B, V]
     n = 0
     for t in range(max_new_tokens):
