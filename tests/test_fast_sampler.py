@@ -183,3 +183,22 @@ def test_the_compiled_decode_step_continues_from_the_prefix_cache(student):
             out[compiled] = (first, engine.generate(nxt, 6, greedy))
     for a, b in zip(out[False], out[True]):
         _same(a, b)
+
+
+def test_a_compiled_decode_step_the_sampler_cannot_take_is_said(tiny, caplog):
+    """train.compile on a model the KV-cache sampler does not cover: generate samples (uncompiled), and a
+    warning says so with the reason instead of dropping the setting silently."""
+    import composer.runtime.fast_sampler as fs
+
+    model, tok = tiny
+    prompts = _prompts(tok, 4, seed=6)
+    model.generation_config.repetition_penalty = 1.3
+    try:
+        fs._TOLD.clear()
+        with caplog.at_level("WARNING", logger="composer"):
+            gens, _ = fast_generate_with_logprobs(model, tok, prompts, 5, Sampling(greedy=True), compiled=True)
+        _same(hf_generate(model, tok, prompts, 5, Sampling(greedy=True)), gens)
+        said = [r.getMessage() for r in caplog.records if "decode step is not compiled" in r.getMessage()]
+        assert len(said) == 1 and "logits processor" in said[0]
+    finally:
+        model.generation_config.repetition_penalty = 1.0

@@ -26,12 +26,16 @@ under the sampling temperature (what `HFEngine.score` recomputes with a separate
 from __future__ import annotations
 
 import bisect
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from composer.runtime.engine import Generation, Sampling, budgets, cut, hf_generate
 from composer.runtime.onednn import linear
+
+log = logging.getLogger("composer")
+_TOLD: set[str] = set()  # reasons a compiled decode step could not be used, said once each
 
 _FAMILIES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
 
@@ -377,8 +381,13 @@ def fast_generate_with_logprobs(model, tok, prompts: list[list[int]], max_new_to
     `max_new_tokens` is one budget or one per prompt. `prefixes`: see PrefixCache (one batch per call: a
     call of more than `batch_size` prompts does not use it). `compiled`: decode steps through `compiled_step`."""
     limits = budgets(max_new_tokens, len(prompts))
-    ok, _why = supported(model)
+    ok, why = supported(model)
     if not ok:
+        if compiled and why not in _TOLD:
+            _TOLD.add(why)
+            log.warning("train.compile: the rollout engine's decode step is not compiled (%s: the KV-cache sampler "
+                        "does not cover it, so transformers' generate samples, uncompiled); the log-prob forwards "
+                        "are compiled", why)
         gens = hf_generate(model, tok, prompts, max(limits, default=1), sampling, batch_size)
         return [cut(g, b) for g, b in zip(gens, limits)], None
     W = _Weights(model)
