@@ -166,6 +166,7 @@ def check_objective(obj, seeds=(0, 1)) -> dict:
         loss = check_micro_batches(obj, batch, logits)
         check_normalizer(obj, batch, logits)
         check_backends_agree(obj, batch, logits)
+        check_reads(obj, batch, logits)
         out.setdefault("loss", loss)
     return out
 
@@ -189,3 +190,32 @@ def check_component(c) -> None:
         assert c.pi in ("prior", "posterior"), f"{c.kind_name()}: pi {c.pi!r}"
     else:
         raise TypeError(f"{type(c).__name__} is not a component of the contract")
+
+
+def check_reads(obj, batch, logits) -> None:
+    """Check 4: `loss` reads the policy only at `read_mask`: a view holding 0 everywhere else (log-probs,
+    entropies, logits, as the policy forward leaves them) gives the same loss, gradient and metrics."""
+    import math
+
+    import torch
+
+    from composer.batch import PolicyView
+
+    adv = obj.advantages(batch)
+    b = dataclasses.replace(batch, advantages=adv)
+    read = obj.read_mask(b)  # [B, T]
+    full = view_of(batch, logits)
+    cut = PolicyView(full.logprobs.masked_fill(~read, 0.0), logits=full.logits.masked_fill(~read[..., None], 0.0),
+                     entropy=full.entropy.masked_fill(~read, 0.0))
+    (want, m_want), (got, m_got) = obj.loss(b, full, adv), obj.loss(b, cut, adv)
+    what = f"{obj.kind_name()}: loss reads the policy outside read_mask()"
+    _close(got, want, what)
+    if want.requires_grad:
+        (g_want,) = torch.autograd.grad(want, logits, allow_unused=True, retain_graph=True)
+        (g_got,) = torch.autograd.grad(got, logits, allow_unused=True)
+        if g_want is not None:
+            assert g_got is not None and float((g_got - g_want).abs().max()) <= TOL * max(1.0, float(g_want.abs().max())), \
+                f"{what} (its gradient differs)"
+    for k, v in m_want.items():
+        if not (isinstance(v, float) and math.isnan(v) and math.isnan(m_got[k])):
+            _close(m_got[k], v, f"{what} (metric {k})")

@@ -100,3 +100,29 @@ def test_a_declared_reduction_gives_the_normaliser():
     rows = int((obj.loss_mask(batch).sum(-1) > 0).sum())  # seq-mean: rows with a loss token
     assert float(obj.normalizer(batch)) == rows
     check_objective(obj)
+
+
+def test_the_kit_catches_a_loss_that_reads_outside_its_read_mask():
+    """The policy forward promises log-probs only at `read_mask` (0 elsewhere): a loss whose metric reads every
+    response token while it trains on policy tokens must declare it, and the kit says so when it does not."""
+    from components.objectives.base import Objective, Reduction, aggregate
+
+    class Peeks(Objective):
+        kind: Literal["peeks"] = Field("peeks", description="kind")
+
+        def reduction(self):
+            return Reduction("token-mean")
+
+        def loss(self, batch, view, adv):
+            seen = batch.response_mask
+            return aggregate(-view.logprobs, self.loss_mask(batch), "token-mean"), \
+                {"response_nll": float(-(view.logprobs.detach() * seen).sum() / seen.sum())}
+
+    with pytest.raises(AssertionError, match="outside read_mask"):
+        check_objective(Peeks(loss_tokens=["policy"]))
+
+    class Declares(Peeks):
+        def read_mask(self, batch):
+            return self.loss_mask(batch) | batch.response_mask
+
+    check_objective(Declares(loss_tokens=["policy"]))

@@ -390,3 +390,133 @@ def test_varlen_other_architectures_and_sliding_windows(arch, window, flat):
         assert torch.allclose(got[mask], ref[mask], atol=1e-5, rtol=0)
     finally:
         varlen._refused.discard(type(m))
+
+
+# ------------------------------------------------------------------ positions nobody reads (varlen `read`)
+
+
+def _rows_through(module):
+    """Record how many token rows each forward of `module` (a Linear) gets."""
+    rows = []
+    module.register_forward_hook(lambda _m, a, _o: rows.append(a[0].numel() // a[0].shape[-1]))
+    return rows
+
+
+def _completion(mask, first):
+    """[B, T] bool: each row's positions from `first[b]` on, real tokens only (an SFT loss's targets)."""
+    return (torch.arange(mask.shape[1])[None] >= torch.tensor(first)[:, None]) & mask
+
+
+def test_read_positions_skip_the_last_mlp_and_the_lm_head(model):
+    """`read`: the last layer's MLP and the LM head run on the read positions only (counted at their
+    products), every earlier layer on all real tokens; read logits and the gradients of a loss over them
+    equal the padded forward's; the unread positions' logits are zeros."""
+    from composer.runtime import varlen
+
+    m = copy.deepcopy(model)
+    V = m.config.vocab_size
+    tokens, mask = batch([16, 5, 9, 12, 3], 16, V, seed=7)
+    read = _completion(mask, [6, 2, 4, 3, 1])
+    last = _rows_through(m.model.layers[-1].mlp.down_proj)
+    first = _rows_through(m.model.layers[0].mlp.down_proj)
+    head = _rows_through(m.get_output_embeddings())
+    got = varlen.logits(m, tokens, mask, read)
+    k = int(read.sum())
+    assert 0 < k < int(mask.sum())
+    assert (first, last, head) == ([int(mask.sum())], [k], [k])
+    ref = m(input_ids=tokens, attention_mask=mask.long()).logits
+    torch.testing.assert_close(got[read], ref[read], atol=1e-5, rtol=0)
+    assert not got[mask & ~read].any()  # nobody reads them: zeros
+    want = _grads(m, tokens, mask, lambda t, k_: m(input_ids=t, attention_mask=k_.long()).logits * read[..., None])
+    got_g = _grads(m, tokens, mask, lambda t, k_: varlen.logits(m, t, k_, read) * read[..., None])
+    for g, w in zip(got_g, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+    assert any(float(g.abs().max()) > 0 for g in got_g)
+
+
+def test_token_logprobs_read_positions_equal_and_zero_elsewhere(model):
+    """token_logprobs(read=): log-probs and entropies at the read positions are those of the full forward
+    (whose logits sit one position earlier), 0 elsewhere, on the flat layout and on every other path."""
+    from composer.runtime.models import token_logprobs
+
+    V = model.config.vocab_size
+    tokens, mask = batch([14, 6, 10, 2], 14, V, seed=8)
+    read = _completion(mask, [5, 3, 4, 1])
+    with torch.no_grad():
+        lp0, _, ent0 = token_logprobs(model, tokens, mask)
+        lp, _, ent = token_logprobs(model, tokens, mask, read=read)
+        lp_p, _, ent_p = token_logprobs(model, tokens, mask, read=read, prefix_len=torch.tensor([5, 3, 4, 1]))
+    for a, e in ((lp, ent), (lp_p, ent_p)):
+        torch.testing.assert_close(a[read], lp0[read], atol=1e-5, rtol=0)
+        torch.testing.assert_close(e[read], ent0[read], atol=1e-5, rtol=0)
+        assert not a[~read].any() and not e[~read].any()
+
+
+def test_compiled_read_positions_are_one_graph_with_the_padded_gradients(model):
+    """Under torch.compile (dynamic=True) the read count is one more symbolic size: three batches with other
+    rows, widths and read positions share one graph, with the padded forward's gradients."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from composer.runtime import varlen
+
+    m = copy.deepcopy(model)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(m, dynamic=True)
+    V = m.config.vocab_size
+    for lens, first, T, seed in (([12, 5, 9, 3], [4, 2, 3, 1], 12, 3), ([7, 7, 2, 6, 4, 2], [3, 1, 1, 2, 2, 1], 7, 4),
+                                 ([10, 10, 10], [6, 2, 5], 10, 5)):
+        tokens, mask = batch(lens, T, V, seed=seed)
+        read = _completion(mask, first)
+        got = _grads(m, tokens, mask, lambda t, k: varlen.logits(compiled, t, k, read) * read[..., None])
+        want = _grads(m, tokens, mask, lambda t, k: m(input_ids=t, attention_mask=k.long()).logits * read[..., None])
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert varlen._HANDOFF.layout is None
+
+
+def test_read_positions_keep_the_mlp_whole_where_it_is_not_position_wise_or_recomputed(model):
+    """A mixture of experts (routing statistics span tokens) and gradient checkpointing (the backward
+    recomputes the layer) keep the last MLP on every token; the LM head still runs on the read positions,
+    and the read logits are the padded forward's."""
+    import transformers
+
+    from composer.runtime import varlen
+
+    torch.manual_seed(0)
+    moe = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, attn_implementation="sdpa")).eval()
+    ckpt = copy.deepcopy(model)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ckpt.train()
+    for m in (moe, ckpt):
+        V = m.config.vocab_size
+        tokens, mask = batch([12, 4, 9], 12, V, seed=9)
+        read = _completion(mask, [5, 2, 3])
+        assert not varlen.keep_rows(m)
+        head = _rows_through(m.get_output_embeddings())
+        got = varlen.logits(m, tokens, mask, read)
+        assert head == [int(read.sum())]
+        ref = m(input_ids=tokens, attention_mask=mask.long()).logits
+        torch.testing.assert_close(got[read], ref[read], atol=1e-5, rtol=0)
+        g = _grads(m, tokens, mask, lambda t, k: varlen.logits(m, t, k, read) * read[..., None])
+        w = _grads(m, tokens, mask, lambda t, k: m(input_ids=t, attention_mask=k.long()).logits * read[..., None])
+        for a, b in zip(g, w):
+            if a is not None and b is not None:
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_read_positions_switch(model, monkeypatch):
+    """COMPOSER_READ_ONLY=0 runs every position (for comparisons): the last MLP sees all real tokens."""
+    from composer.runtime import varlen
+
+    m = copy.deepcopy(model)
+    tokens, mask = batch([10, 4, 7], 10, m.config.vocab_size, seed=10)
+    last = _rows_through(m.model.layers[-1].mlp.down_proj)
+    monkeypatch.setenv("COMPOSER_READ_ONLY", "0")
+    got = varlen.logits(m, tokens, mask, _completion(mask, [4, 2, 3]))
+    assert last == [int(mask.sum())] and got[mask].abs().sum(-1).min() > 0  # every position computed

@@ -200,3 +200,44 @@ def test_compiled_forwards_train_the_same_weights(tiny, tmp_path, monkeypatch):
     assert weights[0].keys() == weights[1].keys() and not any("_orig_mod" in k for k in weights[1])
     for k in weights[0]:
         torch.testing.assert_close(weights[1][k], weights[0][k], rtol=1e-4, atol=1e-6)
+
+
+def test_reading_only_the_loss_positions_trains_the_same_weights(tiny, tmp_path, monkeypatch):
+    """SFT's policy forward promises only the positions its loss and the entropy metric read
+    (`Objective.read_mask`, the completions): it skips the last layer's MLP and the LM head at the prompts, and
+    trains the same loss and weights as a run that computes every position (COMPOSER_READ_ONLY=0). The skip
+    ran: the last MLP saw fewer rows than the first. (GRPO's rows share their group's prompt, so its forward
+    takes the shared-prefix path, which computes every position.)"""
+    spec = "specs/sft.yaml"
+    from composer.runtime import varlen
+
+    seen = []
+    real = varlen.logits
+
+    def spy(model, tokens, mask, read=None):
+        inner = varlen.unwrapped(model)
+        hooks = [layer.mlp.down_proj.register_forward_hook(
+            lambda _m, a, _o, i=i: seen.append((i, a[0].numel() // a[0].shape[-1])))
+            for i, layer in ((0, inner.model.layers[0]), (1, inner.model.layers[-1]))]
+        try:
+            return real(model, tokens, mask, read)
+        finally:
+            for h in hooks:
+                h.remove()
+
+    ovr = FAST + [f"policy.model={tiny}", "train.steps=2", "train.checkpoint_every=1"]
+    monkeypatch.setenv("COMPOSER_READ_ONLY", "0")
+    run(spec, tmp_path / "all", ovr)
+    monkeypatch.setenv("COMPOSER_READ_ONLY", "1")
+    monkeypatch.setattr(varlen, "logits", spy)
+    run(spec, tmp_path / "read", ovr)
+    pairs = list(zip(seen[::2], seen[1::2]))  # (first layer, last layer) rows of each flat forward
+    assert any(last < first for (_, first), (_, last) in pairs), pairs
+    a, b = rows(tmp_path / "all"), rows(tmp_path / "read")
+    for ra, rb in zip(a[:2], b[:2]):
+        assert float(rb["loss"]) == pytest.approx(float(ra["loss"]), rel=1e-5, abs=1e-7)
+        assert float(rb["entropy"]) == pytest.approx(float(ra["entropy"]), rel=1e-5, abs=1e-7)
+    weights = [torch.load(tmp_path / r / "checkpoints" / "last.ckpt", map_location="cpu",
+                          weights_only=False)["state_dict"] for r in ("all", "read")]
+    for k in weights[0]:
+        torch.testing.assert_close(weights[1][k], weights[0][k], rtol=1e-5, atol=1e-7)

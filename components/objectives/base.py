@@ -121,6 +121,13 @@ class Objective(Component):
                             "from it) or override normalizer(); a defaulted normaliser would be silently wrong on "
                             "micro-batches and under DDP")
 
+    def read_mask(self, batch) -> Tensor:
+        """[B, T] bool: the positions whose policy log-prob, entropy or logits `loss` reads (its metrics
+        included). The policy forward promises those only: elsewhere the view holds 0 (log-prob, entropy)
+        and zero logits, and the flat layout skips the last layer's MLP and the LM head there
+        (composer/runtime/varlen.py). Default: `loss_mask`; an objective that reads more overrides this."""
+        return self.loss_mask(batch)
+
     def loss_mask(self, batch) -> Tensor:
         """[B, T] bool: tokens of `loss_tokens` origins that are not padding, in the rows the term's gate took
         (batch.row_mask, composer/gates.py): a gated-out row gets no loss and no share of the normaliser."""

@@ -176,6 +176,14 @@ def unwrapped(model):
     return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
 
 
+def checkpointing(model) -> bool:
+    """Whether the model recomputes its layers in the backward pass (gradient checkpointing is on)."""
+    inner = unwrapped(model)
+    flag = "is_activation_checkpointing" if hasattr(type(inner), "is_activation_checkpointing") else \
+        "is_gradient_checkpointing"  # transformers renamed it (the old name warns)
+    return bool(getattr(inner, flag, False))
+
+
 def full_attention(cfg) -> bool:
     """Every layer of this (text) config attends to the whole causal past: no sliding or mixed layer types."""
     types = getattr(cfg, "layer_types", None) or ["full_attention"]
@@ -240,15 +248,16 @@ def _packable(model) -> bool:
     return impl in ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 
 
-def packed_logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor):
+def packed_logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor, read: torch.Tensor | None = None):
     """The model's logits [B, T, V] of right-padded rows, computed on a padding-free layout: one flat sequence
     with per-row attention (`varlen.logits`; compiled or not) where the model supports it; else rows packed
     into bins (`pack_rows`) when that pays, else the padded batch. Real positions get the logits the padded
     forward gives (up to float rounding: same tokens, same positions, same causal scope); pad positions get their row's
-    last real position's logits (finite, and masked by every reader)."""
+    last real position's logits (finite, and masked by every reader). With `read` [B, T] bool, only those
+    positions' logits are promised: the flat layout computes the others' partly or not at all (zeros)."""
     from composer.runtime import varlen  # one flat sequence, attention per row
 
-    flat = varlen.logits(model, tokens, attention_mask)
+    flat = varlen.logits(model, tokens, attention_mask, read)
     if flat is not None:
         return flat
     # where the flat layout does not apply, a compiled model (train.compile) always takes the bins: one call
@@ -314,9 +323,7 @@ def _shareable(model) -> bool:
     param = next(inner.parameters(), None)
     if param is None or param.dtype != torch.float32 or torch.is_autocast_enabled(param.device.type):
         return False
-    flag = "is_activation_checkpointing" if hasattr(type(inner), "is_activation_checkpointing") else \
-        "is_gradient_checkpointing"  # transformers renamed it (the old name warns)
-    if getattr(inner, flag, False):
+    if checkpointing(inner):
         return False
     cfg = inner.config
     return full_attention(getattr(cfg, "text_config", None) or cfg)
@@ -389,20 +396,25 @@ def shared_prefix_logits(model, tokens: torch.Tensor, attention_mask: torch.Tens
 
 
 def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
-                   want_logits: bool = False, prefix_len: torch.Tensor | None = None):
+                   want_logits: bool = False, prefix_len: torch.Tensor | None = None,
+                   read: torch.Tensor | None = None):
     """One forward pass: per-token log-probs aligned with `tokens` (and the predicting logits if wanted).
 
     tokens, attention_mask: [B, T]. Returns logprobs [B, T] (0 at t=0), logits [B, T, V] or None,
     entropy [B, T]. With `prefix_len` [B] (each row's prompt length), rows that share a prompt run it once
     (`shared_prefix_logits`) when that saves tokens; otherwise right-padded rows are packed padding-free when
-    that saves tokens (`packed_logits`).
+    that saves tokens (`packed_logits`). With `read` [B, T] bool (the positions whose log-prob, entropy or
+    logits the caller reads), the forward may skip work the other positions alone need (`varlen.logits`):
+    their log-probs and entropies are then 0 and their logits zeros.
     """
     mask = attention_mask.bool()
     logits = None
     if prefix_len is not None and _shareable(model):
         logits = shared_prefix_logits(model, tokens, mask, prefix_len.to(tokens.device))
     if logits is None:
-        logits = packed_logits(model, tokens, mask)
+        # log-prob t comes from the logits at t - 1
+        ahead = None if read is None else torch.cat([read[:, 1:], read.new_zeros(read.shape[0], 1)], dim=1).bool()
+        logits = packed_logits(model, tokens, mask, ahead)
     logits = logits[:, :-1].float()  # [B, T-1, V]
     if temperature != 1.0:
         logits = logits / temperature
@@ -412,6 +424,9 @@ def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor, te
     pad = lp.new_zeros(tokens.shape[0], 1)
     logprobs = torch.cat([pad, lp], dim=1)
     entropy = torch.cat([pad, ent], dim=1)
+    if read is not None:  # the same values whichever path ran: 0 where nobody reads
+        unread = ~read.bool()
+        logprobs, entropy = logprobs.masked_fill(unread, 0.0), entropy.masked_fill(unread, 0.0)
     full = None
     if want_logits:
         full = torch.cat([logits.new_zeros(tokens.shape[0], 1, logits.shape[-1]), logits], dim=1)  # [B, T, V]

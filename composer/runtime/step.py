@@ -116,10 +116,24 @@ def initial_logprobs(ctx: RunContext, batch: TrajectoryBatch) -> torch.Tensor:
     return lp.to(batch.tokens.device)
 
 
-def policy_view(policy, batch: TrajectoryBatch, want_logits: bool) -> PolicyView:
-    lp, logits, ent = token_logprobs(policy, batch.tokens, batch.attention_mask,
-                                     batch.info.get("temperature", 1.0), want_logits, prefix_len=batch.prompt_len)
+def policy_view(policy, batch: TrajectoryBatch, want_logits: bool, read=None) -> PolicyView:
+    """The policy's log-probs, entropies (and logits if wanted) of the batch's tokens; with `read` [B, T] bool,
+    promised at those positions only (`token_logprobs`)."""
+    lp, logits, ent = token_logprobs(policy, batch.tokens, batch.attention_mask, batch.info.get("temperature", 1.0),
+                                     want_logits, prefix_len=batch.prompt_len, read=read)
     return PolicyView(lp, logits, ent)
+
+
+def read_masks(ctx: RunContext, batches: list[TrajectoryBatch]) -> dict[int, torch.Tensor]:
+    """Per distinct rollout (id of its tokens): the positions any term's loss reads (`Objective.read_mask`),
+    and the first batch's response tokens, whose entropy `loss` logs and may add as a bonus."""
+    out: dict[int, torch.Tensor] = {}
+    for (_n, _s, obj, _w), b in zip(terms(ctx.spec), batches):
+        m = obj.read_mask(b)
+        out[id(b.tokens)] = m if id(b.tokens) not in out else out[id(b.tokens)] | m
+    first = batches[0]
+    out[id(first.tokens)] = out[id(first.tokens)] | (first.response_mask & first.attention_mask)
+    return out
 
 
 def loss(ctx: RunContext, policy, batches: list[TrajectoryBatch], shares: dict | None = None) -> tuple[torch.Tensor, dict]:
@@ -133,9 +147,10 @@ def loss(ctx: RunContext, policy, batches: list[TrajectoryBatch], shares: dict |
     metrics: dict[str, float] = {}
     many = len(batches) > 1
     raw = [w for *_, w in terms(ctx.spec)]
+    read = read_masks(ctx, batches)
     for i, ((name, _sig, obj, weight), b) in enumerate(zip(terms_at(ctx.spec, ctx.step), batches)):
         if id(b.tokens) not in views:
-            views[id(b.tokens)] = policy_view(policy, b, wants[id(b.tokens)])
+            views[id(b.tokens)] = policy_view(policy, b, wants[id(b.tokens)], read[id(b.tokens)])
         value, m = obj.loss(b, views[id(b.tokens)], b.advantages)
         m = {**obj.advantage_metrics(b), **m}
         ctx.record("term_loss", term=name, objective=obj, batch=b, view=views[id(b.tokens)], loss=value, weight=weight)

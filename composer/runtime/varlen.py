@@ -13,6 +13,13 @@ reaches the attention through the model's keyword arguments (transformers passes
 attention call, gradient-checkpointed recomputation included), and every attention layer must report that
 it honoured it: a model that does not pass the keywords through gets the packed-bins forward instead.
 
+Positions nobody reads. A caller that reads only some positions' logits (`read`: an SFT loss reads the
+completion's, not the prompt's) gets the LM head on those positions only (transformers' `logits_to_keep`) and,
+where the last layer's MLP is position-wise, that MLP on those positions only: its output at a position
+reaches nothing but that position's logits, while the keys and values every position attends to come from
+the earlier layers and the last layer's attention, which still run on every token. Their logits and
+gradients are the full forward's (up to float rounding); the other positions' logits are zeros.
+
 Measured on the toy student's SFT step (one thread, 32 rows of at most 57 tokens): see the README's throughput
 section; `COMPOSER_VARLEN=0` switches it off.
 """
@@ -24,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from composer.runtime.models import full_attention, right_padded, unwrapped
+from composer.runtime.models import checkpointing, full_attention, right_padded, unwrapped
 
 KEY = "composer_varlen"  # the keyword that carries the layout to the attention functions
 
@@ -35,13 +42,17 @@ class Layout:
 
     grid [B, T] long: the flat index of each (row, t) slot (a pad slot: its row's last real token).
     real [N] long: the grid slot of each flat token. used: attention calls that honoured this layout in the
-    current forward. B and T are read from `grid`'s shape, so under torch.compile they are the graph's
-    symbolic sizes (one graph for every batch), not constants.
+    current forward. keep [K] long or None: the flat tokens whose logits are read (None: all), handed to the
+    last layer's MLP by its attention call (layers: the model's attention layers). B, T, N and K are read from
+    the tensors' shapes, so under torch.compile they are the graph's symbolic sizes (one graph for every
+    batch), not constants.
     """
 
     grid: torch.Tensor
     real: torch.Tensor
     used: int = 0
+    keep: torch.Tensor | None = None
+    layers: int = 0
 
     @property
     def rows(self) -> int:
@@ -84,6 +95,18 @@ _inner = None  # the "sdpa" attention function this module wraps
 _refused: set[type] = set()  # model classes whose attention did not honour the layout
 
 
+class _Handoff:
+    """The layout whose `keep` the last layer's MLP applies next: set by that layer's attention call, taken by
+    the MLP's hooks (`keep_rows`) in the same forward. The MLP is called without the model's keyword arguments,
+    so the layout reaches it here; torch.compile traces this as a side effect of the forward (no guard, no
+    recompile)."""
+
+    layout: Layout | None = None
+
+
+_HANDOFF = _Handoff()
+
+
 def attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' "sdpa" attention, per row when the call carries a `Layout` (query [1, H, N, D]);
     unchanged otherwise. Returns (output [1, N, H, D] or as the wrapped function, None)."""
@@ -92,6 +115,8 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     if lay is None or (window is not None and lay.width > window):  # a window inside a row: not ours to honour
         return _inner(module, query, key, value, attention_mask, **kwargs)
     lay.used += 1
+    if lay.keep is not None and lay.used == lay.layers:  # the last layer: its MLP runs on `keep` only
+        _HANDOFF.layout = lay
     kwargs.pop("position_ids", None)  # flat positions; the grid's causal order is each row's
     out, _ = _inner(module, lay.to_grid(query), lay.to_grid(key), lay.to_grid(value), None, **kwargs)
     return lay.to_flat(out), None  # out: [B, T, H, D]
@@ -108,6 +133,51 @@ def install() -> None:
     ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
 
 
+def _take_rows(mlp, args):
+    lay = _HANDOFF.layout
+    return None if lay is None else (args[0].index_select(1, lay.keep),)  # [1, N, C] -> [1, K, C]
+
+
+def _put_rows(mlp, args, out):
+    lay, _HANDOFF.layout = _HANDOFF.layout, None
+    if lay is None:
+        return None
+    full = out.new_zeros(out.shape[0], lay.real.shape[0], out.shape[2])  # [1, N, C]: unread rows get 0
+    return full.index_copy(1, lay.keep, out)
+
+
+def _last_mlp(model):
+    """The last decoder layer's MLP when it is position-wise (nn.Linear layers and parameter-free parts only,
+    so not a mixture of experts, whose routing statistics span tokens), else None."""
+    layers = getattr(getattr(unwrapped(model), "model", None), "layers", None)
+    mlp = getattr(layers[-1], "mlp", None) if isinstance(layers, torch.nn.ModuleList) and len(layers) else None
+    if mlp is None or not all(isinstance(m, torch.nn.Linear) or not any(True for _ in m.parameters(recurse=False))
+                              for m in mlp.modules()):
+        return None
+    return mlp
+
+
+def keep_rows(model) -> bool:
+    """Hook the last layer's position-wise MLP (once per model) so that a forward whose layout has `keep`
+    runs it on those rows only; False where the model has no such MLP or recomputes layers in its backward
+    (gradient checkpointing would recompute the MLP at another size)."""
+    mlp = _last_mlp(model)
+    if mlp is None or checkpointing(model):
+        return False
+    if not getattr(mlp, "_composer_keep_rows", False):
+        mlp.register_forward_pre_hook(_take_rows)
+        mlp.register_forward_hook(_put_rows)
+        mlp._composer_keep_rows = True
+    return True
+
+
+def _keeps_logits(model) -> bool:
+    """The model's forward takes transformers' `logits_to_keep` (the LM head on some positions only)."""
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(type(unwrapped(model)).forward).parameters
+
+
 def _attention_layers(model) -> int | None:
     """How many attention calls one forward of a plain decoder makes (its layer count), or None when the
     model is not one: sliding or mixed layer types, a non-sdpa attention, or not transformers' code. (A
@@ -122,10 +192,16 @@ def _attention_layers(model) -> int | None:
     return getattr(cfg, "num_hidden_layers", None)
 
 
-def logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
+def logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
+           read: torch.Tensor | None = None) -> torch.Tensor | None:
     """The model's logits [B, T, V] of right-padded rows from one flat forward, or None where this layout
     does not apply (see `layout` and `_attention_layers`; `COMPOSER_VARLEN=0`). Pad positions get their
     row's last real position's logits, as `packed_logits` gives them.
+
+    read [B, T] bool or None: the positions whose logits the caller reads. The LM head, and the last layer's
+    MLP where it is position-wise (`keep_rows`), then run on those positions only; the others' logits are
+    zeros (and pads copy their row's last real position, read or not). `COMPOSER_READ_ONLY=0` runs every
+    position.
 
     A compiled model (train.compile) takes this layout for every batch, unpadded ones included: one call
     signature [1, N] whose N (and B, T) are symbolic, so one graph serves every batch."""
@@ -139,10 +215,22 @@ def logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.T
     install()
     tokens_flat = tokens.reshape(-1).index_select(0, lay.real)[None]  # [1, N]
     pos = torch.arange(lay.width, device=tokens.device).repeat(lay.rows).index_select(0, lay.real)[None]
+    extra = {}
+    if read is not None and os.environ.get("COMPOSER_READ_ONLY", "1") != "0" and _keeps_logits(model):
+        keep = read.reshape(-1).index_select(0, lay.real).nonzero().squeeze(1)  # [K] flat tokens read
+        if 0 < keep.numel() < lay.real.numel():
+            extra["logits_to_keep"] = keep
+            if keep_rows(model):
+                lay.keep, lay.layers = keep, layers
     # an all-ones mask: transformers then skips building one (SDPA's causal flag covers it); no cache
-    out = model(input_ids=tokens_flat, position_ids=pos, attention_mask=torch.ones_like(tokens_flat),
-                use_cache=False, **{KEY: lay}).logits  # [1, N, V]
+    try:
+        out = model(input_ids=tokens_flat, position_ids=pos, attention_mask=torch.ones_like(tokens_flat),
+                    use_cache=False, **{KEY: lay}, **extra).logits[0]  # [N, V] or [K, V]
+    finally:
+        _HANDOFF.layout = None  # never left for another forward, whatever happened in this one
     if lay.used != layers:  # some attention layer never saw the layout: its output mixed rows
         _refused.add(type(unwrapped(model)))
         return None
-    return out[0].index_select(0, lay.grid.reshape(-1)).view(lay.rows, lay.width, -1)
+    if "logits_to_keep" in extra:
+        out = out.new_zeros(lay.real.shape[0], out.shape[1]).index_copy(0, extra["logits_to_keep"], out)  # [N, V]
+    return out.index_select(0, lay.grid.reshape(-1)).view(lay.rows, lay.width, -1)
