@@ -43,16 +43,14 @@ class Layout:
     grid [B, T] long: the flat index of each (row, t) slot (a pad slot: its row's last real token).
     real [N] long: the grid slot of each flat token. used: attention calls that honoured this layout in the
     current forward. keep [K] long or None: the flat tokens whose logits are read (None: all), handed to the
-    last layer's MLP by its attention call (layers: the model's attention layers). B, T, N and K are read from
-    the tensors' shapes, so under torch.compile they are the graph's symbolic sizes (one graph for every
-    batch), not constants.
+    last layer's MLP by the attention calls. B, T, N and K are read from the tensors' shapes, so under
+    torch.compile they are the graph's symbolic sizes (one graph for every batch), not constants.
     """
 
     grid: torch.Tensor
     real: torch.Tensor
     used: int = 0
     keep: torch.Tensor | None = None
-    layers: int = 0
 
     @property
     def rows(self) -> int:
@@ -96,7 +94,8 @@ _refused: set[type] = set()  # model classes whose attention did not honour the 
 
 
 class _Handoff:
-    """The layout whose `keep` the last layer's MLP applies next: set by that layer's attention call, taken by
+    """The layout whose `keep` the last layer's MLP applies next: set by every attention call of a layout
+    with `keep` (only the last layer's MLP is hooked, so the last attention's is the one taken), taken by
     the MLP's hooks (`keep_rows`) in the same forward. The MLP is called without the model's keyword arguments,
     so the layout reaches it here; torch.compile traces this as a side effect of the forward (no guard, no
     recompile)."""
@@ -115,7 +114,7 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     if lay is None or (window is not None and lay.width > window):  # a window inside a row: not ours to honour
         return _inner(module, query, key, value, attention_mask, **kwargs)
     lay.used += 1
-    if lay.keep is not None and lay.used == lay.layers:  # the last layer: its MLP runs on `keep` only
+    if lay.keep is not None:  # for the last layer's MLP, which runs on `keep` only
         _HANDOFF.layout = lay
     kwargs.pop("position_ids", None)  # flat positions; the grid's causal order is each row's
     out, _ = _inner(module, lay.to_grid(query), lay.to_grid(key), lay.to_grid(value), None, **kwargs)
@@ -147,8 +146,9 @@ def _put_rows(mlp, args, out):
 
 
 def _last_mlp(model):
-    """The last decoder layer's MLP when it is position-wise (nn.Linear layers and parameter-free parts only,
-    so not a mixture of experts, whose routing statistics span tokens), else None."""
+    """The last decoder layer's MLP when it is made of nn.Linear layers and parameter-free parts only (so
+    position-wise), else None: a block holding other parameters (the fused experts of transformers'
+    mixture-of-experts blocks, for one) is left whole."""
     layers = getattr(getattr(unwrapped(model), "model", None), "layers", None)
     mlp = getattr(layers[-1], "mlp", None) if isinstance(layers, torch.nn.ModuleList) and len(layers) else None
     if mlp is None or not all(isinstance(m, torch.nn.Linear) or not any(True for _ in m.parameters(recurse=False))
@@ -221,7 +221,7 @@ def logits(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
         if 0 < keep.numel() < lay.real.numel():
             extra["logits_to_keep"] = keep
             if keep_rows(model):
-                lay.keep, lay.layers = keep, layers
+                lay.keep = keep
     # an all-ones mask: transformers then skips building one (SDPA's causal flag covers it); no cache
     try:
         out = model(input_ids=tokens_flat, position_ids=pos, attention_mask=torch.ones_like(tokens_flat),
