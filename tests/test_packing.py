@@ -368,7 +368,7 @@ def test_varlen_switch(model, monkeypatch):
 def test_varlen_other_architectures_and_sliding_windows(arch, window, flat):
     """Other decoders take the flat layout too; a sliding window narrower than the rows is not per-row causal
     attention, so that forward falls back to the bins layout (the window wider than every row is honoured).
-    Logits equal the padded forward's either way."""
+    Logits equal the padded forward's either way, and so do the read positions' when only some are read."""
     import transformers
 
     from composer.runtime import varlen
@@ -388,6 +388,10 @@ def test_varlen_other_architectures_and_sliding_windows(arch, window, flat):
         ref = m(input_ids=tokens, attention_mask=mask.long()).logits
         got = packed_logits(m, tokens, mask)
         assert torch.allclose(got[mask], ref[mask], atol=1e-5, rtol=0)
+        read = _completion(mask, [8, 1, 5, 0, 6])  # positions read: the last MLP and the LM head skip the rest
+        assert varlen.keep_rows(m)
+        got = packed_logits(m, tokens, mask, read)
+        assert torch.allclose(got[read], ref[read], atol=1e-5, rtol=0)
     finally:
         varlen._refused.discard(type(m))
 
