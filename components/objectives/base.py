@@ -7,7 +7,7 @@ the lazy proxy so that importing this module (spec validation) never loads torch
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple
 
 from pydantic import Field
 
@@ -32,6 +32,16 @@ class Reduction:
     weighted: bool = False  # sequence weights s_i = batch.weights() enter the aggregation
 
 
+class InertSetting(NamedTuple):
+    """A field of an objective that can never act where it stands: why, the fix, and whether validation refuses
+    it (`error`) or only says so (`warning`, for a guard that is harmless where it cannot act)."""
+
+    field: str
+    reason: str
+    hint: str
+    severity: str = "error"
+
+
 class Objective(Component):
     """Base of every objective. The contract both backends drive (DESIGN.md section 8):
 
@@ -51,6 +61,11 @@ class Objective(Component):
     # Why several optimizer steps on one rollout batch (train.epochs x train.mini_batches) stay sound for this
     # objective, in words; None: it assumes data from the current weights (refused unless sync.off_policy_ok).
     several_updates: ClassVar[str | None] = None
+
+    def inert(self, spec) -> list["InertSetting"]:
+        """Settings of this objective that cannot act (or are impossible) in a segment resolved as `spec`
+        (composer/checks/inert.py refuses those the spec sets; `explain` shows them all). Default: none."""
+        return []
 
     def describe(self) -> list[str]:
         """Every setting in words, for `explain` (default: each field and its value)."""

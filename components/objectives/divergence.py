@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 
-from components.objectives.base import Aggregation, Objective, Reduction, aggregate, masked_mean
+from components.objectives.base import Aggregation, InertSetting, Objective, Reduction, aggregate, masked_mean
 from composer.lazy import F, torch
 from composer.registry import register
 
@@ -116,6 +116,25 @@ class Divergence(Objective):
 
     def reduction(self) -> Reduction:
         return Reduction(self.aggregation, weighted=True)
+
+    def inert(self, spec) -> list[InertSetting]:
+        """A field that only one measure or estimator reads, set with another (only those the spec sets)."""
+        out = []
+        if self.measure != "jsd":
+            out.append(InertSetting("beta", f"beta is the JSD mixture weight, and measure is {self.measure}: it is "
+                                    "never read", "remove beta, or use measure: jsd"))
+        if self.estimator != "top_k":
+            out.append(InertSetting("k", f"k is the top_k estimator's vocabulary size, and estimator is "
+                                    f"{self.estimator}: it is never read", "remove k, or use estimator: top_k"))
+        if self.estimator != "sampled":
+            out.append(InertSetting("kl_coef", f"kl_coef scales the sampled estimator's advantage, and estimator is "
+                                    f"{self.estimator}: it is never read", "remove kl_coef (weight the term with "
+                                    "`weight` under terms), or use estimator: sampled"))
+        else:
+            out.append(InertSetting("is_clip", "is_clip caps the importance weight of the full and top_k losses, "
+                                    "and estimator is sampled: it is never read", "remove is_clip, or use "
+                                    "estimator: full or top_k"))
+        return [x for x in out if x.field in self.model_fields_set]  # a default nobody chose is not worth a word
 
     def exact_origins(self) -> set[str]:
         """full / top_k compare whole distributions at each position: no sample of the policy is needed, so they

@@ -8,6 +8,7 @@ from pydantic import Field, field_validator
 
 from components.objectives.base import (
     Aggregation,
+    InertSetting,
     Objective,
     aggregate,
     Reduction,
@@ -170,6 +171,41 @@ class Grpo(Objective):
     def bounds(self) -> tuple[float, float]:
         return (self.clip if self.clip_low is None else self.clip_low,
                 self.clip if self.clip_high is None else self.clip_high)
+
+    def inert(self, spec) -> list[InertSetting]:
+        """Clip bounds that cannot act or cannot be (a negative lower bound; `clip` hidden by clip_low and
+        clip_high; any bound where one on-policy update per step keeps the ratio at 1), and a KL estimator
+        without a KL loss."""
+        out = []
+        lo, hi = self.bounds()
+        set_ = self.model_fields_set
+        for name, eps in (("clip_low", self.clip_low), ("clip", self.clip if self.clip_low is None else None)):
+            if eps is not None and eps > 1:
+                out.append(InertSetting(name, f"{name} {eps:g} puts the lower ratio bound at 1 - {eps:g} = "
+                                        f"{1 - eps:g}: an importance ratio is never negative, so that bound can "
+                                        "never act", f"use {name} at most 1 (clip_low: 1 already means no lower "
+                                        "bound; PPO's usual value is 0.2)"))
+        if "clip" in set_ and self.clip_low is not None and self.clip_high is not None:
+            out.append(InertSetting("clip", "clip is read only for a side that clip_low / clip_high leave unset, "
+                                    "and both are set: clip is never used", "remove clip (or clip_low and "
+                                    "clip_high)"))
+        t = spec.train
+        if t.epochs * t.mini_batches == 1 and spec.sync.every == 1:
+            what = {"clip": f"the PPO clip [1-{lo:g}, 1+{hi:g}]", "mask": f"the mask [1-{lo:g}, 1+{hi:g}]",
+                    "cispo": f"CISPO's truncation [1-{lo:g}, 1+{hi:g}]"}[self.bound]
+            field = next((f for f in ("clip", "clip_low", "clip_high", "dual_clip") if f in set_), "clip")
+            out.append(InertSetting(field, f"{what}{' and the dual clip' if self.dual_clip else ''} cannot act: one "
+                                    "update per step on-policy (train.epochs x train.mini_batches = 1, sync.every: "
+                                    "1) computes the ratio at the weights that sampled the rollouts, so it is 1 (up "
+                                    "to the sampler's numerical mismatch) and the loss is the plain policy gradient",
+                                    "to make the bound act, update several times per step (train.mini_batches: 2 "
+                                    "or train.epochs: 2) or lag the sampler (sync.every > 1); else remove the "
+                                    "clip settings", severity="warning"))
+        if "kl_estimator" in set_ and not ever_nonzero(self.kl_coef):
+            out.append(InertSetting("kl_estimator", f"kl_estimator {self.kl_estimator} with kl_coef "
+                                    f"{describe(self.kl_coef)}: there is no KL loss, so the estimator is never "
+                                    "computed", "remove kl_estimator, or set kl_coef > 0 (verl: 0.001)"))
+        return out
 
     def advantages(self, batch: TrajectoryBatch) -> Tensor:
         """A [B] from the estimator over each whole group (default: (r_i - mean_g r) / (std_g r + eps))."""

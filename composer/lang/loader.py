@@ -397,6 +397,12 @@ def apply_overrides(spec: LoadedSpec, overrides: list[str]) -> LoadedSpec:
             raise SpecError([Diagnostic("yaml", "`extends` cannot be overridden: it picks the file a spec builds on",
                                         ("extends",), loc, "write `extends:` in the spec file, or give the other "
                                         "spec file on the command line")])
+        if not value.strip():  # `data.train=`: no value at all would reset the field to its default unseen
+            key = tuple(int(p) if p.isdigit() else p for p in parts)
+            raise SpecError([Diagnostic("yaml", f"the override `{item.strip()}` gives no value: an empty value would "
+                                        f"silently reset {path} to its default", key, loc,
+                                        f"give a value ({path}=VALUE); a field is reset to its default by deleting it "
+                                        "from the spec (or leaving the override out), not by an empty value")])
         try:
             parsed, _ = parse_yaml(value, loc.file)
         except SpecError as e:

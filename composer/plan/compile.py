@@ -118,7 +118,8 @@ def _origins(spec) -> list[dict]:
                      "behaviour": _behaviour(o, spec) if o in present else None}
                  for o in ORIGINS[1:]}
         out.append({"term": name, "signal": sig.kind_name(), "objective": obj.kind_name(),
-                    "weight": schedule_json(weight), "weight_text": describe(weight), "settings": obj.describe(),
+                    "weight": schedule_json(weight), "weight_text": describe(weight),
+                    "settings": obj.describe() + [f"inert here: {x.field}: {x.reason}" for x in obj.inert(spec)],
                     "batch": "built by the signal" if sig.makes_batch else "rollout", "origins": table,
                     "gate": None if gate is None else gate.describe()})
     return out
