@@ -21,8 +21,11 @@ from composer.errors import SpecError
 @click.option("--resume", type=click.Path(file_okay=False), default=None,
               help="Continue the run in this folder from its last checkpoint.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (for logs and CI).")
+@click.option("--strict", is_flag=True, help="A segment that trained on nothing (a gate that selected no row, a "
+              "filter that kept nothing, a verifier that parsed nothing, weights that did not move) is an error "
+              "that stops the run after that segment, checkpoint kept (without it: a warning).")
 @allow_plugins_option
-def run(spec, overrides, out, resume, no_progress):
+def run(spec, overrides, out, resume, no_progress, strict):
     """Train SPEC (the toy testbed when it names no policy/data). OVERRIDES: path.to.field=value."""
     if spec is not None and "=" in spec and not Path(spec).exists():  # `run --resume DIR train.steps=200`
         spec, overrides = None, (spec, *overrides)
@@ -32,7 +35,7 @@ def run(spec, overrides, out, resume, no_progress):
         raise click.UsageError("give a SPEC, or --resume DIR")
     old_term = signal.signal(signal.SIGTERM, _interrupt)  # before training, SIGTERM stops like SIGINT: exit 130
     try:
-        _run(spec, overrides, out, resume, no_progress)
+        _run(spec, overrides, out, resume, no_progress, strict)
     except KeyboardInterrupt:
         click.echo(f"{_SIGNALLED.get('name', 'SIGINT')}: stopped before training; nothing was trained", err=True)
         sys.exit(130)
@@ -64,7 +67,7 @@ class _deferred_signals:
         return False
 
 
-def _run(spec, overrides, out, resume, no_progress):
+def _run(spec, overrides, out, resume, no_progress, strict=False):
     v = validated_or_exit(spec, overrides)
     if v.spec.train.backend != "lightning":
         click.echo(f"{spec}: train.backend is {v.spec.train.backend}; use `composer compile --backend "
@@ -86,7 +89,7 @@ def _run(spec, overrides, out, resume, no_progress):
     if child is not None:  # a process Lightning started for another rank: rank 0 owns the folder
         folder, resume = Path(child["out"]), child["out"] if child["resume"] else None
         try:
-            train(v, folder, resume=bool(resume), progress=False)
+            train(v, folder, resume=bool(resume), progress=False, strict=strict)
         except Interrupted:
             sys.exit(130)
         except Exception as e:
@@ -104,7 +107,7 @@ def _run(spec, overrides, out, resume, no_progress):
                     _save_resolved(spec, overrides, folder)
             else:
                 _save_resolved(spec, overrides, folder)
-            final = train(v, folder, resume=bool(resume), progress=not no_progress)
+            final = train(v, folder, resume=bool(resume), progress=not no_progress, strict=strict)
     except Interrupted as e:
         click.echo(str(e), err=True)
         sys.exit(130)

@@ -28,6 +28,19 @@ class AfterStep(L.Callback):
         pl_module.after_step()
 
 
+class StrictStop(L.Callback):
+    """`composer run --strict`: a segment that trained on nothing (the module's `vacuous_error`, set by
+    after_step at the segment's end) stops the run after this step, with this step's checkpoint written."""
+
+    def __init__(self, ckpt_path: Path):
+        self.ckpt_path = Path(ckpt_path)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if pl_module.vacuous_error and not trainer.should_stop:
+            trainer.save_checkpoint(self.ckpt_path)
+            trainer.should_stop = True
+
+
 class SampleWriter(L.Callback):
     """After each step, before any checkpoint of it: the step's rollouts to samples.jsonl when the step is due
     (composer/runtime/samples.py `SampleLog`, the run's recorder). Only rank 0 writes; a failure is a warning."""

@@ -22,6 +22,7 @@ from composer.contract import Runtime
 from composer.runtime.context import RunContext
 from composer.runtime.engine import make_engine
 from composer.runtime.report import metric_row
+from composer.runtime import vacuous
 from composer.runtime.evaluate import evaluate, write_records
 
 
@@ -71,6 +72,12 @@ class ComposerModule(L.LightningModule):
         self.total_steps = plan["total_steps"]
         self.stopped_by: str | None = None
         self.start_metrics: dict[str, float] = {}
+        # a segment that trained on nothing (composer/runtime/vacuous.py): counted per segment, said at its end;
+        # strict (`composer run --strict`): an error that stops the run there
+        self.strict = False
+        self.tally = None
+        self._fingerprint = None
+        self.vacuous_error: str | None = None
         # Several optimizer steps per rollout batch (train.epochs x train.mini_batches) step the optimizer by hand;
         # a run whose every segment makes one update per step keeps Lightning's automatic optimization as it was.
         self.automatic_optimization = all(s.spec.train.epochs * s.spec.train.mini_batches == 1 for s in self.segments)
@@ -181,6 +188,10 @@ class ComposerModule(L.LightningModule):
 
     def training_step(self, batch_idx, _):
         step = self.global_step
+        seg = self.segment_at(step)
+        if self.tally is None or self.tally.segment != seg.name:  # before the step's update: the weights it starts from
+            self.tally = vacuous.Tally(seg.name, seg.start, seg.end)
+            self._fingerprint = vacuous.fingerprint(self.policy)
         loss, metrics = self.step_loss(step, self.optimizers())
         metrics.pop("_batches")
         metrics_eval = metrics.pop("_eval")
@@ -194,6 +205,7 @@ class ComposerModule(L.LightningModule):
         if metrics_eval:  # the progress bar's pass@1: the middle tier (never logged: pass_at_1/<tier> are)
             shown["pass@1"] = metrics_eval[sorted(metrics_eval)[len(metrics_eval) // 2]]
         self.last_row = {**row, **({"pass@1": shown["pass@1"]} if metrics_eval else {})}
+        self.tally.add(seg.spec, row)
         self.log_dict(shown, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
         return loss
 
@@ -296,9 +308,27 @@ class ComposerModule(L.LightningModule):
         for rt in list(ctx.state.runtimes.values()):
             if isinstance(rt, Runtime):
                 rt.after_optimizer_step(ctx)
+        if self.tally is not None and done >= self.tally.end:
+            self._segment_done()
         if self.schedule.sync_after(done):
             ctx.engine.sync(self.policy, done)
             ctx.record("sync", after=done)
+
+    def _segment_done(self) -> None:
+        """The segment's last step is done: whether its weights moved, and the loud warning (--strict: the error
+        the run stops with) when some part of it never acted."""
+        import logging
+
+        self.tally.moved = vacuous.fingerprint(self.policy) != self._fingerprint
+        text = self.tally.report()
+        self.tally, self._fingerprint = None, None
+        if not text:
+            return
+        if self.global_rank == 0:
+            logging.getLogger("composer").warning(
+                "WARNING: " + text + ("" if self.strict else "\n  (`composer run --strict` makes this an error)"))
+        if self.strict:
+            self.vacuous_error = text
 
     def _evaluate(self, step: int) -> dict[str, float]:
         """Evaluate the policy now; rank 0 keeps what was generated in eval_samples.jsonl (with `step`)."""
@@ -337,6 +367,7 @@ class ComposerModule(L.LightningModule):
             "costs": dict(ctx.costs),
             "buffer": to_device(ctx.state.buffer, "cpu") if ctx.state.buffer else None,
             "buffer_version": ctx.state.buffer_version,
+            "vacuous": None if self.tally is None else {"tally": self.tally.state(), "fingerprint": self._fingerprint},
         }
         checkpoint["composer"] = to_plain(state, "composer")
         checkpoint["composer"]["spec"] = spec_record(self.validated)
@@ -375,6 +406,9 @@ class ComposerModule(L.LightningModule):
         ctx.costs.update(state.get("costs", {}))
         ctx.state.buffer = to_device(state["buffer"], self.device) if state.get("buffer") else None
         ctx.state.buffer_version = state.get("buffer_version", -1)
+        if state.get("vacuous"):  # the counts of the segment's steps before the checkpoint
+            self.tally = vacuous.Tally.from_state(state["vacuous"]["tally"])
+            self._fingerprint = list(state["vacuous"]["fingerprint"])
         ctx.state.pending_runtime_state = state.get("runtimes", {})
         for k, v in state.get("memo", {}).items():  # searched prefixes (POPE): the same k after a resume
             ctx.cache[eval_key(k)] = v

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from composer import files
 from composer.runtime import samples as sample_files
 from composer.backends.lightning import checkpoint as ckpt_format
-from composer.backends.lightning.callbacks import (AfterStep, AtomicCheckpointIO, GracefulStop, RunCSVLogger,
+from composer.backends.lightning.callbacks import (AfterStep, AtomicCheckpointIO, GracefulStop, RunCSVLogger, StrictStop,
                                                    SampleWriter, StepLog, StopRequested, keep_logged_steps,
                                                    last_logged_step)
 from composer.backends.lightning.checkpoint import CheckpointError
@@ -221,18 +221,21 @@ def _owned_by_parent(out: Path, token: str) -> bool:
         os.close(fd)
 
 
-def train(validated, out: Path, resume: bool = False, progress: bool = True, final_eval=None, recorder=None) -> dict:
+def train(validated, out: Path, resume: bool = False, progress: bool = True, final_eval=None, recorder=None,
+          strict: bool = False) -> dict:
     """Run a validated spec on the Lightning backend: the compiled Plan's segments. Returns the final metrics.
 
     `final_eval(ctx, policy)`, when given, runs on the trained policy before the report is written;
     `recorder(kind, **data)` receives events of what ran (composer/runtime/context.py `record`).
     SIGINT/SIGTERM stop the run from its first moment: before training with `Interrupted` at once, during
     training after the current step and a checkpoint.
+    `strict`: a segment that trained on nothing (composer/runtime/vacuous.py; always a warning) is a RunError
+    after that segment's last step, whose checkpoint is kept.
     """
     stop = GracefulStop(out / "checkpoints" / "last.ckpt")
     stop.install()
     try:
-        return _train(validated, out, resume, progress, final_eval, stop, recorder)
+        return _train(validated, out, resume, progress, final_eval, stop, recorder, strict)
     except KeyboardInterrupt:
         where = "during the final evaluation" if stop.finishing else "before training"
         raise Interrupted(f"{stop.requested or 'SIGINT'}: stopped {where}; "
@@ -241,7 +244,8 @@ def train(validated, out: Path, resume: bool = False, progress: bool = True, fin
         stop.uninstall()
 
 
-def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop: GracefulStop, recorder) -> dict:
+def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop: GracefulStop, recorder,
+           strict: bool = False) -> dict:
     spec = validated.spec
     check_run_inputs(validated)  # every model, tokenizer and data path, and the loggers' packages: nothing written yet
     quiet_libraries()
@@ -273,6 +277,7 @@ def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop:
     samples = SampleLog(out, chain=recorder)  # the run's recorder: keeps rollouts for samples.jsonl
     module = ComposerModule(plan, task, tokenizer, policy, samples, validated)
     module.start_metrics = {"skipped_rows": float(getattr(task, "skipped_rows", 0))}
+    module.strict = strict
     t = spec.train
     ckpt = last_checkpoint(out) if resume else None
     resumed_at = None
@@ -283,7 +288,7 @@ def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop:
     if _rank_zero():
         sample_files.prepare(out, resumed_at)  # a resumed run trains its later steps again: drop their rows
         prepare_records(out, resumed_at)
-    callbacks = [AfterStep(), SampleWriter(samples), stop,
+    callbacks = [AfterStep(), StrictStop(out / "checkpoints" / "last.ckpt"), SampleWriter(samples), stop,
                  ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=t.checkpoint_every,
                                  save_last=True, save_top_k=0, save_on_train_epoch_end=False,
                                  enable_version_counter=False)]
@@ -337,6 +342,10 @@ def _fit(validated, out: Path, plan: dict, module, loggers, callbacks, ckpt, sto
             raise Interrupted(f"{stop.requested}: stopped before the first step; nothing was trained")
         raise Interrupted(f"{stop.requested}: stopped after step {module.global_step}, checkpoint written; "
                           f"continue with --resume {out}")
+    if module.vacuous_error:
+        raise RunError(f"{module.vacuous_error}\n--strict: the run stopped after step {module.global_step}; its "
+                       f"checkpoint is kept ({last_checkpoint(out)})\n    hint: fix the spec (the settings above never "
+                       f"acted), or run without --strict to train on regardless; --resume {out} continues") from None
     stop.deferred, stop.finishing = False, True
     if trainer.global_step and _checkpoint_step(out) != trainer.global_step:  # the last step's state, always
         trainer.save_checkpoint(str(out / "checkpoints" / "last.ckpt"))  # every rank calls it; rank 0 writes
