@@ -112,3 +112,32 @@ def test_grpo_on_gsm8k_rows_after_sft_gets_reward_from_the_math_verifier(real, t
     samples = [json.loads(x) for x in (tmp_path / "grpo" / "samples.jsonl").read_text().splitlines()]
     assert any(s["reward"] > 0 and "####" in s["response"] for s in samples)
     assert "parsed no final answer" not in r.output
+
+
+def test_an_export_evaluates_as_its_run_did(real, tmp_path, cli):
+    """`composer eval EXPORT --data D` on an export away from its run folder uses the run's prompt and data
+    settings (system prompt, template, fields, verifier, sizes) from composer_export.json. Before: `field
+    'prompt': missing` (the default prompt_field), or other prompts and the math verifier."""
+    import shutil
+
+    from composer.backends.lightning.run import train
+    from composer.checks.validate import validate_file
+
+    data = {"train": real["train"], "eval": real["eval"], "prompt_field": "problem", "system_prompt": "Be brief.",
+            "prompt_template": "Q: {prompt}\nA:"}
+    s = spec(tmp_path / "s.yaml", real["model"], data,
+             GRPO.replace("verifier: math", "verifier: exact").replace("max_new_tokens: 40", "max_new_tokens: 8"),
+             {"steps": 1, "prompts_per_step": 2, "eval_every": 0, "eval_samples": 3, "loggers": ["csv"]})
+    out = tmp_path / "run"
+    final = train(validate_file(s), out, progress=False)
+    moved = tmp_path / "elsewhere" / "model"
+    shutil.copytree(out / "model", moved)
+    r = cli("eval", moved, "--data", real["eval"], "--out", tmp_path / "ev")
+    assert r.exit_code == 0, r.output
+    ev = json.loads((tmp_path / "ev" / "eval.json").read_text())
+    assert ev["verifier"] == "exact" and ev["eval_samples"] == 3 and ev["metrics"] == final
+    want = [json.loads(x) for x in (out / "eval_samples.jsonl").read_text().splitlines()]
+    got = [json.loads(x) for x in (tmp_path / "ev" / "eval_samples.jsonl").read_text().splitlines()]
+    assert [x["prompt"] for x in got] == [x["prompt"] for x in want if x["step"] == 1]
+    assert all("Be brief." in x["prompt"] and "Q: Tom has" in x["prompt"] for x in got)
+    assert [x["response"] for x in got] == [x["response"] for x in want if x["step"] == 1]

@@ -267,8 +267,28 @@ def _spec(run: Path | None, ckpt: Path | None, model_dir: Path | None, data: str
     if data is None:
         raise EvalError(f"{model_dir}: a model directory outside a run folder needs --data FILE (and the rows' "
                         "fields as overrides, e.g. data.prompt_field=problem)")
-    return _validate_text(MODEL_ONLY_SPEC.format(model=json.dumps(str(model_dir)), data=json.dumps(str(data))),
-                          overrides)
+    return _validate_text(model_only_spec(model_dir, data), overrides)
+
+
+def model_only_spec(model_dir: Path, data: str) -> str:
+    """The spec `composer eval MODEL_DIR --data D` evaluates with: an export's run settings (its prompt and data
+    fields, verifier, evaluation sizes: composer_export.json), else the defaults and the math verifier."""
+    import json
+
+    from composer.runtime.export import export_settings
+
+    run = export_settings(model_dir)
+    if not run:
+        return MODEL_ONLY_SPEC.format(model=json.dumps(str(model_dir)), data=json.dumps(str(data)))
+    source = {"kind": "outcome_reward", **({"verifier": run["verifier"]} if isinstance(run.get("verifier"), str) else {})}
+    spec = {"name": "eval", "policy": {"model": str(model_dir)},
+            "data": {**(run.get("data") if isinstance(run.get("data"), dict) else {}), "train": str(data), "eval": str(data)},
+            "sources": {"verifier": source}, "signal": {"kind": "reward", "source": "verifier"},
+            "objective": {"kind": "grpo"}}
+    for key in ("train", "rollout"):
+        if isinstance(run.get(key), dict) and run[key]:
+            spec[key] = dict(run[key])
+    return json.dumps(spec)
 
 
 def evaluate_target(target, data: str | None = None, k: int | None = None, out=None,

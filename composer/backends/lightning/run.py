@@ -362,7 +362,10 @@ def export_policy(module, tokenizer, out: Path, strategy: str) -> Path | None:
 
         ckpt = last_checkpoint(out)
         return export_checkpoint(ckpt, out / MODEL_DIR) if ckpt is not None else None
-    return save_policy(merged(module.policy), tokenizer, out / MODEL_DIR)  # a LoRA adapter merged into the weights
+    from composer.runtime.export import eval_settings
+
+    settings = eval_settings(json.loads(ckpt_format.spec_record(module.validated)["json"]))
+    return save_policy(merged(module.policy), tokenizer, out / MODEL_DIR, settings)  # a LoRA adapter merged
 
 
 LOGGER_IDS = "loggers.json"  # the W&B and MLflow run ids, so that --resume continues the same runs
