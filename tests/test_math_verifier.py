@@ -25,7 +25,35 @@ CASES = [
     ("The final answer is 74.", "74", 1.0, True, "74"),  # an anchored answer without a box
     ("work\n#74", "74", 1.0, True, "74"),  # the toy's answer line
     ("## Step 74\nblah", "74", 0.0, False, None),  # a markdown heading is no answer line
+    # GSM8K's own format (its `answer` column; what a model SFT'd on GSM8K writes): before, parsed as nothing
+    ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "72", 1.0, True, "72"),
+    ("#### 46", "46", 1.0, True, "46"),
+    ("#### 45", "46", 0.0, True, "45"),
+    ("#### 1,000", "1000", 1.0, True, "1000"),  # thousands separators
+    ("#### $18", "18", 1.0, True, "18"),
+    ("#### -3.5", "-7/2", 1.0, True, "-3.5"),
+    ("#### 3\nno wait\n#### 46", "46", 1.0, True, "46"),  # the last `####` line
+    ("#### Step 74\nblah", "74", 0.0, False, None),  # a markdown heading `#### Step` is no GSM8K answer
+    # MATH-style and free-text final-answer forms
+    ("So the answer is 46.", "46", 1.0, True, "46"),
+    ("The answer is: $\\frac{3}{4}$", "0.75", 1.0, True, "3/4"),
+    ("Final Answer: The final answer is $\\boxed{46}$. I hope it is correct.", "46", 1.0, True, "46"),
 ]
+
+GSM8K_REFERENCE = ("Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = "
+                   "$<<0.2*50=10>>10.\n#### 10")
+
+
+@pytest.mark.parametrize("response, reward", [("#### 10", 1.0), ("The answer is 10.", 1.0), ("\\boxed{10}", 1.0),
+                                              ("#### 50", 0.0), ("#### 0.2", 0.0)])
+def test_a_gsm8k_answer_column_as_the_reference_is_read_by_its_number(response, reward):
+    """A row whose `answer` is GSM8K's worked solution (as the dataset ships it) is compared by its `####`
+    number, not by a number met on the way (0.2, 50); the row check accepts it."""
+    from components.tasks.verifiers import math_answer_problem
+
+    ex = Example(prompt="p", answer=GSM8K_REFERENCE)
+    assert math_answer_problem(ex) is None
+    assert math_verifier(response, ex).reward == reward
 
 
 @pytest.mark.parametrize("response, answer, reward, parsed, read", CASES)

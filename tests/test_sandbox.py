@@ -446,3 +446,64 @@ def test_the_tests_own_definitions_and_the_entry_point_win(clean_machine):
     tests = "assert sum([1]) == 42\nassert abs(-2) == 2\n"
     assert cv.run_sandboxed(program, SURE, tests=tests, entry="sum").passed
     assert not cv.run_sandboxed(program, SURE, tests=tests).passed
+
+
+# ------------------------------------------------------------------------------ iterations ended early (issue 43)
+# A StopIteration out of a program's function ended the tests' map / filter / zip: `all(map(...))` of nothing is
+# True, so a wrong program scored 1.0. Only the end of the program's own iterator (`next`) may end an iteration.
+
+ENDS_EARLY = {
+    "map": "assert all(map(lambda x: f(x) == x + 1, [1, 2, 3]))\n",
+    "filter": "assert not list(filter(lambda x: f(x) != x + 1, [1, 2, 3]))\n",
+    "zip": "assert all(a == b for a, b in zip(map(f, [1, 2, 3]), [2, 3, 4]))\n",
+    "starmap_any": "import itertools\nassert not any(itertools.starmap(lambda x: f(x) != x + 1, [(1,), (2,)]))\n",
+}
+RAISES = ["StopIteration", "GeneratorExit", "KeyboardInterrupt", "SystemExit"]
+
+
+@needs_sandbox
+@pytest.mark.parametrize("exc", RAISES)
+@pytest.mark.parametrize("shape", sorted(ENDS_EARLY))
+def test_a_program_raising_cannot_end_the_tests_iteration_early(clean_machine, exc, shape):
+    ex = Example(prompt="p", answer=ENDS_EARLY[shape], meta={"timeout": 10})
+    v = cv.code_verifier(f"```python\ndef f(x):\n    raise {exc}\n```", ex)
+    assert v.reward == 0.0, (exc, shape, v.detail)  # before: StopIteration scored 1.0 on map, filter, zip
+    if exc == "StopIteration":
+        right = cv.code_verifier("```python\ndef f(x):\n    return x + 1\n```", ex)
+        assert right.reward == 1.0, right.detail  # the same tests pass a right program
+
+
+ITERATION_FORGERIES = {
+    # a result whose truth value ends the filter
+    "bool_raises": "class R:\n    def __bool__(self):\n        raise StopIteration\ndef f(x):\n    return R()\n",
+    # a method, reached through an attribute of the program's object
+    "method_raises": "class S:\n    def g(self, x):\n        raise StopIteration\ndef f(x):\n    return S().g(x)\n"
+                     "s = S()\n",
+    # the program speaks the protocol itself and answers every request 'stop'
+    "answer_every_request_with_stop": ("import json, os, struct, sys\nreq, resp = int(sys.argv[1]), int(sys.argv[2])\n"
+                                       "def send(o):\n    d = json.dumps(o).encode()\n"
+                                       "    os.write(resp, struct.pack('>I', len(d)) + d)\n"
+                                       "send({'ready': {'f': {'h': 0}}})\nwhile True:\n"
+                                       "    n = struct.unpack('>I', os.read(req, 4))[0]\n    os.read(req, n)\n"
+                                       "    send({'stop': True})\n"),
+}
+
+
+@needs_sandbox
+@pytest.mark.parametrize("program", sorted(ITERATION_FORGERIES))
+def test_a_program_cannot_end_an_iteration_through_its_objects_or_the_protocol(clean_machine, program):
+    tests = "assert not list(filter(lambda x: not f(x), [1, 2, 3]))\nassert all(map(lambda x: f(x) == x + 1, [1, 2]))\n"
+    ex = Example(prompt="p", answer=tests, meta={"timeout": 10})
+    v = cv.code_verifier(f"```python\n{ITERATION_FORGERIES[program]}```", ex)
+    assert v.reward == 0.0, (program, v.detail)
+
+
+@needs_sandbox
+def test_the_programs_own_generators_still_end_iterations(clean_machine):
+    """The fix does not break iteration: a program's generator ends the tests' for, list, map and zip as usual."""
+    tests = ("assert list(f(3)) == [0, 1, 2]\nassert all(map(lambda a: a < 3, f(3)))\n"
+             "assert [a + b for a, b in zip(f(3), f(5))] == [0, 2, 4]\nit = iter(f(1))\nassert next(it) == 0\n"
+             "assert next(it, 'end') == 'end'\n")
+    v = cv.code_verifier("```python\ndef f(n):\n    yield from range(n)\n```",
+                         Example(prompt="p", answer=tests, meta={"timeout": 10}))
+    assert v.reward == 1.0, v.detail

@@ -203,8 +203,8 @@ while True:
         except (ValueError, TypeError, RecursionError):
             out = {"ok": {"h": keep(value)}}
         send(out)
-    except StopIteration:
-        send({"stop": True})
+    except StopIteration as e:  # the end of an iteration only answers `next`: anything else raising it is an error
+        send({"stop": True} if msg.get("op") == "next" else {"exc": ["StopIteration", str(e)[:2000]]})
     except BaseException as e:
         send({"exc": [type(e).__name__, str(e)[:2000]]})
 """
@@ -489,7 +489,11 @@ def rpc(op, *args):
     if "ok" in msg:
         return dec(msg["ok"])
     if "stop" in msg:
-        raise StopIteration
+        # Only `next` may end an iteration. A StopIteration out of the program's function, attribute, len or
+        # bool would end the tests' map / filter / zip (all(map(...)) of nothing is True): an error instead
+        if op == "next":
+            raise StopIteration
+        raise ProgramError("StopIteration raised by the program (%s), not at the end of an iteration" % op)
     exc = msg.get("exc")
     if type(exc) is list and len(exc) == 2 and type(exc[0]) is str and type(exc[1]) is str:
         cls = getattr(builtins, exc[0], None)

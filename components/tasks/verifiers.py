@@ -35,6 +35,22 @@ def answer_line(text: str) -> str | None:
     return m.group(1).strip() if m else None
 
 
+GSM8K_LINE = re.compile(r"^[ \t]*####[ \t]*\$?[ \t]*([-+]?\d[\d,]*(?:\.\d+)?(?:/\d+)?)(?![\d,./])", re.M)
+
+
+def gsm8k_answer(text: str) -> str | None:
+    """The number of the last line written `#### <number>` (GSM8K's answer format; thousands commas and a
+    leading `$` dropped), else None. `#### Step 3` (a markdown heading) is no answer."""
+    found = GSM8K_LINE.findall(text)
+    return re.sub(r"(?<=\d),(?=\d)", "", found[-1]) if found else None
+
+
+def reference_answer(answer: str) -> str:
+    """A row's reference answer as the verifier compares it: GSM8K's own `answer` column (a worked solution
+    ending `#### 46`) gives 46; any other answer is itself."""
+    return gsm8k_answer(answer) or answer
+
+
 def final_answer(text: str) -> str:
     """The response's final answer: after the last '#', else the last \\boxed{}, else the whole text."""
     for extract in (after_hash, last_boxed):
@@ -63,7 +79,7 @@ def math_answer_problem(example: Example) -> str | None:
     """Why math_verify cannot parse a row's answer (only its raw-string fallback matches), or None."""
     from math_verify import parse
 
-    answer = example.answer
+    answer = reference_answer(example.answer)
     kw = {} if threading.current_thread() is threading.main_thread() else {"parsing_timeout": None}
     found = parse(f"${answer}$", **kw) or parse(answer, **kw)
     if not any(not isinstance(x, str) for x in found):  # only the raw-string fallback: nothing parsed
@@ -98,7 +114,7 @@ def exact_verifier(response: str, example: Example) -> Verdict:
 
 
 @register_verifier("math", "math-verify equivalence of the final answer with the reference answer: the last \\boxed{} "
-                           "when the response has one (only that one), else a `#` answer line, else an answer math-verify "
+                           "when the response has one (only that one), else GSM8K's `#### <number>` line, else a `#` answer line, else an answer math-verify "
                            "finds after an anchor (\"the final answer is ...\"); never the last number of free text.",
                    check="math_answer_problem")
 def math_verifier(response: str, example: Example) -> Verdict:
@@ -106,16 +122,18 @@ def math_verifier(response: str, example: Example) -> Verdict:
 
     What counts as the final answer, in order: the content of the last \\boxed{} when the response has a box
     (earlier boxes, e.g. an echo of the prompt's instruction, are ignored; an empty or unbalanced last box is
-    no answer); else the answer of a last line written `#<answer>`; else what math-verify's LaTeX and expression
+    no answer); else the number of the last GSM8K answer line `#### 46`; else the answer of a last line written `#<answer>`; else what math-verify's LaTeX and expression
     extraction finds *after an anchor* (`try_extract_without_anchor=False`: "the final answer is 12", "answer:
     12"), with no fallback. A number scattered in free text is never taken for an answer. The parsed answer
-    is in `Verdict.answer` (samples.jsonl and eval_samples.jsonl show it); parsed=False when there is none."""
+    is in `Verdict.answer` (samples.jsonl and eval_samples.jsonl show it); parsed=False when there is none.
+    A reference answer that is GSM8K's worked solution (`... #### 46`) is compared by its `####` number."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     # math_verify's timeouts use signals, which only work in the main thread
     main = threading.current_thread() is threading.main_thread()
     kw = {} if main else {"parsing_timeout": None}
-    gold = parse(f"${example.answer}$", **kw) or parse(example.answer, **kw)
+    reference = reference_answer(example.answer)
+    gold = parse(f"${reference}$", **kw) or parse(reference, **kw)
     strict = [LatexExtractionConfig(try_extract_without_anchor=False, boxed_match_priority=0),
               ExprExtractionConfig(try_extract_without_anchor=False)]
     if "\\boxed" in response:
@@ -127,6 +145,10 @@ def math_verifier(response: str, example: Example) -> Verdict:
             pred = parse(text, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
                          fallback_mode="no_fallback", **kw)
         where = "the last \\boxed{}"
+    elif gsm8k_answer(response) is not None:  # GSM8K's `#### 46`, as a model trained on GSM8K writes it
+        text = gsm8k_answer(response)
+        pred = parse(text, extraction_config=[ExprExtractionConfig()], fallback_mode="no_fallback", **kw)
+        where = "the '####' answer line"
     elif answer_line(response) is not None:
         text = answer_line(response)
         pred = parse(text, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
@@ -138,7 +160,7 @@ def math_verifier(response: str, example: Example) -> Verdict:
         where = "an answer after an anchor (\"the final answer is\")"
     pred = [p for p in pred if not isinstance(p, str)] and pred
     if not pred:
-        found = "an empty or unbalanced last \\boxed{}" if "\\boxed" in response else "no \\boxed{}, no '#' line"
+        found = "an empty or unbalanced last \\boxed{}" if "\\boxed" in response else "no \\boxed{}, no '####' or '#' line"
         return Verdict(0.0, parsed=False, detail=f"could not parse a final answer ({found}; looked for {where})")
     answer = str(pred[-1]) if text is None else text.strip()
     if not gold:

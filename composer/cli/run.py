@@ -100,7 +100,11 @@ def _run(spec, overrides, out, resume, no_progress, strict=False):
     try:
         with claim_folder(folder, resume=bool(resume)):
             if resume:
-                changes = check_resume(v, folder)[1]
+                state, changes = check_resume(v, folder)
+                done = finished_note(v, folder, state)
+                if done:  # nothing to train: the folder stays as it is (no final evaluation rerun)
+                    click.echo(done)
+                    return
                 for path, old, new in changes:
                     click.echo(f"resuming with {path}: {old} -> {new}", err=True)
                 if changes:
@@ -119,6 +123,20 @@ def _run(spec, overrides, out, resume, no_progress, strict=False):
         click.echo(f"  {k}: {val:.3f}")
     if (folder / "model" / "config.json").exists():
         click.echo(f"model: {folder / 'model'} (transformers: AutoModelForCausalLM.from_pretrained)")
+
+
+def finished_note(v, folder: Path, state: dict) -> str | None:
+    """What `--resume` of a run that already finished says (None: there are steps left to train)."""
+    try:
+        step = int(state.get("global_step", -1))
+    except (TypeError, ValueError):
+        return None
+    total = v.total_steps
+    if step < total or not (folder / "report.md").exists():
+        return None
+    return (f"{folder}: the run already finished (step {step}/{total}, report.md written); --resume changed "
+            f"nothing.\n    hint: to train further, resume with a larger train.steps (`composer run --resume {folder} "
+            f"train.steps=N`, N > {v.spec.train.steps}); to evaluate again, `composer eval {folder} --out DIR`")
 
 
 def _expected_errors() -> tuple:

@@ -267,8 +267,56 @@ def _spec(run: Path | None, ckpt: Path | None, model_dir: Path | None, data: str
     if data is None:
         raise EvalError(f"{model_dir}: a model directory outside a run folder needs --data FILE (and the rows' "
                         "fields as overrides, e.g. data.prompt_field=problem)")
-    return _validate_text(MODEL_ONLY_SPEC.format(model=json.dumps(str(model_dir)), data=json.dumps(str(data))),
-                          overrides)
+    return _validate_text(model_only_spec(model_dir, data), overrides)
+
+
+def model_only_spec(model_dir: Path, data: str) -> str:
+    """The spec `composer eval MODEL_DIR --data D` evaluates with: an export's run settings (its prompt and data
+    fields, verifier, evaluation sizes: composer_export.json), else the defaults and the math verifier."""
+    import json
+
+    from composer.runtime.export import export_settings
+
+    run = export_settings(model_dir)
+    if not run:
+        return MODEL_ONLY_SPEC.format(model=json.dumps(str(model_dir)), data=json.dumps(str(data)))
+    source = {"kind": "outcome_reward", **({"verifier": run["verifier"]} if isinstance(run.get("verifier"), str) else {})}
+    spec = {"name": "eval", "policy": {"model": str(model_dir)},
+            "data": {**(run.get("data") if isinstance(run.get("data"), dict) else {}), "train": str(data), "eval": str(data)},
+            "sources": {"verifier": source}, "signal": {"kind": "reward", "source": "verifier"},
+            "objective": {"kind": "grpo"}}
+    for key in ("train", "rollout"):
+        if isinstance(run.get(key), dict) and run[key]:
+            spec[key] = dict(run[key])
+    return json.dumps(spec)
+
+
+EVAL_FILES = ("eval.json", EVAL_SAMPLES)
+
+
+def out_problem(out: Path) -> str | None:
+    """Why `composer eval --out` may not write into `out` (None: new, empty, or an earlier `composer eval`'s
+    folder, whose two files are replaced). A run folder, or a folder with anything else in it, is refused: its
+    eval_samples.jsonl and other files are not this command's to overwrite."""
+    if out.is_symlink():
+        return "it is a symbolic link; give the real folder"
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        return "it is a file, not a folder"
+    names = {p.name for p in out.iterdir()}
+    if not names:
+        return None
+    mine = False
+    try:
+        found = json.loads((out / "eval.json").read_text(encoding="utf-8"))
+        mine = isinstance(found, dict) and {"target", "weights", "metrics"} <= set(found)
+    except (OSError, ValueError):
+        pass
+    if mine and names <= set(EVAL_FILES) and not any((out / n).is_symlink() for n in names):
+        return None
+    return (f"the folder holds files `composer eval` did not write ({', '.join(sorted(names - set(EVAL_FILES)) or sorted(names))[:200]}); "
+            "nothing is overwritten\n    hint: choose a new or empty folder (default: eval/ in the run folder)")
 
 
 def evaluate_target(target, data: str | None = None, k: int | None = None, out=None,
@@ -287,6 +335,10 @@ def evaluate_target(target, data: str | None = None, k: int | None = None, out=N
     from composer.runtime.models import load_model, load_tokenizer, prepare_policy
 
     target = Path(target)
+    if out is not None:
+        why = out_problem(Path(out))
+        if why:
+            raise EvalError(f"--out {out}: {why}")
     run, ckpt, model_dir = _target(target)
     over = list(overrides or []) + ([f"data.eval={data}"] if data is not None and (run or ckpt) else []) + \
         ([f"train.eval_k={k}"] if k is not None else [])
@@ -334,6 +386,7 @@ def evaluate_target(target, data: str | None = None, k: int | None = None, out=N
             out = base.with_name(f"eval-{n}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / EVAL_SAMPLES).unlink(missing_ok=True)  # an earlier `composer eval`'s (out_problem): replaced, not appended
     write_records(out, step, records)
     files.write_text(out / "eval.json", json.dumps({
         "target": str(target), "weights": weights, "step": step, "data": spec.data.eval or "toy testbed",

@@ -70,8 +70,47 @@ def target_problem(dest: Path | str) -> str | None:
             "folder")
 
 
-def save_policy(model, tokenizer, dest: Path | str) -> Path:
-    """model + tokenizer via save_pretrained into `dest`, replacing it whole (an earlier export) or not at all."""
+EVAL_DATA_FIELDS = ("prompt_field", "answer_field", "prompt_format", "system_prompt", "prompt_template",
+                    "chat_template_kwargs")
+
+
+def _verifiers(node) -> list[str]:
+    """Every `verifier:` a source of the resolved spec names, in order (base spec, then phases and stages)."""
+    found = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == "verifier" and isinstance(v, str):
+                found.append(v)
+            else:
+                found += _verifiers(v)
+    elif isinstance(node, list):
+        for v in node:
+            found += _verifiers(v)
+    return found
+
+
+def eval_settings(resolved: dict) -> dict:
+    """What `composer eval EXPORT --data D` needs to evaluate as the run did, from the run's resolved spec: the
+    prompt and data fields (system prompt, template, fields, format), the verifier, the evaluation's sizes and
+    the response length. Kept in the export's composer_export.json."""
+    resolved = resolved if isinstance(resolved, dict) else {}
+    data = resolved.get("data") if isinstance(resolved.get("data"), dict) else {}
+    train = resolved.get("train") if isinstance(resolved.get("train"), dict) else {}
+    rollout = resolved.get("rollout") if isinstance(resolved.get("rollout"), dict) else {}
+    chosen = train.get("eval_verifier")
+    named = [v for v in _verifiers({k: resolved.get(k) for k in ("sources", "phases", "stages")}) if v != "auto"]
+    verifier = chosen if chosen and chosen != "auto" else (named[-1] if named else None)
+    out = {"data": {k: data[k] for k in EVAL_DATA_FIELDS if k in data},
+           "train": {k: train[k] for k in ("eval_samples", "eval_k", "seed") if k in train},
+           "rollout": {k: rollout[k] for k in ("max_new_tokens",) if k in rollout}}
+    if verifier:
+        out["verifier"] = verifier
+    return out
+
+
+def save_policy(model, tokenizer, dest: Path | str, settings: dict | None = None) -> Path:
+    """model + tokenizer via save_pretrained into `dest`, replacing it whole (an earlier export) or not at all.
+    `settings` (eval_settings of the run's spec) go into composer_export.json for `composer eval`."""
     dest = Path(dest)
     why = target_problem(dest)
     if why:
@@ -90,7 +129,8 @@ def save_policy(model, tokenizer, dest: Path | str) -> Path:
             why = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [""])[0][:300]
             raise ExportError(f"{dest}: cannot write the model ({type(e).__name__}: {why}; a full disk?); "
                               f"{dest} is as it was") from None
-        (tmp / MARK).write_text(json.dumps({"written_by": "composer", "format": "transformers"}) + "\n")
+        mark = {"written_by": "composer", "format": "transformers", **({"run": settings} if settings else {})}
+        (tmp / MARK).write_text(json.dumps(mark, indent=1) + "\n")
         if dest.exists():
             os.rename(dest, old)
         os.rename(tmp, dest)
@@ -186,4 +226,19 @@ def export_checkpoint(src: Path | str, dest: Path | str, base: str | None = None
     from composer.runtime.models import merged
 
     tokenizer = load_tokenizer(tok_path, trust_remote_code=trust)
-    return save_policy(merged(model), tokenizer, dest)
+    record = (state.get("composer") or {}).get("spec") if isinstance(state.get("composer"), dict) else None
+    try:
+        settings = eval_settings(json.loads(record["json"])) if isinstance(record, dict) and "json" in record else None
+    except (TypeError, ValueError):
+        settings = None
+    return save_policy(merged(model), tokenizer, dest, settings)
+
+
+def export_settings(model_dir: Path | str) -> dict:
+    """The run settings an export keeps (composer_export.json `run`), {} for another model folder."""
+    path = Path(model_dir) / MARK
+    try:
+        found = json.loads(path.read_text(encoding="utf-8")).get("run") if path.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return found if isinstance(found, dict) else {}

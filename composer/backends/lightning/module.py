@@ -23,6 +23,7 @@ from composer.runtime.context import RunContext
 from composer.runtime.engine import make_engine
 from composer.runtime.report import metric_row
 from composer.runtime import vacuous
+from composer.runtime.reward_watch import RewardWatch
 from composer.runtime.evaluate import evaluate, write_records
 
 
@@ -78,6 +79,7 @@ class ComposerModule(L.LightningModule):
         self.tally = None
         self._fingerprint = None
         self.vacuous_error: str | None = None
+        self.reward_watch = RewardWatch()  # warns after training of a segment whose verifier read nothing
         # Several optimizer steps per rollout batch (train.epochs x train.mini_batches) step the optimizer by hand;
         # a run whose every segment makes one update per step keeps Lightning's automatic optimization as it was.
         self.automatic_optimization = all(s.spec.train.epochs * s.spec.train.mini_batches == 1 for s in self.segments)
@@ -193,7 +195,7 @@ class ComposerModule(L.LightningModule):
             self.tally = vacuous.Tally(seg.name, seg.start, seg.end)
             self._fingerprint = vacuous.fingerprint(self.policy)
         loss, metrics = self.step_loss(step, self.optimizers())
-        metrics.pop("_batches")
+        self.reward_watch.note(self.ctx.segment, metrics.pop("_batches"))
         metrics_eval = metrics.pop("_eval")
         # Straight to the loggers: Lightning's result collection would repeat a key logged in an earlier
         # step (a guide metric, an evaluation) into rows where it was not measured. One name per metric in
@@ -202,9 +204,9 @@ class ComposerModule(L.LightningModule):
         for lg in self.loggers:
             lg.log_metrics(row, step=step)
         shown = {k: row[k] for k in ("reward_mean", "tokens_per_s") if k in row}
-        if metrics_eval:  # the progress bar's pass@1: the middle tier (never logged: pass_at_1/<tier> are)
-            shown["pass@1"] = metrics_eval[sorted(metrics_eval)[len(metrics_eval) // 2]]
-        self.last_row = {**row, **({"pass@1": shown["pass@1"]} if metrics_eval else {})}
+        if shown_pass_at_1(metrics_eval) is not None:  # the progress bar's pass@1 (never logged: pass_at_1/<tier> are)
+            shown["pass@1"] = shown_pass_at_1(metrics_eval)
+        self.last_row = {**row, **({"pass@1": shown["pass@1"]} if "pass@1" in shown else {})}
         self.tally.add(seg.spec, row)
         self.log_dict(shown, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
         return loss
@@ -413,6 +415,13 @@ class ComposerModule(L.LightningModule):
         for k, v in state.get("memo", {}).items():  # searched prefixes (POPE): the same k after a resume
             ctx.cache[eval_key(k)] = v
         self._pending = None
+
+
+def shown_pass_at_1(metrics_eval: dict) -> float | None:
+    """The greedy pass@1 the progress line shows: `pass@1/<tier>` of the middle tier, never a pass@k or the
+    sampled pass@1 (with train.eval_k the evaluation also holds pass@2/<tier>, pass@1_sampled/<tier>, ...)."""
+    greedy = sorted(k for k in metrics_eval if k.startswith("pass@1/"))
+    return metrics_eval[greedy[len(greedy) // 2]] if greedy else None
 
 
 def eval_key(text: str) -> tuple:

@@ -347,6 +347,8 @@ def _fit(validated, out: Path, plan: dict, module, loggers, callbacks, ckpt, sto
                        f"checkpoint is kept ({last_checkpoint(out)})\n    hint: fix the spec (the settings above never "
                        f"acted), or run without --strict to train on regardless; --resume {out} continues") from None
     stop.deferred, stop.finishing = False, True
+    if trainer.is_global_zero:
+        module.reward_watch.warn()
     if trainer.global_step and _checkpoint_step(out) != trainer.global_step:  # the last step's state, always
         trainer.save_checkpoint(str(out / "checkpoints" / "last.ckpt"))  # every rank calls it; rank 0 writes
     if module.ctx is None:  # resumed from the last step's checkpoint: Lightning ran nothing
@@ -369,7 +371,10 @@ def export_policy(module, tokenizer, out: Path, strategy: str) -> Path | None:
 
         ckpt = last_checkpoint(out)
         return export_checkpoint(ckpt, out / MODEL_DIR) if ckpt is not None else None
-    return save_policy(merged(module.policy), tokenizer, out / MODEL_DIR)  # a LoRA adapter merged into the weights
+    from composer.runtime.export import eval_settings
+
+    settings = eval_settings(json.loads(ckpt_format.spec_record(module.validated)["json"]))
+    return save_policy(merged(module.policy), tokenizer, out / MODEL_DIR, settings)  # a LoRA adapter merged
 
 
 LOGGER_IDS = "loggers.json"  # the W&B and MLflow run ids, so that --resume continues the same runs
@@ -559,6 +564,16 @@ def _checkpoint_step(out: Path) -> int | None:
         return None
 
 
+def report_rows(final: dict) -> list[str]:
+    """One table row per evaluation metric, named: `| pass@1 | eval | 0.250 |` (greedy), `| pass@4 | eval |`,
+    `| pass@1_sampled | eval |` (was: every row labelled with its tier only, under a pass@1 header)."""
+    rows = []
+    for k, v in sorted(final.items(), key=lambda kv: (kv[0].split("/", 1)[-1], kv[0])):
+        metric, _, tier = k.partition("/")
+        rows.append(f"| {metric} | {tier or '-'} | {v:.3f} |")
+    return rows
+
+
 def write_report(out: Path, plan: dict, final: dict, model_dir: Path | None = None) -> None:
     """report.md with a PNG of the loss, the reward and the evaluation against step."""
     from composer.runtime.report import plot_metrics
@@ -571,8 +586,8 @@ def write_report(out: Path, plan: dict, final: dict, model_dir: Path | None = No
         png = out / "curves.png"
     lines = [f"# {plan['name']}", "", plan.get("summary", ""), "",
              f"Steps: {plan['total_steps']}, backend: lightning, testbed: {plan['testbed']}.", "",
-             "## Final evaluation (greedy pass@1 per tier)", "", "| tier | pass@1 |", "| --- | --- |"]
-    lines += [f"| {k.split('/', 1)[-1]} | {v:.3f} |" for k, v in sorted(final.items())]
+             "## Final evaluation", "", "| metric | tier | value |", "| --- | --- | --- |"]
+    lines += report_rows(final)
     if png:
         lines += ["", f"![loss, reward and evaluation]({png.name})"]
     if model_dir is not None:
