@@ -14,9 +14,12 @@ resubmitted by launch.sh after a preemption resuming from OpenRLHF's checkpoint.
 
 What is replaced: vLLM's engine (tests/openrlhf_real/hf_vllm.py, an HF-transformers model with vLLM's
 interface, also as the judge actor's offline vllm.LLM; its assumptions are pinned by test_engine_interface and checked against real vLLM on a GPU by
-examples/cluster/vllm_interface_check.py). CPU patches (tests/openrlhf_real/cpu.py, P1-P7): torch.cuda
-no-ops, a CPU device mesh, DeepSpeed's `torch_adam` optimizer setting, file-system tensor sharing, DeepSpeed
-state offload as no-ops, a StatefulDataLoader; the test-only preemption switch (the training actor SIGKILLs
+examples/cluster/vllm_interface_check.py). CPU patches (tests/openrlhf_real/cpu.py, P1-P9, each with why): torch.cuda
+no-ops, a CPU device mesh, DeepSpeed's own `torch_adam` optimizer option (DeepSpeed still builds the
+optimizer from OpenRLHF's config), file-system tensor sharing, sleep-mode state offload as no-ops, the EMA
+copy on the CPU, no shared-memory all-reduce kernel; import stubs for vLLM and flash-attn
+(tests/openrlhf_cpu_stubs: neither installs without CUDA). torchdata 0.11 (StatefulDataLoader) and pylatexenc
+are the real packages; the test-only preemption switch (the training actor SIGKILLs
 itself right after writing a named checkpoint). Two argv changes in the copied plan.json: sdpa attention (no
 flash-attn) and the test's folders.
 
