@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     if ns.check:
         sys.exit(check(plan_path, plan, run, args))
     if run["trainer"] == "sft":
-        if not ns.no_preflight:
+        if not ns.no_preflight and os.environ.get("COMPOSER_JOB"):  # in the bundle's Ray job: its cluster
             import ray
 
             ray.init()
