@@ -14,9 +14,12 @@ resubmitted by launch.sh after a preemption resuming from OpenRLHF's checkpoint.
 
 What is replaced: vLLM's engine (tests/openrlhf_real/hf_vllm.py, an HF-transformers model with vLLM's
 interface, also as the judge actor's offline vllm.LLM; its assumptions are pinned by test_engine_interface and checked against real vLLM on a GPU by
-examples/cluster/vllm_interface_check.py). CPU patches (tests/openrlhf_real/cpu.py, P1-P7): torch.cuda
-no-ops, a CPU device mesh, DeepSpeed's `torch_adam` optimizer setting, file-system tensor sharing, DeepSpeed
-state offload as no-ops, a StatefulDataLoader; the test-only preemption switch (the training actor SIGKILLs
+examples/cluster/vllm_interface_check.py). CPU patches (tests/openrlhf_real/cpu.py, P1-P9, each with why): torch.cuda
+no-ops, a CPU device mesh, DeepSpeed's own `torch_adam` optimizer option (DeepSpeed still builds the
+optimizer from OpenRLHF's config), file-system tensor sharing, sleep-mode state offload as no-ops, the EMA
+copy on the CPU, no shared-memory all-reduce kernel; import stubs for vLLM and flash-attn
+(tests/openrlhf_cpu_stubs: neither installs without CUDA). torchdata 0.11 (StatefulDataLoader) and pylatexenc
+are the real packages; the test-only preemption switch (the training actor SIGKILLs
 itself right after writing a named checkpoint). Two argv changes in the copied plan.json: sdpa attention (no
 flash-attn) and the test's folders.
 
@@ -157,9 +160,20 @@ def job(head: Head, bundle: Path) -> dict:
 
 def check_losses(out: dict, steps: int) -> float:
     """Every fit's loss (what DeepSpeed back-propagated) equals the Lightning backend's loss of the same batch
-    and weights; returns the largest difference."""
+    and weights; the job trained its declared steps; every run (stage: one training process) moved the
+    weights; the policy_loss OpenRLHF logged for each PPO step is the loss it trained on. Returns the largest
+    difference."""
     fits = out["fits"]
-    assert len(fits) == steps, fits
+    assert len(fits) == steps, f"trained {len(fits)} of {steps} declared steps"
+    for pid in dict.fromkeys(f["pid"] for f in fits):
+        run = [f for f in fits if f["pid"] == pid]
+        assert run[0]["weights_before"] != run[-1]["weights_after"], f"a run (pid {pid}) moved no weight: {run}"
+    ppo = [f for f in fits if f.get("trainer", "ppo") == "ppo"]
+    if "stdout" in out and ppo:
+        logged = logged_steps(out["stdout"])
+        assert len(logged) == len(ppo), (len(logged), len(ppo))
+        for step, f in zip(logged, ppo):
+            assert step["policy_loss"] == pytest.approx(f["openrlhf_loss"], rel=1e-5, abs=1e-7), (step, f)
     worst = 0.0
     for f in fits:
         assert "lightning_error" not in f, f["lightning_error"]
@@ -272,6 +286,11 @@ def test_oapl_resume_is_exact(oapl, oapl_resumed):
         assert abs(a["lightning_loss"] - b["lightning_loss"]) <= TOL * max(1.0, abs(a["lightning_loss"])), (i, a, b)
         assert abs(a["openrlhf_loss"] - b["openrlhf_loss"]) <= TOL * max(1.0, abs(a["openrlhf_loss"])), (i, a, b)
     worst = check_losses({"fits": fits}, 4)
+    # checkpoints only where a resume keeps the sync schedule (checkpoint_every 1, sync every 2): after step 1
+    # (before the first sync) and the sync steps 2 and 4, never after step 3
+    ckpt = bundle.parent / "cluster" / "main" / "ckpt" / "_actor"
+    kept = sorted(p.name for p in ckpt.glob("global_step*"))
+    assert "global_step3" not in kept and "global_step4" in kept, kept
     # the engine: the resumed job's engine starts from the initial weights and samples step 2 with them (a
     # broadcast on resume would give it step 1's), then receives the weights after steps 2 and 4
     eng = resumed["engine"]
@@ -582,6 +601,46 @@ def test_sft_opd_grpo_stages_chain_across_trainers(curriculum_job):
     for before, after in ((2, 1), (4, 3)):
         assert fits[before]["weights_before"] == fits[after]["weights_after"], (before, after)
     assert fits[1]["weights_after"] != fits[0]["weights_before"]
+
+
+# DAPO (dynamic sampling): the prompt pool holds the refills; the job trains exactly its declared steps, each
+# step on prompts_per_step mixed groups (OpenRLHF's dynamic filtering), and the loss equals Lightning's
+DAPO = ["train.steps=2", "rollout.filter.max_rounds=null", "train.mini_batches=1", *SMALL]
+
+
+@pytest.fixture(scope="module")
+def dapo_job(head, tmp_path_factory):
+    bundle = compile_for_cpu("specs/methods/dapo.yaml", DAPO, tmp_path_factory.mktemp("dapo"))
+    return bundle, job(head, bundle)
+
+
+def test_dapo_trains_its_declared_steps(dapo_job):
+    """2 steps declared, 2 trained, each on 2 prompts x 4 samples whose 0/1 rewards are mixed; the bundle's
+    prompt pool is larger than steps x prompts (the refills come from it)."""
+    bundle, out = dapo_job
+    print(f"dapo: largest |openrlhf - lightning| = {check_losses(out, 2):.3g}")
+    plan = json.loads((bundle / "plan.json").read_text())
+    argv = plan["openrlhf"]["runs"][0]["argv"]
+    assert int(argv[argv.index("--data.max_samples") + 1]) > 2 * 2
+    for f in out["fits"]:
+        assert len(f["samples"]) == 2 * 4
+        groups = {}
+        for r in f["samples"]:
+            groups.setdefault(r["prompt"], []).append(r)
+        assert len(groups) == 2
+
+
+def test_plain_launch_fails_fast_without_the_gpus(head, tmp_path):
+    """A bundle compiled for 2 nodes x 8 GPUs, launched plainly (no --check) on the 2-GPU head: the resource
+    preflight each run starts with fails the job at once, naming what is missing; --no-preflight skips it."""
+    bundle = compile_for_cpu("specs/oapl.yaml", ["train.steps=2"], tmp_path, gpus_per_node=8, nodes=2)
+    r = head.submit(bundle, timeout=600)
+    assert r.returncode != 0
+    report = json.loads((r.stdout + r.stderr).split("composer-preflight: ", 1)[1].splitlines()[0])
+    assert report["cluster"]["gpus"] == 2
+    assert any("missing 2 node(s) with 8 GPU(s)" in p for p in report["problems"]), report["problems"]
+    print(f"plain launch on a head without the GPUs: failed after {r.seconds:.0f}s")
+    assert "--no-preflight" in (bundle / "launch.sh").read_text()
 
 
 def test_check_names_the_gpus_the_cluster_lacks(head, tmp_path):

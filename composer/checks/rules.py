@@ -533,3 +533,6 @@ def buffer_needs_reuse(spec, segment):
                ("sync", "clear_buffer"),
                "remove clear_buffer (the default streaming run already trains each rollout once), or set "
                "sync.reuse: true to sample once per sync interval into a buffer that the steps reuse")]
+
+
+from composer.checks import names as _names  # noqa: E402,F401  (registers names_are_words)

@@ -6,16 +6,20 @@ The patches (nothing else of OpenRLHF, Ray, DeepSpeed or transformers is changed
   P1 torch.cuda     current_device() -> "cpu"; set_device / synchronize / empty_cache / current_stream: no-ops
                     (OpenRLHF calls them unconditionally; torch's CPU build raises)
   P2 device mesh    DeepspeedStrategy's init_device_mesh("cuda", ...) -> the same mesh on "cpu" (gloo)
-  P3 optimizer      DeepSpeed's own `torch_adam: true` optimizer setting (torch.optim.AdamW inside the real
-                    DeepSpeed engine, ZeRO-2, bf16): DeepSpeed's FusedAdam needs CUDA and its CPU Adam a
-                    ~6.5 min compile
+  P3 optimizer      DeepSpeed's own optimizer path: the engine still builds the optimizer from OpenRLHF's
+                    `optimizer` config (DeepSpeedEngine._configure_basic_optimizer, ZeRO-2, bf16), with
+                    DeepSpeed's own `torch_adam: true` option, so it picks torch.optim.AdamW instead of FusedAdam
+                    (a CUDA kernel). DeepSpeedCPUAdam (--ds.adam_offload) is the CPU path DeepSpeed has, but a
+                    C++ JIT build (~6.5 min on this machine) per fresh worker environment
   P4 weight sync    the colocated CUDA-IPC path runs as is on CPU tensors: torch's "file_system" sharing
                     strategy (a handle that can cross Ray's pickling) and get_physical_gpu_id() -> "cpu"
-  P5 sleep mode     DeepSpeed's offload_states / reload_states (move optimizer state GPU <-> CPU): no-ops,
-                    the state already lives on the CPU
+  P5 sleep mode     OpenRLHF's offload_deepspeed_states / reload_deepspeed_states (move optimizer state and
+                    weights GPU <-> CPU for colocation): no-ops: with no GPU there is no memory to free for
+                    the colocated engine; the state already lives on the CPU (reload would ask DeepSpeed's
+                    accelerator for its CUDA device)
   P6 vLLM           vllm.AsyncLLMEngine / AsyncEngineArgs / LLM -> hf_vllm (THE replaced part); the rest of
                     the `vllm` import stub (tests/openrlhf_cpu_stubs) is names only
-  P7 torchdata      StatefulDataLoader with state_dict / load_state_dict (the import stub has none)
+  (torchdata 0.11 and pylatexenc are the real packages: the openrlhf-cpu extra installs them)
   P9 EMA copy       DeepspeedStrategy.moving_average on "cpu" (OpenRLHF's actor asks for "cuda")
   P8 shm all-reduce DeepSpeed's optional CPU shared-memory all-reduce kernel (a JIT compile) is not built:
                     DeepSpeed then uses torch.distributed's gloo collectives, as where the kernel is unavailable
@@ -162,33 +166,6 @@ def p6_vllm(vllm) -> None:
     import hf_vllm
 
     vllm.AsyncEngineArgs, vllm.AsyncLLMEngine, vllm.LLM = hf_vllm.EngineArgs, hf_vllm.HFEngine, hf_vllm.LLM
-
-
-def p7_torchdata(mod) -> None:
-    from torch.utils.data import DataLoader
-
-    class StatefulDataLoader(DataLoader):
-        """torchdata's StatefulDataLoader as OpenRLHF uses it: iteration, state_dict, load_state_dict (the
-        batches served this epoch; a loaded state skips them, in the same seeded order)."""
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self._served, self._skip = 0, 0
-
-        def __iter__(self):
-            skip, self._skip, self._served = self._skip, 0, 0
-            for i, batch in enumerate(super().__iter__()):
-                self._served = i + 1
-                if i >= skip:
-                    yield batch
-
-        def state_dict(self):
-            return {"batches_served": self._served}
-
-        def load_state_dict(self, state):
-            self._skip = int(state.get("batches_served", 0))
-
-    mod.StatefulDataLoader = StatefulDataLoader
 
 
 def p_actor(mod) -> None:
@@ -437,7 +414,6 @@ HOOKS = {
     "openrlhf.utils.deepspeed.deepspeed_utils": p5_offload,
     "openrlhf.trainer.ray.ppo_actor": p_actor,
     "vllm": p6_vllm,
-    "torchdata.stateful_dataloader": p7_torchdata,
     "openrlhf.trainer.sft_trainer": p_sft,
 }
 

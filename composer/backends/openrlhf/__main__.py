@@ -28,6 +28,9 @@ def main(argv=None) -> None:
     ap.add_argument("--check", action="store_true", help="check instead of training: the plan, the arguments "
                     "against OpenRLHF's parser, and (PPO runs) the worker setup hook and the shipped code in a Ray "
                     "worker; prints one `composer-check` JSON line, exit 0 when everything holds")
+    ap.add_argument("--no-preflight", action="store_true", help="skip the resource preflight (by default a run first "
+                    "checks that the Ray cluster has the nodes and GPUs the bundle was compiled for, and fails at once "
+                    "naming what is missing, instead of OpenRLHF waiting forever for its placement group)")
     ns = ap.parse_args(own)
     plan_path = os.path.abspath(ns.plan)
     plan = json.load(open(plan_path))
@@ -39,6 +42,12 @@ def main(argv=None) -> None:
     if ns.check:
         sys.exit(check(plan_path, plan, run, args))
     if run["trainer"] == "sft":
+        if not ns.no_preflight and os.environ.get("COMPOSER_JOB"):  # in the bundle's Ray job: its cluster
+            import ray
+
+            ray.init()
+            preflight(plan)
+            ray.shutdown()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={run['nproc']}",
                "-m", "openrlhf.cli.train_sft", *args]
         os.execvp(cmd[0], cmd)
@@ -47,6 +56,8 @@ def main(argv=None) -> None:
     from composer.backends.openrlhf import hooks
 
     ray.init(runtime_env=runtime_env(plan_path, run))
+    if not ns.no_preflight:
+        preflight(plan)
     hooks.install(plan, run, driver=True)
     judges = hooks.start_judges(run["plugin"].get("judges") or {},  # noqa: F841  (kept alive with the driver)
                                 run["plugin"].get("judge_max_len"))
@@ -93,6 +104,18 @@ def cluster_fit(layout: dict, nodes: list[dict]) -> tuple[dict, list[str]]:
                   f"{', '.join(map(str, gpus)) or 'no'} GPU(s): missing {want_nodes - fit} node(s) with "
                   f"{per_node} GPU(s) each (OpenRLHF would wait for them forever); start them, or recompile "
                   f"with --nodes / --gpus-per-node for this cluster"]
+
+
+def preflight(plan: dict) -> None:
+    """The resource preflight every run starts with (connected to the cluster): exit 1 naming what the
+    cluster lacks for the bundle's layout; prints one `composer-preflight` JSON line."""
+    import ray
+
+    have, missing = cluster_fit(plan["openrlhf"].get("layout") or {}, ray.nodes())
+    print("composer-preflight: " + json.dumps({"cluster": have, "problems": missing}), flush=True)
+    if missing:
+        print("\n".join(missing) + "\n(./launch.sh --no-preflight skips this check)", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def check(plan_path: str, plan: dict, run: dict, args: list[str]) -> int:

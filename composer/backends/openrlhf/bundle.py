@@ -85,10 +85,15 @@ def round_trip_problem(fmt, prompts: list[str]) -> str | None:
 
 
 def _rows_needed(v) -> dict[str, int]:
+    """Prompt rows per run: steps x prompts_per_step, times pool_factor where dynamic filtering refills
+    dropped prompts from the same pool (flags.pool_factor)."""
+    from composer.backends.openrlhf.flags import pool_factor
+
     segs = v.segments
     if v.spec.stages:
-        return {s.name: s.spec.train.steps * s.spec.train.prompts_per_step for s in segs}
-    return {"main": v.spec.train.steps * v.spec.train.prompts_per_step}
+        return {s.name: s.spec.train.steps * s.spec.train.prompts_per_step
+                * pool_factor([x.spec for x in segs if x.name == s.name]) for s in segs}
+    return {"main": v.spec.train.steps * v.spec.train.prompts_per_step * pool_factor([s.spec for s in segs] or [v.spec])}
 
 
 def write_data(v, out: Path, eos: str | None) -> tuple[dict, Inputs]:
@@ -469,22 +474,29 @@ def entrypoint(runs_words: list[list[str]], extra: list[str] = ()) -> list[str]:
 
 
 def launch_script(name: str, runs_words: list[list[str]], layout: Layout) -> str:
-    # $CHECK is left unquoted on purpose: empty, it is no word at all
-    entry = " ".join(w if w == "$CHECK" else shlex.quote(w) for w in entrypoint(runs_words, ["$CHECK"]))
+    # $CHECK and $PREFLIGHT are left unquoted on purpose: empty, each is no word at all
+    entry = " ".join(w if w in ("$CHECK", "$PREFLIGHT") else shlex.quote(w)
+                     for w in entrypoint(runs_words, ["$CHECK", "$PREFLIGHT"]))
     wandb = ""
     if layout.wandb_project:
         wandb = ('if [ -n "${WANDB_API_KEY:-}" ]; then\n  ENV=$(python3 -c \'import json,os,sys; e=json.load(sys.stdin); '
                  'e["env_vars"]["WANDB_API_KEY"]=os.environ["WANDB_API_KEY"]; print(json.dumps(e))\' <<< "$ENV")\nfi\n')
     return f"""#!/usr/bin/env bash
 # Submit the composer bundle '{name}' to a Ray cluster running OpenRLHF {OPENRLHF_VERSION}.
-# usage: ./launch.sh [--check] [HEAD_ADDRESS] [ray job submit options, e.g. --no-wait]
+# usage: ./launch.sh [--check] [--no-preflight] [HEAD_ADDRESS] [ray job submit options, e.g. --no-wait]
 #   HEAD_ADDRESS: default $RAY_ADDRESS, else the local head http://127.0.0.1:8265
 #   --check: start every run's entry point on the cluster in check mode (plan, OpenRLHF's parser, the worker
 #            setup hook, the shipped code) and exit without training
+#   --no-preflight: skip the resource preflight each run starts with (by default a run fails at once when the
+#            cluster lacks the nodes or GPUs the bundle was compiled for, instead of waiting for them forever)
 set -euo pipefail
 cd "$(dirname "$0")"
 CHECK=""
-if [ "${{1:-}}" = "--check" ]; then CHECK="--check"; shift; fi
+PREFLIGHT=""
+while [ "${{1:-}}" = "--check" ] || [ "${{1:-}}" = "--no-preflight" ]; do
+  if [ "$1" = "--check" ]; then CHECK="--check"; else PREFLIGHT="--no-preflight"; fi
+  shift
+done
 ADDRESS="${{1:-${{RAY_ADDRESS:-http://127.0.0.1:8265}}}}"
 shift || true
 ENV=$(cat runtime_env.json)
@@ -548,6 +560,8 @@ def readme(v, plan, runs: list[Run], layout: Layout, inputs: Inputs, warnings: d
              "## Launch", "", "```bash", "./launch.sh                      # head at $RAY_ADDRESS or http://127.0.0.1:8265",
              "./launch.sh http://HEAD:8265     # another head",
              "./launch.sh --check              # start the entry points on the cluster, check, exit (no training)",
+             "./launch.sh --no-preflight       # skip the resource preflight (by default a run fails at once "
+             "when the cluster lacks the compiled nodes/GPUs)",
              "```", "", "Resume: after a preemption, run `./launch.sh` again: OpenRLHF resumes from the latest "
              "checkpoint in the run's output folder (`ckpt/`, written every train.checkpoint_every steps), and the "
              "composer's seeds (prompt order per episode, every rollout request, each update's micro-batch split) "

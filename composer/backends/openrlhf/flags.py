@@ -149,7 +149,10 @@ def _shaping_and_filter_flags(a: _Args, run: Run, spec, terms, where: tuple, inp
         a.add("algo.dynamic_filtering_enable")
         a.add("algo.dynamic_filtering_range", 0.0, 1.0)
         run.native.append("dynamic sampling: --algo.dynamic_filtering_enable, range (0, 1): a prompt whose 0/1 "
-                          "scores are all equal is replaced by a new one (OpenRLHF logs dynamic_filtering_pass_rate)")
+                          "scores are all equal is replaced by a new one (OpenRLHF logs dynamic_filtering_pass_rate); "
+                          f"the prompt pool holds {pool_factor([spec])} x steps x prompts_per_step rows for the "
+                          "refills, the run stops at its declared steps and fails naming rollout.filter if the pool "
+                          "runs out")
     if flt.truncated == "drop":
         raise Unsupported(where + ("rollout", "filter", "truncated"), "OpenRLHF trains on every sample of a step "
                           "(the composer's loss can mask a row, not remove it before advantages)",
@@ -157,6 +160,20 @@ def _shaping_and_filter_flags(a: _Args, run: Run, spec, terms, where: tuple, inp
     if flt.truncated == "mask":
         p["mask_truncated"] = True  # _native_grpo is False: the composer's loss reads the row masks
 
+
+
+def pool_factor(specs) -> int:
+    """How many times steps x prompts_per_step the run's prompt pool holds. OpenRLHF's dynamic filtering
+    replaces every dropped prompt with the loader's next one, from the same pool the steps draw from, with no
+    cap: a pool of exactly steps x prompts runs out before the last steps (the loop then ends quietly). With
+    equal_groups: drop the pool holds 1 + R rows per declared prompt, R the filter's default round cap (the
+    Lightning backend's refill budget per step); the run stops at its declared steps (hooks: generate_samples)
+    and fails naming the filter if the pool still runs out."""
+    from composer.filters import RolloutFilter
+
+    if not any(s.rollout.filter.equal_groups == "drop" for s in specs):
+        return 1
+    return 1 + int(RolloutFilter.model_fields["max_rounds"].default)
 
 
 def _native_estimator(obj) -> str | None:
@@ -472,6 +489,7 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
     micro = _divisor_at_most(pps * G // dp, t.micro_batch_size)
     rows = inputs.train_rows[run.name]
     p["train_file"], p["train_rows"] = inputs.train_file, rows  # the run's prompts (offline targets build from them)
+    p["pool_factor"] = pool_factor(specs)
     a.add("data.prompt_dataset", inputs.train_file)
     a.add("data.input_key", "prompt")
     a.add("data.label_key", "label")

@@ -9,18 +9,22 @@ in the driver too (the reference-slot patch is driver-side).
 
 What is patched, and only when the run's plugin section asks for it:
   samples_generator  SamplesGenerator._dispatch_prompts_to_vllm: the trainer step into every label (phases),
-                     top_k into vLLM's SamplingParams; generate_samples: each episode's prompt order seeded
-                     from (seed, episode); _generate_vllm: the rollouts in dispatch order (dispatch_order)
+                     top_k into vLLM's SamplingParams; generate_samples: the run ends at its declared steps, a
+                     step that cannot be filled fails; _generate_vllm: the rollouts in dispatch order (dispatch_order)
   agent              (always) SingleTurnAgentExecutor.execute (rollout engine, runs without a guide): each sample's
                      vLLM request seeded from (seed, global step, prompt, draw): see sample_seeds. The
                      composer's agent (agent.py) seeds its own requests the same way
   ppo_trainer        BasePPOTrainer.train_step / broadcast_to_vllm / init_checkpoint_states: weights reach
-                     vLLM after the steps the Plan's schedule names; the step counter. Also the copies Ray made of them on the
+                     vLLM after the steps the Plan's schedule names; the step counter; save_logs_and_checkpoints:
+                     checkpoints only where a resume keeps the sync schedule; prepare_datasets: the prompt
+                     loader built under a seeded RNG (torchdata draws its sampler's seed there); fit: fails when
+                     the run trained fewer steps than declared. Also the copies Ray made of them on the
                      actor classes built from it (PPOTrainer, TrainingActor): see reach_actor_classes
   experience_maker   RemoteExperienceMaker.make_experience_batch: step advantages and teacher prompts
   ppo_actor          ActorPPOTrainer.__init__ / training_step: the composer loss, self-teacher scores;
                      ppo_train (always): torch's RNG seeded from (seed, global step) before each step's update (the
-                     replay buffer's shuffle into micro-batches draws from it), as the rollouts' seeds
+                     replay buffer's shuffle into micro-batches draws from it), as the rollouts' seeds; the logged
+                     policy_loss is the loss DeepSpeed back-propagated (trained_loss)
   launcher           RayActorGroup.async_init_model_from_pretrained (driver): the teacher in the reference slot
 """
 
@@ -184,22 +188,60 @@ def _patch_dispatch(mod) -> None:
     generate_samples = cls.generate_samples
 
     def generate_samples_(self, **kw):
-        """The prompt order of every episode a function of the run's seed and the episode: OpenRLHF's prompt
-        loader shuffles with a RandomSampler that draws its permutation from the global RNG of the trainer's
-        process (never seeded there) when an episode's iterator starts, so two jobs, or a job and its resumed
-        copy, would train other prompts at the same step. The global RNG is seeded from (seed, episode) right
-        before that draw (episode: the checkpoint's, set by init_checkpoint_states)."""
-        if getattr(self, "_dataloader_iter", None) is None and not getattr(self, "_sample_buffer", None):
-            import torch
-
-            from composer.backends.openrlhf.batch import request_seeds
-
-            episode = getattr(self, "composer_episode", 0)
-            self.composer_episode = episode + 1
-            torch.manual_seed(request_seeds(_segments().items[0].spec.train.seed, "prompts", episode)())
-        return generate_samples(self, **kw)
+        """One step's rollouts, or the end of the episode once the run's declared steps are done (a prompt pool
+        sized for dynamic filtering's refills holds more rows than the steps use). A step that cannot be filled
+        (the pool ran out) stops the job with an error naming the cause instead of training a short batch."""
+        done, steps = getattr(self, "composer_step", 0), run_steps()
+        if done >= steps:
+            return [], None, 0, True
+        out = generate_samples(self, **kw)
+        rollout, want = out[0], self.args.rollout.batch_size * self.args.rollout.n_samples_per_prompt
+        if rollout and len(rollout) < want:
+            raise RuntimeError(short_step(done, steps, len(rollout), want, self.args))
+        return out
 
     cls.generate_samples = generate_samples_
+
+
+def run_steps() -> int:
+    """The steps this run declares (its Plan segments)."""
+    items = _segments().items
+    return items[-1].end - items[0].start
+
+
+def filter_reason(args) -> str:
+    if not getattr(args.algo, "dynamic_filtering_enable", False):
+        return "the prompt pool ran out"
+    return (f"rollout.filter (equal_groups: drop, OpenRLHF's dynamic filtering) dropped so many prompts whose "
+            f"rewards were all equal that the prompt pool of {args.data.max_samples} rows ran out; use data the policy solves sometimes (mixed groups), more samples_per_prompt, "
+            f"or the Lightning backend (rollout.filter.max_rounds caps the refills there)")
+
+
+def short_step(done: int, steps: int, got: int, want: int, args) -> str:
+    return (f"step {done + 1} of {steps}: only {got} of the {want} rollouts a step trains on could be sampled: "
+            f"{filter_reason(args)}")
+
+
+def _seeded_prepare_datasets(mod) -> None:
+    """The prompt order a function of the run's seed: torchdata's StatefulDataLoader (shuffle) draws its
+    RandomSampler's seed from torch's global RNG when the loader is BUILT (prepare_datasets, in the trainer's
+    process, never seeded there), and keeps its generator in the loader's state_dict (the checkpoint), so
+    seeding right before the build makes two jobs equal and a resumed job continue the same order. The LR
+    schedule's length (max_steps, from the pool's size) is the declared steps': a pool sized for dynamic
+    filtering's refills holds `pool_factor` x the rows the steps use."""
+    import torch
+
+    from composer.backends.openrlhf.batch import request_seeds
+
+    prepare = mod.prepare_datasets
+    factor = int(_STATE["run"]["plugin"].get("pool_factor") or 1)
+
+    def prepare_datasets(strategy, tokenizer):
+        torch.manual_seed(request_seeds(_segments().items[0].spec.train.seed, "prompts")())
+        prompts, evals, max_steps = prepare(strategy, tokenizer)
+        return prompts, evals, max(max_steps // factor, 1)
+
+    mod.prepare_datasets = prepare_datasets
 
 
 def dispatch_order(experiences: list, dispatched: list, n: int) -> list:
@@ -269,14 +311,39 @@ def _patch_step_seed(mod) -> None:
             step = step_of(labels)
             seed = _segments().at(step).train.seed
             torch.manual_seed(request_seeds(seed, _segments().offset + step, "update")())
-        return ppo_train(self, kl_ctl)
+        losses, backward = [], self.strategy.backward
+
+        def recorded(loss, *args, **kwargs):  # what DeepSpeed back-propagates, micro-batch by micro-batch
+            losses.append(float(loss.detach()))
+            return backward(loss, *args, **kwargs)
+
+        self.strategy.backward = recorded
+        try:
+            status = ppo_train(self, kl_ctl)
+        finally:
+            del self.strategy.backward  # the instance attribute: the class's method again
+        if losses and status:
+            status["policy_loss"] = status["composer/loss"] = trained_loss(self.strategy, losses)
+        return status
 
     cls.ppo_train = ppo_train_
+
+
+def trained_loss(strategy, losses: list[float]) -> float:
+    """The loss a step trained on, as logged: OpenRLHF logs `policy_loss` as a token-weighted mean of its
+    micro-batch policy losses, which is neither the objective under gradient accumulation (each micro-batch
+    loss is its share of the window) nor, on the native route, the loss with its KL term. Logged instead:
+    what DeepSpeed back-propagated per optimizer step (the sum of its micro-batch losses / gas), averaged
+    over the optimizer steps of this call and over the data-parallel ranks."""
+    gas = max(int(getattr(strategy, "accumulated_gradient", 1) or 1), 1)
+    return strategy.all_reduce(sum(losses) / gas / max(len(losses) / gas, 1.0))
 
 
 def _patch_trainer(mod) -> None:
     cls = mod.BasePPOTrainer
     train_step, broadcast, init_states = cls.train_step, cls.broadcast_to_vllm, cls.init_checkpoint_states
+    save = cls.save_logs_and_checkpoints
+    _seeded_prepare_datasets(mod)
 
     def train_step_(self, rollout_samples, global_step):
         # the Plan's sync rule (composer/plan/schedule.py), at the global count of steps done after this one
@@ -298,16 +365,68 @@ def _patch_trainer(mod) -> None:
         states = init_states(self)
         step = states.get("global_step", 0)
         self.samples_generator.composer_step = step
-        self.samples_generator.composer_episode = int(states.get("episode", 0))
         self._composer_sync = resume_sync(step)  # fit() broadcasts on resume, outside train_step
         return states
 
+    def save_logs_and_checkpoints_(self, global_step, logs_dict=None, client_states=None):
+        """A checkpoint only where a resume can keep the sync schedule (resumable): under a lagged sampler
+        (sync.every > 1) a checkpoint between two syncs would need the engine's older weights, which it does
+        not hold; that step's checkpoint is skipped (the logs are written) and the next resumable one is kept."""
+        ckpt = self.args.ckpt
+        every = ckpt.save_steps
+        if global_step % every == 0 and not resumable(global_step):
+            ckpt.save_steps = global_step + 1  # global_step % it != 0: no checkpoint at this step
+            try:
+                return save(self, global_step, logs_dict, client_states)
+            finally:
+                ckpt.save_steps = every
+        return save(self, global_step, logs_dict, client_states)
+
     patched = {"train_step": train_step_, "broadcast_to_vllm": broadcast_to_vllm_,
-               "init_checkpoint_states": init_checkpoint_states_}
+               "init_checkpoint_states": init_checkpoint_states_,
+               "save_logs_and_checkpoints": save_logs_and_checkpoints_}
     for name, fn in patched.items():
         setattr(cls, name, fn)
     reach_actor_classes(mod, cls, patched)  # PPOTrainer, built in this module before this hook ran
-    when_imported("openrlhf.trainer.ppo_trainer_async", lambda m: reach_actor_classes(m, cls, patched))
+    wrap_fit(mod, cls)
+    when_imported("openrlhf.trainer.ppo_trainer_async",
+                  lambda m: (reach_actor_classes(m, cls, patched), wrap_fit(m, cls)))
+
+
+def wrap_fit(mod, base: type) -> list[str]:
+    """Every trainer actor class of `mod` (subclasses of `base`, each defining its own fit): after fit, a run
+    that trained fewer steps than the Plan declares fails (the job exits non-zero) instead of saving a model
+    and reporting success. OpenRLHF's loop ends quietly when the prompt loader runs out."""
+    done = []
+    for obj in list(vars(mod).values()):
+        meta = getattr(obj, "__ray_metadata__", None) if not isinstance(obj, types.ModuleType) else None
+        shipped = getattr(meta, "modified_class", None)
+        user = getattr(shipped, "__ray_actor_class__", shipped)
+        if not (isinstance(user, type) and issubclass(user, base)) or getattr(user.fit, "__composer_fit__", False):
+            continue
+        fit = user.fit
+
+        def fit_(self, *args, _fit=fit, **kwargs):
+            out = _fit(self, *args, **kwargs)
+            trained, steps = getattr(self.samples_generator, "composer_step", 0), run_steps()
+            if trained < steps:
+                raise RuntimeError(f"run '{_STATE['run']['name']}' trained {trained} of its {steps} declared steps: "
+                                   f"{filter_reason(self.args)}")
+            return out
+
+        fit_.__composer_fit__ = True
+        user.fit = fit_
+        if shipped is not user:
+            setattr(shipped, "fit", _actor_method(fit_))
+        done.append(f"{user.__name__}.fit")
+    return done
+
+
+def resumable(step: int) -> bool:
+    """Whether a checkpoint after `step` finished steps (of this run) can be resumed from keeping the sync
+    schedule (resume_sync does not refuse it)."""
+    sched, done = _schedule(), _segments().offset + step
+    return step <= 0 or sched.sync_after(done) or sched.sampler_version(done) <= _segments().offset
 
 
 def resume_sync(step: int) -> bool:
@@ -401,7 +520,7 @@ def _patch_actor(mod) -> None:
     from composer.checks.terms import own_loss_temperature
 
     cls = mod.ActorPPOTrainer
-    init, training_step, ppo_train = cls.__init__, cls.training_step, cls.ppo_train
+    init, training_step = cls.__init__, cls.training_step
     plugin = _STATE["run"]["plugin"]
 
     def __init__(self, *args, **kwargs):
@@ -458,24 +577,9 @@ def _patch_actor(mod) -> None:
             if hasattr(self.actor, "temperature"):
                 self.actor.temperature = sampling
             loss_fn.ctx = {}
-        self.__dict__.setdefault("_composer_losses", []).append(float(status["metrics"]["policy_loss"]))
         return status
 
-    def ppo_train_(self, kl_ctl):
-        """OpenRLHF logs `policy_loss` as a token-weighted mean of the micro-batch losses, which is not the
-        objective under gradient accumulation (each micro-batch loss is its share x gas). Logged instead:
-        the composer objective's own value, what DeepSpeed back-propagates (sum of micro-batch loss / gas)
-        per optimizer step, averaged over the steps of this call and over the data-parallel ranks."""
-        self._composer_losses = []
-        status = ppo_train(self, kl_ctl)
-        losses = self.__dict__.pop("_composer_losses", [])
-        if losses and status:
-            gas = max(int(getattr(self.strategy, "accumulated_gradient", 1) or 1), 1)
-            value = self.strategy.all_reduce(sum(losses) / gas / max(len(losses) / gas, 1.0))
-            status["policy_loss"] = status["composer/loss"] = value
-        return status
-
-    cls.__init__, cls.training_step, cls.ppo_train = __init__, training_step_, ppo_train_
+    cls.__init__, cls.training_step = __init__, training_step_
 
 
 def _patch_reference_slot(mod) -> None:

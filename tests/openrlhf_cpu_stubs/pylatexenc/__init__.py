@@ -1,1 +1,0 @@
-"""Stand-in for pylatexenc (OpenRLHF math grading only)."""
