@@ -162,7 +162,7 @@ def gate_by_prompt(gate: Gate, success: Tensor, prompt_index: Tensor, rows_promp
     return out
 
 
-def gate_metrics(name: str, rows: Tensor, many: bool) -> dict[str, float]:
-    """The fraction of the term's rows its gate took, as `<term>/gate_frac` (`gate_frac` with one term)."""
-    key = f"{name}/gate_frac" if many else "gate_frac"
-    return {key: float(rows.float().mean()) if rows.numel() else 0.0}
+def gate_metrics(name: str, rows: Tensor, many: bool = True) -> dict[str, float]:
+    """The fraction of the term's rows its gate took, as `<term>/gate_frac` (the README's name), with one term
+    too: a gate is a term's, and the name says whose (`many` is kept for callers; it no longer changes it)."""
+    return {f"{name}/gate_frac": float(rows.float().mean()) if rows.numel() else 0.0}

@@ -20,7 +20,8 @@ from composer.checks.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 # the policy-gradient family (issue 23); the data-flow specs of specs/methods/ are recomputed in test_gated_steps.py
-PG_FAMILY = ("cispo", "dapo", "dr-grpo", "exopd", "gspo", "kdrl", "reinforce-pp-baseline", "rloo")
+PG_FAMILY = ("cispo", "dapo", "dr-grpo", "exopd", "gspo", "kdrl", "reinforce-pp-baseline", "rloo",
+             "topr", "gmpo", "gpg", "prorl")  # the last four: issue 46
 METHODS = [ROOT / "specs" / "methods" / f"{stem}.yaml" for stem in PG_FAMILY]
 FAST = ["train.prompts_per_step=4", "rollout.samples_per_prompt=8", "rollout.max_new_tokens=48",
         "train.eval_every=0", "train.eval_samples=2", "train.checkpoint_every=1000", "train.samples_every=0",
@@ -83,9 +84,33 @@ def loss_by_hand(stem: str, b, cur) -> tuple[float, list[float]]:
     """(loss, advantages) of the rl term of spec `stem` on batch b with current log-probs cur [B, T]."""
     m = ((b.origin == CODE["policy"]) & (b.origin != CODE["pad"])).double()  # [B, T]
     cur, old = cur.double(), b.old_logprobs.double()
-    est = {"dr-grpo": "no_std", "rloo": "loo", "reinforce-pp-baseline": "rpp"}.get(stem, "group_std")
+    est = {"dr-grpo": "no_std", "rloo": "loo", "reinforce-pp-baseline": "rpp", "topr": "no_std",
+           "gpg": "no_std"}.get(stem, "group_std")
     A_list = adv_by_hand(est, b.rewards.double(), b.group)
+    if stem == "gpg":  # alpha = B / B_valid: rows over rows with a non-zero advantage
+        valid = sum(1 for a in A_list if a != 0)
+        A_list = [a * len(A_list) / valid for a in A_list] if valid else A_list
     A = torch.tensor(A_list, dtype=torch.float64)[:, None]  # [B, 1]
+    n = m.sum(-1)  # [B] loss tokens per row
+    if stem == "topr":  # trajectory ratio exp(sum_t log rho_t); weight 1 for A >= 0, clip(ratio, 0, 1) for A < 0
+        ratio = torch.exp(((cur - old) * m).sum(-1))
+        w = torch.where(A[:, 0] >= 0, torch.ones_like(ratio), ratio.clamp(0.0, 1.0))
+        per = (-(w[:, None] * A * cur) * m).sum(-1)
+        return float(per[n > 0].mean()), A_list
+    if stem == "gmpo":  # each token's log-ratio clipped to [-0.4, 0.4] on the side sgn(A) binds, then the mean
+        l = (cur - old) * m
+        c = l.clamp(-0.4, 0.4)
+        sg = torch.sign(A)
+        kept = torch.where(sg > 0, torch.minimum(l, c), torch.where(sg < 0, torch.maximum(l, c), c))
+        s_i = torch.exp((kept * m).sum(-1) / n.clamp(min=1))
+        return float((-(A[:, 0] * s_i))[n > 0].mean()), A_list
+    if stem == "gpg":  # -A log pi, token mean, no ratio
+        return float((-(A * cur) * m).sum() / m.sum()), A_list
+    if stem == "prorl":  # clip 0.2 / 0.4, token mean, + 1e-4 x token-mean k3 KL to the reference
+        d = (cur - b.initial_logprobs.double()).clamp(-20, 20)
+        k3 = (torch.exp(-d) + d - 1).clamp(-10, 10)
+        pg = (clip_token_loss(cur, old, A, 0.2, 0.4) * m).sum() / m.sum()
+        return float(pg + 1e-4 * (k3 * m).sum() / m.sum()), A_list
     if stem == "gspo":  # sequence ratio, sequence clip 3e-4 / 4e-4, mean over responses
         s = torch.exp(((cur - old) * m).sum(-1) / m.sum(-1))  # [B]
         per = -torch.minimum(s * A[:, 0], s.clamp(1 - 3e-4, 1 + 4e-4) * A[:, 0])

@@ -18,13 +18,18 @@ MECHANISM = {  # spec -> text explain must show
     "dapo.yaml": "filter: drop prompts whose rewards are all equal and sample more until the step is full",
     "gkd.yaml": "reference solutions from 'reference' instead of the rollouts for a fraction 0.5 of prompts (GKD lambda 0.5)",
     "prefixrl.yaml": "a prefix whose length is drawn per problem uniformly from 0 to 0.75 of the tokens of",
+    "prorl.yaml": "reference reset (initial weights <- the policy) before step(s) 20, 40",
+    "topr.yaml": "ratio: per trajectory: pi(tau)/mu(tau) = exp(sum_t log rho_t); bound: TOPR: A log pi for A >= 0, sg(clip(rho, 0, 1)) A log pi for A < 0",
+    "gmpo.yaml": "bound: GMPO: each token's log-ratio clipped to [-0.4, 0.4] (by the sign of A) inside the geometric mean",
+    "gpg.yaml": "x alpha = B / B_valid (rows over rows with a non-zero advantage, GPG)",
 }
 
 
 # the policy-gradient specs train on tiers where the toy student's groups are mixed (their shipped tiers are the
 # default's, where the first steps' groups are often all-equal), so the loss is that of a learning signal
 HOT = {n: ["data.train_tiers=[6]", "rollout.max_new_tokens=48"] for n in ("cispo.yaml", "dr-grpo.yaml", "gspo.yaml", "rloo.yaml",
-                                              "reinforce-pp-baseline.yaml", "kdrl.yaml", "srpo.yaml", "kdrl-mask.yaml")}
+                                              "reinforce-pp-baseline.yaml", "kdrl.yaml", "srpo.yaml", "kdrl-mask.yaml",
+                                              "prorl.yaml", "topr.yaml", "gmpo.yaml", "gpg.yaml")}
 
 
 @pytest.mark.parametrize("name", sorted(MECHANISM))

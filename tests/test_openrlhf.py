@@ -39,7 +39,9 @@ LIGHTNING_ONLY = {"specs/hybrids/fkl-plus-sft.yaml": ("terms[1].signal", "cannot
                   "specs/methods/cispo.yaml": ("train.mini_batches", "mini-batches run only with OpenRLHF's own PolicyLoss"),
                   # sequences the policy did not write (GKD), an SFT term gated by the same step's rollouts (HPT)
                   "specs/methods/gkd.yaml": ("signal.off_policy", "are not samples of the step"),
-                  "specs/methods/hpt.yaml": ("terms[1].signal", "cannot be mixed with rollout terms")}
+                  "specs/methods/hpt.yaml": ("terms[1].signal", "cannot be mixed with rollout terms"),
+                  # a periodic reference and optimizer reset inside a run (ProRL): one stage per reset there
+                  "specs/methods/prorl.yaml": ("train.reset_every", "cannot be expressed")}
 # the teacher whose generations give PrefixRL its prefixes takes a GPU of its own: 4 + 1 per node
 GPUS_PER_NODE = {"specs/methods/prefixrl.yaml": 5}
 SPECS = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("specs/*.yaml"), *ROOT.glob("specs/hybrids/*.yaml"),

@@ -79,9 +79,10 @@ class GroupMean(Estimator):
         return torch.where(const, torch.zeros_like(adv), adv)
 
     def describe(self) -> str:
-        how = {"group": f"/ (group std + {self.eps:g})", "batch": f"/ (global-batch reward std + {self.eps:g})",
-               "none": "(no std: Dr. GRPO)"}[self.std]
-        return f"group mean: A = r - mean_group(r) {how}"
+        if self.std == "none":
+            return "group mean: A = r - mean_group(r) (no std: Dr. GRPO)"
+        how = {"group": f"(group std + {self.eps:g})", "batch": f"(global-batch reward std + {self.eps:g})"}[self.std]
+        return f"group mean: A = (r - mean_group(r)) / {how}"
 
     def native_flag(self) -> str | None:
         return {"group": "group_norm", "none": "dr_grpo"}.get(self.std)  # a batch std has no OpenRLHF flag

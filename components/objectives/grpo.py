@@ -70,6 +70,8 @@ def sequence_log_ratio(logp: Tensor, old: Tensor, mask: Tensor, level: str) -> T
     d = torch.where(mask, logp - old.detach(), torch.zeros_like(logp))  # [B, T]
     if level == "token":
         return d
+    if level == "trajectory":  # log pi(tau) / mu(tau) = sum_t log rho_t (TOPR, Le Roux et al. 2025, arXiv 2503.14286)
+        return d.sum(-1, keepdim=True)  # [B, 1]
     seq = d.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1).to(d.dtype)  # [B, 1]
     if level == "sequence":
         return seq
@@ -89,10 +91,19 @@ def bounded_surrogate(logp: Tensor, log_ratio: Tensor, adv: Tensor, bound: str, 
              (instead of the clip's flat branch, which still counts the token in both directions).
       cispo: -sg(clip(rho, lo, hi)) A log pi        CISPO (MiniMax-M1, arXiv 2506.13585): a REINFORCE term with a
              truncated, stop-gradient importance weight: every token keeps a gradient.
+      topr:  -w A log pi, w = 1 for A >= 0, sg(clip(rho, 0, 1)) for A < 0   TOPR (Le Roux et al. 2025, arXiv
+             2503.14286): positive trajectories train as SFT, negative ones with a truncated IS weight.
+      none:  -A log pi                              plain policy gradient, no ratio (GPG, Chu et al. 2025, arXiv
+             2504.02546); log_ratio is not read (bounded is all False, rho is 1).
     The log-ratio is clamped to +-20 before exp (verl), which only matters for absurd ratios.
     """
+    if bound == "none":
+        return -(adv * logp), torch.zeros_like(logp, dtype=torch.bool), torch.ones_like(logp)
     ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
     lo, hi = 1.0 - clip_low, 1.0 + clip_high
+    if bound == "topr":
+        w = torch.where(adv >= 0, torch.ones_like(ratio), ratio.clamp(0.0, 1.0)).detach()
+        return -(w * adv * logp), (adv < 0) & (ratio > 1.0), ratio
     if bound == "cispo":
         w = ratio.clamp(lo, hi).detach()
         return -(w * adv * logp), (ratio < lo) | (ratio > hi), ratio
@@ -112,6 +123,35 @@ def bounded_surrogate(logp: Tensor, log_ratio: Tensor, adv: Tensor, bound: str, 
     return -surrogate, bounded, ratio
 
 
+def geometric_log_clip(logp: Tensor, old: Tensor, mask: Tensor, adv: Tensor, clip_low: float,
+                       clip_high: float) -> tuple[Tensor, Tensor]:
+    """GMPO's sequence log-ratio (Zhao et al. 2025, arXiv 2507.20673): each token's log-ratio clipped in log space,
+    on the side the advantage's sign makes binding, before the geometric mean:
+      log s_i = (1/|o_i|) sum_t sgn(A_i) min(sgn(A_i) l_t, sgn(A_i) clip(l_t, -clip_low, clip_high)),
+      l_t = log pi(y_t) - log pi_old(y_t)
+    (A > 0: l_t capped at clip_high; A < 0: floored at -clip_low; A = 0: the clip on both sides).
+    logp, old, mask [B, T], adv [B, 1] -> (log s [B, 1], clipped [B, T] bool: tokens whose log-ratio the clip moved).
+    """
+    m = mask.to(logp.dtype)
+    l = torch.where(mask, logp - old.detach(), torch.zeros_like(logp))  # [B, T]
+    c = l.clamp(-clip_low, clip_high)
+    sgn = torch.sign(adv)  # [B, 1]
+    kept = torch.where(sgn > 0, torch.minimum(l, c), torch.where(sgn < 0, torch.maximum(l, c), c))  # [B, T]
+    log_s = (kept * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+    return log_s, (kept != l) & mask
+
+
+def valid_row_scale(adv: Tensor) -> Tensor:
+    """GPG's alpha = B / B_valid (Chu et al. 2025, arXiv 2504.02546): rows over rows whose advantage is not 0,
+    over every rank's rows (one all_reduce under DDP). adv [B] -> scalar (1 when no row is valid)."""
+    s = torch.stack([torch.tensor(float(adv.numel()), dtype=torch.float64, device=adv.device),
+                     (adv != 0).sum().to(torch.float64)])
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(s)
+    return torch.where(s[1] > 0, s[0] / s[1].clamp(min=1), torch.ones_like(s[0]))
+
+
 @register("objective")
 class Grpo(Objective):
     """Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300), and the family:
@@ -126,8 +166,9 @@ class Grpo(Objective):
 
     kind: Literal["grpo"] = Field("grpo", description="Component kind.")
     estimator: Optional[AnyEstimator] = Field(None, description="Advantage estimator (group_mean, leave_one_out, reinforce_pp_baseline, soft_value, control_mean); omitted: group_mean with std by group, or none when std_norm is false, eps std_eps.")
-    ratio: Literal["token", "sequence", "sequence-token"] = Field("token", description="Importance ratio level: per token (PPO/GRPO), per sequence as exp of the length-normalised log-ratio (GSPO), or its value with per-token gradients (GSPO-token).")
-    bound: Literal["clip", "mask", "cispo"] = Field("clip", description="How the ratio is bounded: PPO clip of the surrogate, masking of tokens outside [1-clip_low, 1+clip_high], or CISPO's truncated stop-gradient weight on a REINFORCE term.")
+    ratio: Literal["token", "sequence", "sequence-token", "trajectory"] = Field("token", description="Importance ratio level: per token (PPO/GRPO), per sequence as exp of the length-normalised log-ratio (GSPO), its value with per-token gradients (GSPO-token), or the trajectory ratio pi(tau)/mu(tau) = exp(sum_t log rho_t) (TOPR).")
+    bound: Literal["clip", "mask", "cispo", "topr", "log_clip", "none"] = Field("clip", description="How the ratio is bounded: PPO clip of the surrogate; masking of tokens outside [1-clip_low, 1+clip_high]; CISPO's truncated stop-gradient weight sg(clip(rho, 1-clip_low, 1+clip_high)) on a REINFORCE term; TOPR's asymmetric truncation (weight 1 for A >= 0, sg(clip(rho, 0, 1)) for A < 0, on A log pi); GMPO's per-token clip of the log-ratio to [-clip_low, clip_high] inside the geometric-mean sequence ratio (ratio: sequence), loss -A s; or none: plain policy gradient -A log pi with no ratio (GPG).")
+    valid_rows_scale: bool = Field(False, description="Multiply the advantages by alpha = B / B_valid, the step's rows over those whose advantage is not 0 (GPG, Chu et al. 2025, arXiv 2504.02546), counted over the whole step (every rank).")
     clip: float = Field(0.2, ge=0, description="Symmetric ratio clip epsilon.")
     clip_low: float | None = Field(None, ge=0, description="Lower clip epsilon (DAPO clip-higher); overrides `clip` below 1.")
     clip_high: float | None = Field(None, ge=0, description="Upper clip epsilon (DAPO: 0.28); overrides `clip` above 1.")
@@ -211,7 +252,8 @@ class Grpo(Objective):
         """A [B] from the estimator over each whole group (default: (r_i - mean_g r) / (std_g r + eps))."""
         if batch.rewards is None:
             raise ValueError("grpo: the batch has no rewards (a reward signal must fill batch.rewards)")
-        return self.est.estimate(batch.rewards, batch.group, batch.control)  # [B]
+        adv = self.est.estimate(batch.rewards, batch.group, batch.control)  # [B]
+        return adv * valid_row_scale(adv).to(adv.dtype) if self.valid_rows_scale else adv
 
     def reduction(self) -> Reduction:
         return Reduction(self.loss_agg, self.norm_const)
@@ -220,15 +262,24 @@ class Grpo(Objective):
         """Every setting in words (`explain`): two different settings never print the same text."""
         lo, hi = self.bounds()
         ratio = {"token": "per token", "sequence": "per sequence (GSPO: exp of the mean token log-ratio)",
-                 "sequence-token": "GSPO-token (sequence value, token gradients)"}[self.ratio]
+                 "sequence-token": "GSPO-token (sequence value, token gradients)",
+                 "trajectory": "per trajectory: pi(tau)/mu(tau) = exp(sum_t log rho_t)"}[self.ratio]
         bound = {"clip": f"PPO clip [1-{lo:g}, 1+{hi:g}]" + (f", dual clip {self.dual_clip:g}" if self.dual_clip else ""),
                  "mask": f"mask tokens outside [1-{lo:g}, 1+{hi:g}]",
-                 "cispo": f"CISPO weight sg(clip(rho, 1-{lo:g}, 1+{hi:g})) on A log pi"}[self.bound]
+                 "cispo": f"CISPO weight sg(clip(rho, 1-{lo:g}, 1+{hi:g})) on A log pi",
+                 "topr": "TOPR: A log pi for A >= 0, sg(clip(rho, 0, 1)) A log pi for A < 0",
+                 "log_clip": f"GMPO: each token's log-ratio clipped to [-{lo:g}, {hi:g}] (by the sign of A) inside "
+                             f"the geometric mean s = exp(mean_t log rho_t); loss -A s",
+                 "none": "none: plain policy gradient -A log pi (no ratio)"}[self.bound]
+        if self.bound == "none":
+            ratio = "none"
         agg = self.loss_agg + (f" (C = {self.norm_const:g})" if self.norm_const and self.loss_agg ==
                                "seq-mean-token-sum-norm" else "")
         kl = (f"KL to the initial policy: {self.kl_estimator} x {describe(self.kl_coef)}"
               if ever_nonzero(self.kl_coef) else "no KL loss")
-        return [f"advantage: {self.est.describe()}", f"ratio: {ratio}; bound: {bound}",
+        adv = self.est.describe() + ("; x alpha = B / B_valid (rows over rows with a non-zero advantage, GPG)"
+                                     if self.valid_rows_scale else "")
+        return [f"advantage: {adv}", f"ratio: {ratio}; bound: {bound}",
                 f"aggregation: {agg}; {kl}"]
 
     def loss(self, batch: TrajectoryBatch, cur: PolicyView, adv: Tensor) -> tuple[Tensor, dict[str, float]]:
@@ -237,8 +288,13 @@ class Grpo(Objective):
         adv = adv.to(cur.logprobs.device, cur.logprobs.dtype)[:, None]  # [B, 1]
         old = batch.old_logprobs if batch.old_logprobs is not None else batch.behavior_logprobs  # [B, T]
         lo, hi = self.bounds()
-        log_r = sequence_log_ratio(cur.logprobs, old, mask, self.ratio)  # [B, T] or [B, 1]
-        loss_tok, bounded, ratio = bounded_surrogate(cur.logprobs, log_r, adv, self.bound, lo, hi, self.dual_clip)
+        if self.bound == "log_clip":  # GMPO: the clip inside the geometric mean
+            log_r, bounded = geometric_log_clip(cur.logprobs, old, mask, adv, lo, hi)  # [B, 1], [B, T]
+            ratio = torch.exp(log_r.clamp(-20.0, 20.0))
+            loss_tok = -(ratio * adv)  # [B, 1]
+        else:
+            log_r = sequence_log_ratio(cur.logprobs, old, mask, self.ratio)  # [B, T] or [B, 1]
+            loss_tok, bounded, ratio = bounded_surrogate(cur.logprobs, log_r, adv, self.bound, lo, hi, self.dual_clip)
         loss_tok = loss_tok.expand_as(cur.logprobs)  # [B, T]
         pg_loss = aggregate(loss_tok, mask, self.loss_agg, self.norm_const)
         total = pg_loss

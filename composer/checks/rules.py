@@ -381,6 +381,14 @@ def bound_fields(spec, segment):
         if obj.dual_clip is not None and obj.bound != "clip":
             out.append(_d("bound_fields", f"dual_clip applies to the PPO clip, but bound is {obj.bound}",
                           base + ("objective", "dual_clip"), "remove dual_clip, or use bound: clip"))
+        if obj.bound == "log_clip" and obj.ratio != "sequence":
+            out.append(_d("bound_fields", f"bound: log_clip clips each token's log-ratio inside the geometric-mean "
+                          f"sequence ratio (GMPO), but ratio is {obj.ratio}", base + ("objective", "ratio"),
+                          "set ratio: sequence"))
+        if obj.bound == "none" and obj.ratio != "token":
+            out.append(_d("bound_fields", f"bound: none is a plain policy gradient with no importance ratio, so "
+                          f"ratio: {obj.ratio} would not be used", base + ("objective", "ratio"),
+                          "remove ratio, or choose a bound that reads it (clip, cispo, topr, ...)"))
         if obj.estimator is not None and {"std_norm", "std_eps"} & obj.model_fields_set:
             out.append(_d("bound_fields", "std_norm / std_eps describe the default estimator, but an estimator is "
                           "given", base + ("objective", "std_norm" if "std_norm" in obj.model_fields_set else

@@ -45,6 +45,7 @@ def compile_(spec, overrides, backend, out, nodes, gpus_per_node, colocate, vllm
         _check_out(folder)
         _compile_into(folder, lambda tmp: compile_bundle(v, tmp, layout))
     except Unsupported as e:
+        e.path = written_path(v.loaded, e.path)
         where = v.loaded.locate(e.path) if e.path else None
         click.echo(f"{where or spec}: error: {dotted(e.path) or 'spec'}: OpenRLHF cannot express this: {e.reason}"
                    + (f"\n    hint: {e.hint}" if e.hint else ""), err=True)
@@ -64,6 +65,19 @@ def compile_(spec, overrides, backend, out, nodes, gpus_per_node, colocate, vllm
         click.echo(f"{spec}: error: {_failure(e)}", err=True)
         sys.exit(EXIT_INVALID)
     click.echo(f"wrote {out} (README.md says what it does; ./launch.sh [HEAD_ADDRESS] submits it)")
+
+
+def written_path(loaded, path: tuple) -> tuple:
+    """The path of a refused setting as the file writes it: a stage's or phase's (`stages[1].train...`) when that
+    segment wrote it, else the top level's (a top-level `rollout` inherited by `stages[0]` is `rollout...`)."""
+    from composer.checks.validate import _exists, _in_segment
+
+    path = tuple(path or ())
+    if len(path) > 2 and path[0] in ("stages", "phases") and isinstance(path[1], int):
+        origin, rest = path[:2], path[2:]
+        if not _in_segment(loaded, origin, rest) and _exists(loaded.data, rest[:1]):
+            return rest
+    return path
 
 
 def local_model_paths(v) -> list[str]:

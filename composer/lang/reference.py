@@ -220,7 +220,13 @@ def section_entry(key: str, builtins_only: bool = False) -> Entry:
                            "the previous stage's weights. A changed `kind` replaces a component whole"),
                 "terms": ("Write `terms:` instead of `signal:` + `objective:`; the terms' losses are summed with "
                           "their weights")}[key]
-        return Entry(key, f.description or "", fields=fields_of(_item_model(f.annotation)), notes=[note],
+        item = _item_model(f.annotation)
+        fields = fields_of(item)
+        if key == "terms":  # a term's gate: its conditions, as gate.<field> (composer list gate)
+            from composer.gates import Gate
+
+            fields += [FieldDoc(f"gate.{d.name}", d.type, d.allowed, d.default, d.description) for d in fields_of(Gate)]
+        return Entry(key, f.description or "", fields=fields, notes=[note],
                      fields_title=f"Fields of {_ITEM_OF[key]}:")
     return Entry(key, f.description or "", fields=fields_of(_only(spec, key)))
 
@@ -248,8 +254,21 @@ def overview(builtins_only: bool = False) -> list[FieldDoc]:
 
 # ------------------------------------------------------------------------------------------ topics
 
+GATE_TOPICS = ("gate", "gates", "terms.gate")
+
+
+def gate_entry() -> Entry:
+    """`terms[].gate`: the row predicate a term trains on (composer/gates.py)."""
+    from composer.gates import Gate
+
+    return Entry("gate", "`terms[].gate:` " + (Gate.__doc__ or "").strip(), fields=fields_of(Gate),
+                 notes=["written under a term: terms: [{signal: ..., objective: ..., gate: {outcome: failure}}]",
+                        "rows outside the gate get no loss from the term and do not count in its normaliser; "
+                        "`explain` prints each gate in words, and the run logs the fraction of rows it kept"])
+
+
 def topics() -> list[str]:
-    return [*SPEC_KEYS, "guide", "estimator", "verifiers"]
+    return [*SPEC_KEYS, "guide", "estimator", "gate", "verifiers"]
 
 
 class UnknownTopic(ValueError):
@@ -263,6 +282,8 @@ def entries_for(topic: str, builtins_only: bool = False) -> list[Entry]:
     topic = topic.strip().strip("/")
     if topic in VERIFIER_TOPICS:
         return [verifier_entry(builtins_only)]
+    if topic in GATE_TOPICS:
+        return [gate_entry()]
     if "/" in topic:
         section, kind = topic.split("/", 1)
         section = "guide" if section == "rollout.guide" else section
@@ -280,7 +301,7 @@ def entries_for(topic: str, builtins_only: bool = False) -> list[Entry]:
     if len(found) == 1:
         return [kind_entry(*found[0])]
     kinds = [k for sec in COMPONENT_SECTIONS for k in registry.kinds(sec)]
-    raise UnknownTopic(f"unknown topic '{topic}': a top-level key ({', '.join(SPEC_KEYS)}), guide, verifiers, "
+    raise UnknownTopic(f"unknown topic '{topic}': a top-level key ({', '.join(SPEC_KEYS)}), guide, gate, verifiers, "
                        "or SECTION/KIND (objective/grpo)", topic, topics() + kinds)
 
 

@@ -163,6 +163,9 @@ class Train(Strict):
     compile: bool = Field(False, description="torch.compile (inductor, dynamic shapes) the training and initial-policy forward passes and the hf rollout engine's decode step (one graph for every batch and cache size; for the models its KV-cache sampler covers, the Llama family, else a warning says it samples uncompiled); the first steps pay the compile time. Lightning backend.")
     samples_every: int = Field(10, ge=0, le=MAX_STEPS, description="Write every rollout of every this many steps, of each evaluation step (train.eval_every) and of the last step to `samples.jsonl` in the run folder (prompt, response as origin spans, reward, verifier detail, the judge's verdicts and corrections; `composer samples RUN` prints them); 0: none.")
     loggers: list[Literal["csv", "tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["csv", "tensorboard"], max_length=4, description="Lightning loggers of the run: `csv` (metrics.csv in the run folder), `tensorboard` (tensorboard/; left out without a word when the package is missing and the list is the default), `wandb` (WandbLogger: WANDB_PROJECT, WANDB_MODE=offline honoured), `mlflow` (MLFlowLogger: MLFLOW_TRACKING_URI, default mlruns/ in the run folder). A chosen logger whose package is missing stops the run before anything is written. The base spec's list applies to the whole run.")
+    optimizer_at_stage: Literal["reset", "keep"] = Field("reset", description="The optimizer state (AdamW moments and step count) at the start of this stage: `reset` starts it fresh, as a new run would (OpenRLHF launches each stage as a new run); `keep` carries the previous stage's state on (Lightning only). The learning-rate program is the stage's own either way. Without stages there is nothing to reset.")
+    reset_every: int = Field(0, ge=0, le=MAX_STEPS, description="Every this many steps of a segment (phase or stage), counted from its start, before the step: the frozen reference becomes the current policy and the optimizer state starts fresh (ProRL's periodic reference reset, Liu et al. 2025, arXiv 2505.24864; `reset_what` chooses which); 0: never. Lightning backend.")
+    reset_what: list[Literal["reference", "optimizer"]] = Field(default_factory=lambda: ["reference", "optimizer"], min_length=1, max_length=2, description="What a periodic reset (reset_every) resets: the frozen reference weights (KL terms, `weights: initial`) and/or the optimizer state.")
     reference: Literal["stage_start", "run_start"] = Field("stage_start", description="The frozen reference weights (`initial`: KL terms, A*PO's anchor, `weights: initial` teachers and judges): the policy at the start of each stage (as OpenRLHF starts a stage from the previous stage's checkpoint), or at the start of the run. Without stages both are the start of the run.")
 
     @field_validator("eval_verifier")
@@ -183,6 +186,13 @@ class Train(Strict):
         if lr is not None and lr * value >= 1:
             raise ValueError(f"lr * weight_decay = {lr * value:g}: AdamW multiplies the weights by 1 - lr * weight_decay "
                              "each step, which must stay above 0")
+        return value
+
+    @field_validator("reset_what")
+    @classmethod
+    def _distinct_resets(cls, value):
+        if len(set(value)) != len(value):
+            raise ValueError("a reset target is listed twice")
         return value
 
     @field_validator("loggers")

@@ -82,6 +82,8 @@ class Range:
     lr: LR
     calls: tuple[Call, ...] = ()
     terms: tuple[TermPlan, ...] = field(default_factory=tuple)
+    optimizer_resets: tuple[int, ...] = ()  # global steps before which the optimizer state starts fresh
+    reference_resets: tuple[int, ...] = ()  # global steps before which the frozen reference becomes the policy
 
     def syncs(self) -> list[int]:
         """Every `done` count inside this range after which the sampler is refreshed."""
@@ -100,7 +102,8 @@ class Schedule:
         self.ranges = [Range(r["index"], r["name"], r.get("stage"), r["start"], r["end"], r["sync_every"],
                              r["sync_at_end"], r["initial_from"], LR(**r["lr"]),
                              tuple(Call(**c) for c in r.get("calls", ())),
-                             tuple(TermPlan(**t) for t in r.get("terms", ())))
+                             tuple(TermPlan(**t) for t in r.get("terms", ())),
+                             tuple(r.get("optimizer_resets", ())), tuple(r.get("reference_resets", ())))
                        for r in data["ranges"]]
         self.total_steps = self.ranges[-1].end if self.ranges else 0
 
@@ -136,7 +139,19 @@ class Schedule:
         return last
 
     def initial_version(self, step: int) -> int:
-        return self.at(step).initial_from
+        """The frozen reference at `step`: its range's `initial_from`, or the last periodic reference reset of
+        the range at or before `step` (the policy after that many steps)."""
+        r = self.at(step)
+        return max([r.initial_from] + [s for s in r.reference_resets if s <= step])
+
+    def optimizer_reset(self, step: int) -> bool:
+        """Whether the optimizer state starts fresh before step `step` (a stage's start with
+        train.optimizer_at_stage: reset, or a periodic reset of train.reset_every)."""
+        return step in self.at(step).optimizer_resets
+
+    def optimizer_resets(self) -> list[int]:
+        """Every step before which the optimizer state starts fresh, in order."""
+        return sorted({s for r in self.ranges for s in r.optimizer_resets})
 
     def lr(self, step: int) -> float:
         r = self.at(step)
@@ -200,9 +215,14 @@ def compile_schedule(segments, models_of) -> dict:
         t = seg.spec.train
         stage_start = next(s.start for s in segments if s.stage == seg.stage) if seg.stage else 0
         initial = stage_start if seg.stage is not None and t.reference == "stage_start" else 0
+        periodic = list(range(seg.start + t.reset_every, seg.end, t.reset_every)) if t.reset_every else []
+        opt = ([seg.start] if seg.stage is not None and seg.start == stage_start and seg.start > 0
+               and t.optimizer_at_stage == "reset" else []) + (periodic if "optimizer" in t.reset_what else [])
+        ref = periodic if "reference" in t.reset_what else []
         ranges.append(asdict(Range(i, seg.name, seg.stage, seg.start, seg.end, seg.spec.sync.every, stage_end,
                                    initial, LR(t.lr, t.warmup_steps, t.lr_schedule),
-                                   tuple(_calls(seg, models_of(seg.spec))), tuple(_terms(seg)))))
+                                   tuple(_calls(seg, models_of(seg.spec))), tuple(_terms(seg)),
+                                   tuple(opt), tuple(ref))))
     return {"rule": RULE, "ranges": ranges}
 
 
@@ -217,7 +237,29 @@ def lines(plan: dict) -> list[str]:
              (", cosine" if r.lr.decay == "cosine" else "")
         out.append(f"  steps {r.start}-{r.end - 1} ({r.name}): sync after {shown or 'none'} step(s) done; {lr}; "
                    f"initial weights = policy after {r.initial_from} step(s)")
+        out.append("    optimizer: " + _optimizer_words(r, sched.ranges[r.index - 1] if r.index else None))
+        if r.reference_resets:
+            out.append("    reference reset (initial weights <- the policy) before step(s) " + _steps(r.reference_resets))
         out.append("    calls: " + ", ".join(f"{c.call} reads {c.weights}" for c in r.calls))
         for t in r.terms:
             out.append(f"    {t.name}: advantage groups by {t.groups}; normaliser {t.normaliser}")
     return out
+
+
+def _steps(xs) -> str:
+    xs = list(xs)
+    return ", ".join(map(str, xs[:8])) + (f", ... ({len(xs)} in all)" if len(xs) > 8 else "")
+
+
+def _optimizer_words(r: Range, prev: Range | None) -> str:
+    """How the optimizer state of a range begins and whether it restarts inside it (explain)."""
+    inside = [s for s in r.optimizer_resets if s != r.start]
+    if prev is None:
+        head = "AdamW state fresh at the run's start"
+    elif r.start in r.optimizer_resets:
+        head = "AdamW state reset at this stage's start (train.optimizer_at_stage: reset)"
+    elif r.stage is not None and r.stage != prev.stage:
+        head = "AdamW state kept from the previous stage (train.optimizer_at_stage: keep)"
+    else:
+        head = "AdamW state carried on from the previous phase"
+    return head + (f"; reset before step(s) {_steps(inside)} (train.reset_every)" if inside else "")

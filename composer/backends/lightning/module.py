@@ -139,20 +139,27 @@ class ComposerModule(L.LightningModule):
     # ---- the step ----
     def _enter(self, step: int, optimizer) -> None:
         """Make the segment of `step` the one in force: its spec, its optimiser settings from this step on
-        (the LR is the scheduler's, from the Plan), and where the Plan moves the frozen initial weights (a
-        stage's start with train.reference: stage_start) a fresh copy of them."""
+        (the LR is the scheduler's, from the Plan), where the Plan moves the frozen initial weights (a
+        stage's start with train.reference: stage_start, a periodic reset) a fresh copy of them, and where it
+        resets the optimizer state (train.optimizer_at_stage: reset, train.reset_every) fresh AdamW moments."""
         seg = self.segment_at(step)
         ctx = self.ctx
         ctx.step = step
         ctx.segment_start, ctx.segment_end = seg.start, seg.end
+        first = ctx.segment == ""
         if seg.name != ctx.segment:
-            first = ctx.segment == ""
             ctx.segment, ctx.spec = seg.name, seg.spec
-            if not first and self.schedule.initial_version(step) != self.schedule.initial_version(step - 1):
-                ctx.models.refresh_initial()
             ctx.record("segment", name=seg.name, start=seg.start, end=seg.end)
             for _n, sig, _o, _w in run_step.terms(seg.spec):
                 sig.start(ctx)
+        # a stage's start (train.reference: stage_start) or a periodic reset (train.reset_every): the Plan's
+        # versions, so a run resumed at such a step does the same as an uninterrupted one
+        if not first and self.schedule.initial_version(step) != self.schedule.initial_version(step - 1):
+            ctx.models.refresh_initial()
+            ctx.record("reference_reset")
+        if self.schedule.optimizer_reset(step):  # train.optimizer_at_stage: reset, or train.reset_every
+            getattr(optimizer, "optimizer", optimizer).state.clear()  # AdamW re-creates moments and step count
+            ctx.record("optimizer_reset")
         t = ctx.spec.train
         for group in optimizer.param_groups:
             group.update(betas=tuple(t.betas), weight_decay=t.weight_decay)

@@ -248,11 +248,28 @@ def _check_spec(spec, where: tuple) -> None:
                           "between syncs on the rollouts of the last sync", "set sync.reuse: false")
 
 
+def _check_optimizer(spec, where: tuple, later_stage: bool) -> None:
+    """The optimizer state a stage starts with must mean the same on both backends (issue 46)."""
+    t = spec.train
+    if later_stage and t.optimizer_at_stage == "keep":
+        raise Unsupported(where + ("train", "optimizer_at_stage"), "OpenRLHF launches each stage as a new run that "
+                          "loads the previous stage's final model, not its DeepSpeed optimizer state, so the AdamW "
+                          "moments cannot be kept across the stage boundary",
+                          "use train.optimizer_at_stage: reset (the default, the same on both backends), or the "
+                          "lightning backend")
+    if t.reset_every:
+        raise Unsupported(where + ("train", "reset_every"), "OpenRLHF's trainer has no point inside a run where the "
+                          "reference model's weights and the DeepSpeed optimizer state can be replaced, so a periodic "
+                          "reset cannot be expressed", "write one stage per reset (each stage starts a fresh optimizer "
+                          "and, with train.reference: stage_start, a fresh reference), or use the lightning backend")
+
+
 def _run(name, group, segs, layout: Layout, inputs: Inputs, model: str) -> Run:
     specs = [s.spec for s in segs]
     where = [tuple(s.origin) for s in segs]
     for spec, w in zip(specs, where):
         _check_spec(spec, w)
+        _check_optimizer(spec, w, later_stage=model != inputs.policy_path)
     run = Run(name, "ppo", group, output_dir=f"{layout.cluster_dir.rstrip('/')}/{name}")
     pairs = [(w, t) for spec, w in zip(specs, where) for t in _terms(spec)]
     ref_sft = [_is_reference_sft(s, o) for _, (_, s, o, _) in pairs]
@@ -286,6 +303,8 @@ def _run(name, group, segs, layout: Layout, inputs: Inputs, model: str) -> Run:
                               f"({', '.join(diff)}), which are fixed for a run",
                               "keep these settings equal across phases, or use `stages`")
     run.argv = args[0].argv
+    run.native.append("optimizer state: fresh AdamW at this run's start" + (
+        " (this stage is a new OpenRLHF run: train.optimizer_at_stage reset)" if model != inputs.policy_path else ""))
     _check_initial_calls(segs, specs, where)
     if len(segs) > 1:
         run.via_plugin.append("phases: " + ", ".join(f"{s.name} = steps {s.start}-{s.end}" for s in segs)
