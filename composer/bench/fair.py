@@ -292,6 +292,8 @@ class LightningLoop:
 
     def run(self, n: int) -> float:
         self._raise()
+        if n <= 0:
+            return 0.0
         self._todo = n
         t0 = time.perf_counter()
         self._go.release()

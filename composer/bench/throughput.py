@@ -1228,7 +1228,7 @@ def main(argv=None) -> int:
     print(text)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "host": host,
+        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "flops_cache"}, "host": host,
                                                "results": results, "guided": guided}, indent=2, default=str))
     failed = [f"{r['pair']}{'' if r['mode'] == 'matched' else ' (' + r['mode'] + ')'} {side}: {r[side + '_error']}" for r in results for side in ("ours", "trl")
               if r.get(side + "_error") or (side == "ours" and not r.get("ours_block_s"))
