@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl (the bench extra)")
 TINY_ARGS = ["--rounds", "1", "--steps", "1", "--warmup", "0", "--length", "4", "--prompts", "2", "--group", "2",
-        "--threads", "1", "--guided", "0"]
+        "--threads", "1", "--guided", "0", "--sizes", "toy"]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,9 @@ def test_tiny_throughput_runs_both_sides_through_the_modules_step(tmp_path, monk
     assert res["ours_error"] is None and res["trl_error"] is None, res
     assert len(res["ours_block_s"]) == 1 and len(res["trl_block_s"]) == 1
     assert res["ours_samples_per_s"] > 0 and res["trl_samples_per_s"] > 0
-    assert calls == [0, 1]  # the check step, then the timed block: the module's own step ran
+    # the check step, the FLOP-counted step, then the timed block: the module's own step, run by Lightning's
+    # loop (global_step 0, 1, 2)
+    assert calls == [0, 1, 2]
     host = data["host"]  # what the ratios depend on, kept with them
     assert host["threads"] == 1 and host["mkl_gflops"] > 0 and host["isa"] and host["cpu"]
     assert bt.format_host(host).startswith("host: ")
@@ -158,9 +160,11 @@ def test_compiled_rows_report_their_graphs_and_recompiles():
          "trl_samples_per_s": 1.0, "ratio": 2.0, "round_ratios": [1.9, 2.1], "median_round_ratio": 2.0,
          "ours_compiled_graphs": 4, "ours_graphs_in_rounds": 0, "ours_first_step_s": 71.0}
     args = argparse.Namespace(threads=1, model="m", length=32, sampler="hf", compile=False, trl_compile=False,
-                              rounds=2, steps=1, warmup=1)
+                              rounds=2, steps=1, warmup=1, matmul_length=128, matmul_prompts=2, matmul_group=4,
+                              checkpointing="off")
     text = bt.format_results([r], args)
-    assert "compiled: matched work as above, our side with train.compile: true" in text
+    assert "compiled: matched work as above, both sides compiled: ours with train.compile: true" in text
+    assert "TRL with its own TrainingArguments.torch_compile" in text
     assert "torch.compile built 4 graph(s) for our side, 0 of them inside timed rounds" in text
     assert "meets the 2.0x target" in text
     assert "compiled" in bt.MODES and bt.parse_args(["--modes", "compiled"]).modes == "compiled"
@@ -211,3 +215,149 @@ def test_matmul_mode_needs_no_model(monkeypatch, capsys):
     monkeypatch.setattr(T, "MATMUL_SHAPES", ((256, 64, 96),))
     assert T.main(["--matmul", "--threads", "1"]) == 0
     assert "256 x 64 x 96" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ fair by construction (issue 45)
+
+
+def test_compare_names_the_rows_that_differ_and_ignores_the_timed_loop():
+    from composer.bench.fair import compare
+
+    ours = {"step timed": "lightning.Trainer step", "gradient checkpointing": False, "lr": 1e-4, "dtype": "float32",
+            "KV cache in generation": True}
+    same = {**ours, "step timed": "HF Trainer step", "lr": 1e-4 * (1 + 1e-12)}
+    assert compare(ours, same) == []
+    assert compare(ours, {**same, "gradient checkpointing": True, "dtype": "bfloat16"}) == [
+        "gradient checkpointing", "dtype"]
+    assert compare(ours, {**same, "lr": 2e-4}) == ["lr"]
+    assert compare(ours, {**same, "KV cache in generation": None}) == []  # not readable there: not compared
+    assert compare({**ours, "completions per prompt": 2}, same) == ["completions per prompt"]  # one side lacks it
+
+
+def test_the_settings_tables_match_and_are_read_off_the_live_trainers(tmp_path, capsys, tiny):
+    """Both tables come from the objects at train start; the values the bench asked for are what they hold:
+    checkpointing off on TRL's side (its config turns it on by default), the KV cache on, fused AdamW, the forced
+    length and the group size of the command line."""
+    from composer.bench import throughput as bt
+
+    out = tmp_path / "tp.json"
+    assert bt.main(["--pairs", "grpo", "--modes", "matched", *tiny, "--json", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    o, t = r["settings_ours"], r["settings_trl"]
+    assert r["settings_differ"] == []
+    for s in (o, t):
+        assert s["gradient checkpointing"] is False and s["KV cache in generation"] is True
+        assert s["dtype"] == "float32" and s["threads"] == 1 and s["compiled"] == "eager"
+        assert s["completions per prompt"] == 2 and s["rows per step"] == 4
+        assert list(s["completion tokens (min, max)"]) == [4, 4]
+        assert s["optimizer"] == "AdamW (fused)"
+    assert o["step timed"] == "lightning.Trainer step" and t["step timed"] == "HF Trainer step"
+    text = capsys.readouterr().out
+    assert "grpo (toy, onednn, matched): settings read at train start" in text
+    assert "gradient checkpointing" in text and "<- differs" not in text
+
+
+def test_a_setting_trl_holds_differently_is_refused(tmp_path, capsys, monkeypatch, tiny):
+    """TRL's model checkpointed while ours is not (what the shipped bench timed): the bench reads it off TRL's
+    model, names the row, times nothing and exits 1."""
+    from composer.bench import throughput as bt
+
+    real = bt._common_trl_args
+
+    def checkpointed(*a, **k):
+        return {**real(*a, **k), "gradient_checkpointing": True}
+
+    monkeypatch.setattr(bt, "_common_trl_args", checkpointed)
+    out = tmp_path / "tp.json"
+    assert bt.main(["--pairs", "sft", "--modes", "matched", *tiny, "--json", str(out)]) == 1
+    (r,) = json.loads(out.read_text())["results"]
+    assert "SettingsMismatch" in r["trl_error"] and "gradient checkpointing: ours False, TRL True" in r["trl_error"]
+    assert r["trl_block_s"] == [] and r["ours_block_s"] == []
+    assert r["settings_differ"] == ["gradient checkpointing"]
+    assert "<- differs" in capsys.readouterr().out
+
+
+def test_trl_defaults_row_keeps_trls_checkpointing_and_is_not_refused(tmp_path, tiny):
+    from composer.bench import throughput as bt
+
+    out = tmp_path / "tp.json"
+    assert bt.main(["--pairs", "sft", "--modes", "defaults", *tiny, "--json", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["settings_trl"]["gradient checkpointing"] is True  # SFTConfig's default, read off the model
+    assert r["settings_ours"]["gradient checkpointing"] is False
+    assert "gradient checkpointing" in r["settings_differ"] and r["ratio"] > 0
+
+
+def test_mkl_backend_is_the_same_on_both_sides(tmp_path, tiny):
+    from composer.bench import throughput as bt
+    from composer.runtime import onednn
+
+    before = onednn._ON
+    out = tmp_path / "tp.json"
+    assert bt.main(["--pairs", "sft", "--modes", "matched", *tiny, "--linear", "mkl", "--json", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["linear"] == "mkl"
+    assert r["settings_ours"]["linear backend"] == r["settings_trl"]["linear backend"] == "MKL"
+    assert onednn._ON == before  # switched back after the pair
+
+
+def test_onednn_backend_converts_trls_linears(tmp_path):
+    import torch
+
+    from composer.bench.fair import _linears, linear_backend, to_backend
+    from composer.runtime import onednn
+
+    if not onednn.available():
+        pytest.skip("oneDNN not built in")
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    assert _linears([m]) == "MKL"
+    with linear_backend("onednn"):
+        to_backend([m, None], "onednn")
+        assert _linears([m]) == "oneDNN"
+    with linear_backend("mkl"):
+        assert _linears([m]) == "MKL"  # the class is there, but oneDNN is off: every product is MKL's
+
+
+def test_flop_counter_counts_onednn_products():
+    """2 M K N per product: forward, and both gradient products in the backward (recomputed by hand)."""
+    import torch
+
+    from composer.bench.fair import count_flops
+    from composer.runtime import onednn
+
+    M, K, N = 300, 256, 512
+    lin = onednn.use_onednn(torch.nn.Sequential(torch.nn.Linear(K, N, bias=False)))
+    x = torch.randn(M, K, requires_grad=True)
+    box = {}
+    with count_flops(box):
+        lin(x).sum().backward()
+    assert box["flops"] == 3 * 2 * M * K * N
+    with torch.no_grad(), count_flops(box):
+        lin(x)
+    assert box["flops"] == 2 * M * K * N
+
+
+def test_matmul_model_is_tens_of_millions_and_built_locally(tmp_path, monkeypatch):
+    from transformers import AutoConfig
+
+    from composer.bench import fair
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = fair.matmul_checkpoint(str(tmp_path / "m"))
+    cfg = AutoConfig.from_pretrained(path)
+    assert cfg.model_type == "qwen3" and cfg.max_position_embeddings >= 512 + 64
+    h, i, L, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h + 2 * cfg.head_dim  # q, o, k, v, MLP, norms
+    expect = L * per_layer + v * h + h  # tied embeddings, final norm
+    assert fair.n_params(path) == expect and 10_000_000 <= expect < 100_000_000
+
+
+def test_stretch_makes_sft_rows_as_long_as_asked():
+    from composer.bench import throughput as bt
+    from composer.bench.fair import stretch
+
+    ex = bt.toy_examples(4, 0)
+    long = stretch(ex, 128)
+    for a, b in zip(ex, long):
+        assert len(b.solution) >= 128 and b.solution.startswith(a.solution) and b.prompt == a.prompt

@@ -49,13 +49,14 @@ TRL_NAME = {"grpo": "GRPOTrainer", "opd": "GKDTrainer", "sft": "SFTTrainer"}
 TARGET = {"matched": 2.0, "compiled": 2.0, "defaults": 1.0}  # ours/TRL the issue asks for, per comparison
 MODES = ("matched", "compiled", "defaults")
 MODE_TITLE = {
-    "matched": "matched work (same model, batch, forced completion length, KL setting, threads)",
-    "compiled": "matched work as above, our side with train.compile: true (torch.compile of the log-prob forwards and of "
-                "the hf engine's decode step, compiled in the untimed warm-up); TRL as in matched (its TrainingArguments.torch_compile measured "
-                "no faster at this size: SFT 150 vs 151 samples/s, 2026-11-29; GRPO 4.4 samples/s, recompiling as "
-                "it generates, 2026-12-03)",
+    "matched": "matched work (same model, batch, forced completion length, KL setting, threads, gradient "
+               "checkpointing, KV cache, optimiser, linear backend: read off both sides at train start)",
+    "compiled": "matched work as above, both sides compiled: ours with train.compile: true (the log-prob forwards "
+                "and the hf engine's decode step, compiled in the untimed warm-up), TRL with its own "
+                "TrainingArguments.torch_compile",
     "defaults": "TRL defaults (TRL's config defaults for the same spec: GRPO beta 0, so no reference model, and "
-                "generation stopping at EOS; SFTTrainer's defaults) vs our spec as written (its KL term, EOS stops)",
+                "generation stopping at EOS; gradient checkpointing on; SFTTrainer's defaults) vs our spec as "
+                "written (its KL term, EOS stops); settings printed, not required to match",
 }
 
 
@@ -117,14 +118,15 @@ class Ours:
     """The composer's step on the Lightning backend's module, driven without the Trainer."""
 
     def __init__(self, spec_path: str, overrides: list[str], examples, length: int | None, sampler: str,
-                 compile_model: bool = False, rollouts: bool | None = None, device: str = "cpu"):
+                 compile_model: bool = False, rollouts: bool | None = None, device: str = "cpu",
+                 lightning: bool = False, root: str | None = None):
         import torch
 
         from composer.backends.lightning.module import ComposerModule
         from composer.plan.compile import compile_plan
         from composer.runtime import step as run_step
         from composer.runtime.binding import bind_task
-        from composer.runtime.models import load_model, load_tokenizer
+        from composer.runtime.models import load_model, load_tokenizer, prepare_policy
         from composer.checks.validate import validate_file
 
         self.torch, self.run_step = torch, run_step
@@ -133,7 +135,7 @@ class Ours:
         self.spec = spec
         task = bind_task(spec)
         tok = load_tokenizer(spec.policy.tokenizer or spec.policy.model)
-        policy = load_model(spec.policy.model, spec.policy.dtype)
+        policy = prepare_policy(load_model(spec.policy.model, spec.policy.dtype), spec.policy)  # as run.py does
         self.module = ComposerModule(compile_plan(v, "lightning"), task, tok, policy, validated=v)
         if device != "cpu":  # the Trainer's move to its device, before setup builds the engine
             self.module.to(device)
@@ -144,9 +146,19 @@ class Ours:
         cap = self.ctx.task.max_new_tokens
         if length and cap and cap < length:  # the forced length is the matched work: the task's response cap
             self.ctx.task.max_new_tokens = length  # (the toy task's is 59) must not cut ours short of TRL's
-        optim = self.module.configure_optimizers()
-        self.opt, self.lr_sched = optim["optimizer"], optim["lr_scheduler"]["scheduler"]
+        self.loop = None
+        if lightning:  # the whole Lightning step (fair.LightningLoop): Lightning builds the optimiser
+            from composer.bench.fair import LightningLoop
+
+            self.loop = LightningLoop(self.module, root or tempfile.mkdtemp(prefix="bench-ours-"), device)
+            self.opt = self.lr_sched = None
+        else:
+            optim = self.module.configure_optimizers()
+            self.opt, self.lr_sched = optim["optimizer"], optim["lr_scheduler"]["scheduler"]
         self.train_model = self.ctx.forward_model(policy)  # compiled with train.compile, as in a run
+        self.rows_per_step = spec.train.prompts_per_step * (spec.rollout.samples_per_prompt
+                                                            if (length is not None if rollouts is None else rollouts)
+                                                            else 1)
         self.done = 0
         self.graphs_in_rounds = 0
         self.phases = Phases()
@@ -165,6 +177,46 @@ class Ours:
         for name, label in (("initial_logprobs", "initial_logprobs"), ("collect", "collect"),
                             ("loss", "loss (policy forward + objective)")):
             self._time(name, label)
+        if self.loop is not None:  # rows and tokens of each Lightning step, off the module's own step_loss
+            real = self.module.step_loss
+
+            def step_loss(step, optimizer):
+                loss, metrics = real(step, optimizer)
+                self._count(metrics["_batches"])
+                return loss, metrics
+
+            self.module.step_loss = step_loss
+            self.loop.start()  # fit up to on_train_start: setup and optimisers, untimed
+
+    def _count(self, batches) -> None:
+        if not self.measuring:
+            return
+        self.phases.steps += 1
+        first = batches[0]
+        self.rows += first.size
+        if self.rollouts:  # generated tokens
+            self.tokens += int((first.response_mask & first.attention_mask).sum())
+        else:  # every real token the step trains on
+            self.tokens += int(first.attention_mask.sum())
+
+    def settings(self) -> dict:
+        """This side's trainer settings, read off the live objects (composer/bench/fair.py)."""
+        from composer.bench.fair import settings_ours
+
+        return settings_ours(self, self.loop.trainer if self.loop is not None else None)
+
+    def count_flops(self) -> float:
+        """One untimed step with its matrix FLOPs counted (FlopCounterMode)."""
+        from composer.bench.fair import count_flops
+
+        box: dict = {}
+        if self.loop is not None:
+            self.loop.count_box = box
+            self.loop.run(1)
+        else:
+            with count_flops(box):
+                self.step()
+        return float(box.get("flops", 0))
 
     def _time(self, name: str, label: str) -> None:
         """Time `composer.runtime.step.<name>` (what the module's step calls) as phase `label`."""
@@ -177,6 +229,8 @@ class Ours:
         setattr(self.run_step, name, timed)
 
     def close(self):
+        if self.loop is not None:
+            self.loop.close()
         for name, fn in self._orig.items():
             setattr(self.run_step, name, fn)
 
@@ -251,18 +305,20 @@ class Ours:
             self.done += 1
             with self._phase("sync + hooks"):
                 self.module.after_step(self.done)
-        if self.measuring:
-            self.phases.steps += 1
-            first = batches[0]
-            self.rows += first.size
-            if self.rollouts:  # generated tokens
-                self.tokens += int((first.response_mask & first.attention_mask).sum())
-            else:  # every real token the step trains on
-                self.tokens += int(first.attention_mask.sum())
+        self._count(batches)
 
     def block(self, n: int, measure: bool) -> float:
         self.measuring = measure
         before = compiled_graphs()
+        if self.loop is not None:  # the whole Lightning step, timed by the loop
+            try:
+                took = self.loop.run(n)
+            finally:
+                self.measuring = False
+            if measure:
+                self.phases.seconds["total"] = self.phases.seconds.get("total", 0.0) + took
+                self.graphs_in_rounds += compiled_graphs() - before
+            return took
         t0 = time.perf_counter()
         for _ in range(n):
             self.step()
@@ -285,18 +341,24 @@ def compiled_graphs() -> int:
 
 
 def _trl_common(args, out: str, rows: int, spec) -> dict:
-    return _common_trl_args(out, rows, args.trl_steps, spec, args.threads, args.trl_compile,
-                            getattr(args, "device", "cpu"))
+    mode = getattr(args, "mode", "matched")
+    return _common_trl_args(out, rows, args.trl_steps, spec, args.threads,
+                            args.trl_compile or mode == "compiled", getattr(args, "device", "cpu"),
+                            matched=mode != "defaults", checkpointing=getattr(args, "checkpointing", "off") == "on")
 
 
 def _common_trl_args(out: str, rows: int, steps: int, spec, threads: int, compile_model: bool = False,
-                     device: str = "cpu") -> dict:
+                     device: str = "cpu", matched: bool = True, checkpointing: bool = False) -> dict:
+    """TrainingArguments for TRL's side. matched: the settings ours trains with (gradient checkpointing as
+    `checkpointing`, which TRL's configs turn on by default; torch's fused AdamW, as ours); else TRL's defaults
+    for both (only the batch, LR, clip, betas and budget from the spec)."""
     t = spec.train
+    same = dict(gradient_checkpointing=checkpointing, optim="adamw_torch_fused") if matched else {}
     return dict(
         torch_compile=compile_model,
         output_dir=out, per_device_train_batch_size=rows, gradient_accumulation_steps=1, max_steps=steps,
         learning_rate=t.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=t.grad_clip or 0.0,
-        adam_beta1=t.betas[0], adam_beta2=t.betas[1], weight_decay=t.weight_decay, optim="adamw_torch",
+        adam_beta1=t.betas[0], adam_beta2=t.betas[1], weight_decay=t.weight_decay, **same,
         use_cpu=device == "cpu", bf16=False, fp16=False, report_to="none", logging_strategy="no", save_strategy="no",
         eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0, dataloader_pin_memory=False, seed=t.seed,
     )
@@ -382,6 +444,8 @@ def trl_gkd(args, spec, model_dir, teacher_dir, examples, callback, out):
                              processing_class=tok, data_collator=collate, callbacks=[callback])
     trainer.generation_config.min_new_tokens = args.length
     trainer.generation_kwargs["min_new_tokens"] = args.length
+    prompts = ds["prompt"]
+    trainer.bench_completions_per_prompt = next((i for i, p in enumerate(prompts) if p != prompts[0]), len(prompts))
     return trainer
 
 
@@ -403,12 +467,31 @@ def trl_sft(args, spec, model_dir, examples, callback, out):
     return SFTTrainer(model=model_dir, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[callback])
 
 
-def _interleaver(ours, args, record):
-    """A TrainerCallback that times TRL's blocks and runs our blocks between them."""
+def _interleaver(ours, args, record, pair: str = "grpo"):
+    """A TrainerCallback that times TRL's blocks and runs our blocks between them. At TRL's train start (its
+    optimiser and model prepared) it puts TRL's models on the bench's linear backend, reads both sides' settings
+    off the live objects and, unless TRL runs its defaults, refuses to go on when they differ."""
     from transformers import TrainerCallback
 
+    from composer.bench import fair
+
     class Interleave(TrainerCallback):
-        def on_train_begin(self, *_a, **_k):
+        trainer = None  # set by run_pair once the trainer is built
+
+        def on_train_begin(self, _args, _state, _control, optimizer=None, **_k):
+            tr = self.trainer
+            if tr is not None:
+                fair.to_backend([tr.model, getattr(tr, "ref_model", None), getattr(tr, "teacher_model", None)],
+                                getattr(args, "linear", "onednn"))
+                record["settings_trl"] = fair.settings_trl(tr, pair, optimizer)
+            if ours is not None:
+                record["settings_ours"] = ours.settings()
+            if (tr is not None and ours is not None and getattr(args, "mode", "matched") != "defaults"
+                    and fair.compare(record["settings_ours"], record["settings_trl"])):
+                diff = fair.compare(record["settings_ours"], record["settings_trl"])
+                raise fair.SettingsMismatch("the two sides would not train alike: " + "; ".join(
+                    f"{k}: ours {record['settings_ours'].get(k, '-')}, TRL {record['settings_trl'].get(k, '-')}"
+                    for k in diff))
             if ours is not None:
                 ours.block(args.warmup, measure=False)  # our warm-up
             record["mark"] = time.perf_counter()
@@ -461,16 +544,34 @@ def run_pair(pair: str, args, mode: str = "matched") -> dict:
     rollouts = pair != "sft"
     rows = spec.train.prompts_per_step * (spec.rollout.samples_per_prompt if rollouts else 1)
     examples = toy_examples(max(256, 4 * spec.train.prompts_per_step), args.seed)
+    if not rollouts and getattr(args, "sft_chars", None):  # the matmul size's SFT rows: length-long solutions
+        from composer.bench.fair import stretch
+
+        examples = stretch(examples, args.sft_chars)
     res = {"pair": pair, "mode": mode, "trl": TRL_NAME[pair], "rows_per_step": rows, "ours_error": None,
-           "trl_error": None}
+           "trl_error": None, "size": getattr(args, "size", "toy"), "linear": getattr(args, "linear", "onednn"),
+           "length": args.length}
+    from composer.bench.fair import linear_backend
+
+    with linear_backend(res["linear"]):
+        return _run_pair(pair, args, mode, res, spec_path, ovr, spec, rollouts, rows, examples, forced, compiled)
+
+
+def _run_pair(pair, args, mode, res, spec_path, ovr, spec, rollouts, rows, examples, forced, compiled) -> dict:
     ours = None
     graphs_before = compiled_graphs()
     t_setup = time.perf_counter()
     try:
         ours = Ours(spec_path, ovr, examples, args.length if rollouts and forced else None, args.sampler, compiled,
-                    rollouts=rollouts, device=getattr(args, "device", "cpu"))
+                    rollouts=rollouts, device=getattr(args, "device", "cpu"), lightning=True)
         ours.block(1, measure=False)  # fails early if this spec does not run here
         res["ours_first_step_s"] = time.perf_counter() - t_setup  # loading + the first step (compiling with it)
+        key = (res["size"], pair, mode == "defaults")
+        flops = getattr(args, "flops_cache", {})
+        if key not in flops and not compiled:  # our step's matrix FLOPs (one untimed, counted step)
+            flops[key] = ours.count_flops()
+            args.flops_cache = flops
+        res["ours_step_flops"] = flops.get(key)
     except Exception as e:  # reported, not raised: the TRL side still runs
         res["ours_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if ours is not None:
@@ -478,7 +579,7 @@ def run_pair(pair: str, args, mode: str = "matched") -> dict:
         ours = None
     record = {"trl": [], "ours": [], "mark": 0.0}
     args.trl_steps = args.warmup + args.rounds * args.steps
-    cb = _interleaver(ours, args, record)
+    cb = _interleaver(ours, args, record, pair)
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as out:
         try:
             if pair == "grpo":
@@ -487,17 +588,24 @@ def run_pair(pair: str, args, mode: str = "matched") -> dict:
                 trainer = trl_gkd(args, spec, args.model, args.teacher, examples, cb, out)
             else:
                 trainer = trl_sft(args, spec, args.model, examples, cb, out)
+            cb.trainer = trainer
             with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(sys.stderr if args.debug else devnull):
                 trainer.train()  # Trainer prints its summary dict; the bench prints its own
         except Exception as e:
             res["trl_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             if args.debug:
                 raise
-    if ours is not None and not record["ours"]:  # TRL failed before interleaving: measure ours alone
+    if ours is not None and not record["ours"] and "SettingsMismatch" not in (res["trl_error"] or ""):
+        # TRL failed before interleaving: measure ours alone
         for _ in range(args.rounds):
             record["ours"].append(ours.block(args.steps, measure=True))
     res["trl_block_s"] = record["trl"]
     res["ours_block_s"] = record["ours"]
+    res["settings_ours"], res["settings_trl"] = record.get("settings_ours"), record.get("settings_trl")
+    if res["settings_ours"] and res["settings_trl"]:
+        from composer.bench.fair import compare
+
+        res["settings_differ"] = compare(res["settings_ours"], res["settings_trl"])
     n = args.steps
     if record["trl"]:
         res["trl_samples_per_s"] = rows * n * len(record["trl"]) / sum(record["trl"])
@@ -520,7 +628,13 @@ def run_pair(pair: str, args, mode: str = "matched") -> dict:
             res["ours_tokens_per_s"] = ours.tokens / total
         else:
             res["ours_mean_response_tokens"] = ours.tokens / max(ours.rows, 1)
+    if ours is not None:
         ours.close()
+    f = res.get("ours_step_flops")
+    for side in ("ours", "trl"):  # our step's matrix FLOPs over each side's time per step (the same work)
+        blocks = res.get(f"{side}_block_s")
+        if f and blocks and forced:
+            res[f"{side}_gflops"] = f * n * len(blocks) / sum(blocks) / 1e9
     if res.get("trl_samples_per_s") and res.get("ours_samples_per_s"):
         res["ratio"] = res["ours_samples_per_s"] / res["trl_samples_per_s"]
         res["round_ratios"] = [t / o for o, t in zip(record["ours"], record["trl"])]
@@ -862,54 +976,84 @@ def profile_ours(pair: str, args, steps: int = 3) -> str:
 # --------------------------------------------------------------------------------------- printing
 
 
-def format_results(results: list[dict], args) -> str:
-    lines = [(f"throughput on {args.threads} CPU thread(s); model {args.model}; completion length {args.length} "
-              f"(forced, matched rows); sampler (ours) {args.sampler}{'; ours compiled' if args.compile else ''}"
-              f"{'; TRL compiled' if args.trl_compile else ''}; {args.rounds} rounds x {args.steps} steps, "
-              f"{args.warmup} warm-up step(s) dropped")]
+def format_results(results: list[dict], args, host: dict | None = None) -> str:
+    from composer.bench.fair import format_settings
+
+    peak = ((host or {}).get("matmul_peak") or {}).get("peak")
+    lines = [(f"throughput on {args.threads} CPU thread(s); toy model {args.model} at completion length {args.length}; "
+              f"matmul model: random Qwen3 (composer/bench/fair.py MATMUL_MODEL) at length {args.matmul_length}, "
+              f"{args.matmul_prompts} prompts x {args.matmul_group}; forced lengths, matched rows; gradient "
+              f"checkpointing {args.checkpointing} on both sides; {args.rounds} rounds x {args.steps} steps, "
+              f"{args.warmup} warm-up step(s) dropped; ours timed as whole lightning.Trainer steps, TRL as whole HF "
+              f"Trainer steps"
+              + (f"; host matmul peak {peak:.0f} GFLOPS (float32 {host['matmul_peak']['shape']}^3, faster of MKL "
+                 f"{host['matmul_peak']['mkl']:.0f} / oneDNN {host['matmul_peak']['onednn'] or 0:.0f})" if peak else ""))]
 
     def f(r, k, d=1):
         return f"{r[k]:.{d}f}" if r.get(k) is not None else "-"
 
-    for mode in MODES:
-        group = [r for r in results if r.get("mode", "matched") == mode]
-        if not group:
-            continue
+    def share(r, side):
+        g = r.get(f"{side}_gflops")
+        return f"{100 * g / peak:.0f}%" if g and peak else "-"
+
+    groups = list(dict.fromkeys((r.get("size", "toy"), r.get("linear", "onednn"), r.get("mode", "matched"))
+                                for r in results))
+    for size, linear, mode in groups:
+        group = [r for r in results if (r.get("size", "toy"), r.get("linear", "onednn"), r.get("mode", "matched"))
+                 == (size, linear, mode)]
         header = (f"{'pair':6s} {'ours vs TRL':26s} {'rows/step':>9s} {'ours samp/s':>12s} {'TRL samp/s':>11s} "
-                  f"{'ours tok/s':>11s} {'TRL tok/s':>10s} {'ratio':>6s}  per-round ratios (min-max)")
-        lines += ["", f"{mode}: {MODE_TITLE[mode]}", header]
+                  f"{'ours tok/s':>11s} {'TRL tok/s':>10s} {'ratio':>6s} {'median':>7s} {'peak% ours/TRL':>15s}  "
+                  "per-round ratios (min-max)")
+        lines += ["", f"{size} model, linear backend {linear} on both sides, {mode}: {MODE_TITLE[mode]}", header]
         for r in group:
             ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else "-"
+            med = f"{r['median_round_ratio']:.2f}x" if r.get("median_round_ratio") else "-"
             rr = r.get("round_ratios", [])
             spread = f"{' '.join(f'{x:.2f}' for x in rr)}  ({min(rr):.2f}-{max(rr):.2f})" if rr else ""
             lines.append(f"{r['pair']:6s} {SPECS[r['pair']] + ' vs ' + r['trl']:26s} {r['rows_per_step']:>9d} "
                          f"{f(r, 'ours_samples_per_s'):>12s} {f(r, 'trl_samples_per_s'):>11s} "
-                         f"{f(r, 'ours_tokens_per_s', 0):>11s} {f(r, 'trl_tokens_per_s', 0):>10s} {ratio:>6s}  {spread}")
+                         f"{f(r, 'ours_tokens_per_s', 0):>11s} {f(r, 'trl_tokens_per_s', 0):>10s} {ratio:>6s} "
+                         f"{med:>7s} {share(r, 'ours') + ' / ' + share(r, 'trl'):>15s}  {spread}")
     lines.append("")
     for r in results:
+        tag = f"{r['pair']} ({r.get('size', 'toy')}, {r.get('linear', 'onednn')}, {r.get('mode', 'matched')})"
         mode = r.get("mode", "matched")
+        if r.get("settings_ours") or r.get("settings_trl"):
+            lines.append(format_settings(r.get("settings_ours"), r.get("settings_trl"), tag))
+            if r.get("settings_differ"):
+                lines.append(f"  differ: {', '.join(r['settings_differ'])}"
+                             + (" (TRL's defaults: by design)" if mode == "defaults" else " (refused)"))
+    for r in results:
+        mode = r.get("mode", "matched")
+        tag = f"{r['pair']} ({r.get('size', 'toy')}, {r.get('linear', 'onednn')}, {mode})"
         if r.get("ratio"):
             verdict = "meets" if r["ratio"] >= TARGET[mode] else "below"
-            lines.append(f"{r['pair']} ({mode}): ours/TRL = {r['ratio']:.2f} over all rounds, median round "
+            lines.append(f"{tag}: ours/TRL = {r['ratio']:.2f} over all rounds, median round "
                          f"{r['median_round_ratio']:.2f} ({verdict} the {TARGET[mode]}x target)")
+        if r.get("ours_step_flops") and r.get("ours_gflops"):
+            lines.append(f"{tag}: our step {r['ours_step_flops'] / 1e9:.1f} GFLOP of matrix products (counted); "
+                         f"ours {r['ours_gflops']:.1f} GFLOPS, TRL {r.get('trl_gflops') or 0:.1f} GFLOPS at the same "
+                         "work" + (f" = {share(r, 'ours')} / {share(r, 'trl')} of the host's measured peak"
+                                   if peak else ""))
         if r.get("ours_compiled_graphs") is not None:
-            lines.append(f"{r['pair']} ({mode}): torch.compile built {r['ours_compiled_graphs']} graph(s) for our side, "
+            lines.append(f"{tag}: torch.compile built {r['ours_compiled_graphs']} graph(s) for our side, "
                          f"{r['ours_graphs_in_rounds']} of them inside timed rounds (recompiles); loading + first "
                          f"step {r.get('ours_first_step_s', 0):.0f} s")
         if r.get("ours_mean_response_tokens") is not None and mode == "defaults":
-            lines.append(f"{r['pair']} ({mode}): our mean response {r['ours_mean_response_tokens']:.1f} tokens "
+            lines.append(f"{tag}: our mean response {r['ours_mean_response_tokens']:.1f} tokens "
                          "(stops at EOS on both sides)")
         if r.get("ours_error"):
-            lines.append(f"{r['pair']} ({mode}): ours did not run: {r['ours_error']}")
+            lines.append(f"{tag}: ours did not run: {r['ours_error']}")
         if r.get("trl_error"):
-            lines.append(f"{r['pair']} ({mode}): TRL did not run: {r['trl_error']}")
+            lines.append(f"{tag}: TRL did not run: {r['trl_error']}")
     for r in results:
         ph = r.get("ours_phases_ms")
         if ph:
             total = ph.get("total", 0.0)
             parts = [f"{k} {v:.0f}" for k, v in ph.items() if k != "total"]
-            lines.append(f"{r['pair']} ({r.get('mode', 'matched')}) ours, ms per step (nested: collect holds engine.* "
-                         f"and initial_logprobs): total {total:.0f} = " + ", ".join(parts))
+            lines.append(f"{r['pair']} ({r.get('size', 'toy')}, {r.get('mode', 'matched')}) ours, ms per step "
+                         f"(nested: collect holds engine.* and initial_logprobs): whole Lightning step {total:.0f}; "
+                         + ", ".join(parts))
     return "\n".join(lines)
 
 
@@ -946,7 +1090,20 @@ def parse_args(argv):
                         "minutes and happens in the untimed warm-up).")
     p.add_argument("--trl-compile", action="store_true",
                    help="TRL's side with TrainingArguments.torch_compile (compare with --compile on ours).")
-    p.add_argument("--length", type=int, default=32, help="Completion length, forced on both sides.")
+    p.add_argument("--length", type=int, default=32, help="Completion length, forced on both sides (toy size).")
+    p.add_argument("--sizes", default="toy,matmul",
+                   help="Model sizes: toy (the toy student, --model) and/or matmul (a random-weight Qwen3 of ~26M "
+                        "parameters built here, composer/bench/fair.py MATMUL_MODEL, at --matmul-length).")
+    p.add_argument("--matmul-length", type=int, default=128,
+                   help="The matmul size's forced completion length (and its SFT rows' length), 128-512.")
+    p.add_argument("--matmul-prompts", type=int, default=2, help="The matmul size's prompts per step.")
+    p.add_argument("--matmul-group", type=int, default=4, help="The matmul size's samples per prompt.")
+    p.add_argument("--linear", default="onednn",
+                   help="Linear backend of BOTH sides: onednn (composer/runtime/onednn.py, TRL's models converted "
+                        "too), mkl (oneDNN off on ours), or mkl,onednn to measure both.")
+    p.add_argument("--checkpointing", choices=("off", "on"), default="off",
+                   help="Gradient checkpointing on both sides (matched and compiled; TRL's defaults row keeps "
+                        "TRL's own default, on).")
     p.add_argument("--prompts", type=int, default=None, help="Prompts per step (default: the spec's).")
     p.add_argument("--group", type=int, default=None, help="Samples per prompt (default: the spec's).")
     p.add_argument("--warmup", type=int, default=1, help="Warm-up steps per side, not timed.")
@@ -965,6 +1122,24 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def _size_args(args, size: str, built: str):
+    """The bench's arguments at one model size: toy as given; matmul with the locally built random Qwen3
+    (policy and, for opd, a teacher of another seed), its length, prompts and group."""
+    import copy
+
+    a = copy.copy(args)
+    a.size = size
+    if size == "matmul":
+        from composer.bench.fair import matmul_checkpoint, n_params
+
+        a.model = matmul_checkpoint(os.path.join(built, "policy"), seed=0)
+        a.teacher = matmul_checkpoint(os.path.join(built, "teacher"), seed=1)
+        a.length, a.prompts, a.group = args.matmul_length, args.matmul_prompts, args.matmul_group
+        a.sft_chars = args.matmul_length
+        a.params = n_params(a.model)
+    return a
+
+
 def quiet() -> None:
     import logging
 
@@ -974,7 +1149,7 @@ def quiet() -> None:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    for name in ("trl", "accelerate", "lightning", "datasets"):
+    for name in ("trl", "accelerate", "lightning", "lightning.pytorch", "lightning.fabric", "datasets"):
         logging.getLogger(name).setLevel(logging.ERROR)
     try:
         import datasets
@@ -1014,16 +1189,33 @@ def main(argv=None) -> int:
     if [m for m in modes if m not in MODES]:
         print(f"unknown mode(s) in {args.modes!r}; choose from {', '.join(MODES)}", file=sys.stderr)
         return 2
+    sizes = [x.strip() for x in args.sizes.split(",") if x.strip()]
+    linears = [x.strip() for x in args.linear.split(",") if x.strip()]
+    from composer.bench import fair
+
+    if [x for x in sizes if x not in ("toy", "matmul")] or [x for x in linears if x not in fair.LINEARS]:
+        print(f"--sizes {args.sizes!r} / --linear {args.linear!r}: choose sizes from toy, matmul and linear backends "
+              f"from {', '.join(fair.LINEARS)}", file=sys.stderr)
+        return 2
+    if args.checkpointing == "on":
+        args.override = list(args.override or []) + ["policy.gradient_checkpointing=true"]
     results = []
-    for mode in modes:
-        for pair in pairs:
-            if mode == "defaults" and pair == "opd":
-                continue  # GKD's defaults are another method (mixed on/off-policy data), not the same spec
-            print(f"[bench] {pair} ({mode}): ours ({SPECS[pair]}, sampler {args.sampler}) vs TRL {TRL_NAME[pair]} ...",
-                  flush=True)
-            results.append(run_pair(pair, args, mode))
+    with tempfile.TemporaryDirectory(prefix="bench-matmul-") as built:
+        for size in sizes:
+            a = _size_args(args, size, built)
+            for linear in linears:
+                a.linear = linear
+                for mode in modes:
+                    for pair in pairs:
+                        if mode == "defaults" and pair == "opd":
+                            continue  # GKD's defaults are another method (mixed on/off-policy data)
+                        print(f"[bench] {size} {pair} ({mode}, {linear}): ours ({SPECS[pair]}) vs TRL "
+                              f"{TRL_NAME[pair]} ...", flush=True)
+                        results.append(run_pair(pair, a, mode))
+                        args.flops_cache = a.flops_cache = getattr(a, "flops_cache", {})
     host = host_info(args.threads)
-    text = format_host(host) + "\n" + (format_results(results, args) if results else "")
+    host["matmul_peak"] = fair.peak_gflops(args.threads)
+    text = format_host(host) + "\n" + (format_results(results, args, host) if results else "")
     guided = None
     if args.guided:
         print(f"[bench] guided vs plain rollouts ({GUIDED_SPEC}) ...", flush=True)
@@ -1036,7 +1228,7 @@ def main(argv=None) -> int:
     print(text)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "host": host,
+        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "flops_cache"}, "host": host,
                                                "results": results, "guided": guided}, indent=2, default=str))
     failed = [f"{r['pair']}{'' if r['mode'] == 'matched' else ' (' + r['mode'] + ')'} {side}: {r[side + '_error']}" for r in results for side in ("ours", "trl")
               if r.get(side + "_error") or (side == "ours" and not r.get("ours_block_s"))
