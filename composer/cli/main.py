@@ -235,6 +235,7 @@ def _register_optional_commands():
     from composer.cli import run as cli_run  # noqa: F401
     from composer.cli import compile as cli_compile  # noqa: F401
     from composer.cli import eval as cli_eval  # noqa: F401
+    from composer.cli import check as cli_check  # noqa: F401
 
 
 try:

@@ -153,7 +153,8 @@ def loss(ctx: RunContext, policy, batches: list[TrajectoryBatch], shares: dict |
             views[id(b.tokens)] = policy_view(policy, b, wants[id(b.tokens)], read[id(b.tokens)])
         value, m = obj.loss(b, views[id(b.tokens)], b.advantages)
         m = {**obj.advantage_metrics(b), **m}
-        ctx.record("term_loss", term=name, objective=obj, batch=b, view=views[id(b.tokens)], loss=value, weight=weight)
+        ctx.record("term_loss", term=name, objective=obj, batch=b, view=views[id(b.tokens)], loss=value, weight=weight,
+                   policy=policy)
         total = total + weight * (shares or {}).get(i, 1.0) * value
         for k, v in m.items():
             metrics[f"{name}/{k}" if many else k] = v

@@ -1,0 +1,465 @@
+"""The conformance referee (DESIGN.md section 10): `composer check SPEC` runs a short recorded run of SPEC and
+recomputes what trained from the spec and the recorded inputs alone (composer/referee/record.py keeps them,
+composer/referee/checks.py holds the formulas). `referee(path)` -> a Report (a table of named checks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from composer.referee.checks import (ADVANTAGES, GRADIENTS, KL_TOL, NOISE, Report, _groups, _max, covered,
+                                     declared_filter_source, declared_gate_source, expected_control, expected_syncs,
+                                     gate_select, loss_origins, segment_of, stage_start, surprisal, teacher_logprobs,
+                                     teacher_state, truncated, verdict_rewards)
+from composer.origins import CODE
+from composer.referee.record import GUIDE_ORIGINS, TOL, fresh_logprobs, row_key, run_recorded, segment_spec, short
+
+__all__ = ["referee", "check_recorded", "run_recorded", "short", "Report"]
+
+
+def referee(path, out_dir, extra=(), as_declared: bool = False) -> Report:
+    """Run `path` short and recorded (overrides `extra` last) in `out_dir`, and check it."""
+    v, plan, rec, rows = run_recorded(Path(path), Path(out_dir), extra, as_declared)
+    rep = check_recorded(v, plan, rec, rows)
+    rep.spec = str(path)
+    return rep
+
+
+def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
+    import torch
+
+    from composer.checks.terms import scored_origins, terms
+    from composer.lang.curves import value_at
+
+    rep = Report()
+    events = rec.events
+    rolls = bool(rec.rollout_at)
+    term_events = [e for k, e in events if k == "term_loss"]
+
+    # ---- sampler: behaviour log-probs are a fresh forward of the rollout weights at the declared temperature
+    if rolls:
+        n = sum(1 for k, _e in events if k == "rollout")
+        rep.expect("sampler log-probs (declared temperature)", not rec.logprob_errors,
+                   f"behaviour log-probs differ from the rollout weights (step, max err, n bad, n): {rec.logprob_errors[:3]}")
+        rep.note("sampler log-probs (declared temperature)", f"{n} rollouts")
+
+    # ---- each loss reads the policy at the temperature its spec declares (a fresh forward of the live weights)
+    for e in term_events:
+        if e["fresh"] is None:
+            continue
+        b = e["batch"]
+        m = (b.mask(loss_origins(plan, e["step"], e["term"])) & b.attention_mask.bool()).cpu()
+        err = _max(e["view"].logprobs.detach().cpu().double() - e["fresh"].double(), m)
+        rep.expect("loss log-probs (declared temperature)", err <= TOL,
+                   f"step {e['step']} {e['term']}: the loss's log-probs are not the policy's at the declared "
+                   f"temperature {e['temperature']:g} (off by {err:.3g})")
+
+    # ---- guide tokens carry a behaviour log-prob exactly when an objective of their segment reads it; control rows
+    control_of: dict[int, list] = {}
+    for kind, e in events:
+        if kind != "rollout":
+            continue
+        b, spec = e["batch"], segment_spec(v, e["segment"])
+        policy = b.mask(("policy",))
+        rep.expect("policy tokens carry their log-prob", bool(b.known_mask[policy].all()),
+                   f"step {e['step']}: a policy token without its sampling log-prob")
+        for o in GUIDE_ORIGINS:
+            m = b.mask((o,))
+            if m.any():
+                want = o in scored_origins(spec)
+                rep.expect("guide tokens scored as declared", bool((b.known_mask[m] == want).all()),
+                           f"step {e['step']}: {o}: known must be {want}")
+        want = expected_control(spec, b)
+        control_of[id(b.tokens)] = want
+        guided = b.mask(GUIDE_ORIGINS).any(-1).tolist()
+        bad_guided = [i for i in range(b.size) if want[i] and guided[i]]
+        rep.expect("control rows carry no guide token", not bad_guided,
+                   f"step {e['step']}: {len(bad_guided)} of {sum(want)} control rows (by the spec) carry guide tokens")
+        flags = b.control.tolist()
+        rep.expect("control rows as declared", flags == want,
+                   f"step {e['step']}: control flags {sum(flags)} rows, the spec's {sum(want)} "
+                   f"(differ at rows {[i for i in range(b.size) if flags[i] != want[i]][:6]})")
+        if spec.rollout.guide.kind_name() == "none":
+            rep.expect("no guide, no guide tokens", not any(guided), f"step {e['step']}: guide tokens with no guide")
+
+    # ---- gradient reaches exactly the origins plan.json trains
+    for e in term_events:
+        if e["grad_origins"] is None:
+            continue
+        trained = set(loss_origins(plan, e["step"], e["term"]))
+        rep.expect("gradient only on trained origins", e["grad_origins"] <= trained,
+                   f"{e['term']} at step {e['step']}: gradient on {e['grad_origins'] - trained}")
+
+    # ---- every declared context with a text for a row is in the prompt the model saw
+    prompts = [e for k, e in events if k == "prompt"]
+    for e in prompts:
+        for name, text in e["context"].items():
+            if text is not None:
+                rep.expect("declared contexts in prompts", text in e["text"],
+                           f"{e['source']} ({e['usage']}): context '{name}' missing from its prompt")
+    for seg in v.segments:
+        for n, s in seg.spec.sources.items():
+            if s.kind_name() == "policy_model" and s.context and any(e["source"] == n for e in prompts):
+                rep.expect("declared contexts in prompts", any(t is not None for e in prompts if e["source"] == n
+                                                               for t in e["context"].values()),
+                           f"{n}: no prompt carried its context")
+
+    # ---- the objective in force is the plan's for the step's segment
+    for e in term_events:
+        seg = segment_of(plan, e["step"])
+        want = next(t["objective"] for t in seg["terms"] if t["name"] == e["term"])
+        got = {"kind": e["objective"].kind_name(),
+               **e["objective"].model_dump(mode="json", by_alias=True, exclude={"kind"})}
+        rep.expect("objective in force", got == want, f"step {e['step']}: objective {got} in force, the plan says {want}")
+
+    # ---- segments start, and weights sync, at the declared steps; the sampler is the last synced policy
+    starts = [(e["name"], e["step"]) for k, e in events if k == "segment"]
+    rep.expect("segments start as planned", starts == [(s["name"], s["start"]) for s in plan["segments"]],
+               f"segments started {starts}")
+    declared = expected_syncs(plan)
+    syncs = [e["after"] for k, e in events if k == "sync"]
+    rep.expect("syncs as planned", syncs == declared, f"syncs after {syncs}, the plan's {declared}")
+    for s, fp in rec.rollout_at.items():
+        last = max([d for d in declared if d <= s] + [0])
+        if last in rec.policy_at:
+            rep.expect("sampler = policy after the last sync", fp == rec.policy_at[last],
+                       f"step {s}: rollouts sampled by weights other than those after step {last}")
+    rep.expect("policy tokens sampled by the policy", not rec.not_sampled,
+               "tokens labelled policy that the rollout weights never sampled after the text before them "
+               f"(step, row, position): {rec.not_sampled[:5]}")
+
+    # ---- the verifier parsed something in every segment that verified
+    by_seg: dict = {}
+    for step, seg, _verifier, parsed in rec.verdict_log:
+        by_seg.setdefault(seg, []).append(parsed)
+    for seg, ps in by_seg.items():
+        rep.expect("verifier parsed answers", any(ps), f"segment {seg}: the verifier parsed 0 of {len(ps)} answers")
+        rep.note("verifier parsed answers", ", ".join(f"{s}: {sum(p)}/{len(p)}" for s, p in by_seg.items()))
+
+    # ---- gates, recomputed from the verifier's rewards and the spec's thresholds
+    gated_rows: dict = {}
+    gate_of: dict[int, list] = {}  # id(term event) -> the referee's rows (None: no gate)
+    eos = rec.tokenizer.eos_token_id if rec.tokenizer is not None else None
+    for e in term_events:
+        spec = segment_spec(v, e["segment"])
+        names = [n for n, _s, _o, _w in terms(spec)]
+        gate = next((g for n, g in zip(names, _gates(spec)) if n == e["term"]), None)
+        b = e["batch"]
+        want = None
+        if gate is not None:
+            src = declared_gate_source(gate, spec)
+            thr = spec.sources[src].success_threshold
+            rollout, where = _rollout_rows(events, e["step"], b)
+            if rollout is None:
+                rep.expect("gate rows recomputed", False, f"step {e['step']} {e['term']}: no recorded rollout for its gate")
+                continue
+            r = verdict_rewards(rec, spec, src, rollout)
+            if r is None:
+                rep.expect("gate rows recomputed", False, f"step {e['step']} {e['term']}: rows without a verdict")
+                continue
+            ok = [x >= thr for x in r]
+            n = spec.rollout.samples_per_prompt
+            group = [i // n for i in range(rollout.size)]  # rows are written prompt by prompt
+            sel = gate_select(gate, ok, group, surprisal(rollout)
+                              if gate.entropy_above_quantile is not None or gate.entropy_below_quantile is not None
+                              else None)
+            if where is not None:
+                want = [sel[j] for j in where]
+            else:  # a batch its signal built: each row takes its prompt's rollouts' group facts
+                by_prompt = {rollout.examples[i].prompt: sel_group for i, sel_group in enumerate(
+                    gate_select(gate.model_copy(update={"outcome": None, "sibling_success": None}), ok, group, None))}
+                want = [by_prompt.get(ex.prompt, False) for ex in b.examples]
+            gated_rows.setdefault(e["term"], [0, 0])
+            gated_rows[e["term"]][0] += sum(want)
+            gated_rows[e["term"]][1] += len(want)
+        flt = spec.rollout.filter
+        if flt.truncated == "mask" and eos is not None and b.rewards is not None:
+            cut = truncated(b, eos)
+            want = [(True if want is None else want[i]) and not cut[i] for i in range(b.size)]
+        gate_of[id(e)] = want
+        got = None if b.row_mask is None else b.row_mask.cpu().tolist()
+        if want is not None or got is not None:
+            w2 = want if want is not None else [True] * b.size
+            g2 = got if got is not None else [True] * b.size
+            rep.expect("gate rows recomputed", w2 == g2,
+                       f"step {e['step']} {e['term']}: the run trained rows {[i for i, x in enumerate(g2) if x][:8]}, "
+                       f"the gate selects {[i for i, x in enumerate(w2) if x][:8]} ({sum(g2)} vs {sum(w2)} of {b.size})")
+    for term, (sel, n) in gated_rows.items():
+        rep.expect("every gated term selected a row", sel > 0, f"term {term}: its gate selected 0 of {n} rows")
+    if gated_rows:
+        rep.note("every gated term selected a row", ", ".join(f"{t}: {s}/{n}" for t, (s, n) in gated_rows.items()))
+
+    # ---- filters: which groups DAPO's equal_groups keeps, how many rounds it takes
+    _check_filters(v, plan, rec, rep, events, term_events)
+
+    # ---- the numbers: advantages, references, teachers, each loss and gradient
+    seen = {"advantages": 0, "mixed_groups": 0, "reference": 0, "stage_reference": 0, "gradient": 0, "kl": 0,
+            "teacher": 0, "ema_moved": 0, "interventions": 0}
+    cache: dict = {}
+    for e in term_events:
+        b, obj, step = e["batch"], e["objective"], e["step"]
+        spec = segment_spec(v, e["segment"])
+        sig = next(s for n, s, _o, _w in terms(spec) if n == e["term"])
+        temp = e["temperature"] if e["temperature"] is not None else spec.rollout.temperature
+        resp = b.response_mask.cpu()
+        seen["interventions"] += int((b.origin == CODE_INT).sum())
+        rollout, where = _rollout_rows(events, step, b)
+        control = b.control.tolist()
+        if where is not None and id(rollout.tokens) in control_of:
+            control = [control_of[id(rollout.tokens)][j] for j in where]
+        adv = None
+        if b.advantages is not None:
+            if not rep.expect("advantages recomputed", obj.kind_name() in ADVANTAGES,
+                              f"{obj.kind_name()} has advantages but no formula in the referee"):
+                continue
+            r, g = b.rewards.double().tolist(), b.group.tolist()
+            adv = ADVANTAGES[obj.kind_name()](obj, r, g, control, b.mask(("policy",)).sum(-1).tolist())
+            got = b.advantages.double().tolist()
+            bad = [(i, got[i], adv[i]) for i in range(len(adv)) if abs(got[i] - adv[i]) > 1e-4 * (1 + abs(adv[i]))]
+            rep.expect("advantages recomputed", not bad, f"step {step} {e['term']}: advantages (row, run, formula) differ: {bad[:4]}")
+            for rows_ in _groups(g).values():
+                rep.expect("groups hold one prompt", len({b.examples[i].prompt for i in rows_}) == 1,
+                           f"step {step}: a group mixes prompts")
+                seen["mixed_groups"] += len({r[i] for i in rows_}) > 1
+            seen["advantages"] += 1
+
+        ref = None
+        start = stage_start(plan, spec, step)
+        if b.initial_logprobs is not None and start in rec.weights_at:
+            ref = fresh_logprobs(rec.weights(start), b.tokens.cpu(), b.attention_mask.cpu(), temp)
+            err = _max(ref - b.initial_logprobs.cpu(), resp)
+            tol, sep = TOL, None
+            if start > 0 and 0 in rec.weights_at:  # a later stage: its reference must not be an earlier stage's
+                stale = fresh_logprobs(rec.weights(0), b.tokens.cpu(), b.attention_mask.cpu(), temp)
+                sep = _max(stale - ref, resp)
+                tol = max(min(TOL, sep / 2), NOISE)
+                seen["stage_reference"] += sep > 4 * NOISE
+            rep.expect("reference = weights at the stage's start", err <= tol,
+                       f"step {step} {e['term']}: reference log-probs are not those of the weights at the stage's "
+                       f"start (step {start}): off by {err:.3g}" + (f" (the run's start is {sep:.3g} away)" if sep else ""))
+            seen["reference"] += 1
+
+        if b.teacher_logprobs is not None and sig.kind_name() == "distillation":
+            _check_teacher(v, plan, rec, rep, e, spec, sig, seen, cache)
+
+        old = b.behavior_logprobs.detach().cpu() if b.behavior_logprobs is not None else None
+        if b.old_logprobs is not None:
+            old = b.old_logprobs.detach().cpu()
+        if e["grad"] is not None and covered(obj) and old is not None and step in rec.rollout_at:
+            if ref is None and start in rec.weights_at and getattr(obj, "kl_coef", 0):
+                ref = fresh_logprobs(rec.weights(start), b.tokens.cpu(), b.attention_mask.cpu(), temp)
+            mask = (b.mask(loss_origins(plan, step, e["term"])) & b.attention_mask.bool()).cpu()
+            rows_ = gate_of.get(id(e))
+            if rows_ is not None:
+                mask = mask & torch.tensor(rows_, dtype=torch.bool)[:, None]
+            kl_coef = float(value_at(getattr(obj, "kl_coef", 0.0), step)) if hasattr(obj, "kl_coef") else 0.0
+            cur = e["view"].logprobs.detach().cpu()
+            parts = GRADIENTS[obj.kind_name()](obj, b, mask, cur, old, ref, adv, kl_coef)
+            if parts is None:
+                continue
+            grad = e["grad"].double()
+            unit = 1.0 / float(parts["w"][mask].max()) if mask.any() else 1.0
+            want = parts["pg_grad"] + kl_coef * parts["kl_grad"]
+            err = float((want - grad).abs().max()) * unit
+            rep.expect("loss gradient recomputed", err <= 5e-3,
+                       f"step {step} {e['term']}: the loss's gradient differs from {obj.kind_name()}'s formula with the "
+                       f"declared advantages, gate rows and anchors (by {err:.3g} per unit)")
+            value = parts["pg_value"] + kl_coef * parts["kl_value"]
+            rep.expect("loss value recomputed", abs(e["loss_value"] - value) <= 1e-3 * (1 + abs(value)),
+                       f"step {step} {e['term']}: loss {e['loss_value']:.6g}, the formula's {value:.6g}")
+            seen["gradient"] += 1
+            if kl_coef > 0:  # the KL term on its own, per unit of kl_coef: a small coefficient hides nothing
+                kl_grad = (grad - parts["pg_grad"]) / kl_coef
+                kerr = float((kl_grad - parts["kl_grad"]).abs().max()) * unit
+                rep.expect(f"KL term ({obj.kl_estimator}) gradient at kl_coef", kerr <= KL_TOL,
+                           f"step {step} {e['term']}: the KL term's gradient per unit kl_coef is off by {kerr:.3g} "
+                           f"from {obj.kl_estimator}'s formula (kl_coef {kl_coef:g})")
+                kval = (e["loss_value"] - parts["pg_value"]) / kl_coef
+                rep.expect(f"KL term ({obj.kl_estimator}) value at kl_coef",
+                           abs(kval - parts["kl_value"]) <= KL_TOL * (1e-2 + abs(parts["kl_value"])) + 1e-3,
+                           f"step {step} {e['term']}: KL value {kval:.4g}, {obj.kl_estimator}'s formula {parts['kl_value']:.4g}")
+                seen["kl"] += 1
+
+    objectives = [(seg, obj) for seg in v.segments for _n, _s, obj, _w in terms(seg.spec) if obj is not None]
+    if any(type(obj).uses_group_baseline for _s, obj in objectives) and rolls:
+        rep.expect("saw mixed groups", seen["advantages"] and seen["mixed_groups"],
+                   f"no mixed group seen: nothing tested the advantages ({seen['advantages']} batches)")
+    if any(obj.wants_initial for _s, obj in objectives) and rolls:
+        rep.expect("saw reference log-probs", seen["reference"], "no reference log-prob checked")
+    if any(covered(obj) for _s, obj in objectives) and rolls:
+        rep.expect("saw gradients", seen["gradient"], "no gradient checked against its formula")
+    if any(sig is not None and sig.kind_name() == "distillation" for seg in v.segments for _n, sig, _o, _w in terms(seg.spec)):
+        rep.expect("saw teacher log-probs", seen["teacher"], "no teacher log-prob checked")
+    if any(s.kind_name() == "policy_model" and s.is_self and s.weights == "ema" for seg in v.segments
+           for s in seg.spec.sources.values()) and seen["teacher"]:
+        rep.expect("EMA teacher moved", seen["ema_moved"],
+                   f"the EMA teacher never differed from its start in {seen['teacher']} checks: a frozen teacher "
+                   "would pass (run longer)")
+    if any("guide_intervention" in obj.loss_tokens and covered(obj) for _s, obj in objectives):
+        rep.expect("saw trained interventions", seen["interventions"], "no intervention token trained")
+    rep.note("saw gradients", ", ".join(f"{k} {n}" for k, n in seen.items()))
+
+    # ---- every stage moved the weights, and the sampler check could tell syncs apart
+    _check_stages(plan, rec, rep)
+    if len(rec.rollout_at) >= 2:
+        rep.expect("weights moved", len(set(rec.policy_at.values())) >= 2,
+                   "the policy's weights never moved: the sync checks saw nothing")
+
+    # ---- offpolicy_token_frac recounts from the batch that trained
+    for e in term_events:
+        if e["term"] == "term0" and "offpolicy_token_frac" in rows.get(e["step"], {}):
+            b = e["batch"]
+            resp = b.response_mask
+            off = b.mask(("guide_prefix", "guide_intervention", "demonstration")) & resp
+            logged = rows[e["step"]]["offpolicy_token_frac"]
+            if logged and b.rewards is not None:
+                want = float(off.sum() / resp.sum().clamp(min=1))
+                rep.expect("offpolicy_token_frac recounted", abs(float(logged) - want) <= 1e-6,
+                           f"step {e['step']}: logged {logged}, recounted {want}")
+    return rep
+
+
+CODE_INT = CODE["guide_intervention"]
+
+
+def _gates(spec) -> list:
+    from composer.checks.terms import gates
+
+    return gates(spec)
+
+
+def _rollout_rows(events, step: int, b):
+    """(the recorded rollout of `step` b's rows come from, the index of each of b's rows in it); (None, None)."""
+    rolls = [e["batch"] for k, e in events if k == "rollout" and e["step"] == step]
+    for r in rolls:
+        if r.tokens is b.tokens:
+            return r, list(range(b.size))
+    for r in reversed(rolls):  # a mini-batch or a filter's concatenation: the same rows
+        idx = {}
+        for i in range(r.size):
+            idx.setdefault(row_key(r, i), i)
+        got = [idx.get(row_key(b, i)) for i in range(b.size)]
+        if all(g is not None for g in got):
+            return r, got
+    return (rolls[-1], None) if rolls else (None, None)
+
+
+def _check_filters(v, plan, rec, rep, events, term_events) -> None:
+    """equal_groups: drop, recomputed: per step the recorded sampling rounds, each group's rewards by the verifier;
+    rounds go on while fewer than prompts_per_step mixed groups are kept and max_rounds allows; the trained batch
+    holds the kept groups, topped up with dropped ones only when the rounds ran out."""
+    steps = sorted({e["step"] for e in term_events})
+    kept_total = sampled_total = 0
+    any_filter = False
+    for step in steps:
+        first = next(e for e in term_events if e["step"] == step)
+        spec = segment_spec(v, first["segment"])
+        flt = spec.rollout.filter
+        if flt.equal_groups != "drop":
+            continue
+        any_filter = True
+        src = declared_filter_source(flt, spec)
+        n = spec.rollout.samples_per_prompt
+        P = spec.train.prompts_per_step
+        rounds = [e["batch"] for k, e in events if k == "rollout" and e["step"] == step]
+        mixed = []
+        group_keys: dict = {}  # a group's rows' keys -> mixed?
+        for r in rounds:
+            rw = verdict_rewards(rec, spec, src, r)
+            if rw is None:
+                rep.expect("filter groups recomputed", False, f"step {step}: rollout rows without a verdict")
+                return
+            m = 0
+            for g in range(r.size // n):
+                rs = rw[g * n:(g + 1) * n]
+                is_mixed = max(rs) != min(rs)
+                m += is_mixed
+                group_keys[frozenset(row_key(r, i) for i in range(g * n, (g + 1) * n))] = is_mixed
+            mixed.append(m)
+            sampled_total += r.size // n
+        want_rounds, kept = len(rounds), 0
+        for k, m in enumerate(mixed):
+            kept += m
+            if kept >= P or (flt.max_rounds is not None and k >= flt.max_rounds):
+                want_rounds = k + 1
+                break
+        rep.expect("filter rounds recomputed", want_rounds == len(rounds),
+                   f"step {step}: {len(rounds)} sampling round(s) with {mixed} mixed groups; the filter should have "
+                   f"taken {want_rounds} (prompts_per_step {P}, max_rounds {flt.max_rounds})")
+        kept_total += min(kept, P)
+        trained: dict = {}
+        for e in term_events:
+            if e["step"] == step and e["batch"].rewards is not None:
+                b = e["batch"]
+                for gid, rows in _groups(b.group.tolist()).items():
+                    trained[frozenset(row_key(b, i) for i in rows)] = True
+        n_equal = sum(1 for key in trained if not group_keys.get(key, True))
+        unknown = sum(1 for key in trained if key not in group_keys)
+        rep.expect("filter groups recomputed", n_equal == max(P - kept, 0) and not unknown,
+                   f"step {step}: the run trained {n_equal} all-equal group(s) ({unknown} not sampled); the filter "
+                   f"keeps {min(kept, P)} mixed of {P} and tops up {max(P - kept, 0)}")
+    if any_filter:
+        rep.expect("filter kept groups", kept_total > 0, f"the filter kept 0 of {sampled_total} sampled groups")
+        rep.note("filter kept groups", f"{kept_total} kept of {sampled_total} sampled")
+
+
+def _check_teacher(v, plan, rec, rep, e, spec, sig, seen, cache) -> None:
+    from composer.runtime.models import load_model, load_tokenizer, resolve
+
+    b, step = e["batch"], e["step"]
+    src = spec.sources[sig.teacher]
+    if src.is_self and step not in rec.weights_at:
+        return
+    if src.context:
+        texts = [p["text"] for k, p in rec.events if k == "prompt" and p["step"] == step
+                 and p["source"] == sig.teacher and p["usage"] == "teacher"]
+        rows = [i for i in range(b.size) if float(b.weights()[i]) > 0]
+        if not rep.expect("teacher log-probs recomputed", len(texts) == len(rows),
+                          f"step {step}: {len(texts)} teacher prompts for {len(rows)} rows"):
+            return
+        tok = rec.tokenizer if src.is_self or src.shares_tokenizer else load_tokenizer(resolve(src.model))
+        ids = [None] * b.size
+        for i, text in zip(rows, texts):
+            ids[i] = tok.encode(text, add_special_tokens=False)
+    else:
+        rows, ids = list(range(b.size)), [None] * b.size
+    m = b.response_mask.cpu().clone()
+    m[[i for i in range(b.size) if i not in rows]] = False
+    if not src.is_self:
+        if sig.teacher not in cache:
+            cache[sig.teacher] = load_model(resolve(src.model), spec.policy.dtype).eval()
+        want = teacher_logprobs(cache[sig.teacher], b, ids, src.temperature)
+        err, tol = _max(want - b.teacher_logprobs.cpu(), m), TOL
+    else:
+        rec.scratch.load_state_dict(teacher_state(rec, spec, plan, sig.teacher, step))
+        want = teacher_logprobs(rec.scratch, b, ids, src.temperature)
+        err, tol = _max(want - b.teacher_logprobs.cpu(), m), TOL
+        if src.weights == "ema":  # told apart from a teacher frozen at its start
+            rec.scratch.load_state_dict(rec.weights_at[stage_start(plan, spec, step)])
+            frozen = teacher_logprobs(rec.scratch, b, ids, src.temperature)
+            sep = _max(frozen - want, m)
+            tol = max(min(TOL, sep / 2), NOISE)
+            seen["ema_moved"] += sep > 4 * NOISE
+    rep.expect("teacher log-probs recomputed", err <= tol,
+               f"step {step}: teacher '{sig.teacher}' log-probs are not those of the weights it declares "
+               f"({src.weights if src.is_self else src.model}): off by {err:.3g} (tolerance {tol:.3g})")
+    seen["teacher"] += bool(m.any())
+
+
+def _check_stages(plan, rec, rep) -> None:
+    """Each stage moved the weights: its start's weights differ from the next stage's start (or the run's end)."""
+    from composer.referee.record import fingerprint
+
+    stages = []
+    for s in plan["segments"]:
+        if s.get("stage") is not None and (not stages or stages[-1][0] != s["stage"]):
+            stages.append([s["stage"], s["start"], s["end"]])
+        elif stages and s.get("stage") is not None:
+            stages[-1][2] = s["end"]
+    for name, start, end in stages:
+        a = rec.policy_at.get(start)
+        b = rec.policy_at.get(end) if end in rec.policy_at else (fingerprint(rec.final) if rec.final else None)
+        if a is None or b is None:
+            rep.expect("every stage moved the weights", False, f"stage {name}: its weights were not recorded")
+            continue
+        rep.expect("every stage moved the weights", a != b,
+                   f"stage {name}: the weights did not move over its {end - start} step(s)")

@@ -1,0 +1,424 @@
+"""The referee's checks (DESIGN.md section 10): each quantity recomputed from the spec (per segment, by the Plan)
+and the recorded inputs, with formulas written here (never the component's helpers).
+
+A check is a named row of a Report: how many times it held, how many it failed, the first failure. A check that
+saw nothing it needed to see (no gate row, no moved weight, no kept group, nothing parsed, an EMA teacher that
+never differed from its start) fails with the counts: a check that cannot fail is no check.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from composer.origins import CODE
+from composer.referee.record import GUIDE_ORIGINS, TOL, fresh_logprobs, row_key, segment_spec
+
+KL_TOL = 0.05  # the KL term's gradient, per unit of kl_coef x token weight (a check of its own)
+NOISE = 5e-5  # float32 forward passes of the same weights, shapes apart (a teacher prompt with its context)
+
+
+@dataclass
+class Check:
+    name: str
+    passed: int = 0
+    failed: int = 0
+    first: str = ""
+    note: str = ""
+
+
+@dataclass
+class Report:
+    spec: str = ""
+    checks: dict = field(default_factory=dict)
+
+    def expect(self, name: str, ok: bool, msg: str = "") -> bool:
+        c = self.checks.setdefault(name, Check(name))
+        if ok:
+            c.passed += 1
+        else:
+            c.failed += 1
+            c.first = c.first or msg
+        return bool(ok)
+
+    def note(self, name: str, text: str) -> None:
+        self.checks.setdefault(name, Check(name)).note = text
+
+    @property
+    def ok(self) -> bool:
+        return not any(c.failed for c in self.checks.values())
+
+    def failures(self) -> list[str]:
+        return [f"{c.name}: {c.first} ({c.failed} failed, {c.passed} passed)" for c in self.checks.values() if c.failed]
+
+    def table(self) -> str:
+        w = max([len(c) for c in self.checks] + [5])
+        out = [f"referee: {self.spec}", f"  {'check'.ljust(w)}  result  pass  fail  detail"]
+        for c in self.checks.values():
+            res = "FAIL" if c.failed else ("ok" if c.passed else "-")
+            out.append(f"  {c.name.ljust(w)}  {res:6}  {c.passed:4}  {c.failed:4}  {c.first or c.note}")
+        bad = sum(1 for c in self.checks.values() if c.failed)
+        out.append(f"{len(self.checks) - bad} checks passed, {bad} failed")
+        return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------------- the plan
+
+def segment_of(plan: dict, step: int) -> dict:
+    return next(s for s in plan["segments"] if s["start"] <= step < s["end"])
+
+
+def expected_syncs(plan: dict) -> list[int]:
+    """Optimiser steps after which the rollout weights refresh: every sync.every steps counted from each
+    segment's start, and at the end of every stage (the next stage starts from its final weights)."""
+    out = []
+    segs = plan["segments"]
+    for k, seg in enumerate(segs):
+        every = seg["sync"]["every"]
+        out += [d for d in range(seg["start"] + 1, seg["end"] + 1) if (d - seg["start"]) % every == 0]
+        nxt = segs[k + 1] if k + 1 < len(segs) else None
+        if nxt is not None and nxt.get("stage") != seg.get("stage") and seg["end"] not in out:
+            out.append(seg["end"])
+    return sorted(set(d for d in out if d <= plan["total_steps"]))
+
+
+def stage_start(plan: dict, spec, step: int) -> int:
+    """The step whose starting weights are the reference of `step`: its stage's first step (the run's
+    start without stages or with train.reference: run_start)."""
+    seg = segment_of(plan, step)
+    if seg.get("stage") is None or spec.train.reference == "run_start":
+        return 0
+    return min(s["start"] for s in plan["segments"] if s.get("stage") == seg["stage"])
+
+
+def loss_origins(plan: dict, step: int, term: str) -> tuple:
+    seg = segment_of(plan, step)
+    t = next(t for t in seg["token_origins"] if t["term"] == term)
+    return tuple(o for o, x in t["origins"].items() if x["loss"])
+
+
+# ----------------------------------------------------------------------------------------------- rows
+
+def _groups(group: list) -> dict:
+    out: dict = {}
+    for i, g in enumerate(group):
+        out.setdefault(g, []).append(i)
+    return out
+
+
+def _std(xs: list) -> float:
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+
+
+def _quantile(xs: list, q: float) -> float:
+    """Linear interpolation between order statistics (numpy's default)."""
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def gate_select(gate, success: list, group: list, surprisal: list | None) -> list:
+    """The rows a gate selects, from its declared conditions (composer/gates.py's contract, written again)."""
+    out = []
+    members = _groups(group)
+    for i in range(len(success)):
+        rows = members[group[i]]
+        rate = sum(success[j] for j in rows) / len(rows)
+        sib = any(success[j] for j in rows if j != i)
+        ok = True
+        if gate.outcome is not None:
+            ok = ok and success[i] == (gate.outcome == "success")
+        if gate.group_success_at_most is not None:
+            ok = ok and rate <= gate.group_success_at_most + 1e-9
+        if gate.group_success_above is not None:
+            ok = ok and rate > gate.group_success_above + 1e-9
+        if gate.sibling_success is not None:
+            ok = ok and sib == gate.sibling_success
+        if gate.entropy_above_quantile is not None:
+            ok = ok and surprisal[i] >= _quantile(surprisal, gate.entropy_above_quantile)
+        if gate.entropy_below_quantile is not None:
+            ok = ok and surprisal[i] < _quantile(surprisal, gate.entropy_below_quantile)
+        out.append(bool(ok))
+    return out
+
+
+def declared_gate_source(gate, spec) -> str | None:
+    if gate.source is not None:
+        return gate.source
+    names = [n for n, s in spec.sources.items() if s.kind_name() == "outcome_reward"]
+    return names[0] if len(names) == 1 else None
+
+
+def declared_filter_source(flt, spec) -> str | None:
+    from composer.checks.terms import terms
+
+    if flt.source is not None:
+        return flt.source
+    for _n, sig, _o, _w in terms(spec):
+        if sig is not None and sig.kind_name() == "reward":
+            return sig.source
+    names = [n for n, s in spec.sources.items() if s.kind_name() == "outcome_reward"]
+    return names[0] if len(names) == 1 else None
+
+
+def verdict_rewards(rec, spec, source: str, b) -> list | None:
+    """The verifier's rewards of b's rows (as it returned them in the run); None if a row has none."""
+    verifier = spec.sources[source].verifier
+    out = []
+    for i in range(b.size):
+        got = rec.verdicts.get((verifier, row_key(b, i)))
+        if got is None:
+            return None
+        out.append(got[0])
+    return out
+
+
+def truncated(b, eos_id: int) -> list:
+    """Rows whose response does not end in EOS."""
+    out = []
+    for i in range(b.size):
+        pos = b.response_mask[i].nonzero().flatten().tolist()
+        out.append(not pos or int(b.tokens[i, pos[-1]]) != eos_id)
+    return out
+
+
+def surprisal(b) -> list:
+    """Mean -log pi_behaviour over each row's sampled policy tokens (0 for a row without one)."""
+    m = (b.origin == CODE["policy"]) & b.known_mask
+    out = []
+    for i in range(b.size):
+        lp = b.behavior_logprobs[i][m[i]].double()
+        out.append(float(-lp.sum() / max(int(m[i].sum()), 1)))
+    return out
+
+
+def expected_control(spec, b) -> list:
+    """Control rows from the spec: an intervention guide's first `control_samples` rollouts of each prompt
+    (rows are written prompt by prompt, samples_per_prompt each); a prefix guide's rows without a prefix; with no
+    guide every row."""
+    guide = spec.rollout.guide
+    kind = guide.kind_name()
+    n = spec.rollout.samples_per_prompt
+    if kind == "intervention":
+        return [i % n < guide.control_samples for i in range(b.size)]
+    if kind == "none":
+        return [True] * b.size
+    return [not bool(b.mask(("guide_prefix",))[i].any()) for i in range(b.size)]
+
+
+# ----------------------------------------------------------------------------------------------- advantages
+
+ADVANTAGES: dict = {}  # objective kind -> f(objective, rewards, groups, control, policy tokens per row)
+GRADIENTS: dict = {}  # objective kind -> f(objective, batch, mask, cur, old, ref, adv) -> parts
+
+
+def estimator(kind: str):
+    def deco(fn):
+        ADVANTAGES[kind] = fn
+        return fn
+    return deco
+
+
+def gradient(kind: str):
+    def deco(fn):
+        GRADIENTS[kind] = fn
+        return fn
+    return deco
+
+
+@estimator("grpo")
+def grpo_advantages(obj, r: list, group: list, control: list, n_policy: list) -> list:
+    """group_mean (GRPO): A_i = (r_i - mean_g r) / (sigma + eps), sigma the group's std (n - 1), the batch's, or
+    none (Dr. GRPO); an all-equal group gets exactly 0. leave_one_out (RLOO): r_i - mean of the others.
+    reinforce_pp_baseline: r_i - mean_g r, then (x - mean_B x) / (std_B x + eps)."""
+    est = obj.estimator
+    kind = "group_mean" if est is None else est.kind
+    std = ("group" if obj.std_norm else "none") if est is None else getattr(est, "std", None)
+    eps = obj.std_eps if est is None else getattr(est, "eps", None)
+    out = [0.0] * len(r)
+    for rows in _groups(group).values():
+        rs = [r[i] for i in rows]
+        mean = sum(rs) / len(rs)
+        for i in rows:
+            if kind == "reinforce_pp_baseline":
+                out[i] = r[i] - mean
+            elif max(rs) == min(rs):
+                out[i] = 0.0
+            elif kind == "leave_one_out":
+                out[i] = r[i] - (sum(rs) - r[i]) / (len(rs) - 1)
+            elif std == "group":
+                out[i] = (r[i] - mean) / (_std(rs) + eps)
+            elif std == "batch":
+                out[i] = (r[i] - mean) / (_std(r) + eps)
+            else:
+                out[i] = r[i] - mean
+    if kind == "reinforce_pp_baseline":
+        m, sd = sum(out) / len(out), _std(out)
+        out = [(x - m) / (sd + eps) for x in out]
+    return out
+
+
+@estimator("advantage_regression")
+def regression_advantages(obj, r: list, group: list, control: list, n_policy: list) -> list:
+    """A*PO / OAPL / MInTRL: A_i = r_i - V(x_i), V = beta1 ln((1/n) sum_j exp(r_j / beta1)) over the group's
+    baseline rows (baseline control: its control rows; all rows when it has none); beta1 = inf: the mean; 0: max."""
+    out = [0.0] * len(r)
+    for rows in _groups(group).values():
+        base = [i for i in rows if control[i]] if obj.baseline == "control" else rows
+        rs = [r[i] for i in (base or rows)]
+        if math.isinf(obj.beta1):
+            v = sum(rs) / len(rs)
+        elif obj.beta1 == 0:
+            v = max(rs)
+        else:
+            m = max(rs)
+            v = m + obj.beta1 * math.log(sum(math.exp((x - m) / obj.beta1) for x in rs) / len(rs))
+        for i in rows:
+            out[i] = r[i] - v
+    return out
+
+
+@estimator("length_penalized_grpo")  # examples/custom_component: GRPO on r - penalty * max(0, n - free_tokens)
+def length_penalized_advantages(obj, r: list, group: list, control: list, n_policy: list) -> list:
+    shaped = [x - obj.penalty * max(0.0, n - obj.free_tokens) for x, n in zip(r, n_policy)]
+    return grpo_advantages(obj, shaped, group, control, n_policy)
+
+
+# ----------------------------------------------------------------------------------------------- losses
+
+def _token_weights(mask, agg: str):
+    """[B, T] d(aggregate)/d(loss_t); None for an aggregation this referee does not cover."""
+    import torch
+
+    m = mask.double()
+    if agg == "token-mean":
+        return m / m.sum().clamp(min=1)
+    if agg == "seq-mean-token-mean":
+        n = m.sum(-1, keepdim=True)
+        rows = float((n > 0).sum())
+        return torch.where(n > 0, m / n.clamp(min=1), torch.zeros_like(m)) / max(rows, 1.0)
+    return None
+
+
+def grpo_formula_covers(obj) -> bool:
+    """Token ratio, PPO clip without dual clip, token-mean or seq-mean-token-mean (the others: by hand in
+    tests/test_methods_runs.py and against TRL in tests/test_trl_parity.py)."""
+    return (getattr(obj, "ratio", "token") == "token" and getattr(obj, "bound", "clip") == "clip"
+            and getattr(obj, "dual_clip", None) is None and obj.loss_agg in ("token-mean", "seq-mean-token-mean"))
+
+
+def covered(obj) -> bool:
+    return obj.kind_name() in GRADIENTS and (obj.kind_name() != "grpo" or grpo_formula_covers(obj))
+
+
+def kl_formula(d, estimator: str):
+    """(value, d value / d lp) per token of the KL estimators at d = lp - lp_ref (ALGORITHMS.md section 0):
+    k1 = d, k2 = d^2 / 2, k3 = exp(-d) + d - 1."""
+    import torch
+
+    if estimator == "k1":
+        return d, torch.ones_like(d)
+    if estimator == "k2":
+        return 0.5 * d * d, d
+    return torch.exp(-d) + d - 1, 1 - torch.exp(-d)
+
+
+@gradient("grpo")
+def grpo_parts(obj, b, mask, cur, old, ref, adv, kl_coef):
+    """GRPO's clipped surrogate and KL, per token: rho_t = exp(lp_t - lp_old_t),
+    l_t = -min(rho A, clip(rho) A), dl/dlp = -A rho where the clip does not bind; + kl_coef k(lp - lp_ref).
+    -> dict(w, pg_value, pg_grad, kl_value, kl_grad) [B, T] (None when not covered)."""
+    import torch
+
+    if not grpo_formula_covers(obj):
+        return None
+    w = _token_weights(mask, obj.loss_agg)
+    lo = obj.clip if obj.clip_low is None else obj.clip_low
+    hi = obj.clip if obj.clip_high is None else obj.clip_high
+    A = torch.tensor(adv, dtype=torch.float64)[:, None]
+    rho = torch.exp(cur.double() - old.double())
+    clipped = rho.clamp(1 - lo, 1 + hi)
+    inside = (rho >= 1 - lo) & (rho <= 1 + hi)
+    unclipped_min = rho * A <= clipped * A
+    pg_tok = -torch.minimum(rho * A, clipped * A)
+    pg_grad = torch.where(inside | unclipped_min, -A * rho, torch.zeros_like(rho))
+    out = {"w": w, "pg_value": float((w * pg_tok * mask).sum()), "pg_grad": w * pg_grad * mask,
+           "kl_value": 0.0, "kl_grad": torch.zeros_like(rho)}
+    if kl_coef > 0 and ref is not None:
+        d = torch.where(mask, cur.double() - ref.double(), torch.zeros_like(rho))
+        val, dk = kl_formula(d, obj.kl_estimator)
+        out["kl_value"] = float((w * val * mask).sum())
+        out["kl_grad"] = w * dk * mask
+    return out
+
+
+@gradient("advantage_regression")
+def regression_parts(obj, b, mask, cur, old, ref, adv, kl_coef):
+    """L = sum_i w_i (beta2 [sum_t m_t (lp_t - anchor_t)] - A_i)^2 / sum_i w_i; on a loss token of row i
+    d L / d lp_t = 2 beta2 w_i (beta2 lr_i - A_i) / sum_i w_i. Anchors as declared: policy tokens the sampler's
+    log-prob (reference initial: the stage-start weights'); another origin a constant kappa (Const) or the
+    sampler's log-prob (Proxy)."""
+    import torch
+
+    anchor = old.double().clone()
+    if obj.reference == "initial":
+        anchor = torch.where(b.origin == CODE["policy"], ref.double(), anchor)
+    for origin, a in obj.anchor.items():
+        if not isinstance(a, str):
+            anchor = torch.where(b.origin == CODE[origin], torch.full_like(anchor, float(a)), anchor)
+    lr = torch.where(mask, cur.double() - anchor, torch.zeros_like(anchor)).sum(-1)
+    w = (b.seq_weight.cpu() if b.seq_weight is not None else torch.ones(b.size)).double()
+    A = torch.tensor(adv, dtype=torch.float64)
+    coef = 2 * obj.beta2 * w * (obj.beta2 * lr - A) / w.sum()
+    value = float((w * (obj.beta2 * lr - A) ** 2).sum() / w.sum())
+    unit = float(w.sum()) / (2 * obj.beta2 * float(w.max()))
+    return {"w": torch.full_like(anchor, 1.0 / unit), "pg_value": value, "pg_grad": coef[:, None] * mask,
+            "kl_value": 0.0, "kl_grad": torch.zeros_like(anchor)}
+
+
+GRADIENTS["length_penalized_grpo"] = grpo_parts  # the plugin keeps GRPO's loss
+
+
+# ----------------------------------------------------------------------------------------------- teachers
+
+def ema_weights(rec, start: int, step: int, rate: float) -> dict:
+    """theta_T at `step`: the weights at `start`, then theta_T <- (1 - rate) theta_T + rate theta after every
+    optimiser step (SDPO), from the recorder's copies of the policy at every step."""
+    ema = {k: t.clone().double() for k, t in rec.weights_at[start].items()}
+    for s in range(start + 1, step + 1):
+        for k, t in rec.weights_at[s].items():
+            ema[k] = (1 - rate) * ema[k] + rate * t.double()
+    return {k: t.to(rec.weights_at[start][k].dtype) for k, t in ema.items()}
+
+
+def teacher_state(rec, spec, plan: dict, name: str, step: int):
+    """(state dict or checkpoint model, what it is) of the weights teacher `name` declares at `step`."""
+    src = spec.sources[name]
+    start = stage_start(plan, spec, step)
+    if src.weights == "current":
+        return rec.weights_at[step]
+    if src.weights == "initial":
+        return rec.weights_at[start]
+    return ema_weights(rec, start, step, src.ema_rate)
+
+
+def teacher_logprobs(model, b, prompt_ids: list, temperature: float):
+    """Each row's response tokens scored by `model` after its own prompt ids (None: the row's prompt)."""
+    import torch
+
+    out = torch.zeros(b.tokens.shape)
+    n_tok = b.attention_mask.sum(1).tolist()
+    for i in range(b.size):
+        P = int((b.origin[i] == CODE["prompt"]).sum())
+        prompt = b.tokens[i, :P].tolist() if prompt_ids[i] is None else prompt_ids[i]
+        seq = torch.tensor([prompt + b.tokens[i, P: n_tok[i]].tolist()])
+        lp = fresh_logprobs(model, seq, torch.ones_like(seq), temperature)[0]
+        out[i, P: n_tok[i]] = lp[len(prompt):]
+    return out
+
+
+def _max(x, m) -> float:
+    return float(x.abs()[m].max()) if m.any() else 0.0

@@ -1,0 +1,252 @@
+"""The referee's recorder: a short run of a spec with RunContext.record installed, keeping only inputs.
+
+What it keeps (DESIGN.md section 10): every rollout batch as the sampler wrote it, with a fresh forward of the
+rollout weights at the spec's declared sampling temperature; the verifier's verdicts per row (as it returned
+them, keyed by the row's tokens); the trained weights before every step's update and after the run; at each
+term's loss, autograd's gradient of that loss w.r.t. the policy's log-probs and a fresh forward of the live
+weights at the temperature the spec declares for that term. Nothing the run computed from these (gate rows,
+control flags, filter output, advantages, references) is trusted: composer/referee/checks.py recomputes them.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from pathlib import Path
+
+import yaml
+
+from composer.origins import CODE, ORIGINS
+
+# Hot enough to test the numbers: 4 prompts per step and 32 new tokens (the toy's 2- and 4-step chains fit, so
+# groups mix and the weights move); the referee fails if they did not.
+FAST = ["train.prompts_per_step=4", "rollout.max_new_tokens=32", "train.eval_every=0", "train.eval_samples=2",
+        "train.checkpoint_every=1000"]
+# The toy student solves the chains it was trained on (1-4 steps) nearly always: groups there may never mix. On
+# 6-step chains it errs in most samples and gets some right, on any bootstrap (48 new tokens fit them).
+HARD = ["data.train_tiers=[6]", "rollout.max_new_tokens=48"]
+# specs with their own tiers (InT: its stages need targets and a GRPO stage that moves the weights)
+HOT: dict[str, list[str]] = {"int": []}
+GUIDE_ORIGINS = ("guide_prefix", "guide_intervention")
+TOL = 2e-3  # float32 forward passes of different shapes (KV cache vs one pass)
+
+
+def short(path: Path, extra=()) -> list[str]:
+    """Overrides that run every segment of the spec for 2-3 steps and sync within the run (toy tiers for a
+    spec on the toy testbed)."""
+    from composer.checks.validate import validate_file
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    v = validate_file(path, list(extra))
+    out = list(FAST)
+    if data.get("stages"):
+        out += [f"stages.{i}.train.steps=3" for i in range(len(data["stages"]))]
+    elif data.get("phases"):
+        out += [f"train.steps={2 * len(data['phases'])}"]
+        out += [f"phases.{i}.until={2 * (i + 1)}" for i in range(len(data["phases"]))]
+    else:
+        out += ["train.steps=3"]
+    if all(s.spec.data.train is None for s in v.segments):  # the toy testbed
+        out += HOT.get(Path(path).stem, HARD)
+    if any(s.spec.sync.every > 2 for s in v.segments) and not data.get("stages"):
+        out += ["sync.every=2"]
+    return out + list(extra)
+
+
+def fingerprint(model_or_state) -> str:
+    """A digest of every parameter's bytes (two models with equal weights give the same string)."""
+    h = hashlib.sha1()
+    items = model_or_state.values() if isinstance(model_or_state, dict) else model_or_state.parameters()
+    for p in items:
+        h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def fresh_logprobs(model, tokens, attention_mask, temperature: float):
+    """[B, T] log p(tokens[b, t] | tokens[b, :t]) by one forward pass of `model` at `temperature` (0 at t = 0)."""
+    import torch
+
+    dev = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(input_ids=tokens.to(dev), attention_mask=attention_mask.long().to(dev)).logits
+    lp = torch.log_softmax(logits.float() / temperature, -1)
+    out = torch.zeros(tokens.shape)
+    out[:, 1:] = lp[:, :-1].gather(-1, tokens[:, 1:, None].to(dev)).squeeze(-1).cpu()
+    return out
+
+
+def row_key(batch, i: int) -> tuple:
+    """Row i's tokens (padding off): how a row is found again in another batch (filters concatenate rows)."""
+    return tuple(batch.tokens[i][batch.attention_mask[i].bool()].tolist())
+
+
+def segment_spec(v, name: str):
+    return next(s.spec for s in v.segments if s.name == name)
+
+
+def declared_loss_temperature(spec, term: str) -> float:
+    """The temperature the spec declares for term `term`'s log-probs: its signal's own (SFT's `temperature`),
+    else the rollout's sampling temperature."""
+    from composer.checks.terms import terms
+
+    for n, sig, _o, _w in terms(spec):
+        t = getattr(sig, "loss_temperature", None) if n == term and sig is not None else None
+        if t is not None:
+            return float(t)
+    return float(spec.rollout.temperature)
+
+
+class Recorder:
+    """RunContext.record's recorder: events of what ran, and the inputs the referee recomputes from."""
+
+    def __init__(self, v):
+        self.v = v
+        self.events: list[tuple[str, dict]] = []
+        self.logprob_errors: list[tuple] = []
+        self.temperature_errors: list[tuple] = []  # (step, term, declared T, max |run - fresh|)
+        self.policy_at: dict[int, str] = {}  # step -> fingerprint of the trained weights before that step's update
+        self.rollout_at: dict[int, str] = {}  # step -> the weights that sampled that step's rollouts
+        self.weights_at: dict[int, dict] = {}  # step -> a copy of the trained weights before that step's update
+        self.final: dict | None = None  # the trained weights after the run
+        self.sampler_lp: dict[int, object] = {}  # id(rollout tokens) -> the sampler's fresh log-probs
+        self.keep: list = []  # the rollout tensors whose ids key sampler_lp (kept alive)
+        self.scratch = None  # a copy of the policy's architecture: fresh forwards of recorded weights
+        self.policy = None  # the live policy module
+        self.sampled: set[tuple] = set()
+        self.not_sampled: list[tuple] = []
+        self.policy_tokens_checked = 0
+        self.tokenizer = None
+        self.verdicts: dict[tuple, tuple] = {}  # (verifier, row tokens) -> (reward, parsed)
+        self.verdict_log: list[tuple] = []  # (step, segment, verifier, parsed)
+
+    def _keep_weights(self, step: int, policy) -> None:
+        if policy is None or step in self.weights_at:
+            return
+        self.policy = policy
+        self.policy_at[step] = fingerprint(policy)
+        self.weights_at[step] = {k: t.detach().clone() for k, t in policy.state_dict().items()}
+        if self.scratch is None:
+            self.scratch = copy.deepcopy(policy).eval().requires_grad_(False)
+
+    def __call__(self, kind, **data):
+        if kind == "rollout":  # check now: the rollout weights are the ones that sampled this batch
+            self._keep_weights(data["step"], data["policy"])
+            self.tokenizer = self.tokenizer or data["engine"].tok
+            self.check_behaviour(data["batch"], data["engine"], data["step"], data["segment"])
+            self.check_sampled(data["batch"], data["step"])
+            self.rollout_at.setdefault(data["step"], fingerprint(data["engine"].model))
+        if kind == "term_loss":  # now, before backward frees the graph and the optimiser moves the weights
+            self._keep_weights(data["step"], data.get("policy"))
+            data["grad_origins"], data["grad"] = self.grad_origins(data["loss"], data["view"], data["batch"])
+            data["fresh"], data["temperature"] = self.fresh_view(data)
+            data["loss_value"] = float(data["loss"].detach())
+        self.events.append((kind, {k: x for k, x in data.items() if k not in ("policy", "loss")}))
+
+    def fresh_view(self, data):
+        """The live weights' log-probs of the term's batch at the temperature the spec declares for the term
+        (a fresh forward, not the run's)."""
+        policy = data.get("policy")
+        if policy is None:
+            return None, None
+        spec = segment_spec(self.v, data["segment"])
+        temp = declared_loss_temperature(spec, data["term"])
+        self.scratch.load_state_dict(policy.state_dict())
+        b = data["batch"]
+        return fresh_logprobs(self.scratch, b.tokens.cpu(), b.attention_mask.cpu(), temp), temp
+
+    def on_sample(self, requests, answers) -> None:
+        """The rollout weights' sampled continuations (served by the run's driver): every prefix they extend."""
+        for req, gens in zip(requests, answers):
+            for g in gens:
+                seq = tuple(req.tokens) + tuple(g.tokens)
+                self.sampled.update(seq[: t + 1] for t in range(len(req.tokens), len(seq)))
+
+    def on_verdicts(self, verifier: str, step: int, segment: str, batch, verdicts) -> None:
+        for i, vd in enumerate(verdicts):
+            key = (verifier, row_key(batch, i))
+            if key not in self.verdicts:
+                self.verdict_log.append((step, segment, verifier, bool(vd.parsed)))
+            self.verdicts[key] = (float(vd.reward), bool(vd.parsed))
+
+    def check_sampled(self, batch, step):
+        """Every token labelled `policy` was sampled by the rollout weights right after exactly the tokens
+        before it in its row (so reference, prefix or judge text relabelled `policy` is caught)."""
+        n_tok = batch.attention_mask.sum(1).tolist()
+        for b in range(batch.size):
+            row = tuple(batch.tokens[b, : n_tok[b]].tolist())
+            for t in (batch.origin[b, : n_tok[b]] == CODE["policy"]).nonzero().flatten().tolist():
+                self.policy_tokens_checked += 1
+                if row[: t + 1] not in self.sampled:
+                    self.not_sampled.append((step, b, t))
+        self.sampled = set()
+
+    def weights(self, step: int):
+        """The scratch model holding the trained weights before step `step`'s update."""
+        self.scratch.load_state_dict(self.weights_at[step])
+        return self.scratch
+
+    @staticmethod
+    def grad_origins(loss, view, batch):
+        """Origins of the tokens whose log-prob the term's loss actually depends on (autograd, not masks),
+        and that gradient [B, T]."""
+        import torch
+
+        if not loss.requires_grad or not view.logprobs.requires_grad:
+            return None, None
+        (grad,) = torch.autograd.grad(loss, view.logprobs, retain_graph=True, allow_unused=True)
+        if grad is None:
+            return set(), torch.zeros_like(view.logprobs)
+        return {ORIGINS[c] for c in batch.origin[grad.abs() > 0].unique().tolist()}, grad.detach().cpu()
+
+    def check_behaviour(self, batch, engine, step, segment):
+        """Behaviour log-probs = a fresh forward of the rollout weights at the spec's sampling temperature."""
+        temp = float(segment_spec(self.v, segment).rollout.temperature)
+        fresh = fresh_logprobs(engine.model, batch.tokens, batch.attention_mask, temp)
+        self.sampler_lp[id(batch.tokens)] = fresh
+        self.keep.append(batch.tokens)
+        known = batch.known_mask & batch.response_mask
+        err = (fresh - batch.behavior_logprobs.cpu()).abs()[known.cpu()]
+        if err.numel() and float(err.max()) > TOL:
+            self.logprob_errors.append((step, float(err.max()), int((err > TOL).sum()), int(err.numel())))
+
+
+def run_recorded(path: Path, out_dir: Path, extra=(), as_declared: bool = False):
+    """Run `path` short (or `as_declared`: with `extra` only), recorded; -> (validated, plan, recorder, metric rows)."""
+    import csv
+
+    import composer.runtime.rollout as rollout_mod
+    from components.sources.outcome_reward import RewardScorer
+    from composer.backends.lightning.run import train
+    from composer.checks.validate import validate_file
+    from composer.plan.compile import compile_plan
+    from composer.protocol import POLICY
+
+    overrides = list(extra) if as_declared else short(path, extra)
+    v = validate_file(path, overrides)
+    rec = Recorder(v)
+    real_serve, real_verdicts = rollout_mod.serve, RewardScorer.verdicts
+
+    def serve(ctx, key, requests, *scope):  # watch what the rollout weights sample (not how the run labels it)
+        answers = real_serve(ctx, key, requests, *scope)
+        if key[0] == "sample" and key[1] == POLICY and not key[2] and key[3] == "rollout":
+            rec.on_sample(requests, answers)
+        return answers
+
+    def verdicts(self, ctx, batch):  # the verifier's verdicts as it returned them
+        out = real_verdicts(self, ctx, batch)
+        rec.on_verdicts(self.cfg.verifier, ctx.step, ctx.segment, batch, out)
+        return out
+
+    rollout_mod.serve, RewardScorer.verdicts = serve, verdicts
+    try:
+        train(v, Path(out_dir) / "run", progress=False, recorder=rec)
+    finally:
+        rollout_mod.serve, RewardScorer.verdicts = real_serve, real_verdicts
+    if rec.policy is not None:
+        rec.final = {k: t.detach().clone() for k, t in rec.policy.state_dict().items()}
+    rows = {}
+    metrics = Path(out_dir) / "run" / "metrics.csv"
+    if metrics.exists():
+        with open(metrics, newline="") as f:
+            rows = {int(r["step"]): r for r in csv.DictReader(f)}
+    return v, compile_plan(v), rec, rows

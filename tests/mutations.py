@@ -1,0 +1,177 @@
+"""Mutation proof of the referee (issue 40, DESIGN.md section 10): plausible one-line bugs injected into the CODE of
+the components, one at a time, each run on a shipped spec as declared (shortened by the referee like every check);
+the table says which the referee caught.
+
+    PYTHONPATH=. .venv/bin/python tests/mutations.py                     # every mutation, the referee
+    PYTHONPATH=. .venv/bin/python tests/mutations.py --before OLD.py     # also the conformance test OLD.py's check_run
+    PYTHONPATH=. .venv/bin/python tests/mutations.py k3_k1 dapo_filter   # some of them
+
+Each mutation is a source patch of one line (the function recompiled from its patched source in its own module)
+or a one-line replacement of a function; `confirm` says how the bug shows in what ran (so a mutation that
+changes nothing is not counted as caught or missed: see the `changed` column).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def patch_source(undo: list, owner, name: str, old: str, new: str) -> None:
+    """Recompile `owner.name` from its source with `old` replaced by `new` (one occurrence, which must exist)."""
+    fn = getattr(owner, name)
+    src = textwrap.dedent(inspect.getsource(fn))
+    if src.count(old) != 1:
+        raise RuntimeError(f"{owner.__name__}.{name}: the line to mutate is not there once: {old!r}")
+    ns: dict = {}
+    exec(compile(src.replace(old, new), inspect.getsourcefile(fn), "exec"), fn.__globals__, ns)
+    undo.append((owner, name, fn))
+    setattr(owner, name, ns[name])
+
+
+def replace(undo: list, owner, name: str, value) -> None:
+    undo.append((owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
+
+
+def m_k3_k1(undo):
+    import components.objectives.grpo as grpo
+
+    real = grpo.kl_estimate
+    replace(undo, grpo, "kl_estimate", lambda delta, est: real(delta, {"k1": "k3", "k3": "k1"}.get(est, est)))
+
+
+def m_ema_frozen(undo):
+    from components.sources.policy_model import ModelSource
+
+    patch_source(undo, ModelSource, "after_optimizer_step", "rate = self.cfg.ema_rate", "rate = 0.0")
+
+
+def m_control_guided(undo):
+    from components.guides.intervention import InterventionGuide
+
+    patch_source(undo, InterventionGuide, "row", "reviewable = not s.trace.control and",
+                 "reviewable = (not s.trace.control or index == 0) and")
+
+
+def m_gate_inverted(undo):
+    import composer.gates as gates
+
+    patch_source(undo, gates, "gate_rows", 'keep &= success if gate.outcome == "success" else ~success',
+                 'keep &= ~success if gate.outcome == "success" else success')
+
+
+def m_dapo_filter(undo):
+    import composer.filters as filters
+
+    patch_source(undo, filters, "equal_prompts", "out[p] = bool((r == r[0]).all())", "out[p] = False")
+
+
+def m_loss_t1(undo):
+    import composer.runtime.step as step
+
+    patch_source(undo, step, "policy_view", 'batch.info.get("temperature", 1.0)', "1.0")
+
+
+def m_stale_reference(undo):
+    from composer.runtime.context import ModelServer
+
+    replace(undo, ModelServer, "refresh_initial", lambda self: None)
+
+
+# name -> (description, mutation, spec, extra overrides)
+MUTATIONS = {
+    "k3_k1": ("KL estimator k3 <-> k1 (kl_coef 0.001)", m_k3_k1, "specs/grpo.yaml", []),
+    "ema_frozen": ("SRPO's EMA teacher frozen", m_ema_frozen, "specs/methods/srpo.yaml", []),
+    "control_guided": ("a MInTRL control row guided", m_control_guided, "specs/mintrl.yaml", []),
+    "gate_srpo": ("gate inverted (SRPO)", m_gate_inverted, "specs/methods/srpo.yaml", []),
+    "gate_kdrl": ("gate inverted (KDRL-mask)", m_gate_inverted, "specs/methods/kdrl-mask.yaml", []),
+    "dapo_filter": ("DAPO's filter keeps all-equal groups", m_dapo_filter, "specs/methods/dapo.yaml", []),
+    "t1_opsd": ("loss log-probs at T=1, sampler 1.1 (OPSD)", m_loss_t1, "specs/opsd.yaml", []),
+    "t1_gkd": ("loss log-probs at T=1, sampler 0.9 (GKD)", m_loss_t1, "specs/methods/gkd.yaml", []),
+    "t1_grpo": ("loss log-probs at T=1, sampler 0.7 (GRPO, rollout.temperature=0.7)", m_loss_t1, "specs/grpo.yaml",
+                ["rollout.temperature=0.7"]),
+    "stale_ref_int": ("a later stage keeps stage 1's reference (InT)", m_stale_reference, "specs/int.yaml", []),
+    "stale_ref_curriculum": ("a later stage keeps stage 1's reference (sft-opd-grpo)", m_stale_reference,
+                             "specs/hybrids/sft-opd-grpo.yaml", []),
+}
+FAST = ["k3_k1", "dapo_filter"]  # the default suite's subset (tests/test_conformance.py)
+
+
+@contextlib.contextmanager
+def mutated(name: str):
+    undo: list = []
+    try:
+        MUTATIONS[name][1](undo)
+        yield
+    finally:
+        for owner, attr, value in reversed(undo):
+            setattr(owner, attr, value)
+
+
+def referee_verdict(name: str, tmp: Path) -> tuple[bool, str]:
+    """(caught, the first failure) of the referee on the mutated code."""
+    from composer.referee import referee
+
+    _d, _m, spec, extra = MUTATIONS[name]
+    with mutated(name):
+        try:
+            rep = referee(ROOT / spec, tmp, extra)
+        except Exception as e:  # the run itself broke: the bug is seen, not by a check
+            return True, f"the run failed: {type(e).__name__}: {str(e)[:120]}"
+    fails = rep.failures()
+    return bool(fails), (fails[0] if fails else "")
+
+
+def before_verdict(module, name: str, tmp: Path) -> tuple[bool, str]:
+    """(caught, message) of an older conformance test's check_run(path, tmp_path, extra)."""
+    _d, _m, spec, extra = MUTATIONS[name]
+    with mutated(name):
+        try:
+            module.check_run(ROOT / spec, tmp, extra)
+        except AssertionError as e:
+            return True, str(e).splitlines()[0][:160]
+        except Exception as e:
+            return True, f"the run failed: {type(e).__name__}: {str(e)[:120]}"
+    return False, ""
+
+
+def main(argv: list[str]) -> int:
+    before = None
+    if "--before" in argv:
+        i = argv.index("--before")
+        spec = importlib.util.spec_from_file_location("conformance_before", argv[i + 1])
+        before = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(ROOT / "tests"))
+        spec.loader.exec_module(before)
+        argv = argv[:i] + argv[i + 2:]
+    names = argv or list(MUTATIONS)
+    rows = []
+    for name in names:
+        t0 = time.time()
+        with tempfile.TemporaryDirectory() as tmp:
+            b = before_verdict(before, name, Path(tmp) / "before") if before else None
+            a = referee_verdict(name, Path(tmp) / "after")
+        rows.append((name, b, a, time.time() - t0))
+        print(f"{name}: before {'-' if b is None else ('caught' if b[0] else 'MISSED')}, "
+              f"referee {'caught' if a[0] else 'MISSED'} ({time.time() - t0:.0f}s) {a[1][:200]}", flush=True)
+    print("\n| mutation | spec | before (test_conformance) | after (referee) | first failure |")
+    print("|---|---|---|---|---|")
+    for name, b, a, _t in rows:
+        desc, _m, spec, extra = MUTATIONS[name]
+        bt = "-" if b is None else ("caught" if b[0] else "missed")
+        print(f"| {desc} | {spec}{' ' + ' '.join(extra) if extra else ''} | {bt} | {'caught' if a[0] else 'MISSED'} "
+              f"| {a[1][:140].replace('|', '/')} |")
+    return 0 if all(a[0] for _n, _b, a, _t in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
