@@ -231,9 +231,10 @@ class Grpo(Objective):
                                     "and both are set: clip is never used", "remove clip (or clip_low and "
                                     "clip_high)"))
         t = spec.train
-        if t.epochs * t.mini_batches == 1 and spec.sync.every == 1:
-            what = {"clip": f"the PPO clip [1-{lo:g}, 1+{hi:g}]", "mask": f"the mask [1-{lo:g}, 1+{hi:g}]",
-                    "cispo": f"CISPO's truncation [1-{lo:g}, 1+{hi:g}]"}[self.bound]
+        what = {"clip": f"the PPO clip [1-{lo:g}, 1+{hi:g}]", "mask": f"the mask [1-{lo:g}, 1+{hi:g}]",
+                "cispo": f"CISPO's truncation [1-{lo:g}, 1+{hi:g}]", "topr": "TOPR's truncation [0, 1]",
+                "log_clip": f"the log-ratio clip [-{lo:g}, {hi:g}]"}.get(self.bound)  # none: no bound to act
+        if what is not None and t.epochs * t.mini_batches == 1 and spec.sync.every == 1:
             field = next((f for f in ("clip", "clip_low", "clip_high", "dual_clip") if f in set_), "clip")
             out.append(InertSetting(field, f"{what}{' and the dual clip' if self.dual_clip else ''} cannot act: one "
                                     "update per step on-policy (train.epochs x train.mini_batches = 1, sync.every: "
