@@ -311,6 +311,8 @@ CASES = [
          "phases", 7, "ambiguous", rule="phases_cover_steps"),
     Case("stage_names_repeat", HEAD + GRPO + "stages:\n  - {name: a, train: {steps: 5}}\n  - {name: a, train: {steps: 5}}\n",
          "stages[1].name", 8, "two stages are named 'a'", rule="stages_well_formed"),
+    Case("stage_name_reads_as_an_option", HEAD + GRPO + "stages:\n  - {name: -a, train: {steps: 5}}\n",
+         "stages[0].name", 7, "starts with '-'", rule="names_are_words"),
     Case("sampled_jsd", HEAD + "  teacher: {kind: policy_model, model: big}\n"
          "signal: {kind: distillation, teacher: teacher}\nobjective: {kind: divergence, measure: jsd}\n",
          "objective.estimator", 6, "reverse KL only", rule="sampled_divergence_is_reverse_kl"),
