@@ -86,10 +86,11 @@ def test_readme_from_a_folder_without_results_fails_cleanly(tmp_path, monkeypatc
     from composer.cli.main import main
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "README.md").write_text("# T\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "results.md").write_text("# T\n")
     res = CliRunner().invoke(main, ["bench", "--readme", str(tmp_path)])
-    assert res.exit_code == 2 and "cannot write the README section" in res.output
-    assert (tmp_path / "README.md").read_text() == "# T\n"
+    assert res.exit_code == 2 and "cannot write the results section" in res.output
+    assert (tmp_path / "docs" / "results.md").read_text() == "# T\n"
 
 
 # ------------------------------------------------------------------------ the seed studies (issue 16)

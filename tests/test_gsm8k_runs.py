@@ -93,8 +93,9 @@ def test_reward_watch_counts_and_stays_quiet_when_the_reward_varies():
 
 @pytest.mark.slow
 def test_grpo_on_gsm8k_rows_after_sft_gets_reward_from_the_math_verifier(real, tmp_path, cli):
-    """The README's own-data path on GSM8K as it comes: SFT on the `answer` column, then GRPO with verifier: math
-    from the SFT's export, then `composer eval` on the GRPO export. Before: reward 0 and unparsed_frac 1.0."""
+    """The own-data path (docs/own-model-and-data.md) on GSM8K as it comes: SFT on the `answer` column, then GRPO
+    with verifier: math from the SFT's export, then `composer eval` on the GRPO export. Before: reward 0 and
+    unparsed_frac 1.0."""
     rows = gsm8k_rows(16, 0)
     data = {"train": write_jsonl(tmp_path / "train.jsonl", rows), "eval": write_jsonl(tmp_path / "eval.jsonl", rows[:4]),
             "prompt_field": "question", "answer_field": "answer", "solution_field": "answer"}

@@ -1,6 +1,7 @@
 """The `math` verifier on hostile outputs: only the final \\boxed{} counts when there is one, a `#` answer line
 or an anchored answer ("the final answer is") otherwise, and never a number scattered in free text. Each case
-says what the README promises ("reads the final \\boxed{} answer") and what the verdict must be."""
+says what the docs promise (docs/own-model-and-data.md, "Verifiers and code rewards": "only the last
+\\boxed{}") and what the verdict must be."""
 
 from __future__ import annotations
 

@@ -45,8 +45,8 @@ def test_checkpoints_fall_only_where_a_resume_keeps_the_schedule(monkeypatch, ev
     comes before the first sync (the engine still holds the initial weights), never between two later syncs;
     every written one is one resume_sync accepts."""
     steps = 8
-    _use(monkeypatch, _plan([f"sync.every={every}", "sync.off_policy_ok=true", f"train.steps={steps}",
-                             "train.checkpoint_every=1"]))
+    lag = ["sync.off_policy_ok=true"] if every > 1 else []  # with a sync every step it is inert, and refused
+    _use(monkeypatch, _plan([f"sync.every={every}", *lag, f"train.steps={steps}", "train.checkpoint_every=1"]))
     saved = []
 
     class Base:

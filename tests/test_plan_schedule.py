@@ -310,8 +310,12 @@ def _hooked_trainer(monkeypatch, plan: dict, run: dict):
         def init_checkpoint_states(self):
             return {}
 
-    mod = types.ModuleType("fake_ppo_trainer")
+        def save_logs_and_checkpoints(self, global_step, logs_dict=None, client_states=None):
+            pass
+
+    mod = types.ModuleType("fake_ppo_trainer")  # what hooks._patch_trainer reads of openrlhf's ppo_trainer
     mod.BasePPOTrainer = BasePPOTrainer
+    mod.prepare_datasets = lambda strategy, tokenizer: None
     hooks._patch_trainer(mod)
     return BasePPOTrainer(), broadcasts, hooks
 

@@ -50,7 +50,7 @@ def test_teacher_method_runs_end_to_end(spec, extra, tmp_path):
 def test_opd_as_specified_closes_the_log_prob_gap_on_the_middle_tier(tmp_path):
     """specs/opd.yaml as written (60 steps, about a minute): the per-token teacher-student gap on the
     6-step tier's rollouts falls by 40% or more (measured 0.68 -> 0.25). Its greedy pass@1 does not
-    move (README: the student gives the teacher's token p ~ 1e-4 where it goes wrong)."""
+    move (docs/results.md, "Measured so far": the student gives the teacher's token p ~ 1e-4 where it goes wrong)."""
     run("specs/opd.yaml", tmp_path, ["train.eval_every=0", "train.eval_samples=8"])
     got = [r for r in rows(tmp_path) if r.get("teacher_student_gap/tier6")]
 

@@ -7,7 +7,7 @@ log-probs to the composer's `grpo` loss. Loss values and gradients w.r.t. the lo
 every loss_type TRL has that the composer expresses, both importance_sampling_level values, epsilon /
 epsilon_high, delta (TRL's two-sided clip = the composer's dual_clip) and beta.
 
-Intended differences (README, "The policy-gradient family"):
+Intended differences (docs/spec-language.md, "The policy-gradient family: the parts", "Against TRL"):
   - dr_grpo: TRL divides by rows x max_completion_length; the composer's seq-mean-token-sum-norm by one
     constant C (norm_const): C = B x L gives TRL's number.
   - cispo: TRL caps the weight at `epsilon_high` itself; the composer clips it to [1 - clip_low, 1 + clip_high]

@@ -46,7 +46,7 @@ INTENSITY_SETTING = ["data.train_tiers=[2,4,6,8,10]", "rollout.guide.chunk_token
 INTENSITY_REVIEWS = (0, 1, 2, 4, 16)
 # Lag (OAPL vs GRPO): 4 prompts x 8 samples per step, so the 4096-sample budget is 128 steps: lag 24
 # syncs at steps 24, 48, 72, 96 and 120 (5 syncs inside the run).
-LAG_SETTING = ["train.prompts_per_step=4", "sync.off_policy_ok=true", "train.eval_every=16"]
+LAG_SETTING = ["train.prompts_per_step=4", "train.eval_every=16"]
 LAGS = (1, 24)
 
 
@@ -61,7 +61,10 @@ def _intensity(r: int) -> tuple:
 
 
 def _lag(m: str, lag: int) -> tuple:
-    return (f"{m} sync.every={lag}", f"specs/{m}.yaml", [*LAG_SETTING, f"sync.every={lag}"])
+    # an on-policy objective (GRPO) must be allowed to read lagged rollouts; OAPL is built for them, and at lag 1
+    # there is no lag: the permission would be inert there, and is refused
+    lagged = ["sync.off_policy_ok=true"] if lag > 1 and m != "oapl" else []
+    return (f"{m} sync.every={lag}", f"specs/{m}.yaml", [*LAG_SETTING, *lagged, f"sync.every={lag}"])
 
 
 _M = {m: (m, f"specs/{m}.yaml", []) for m in ("sft", "grpo", "opd", "opsd", "sdpo", "pope", "int", "oapl", "mintrl")}

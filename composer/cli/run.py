@@ -325,7 +325,7 @@ def toy_data(out, seed):
 @click.option("--quick", is_flag=True, help="Tiny budget, one seed: a few minutes.")
 @click.option("--throughput", is_flag=True, help="Samples/s of this backend against TRL's trainers (GRPO, GKD, SFT).")
 @click.option("--readme", "readme_from", type=click.Path(file_okay=False, exists=True), default=None,
-              help="Write the methods table and plot of this finished bench folder into ./README.md (docs/bench/).")
+              help="Write the methods table and plot of this finished bench folder into docs/results.md (plots: docs/bench/).")
 @allow_plugins_option
 def bench(specs, seeds, budget_samples, out, sweep, suite, study, quick, throughput, readme_from):
     """Run SPECs (or a suite) on the toy testbed at an equal policy-sample budget; write results.csv,
@@ -336,11 +336,11 @@ def bench(specs, seeds, budget_samples, out, sweep, suite, study, quick, through
 
     if readme_from:
         try:
-            b.readme_section(Path(readme_from), Path("README.md"), Path("docs/bench"), (study or ("methods",))[0])
+            b.readme_section(Path(readme_from), Path("docs/results.md"), Path("docs/bench"), (study or ("methods",))[0])
         except (OSError, ValueError, KeyError, StopIteration) as e:
-            click.echo(f"{readme_from}: cannot write the README section: {type(e).__name__}: {e}", err=True)
+            click.echo(f"{readme_from}: cannot write the results section: {type(e).__name__}: {e}", err=True)
             sys.exit(EXIT_INVALID)
-        click.echo("wrote README.md (bench results section) and docs/bench/")
+        click.echo("wrote docs/results.md (bench results section) and docs/bench/")
         return
     if throughput:
         from composer.bench.throughput import main as tp_main

@@ -195,10 +195,11 @@ def surprisal(b) -> list:
     return out
 
 
-def expected_control(spec, b) -> list:
+def expected_control(spec, b, tokenizer=None) -> list:
     """Control rows from the spec: an intervention guide's first `control_samples` rollouts of each prompt
-    (rows are written prompt by prompt, samples_per_prompt each); a prefix guide's rows without a prefix; with no
-    guide every row."""
+    (rows are written prompt by prompt, samples_per_prompt each); a prefix guide's rows without a prefix (placed
+    in the response: no guide_prefix token; placed in the prompt (POPE): the prompt shows no step of the row's
+    reference solution, read off the row's example and its decoded prompt); with no guide every row."""
     guide = spec.rollout.guide
     kind = guide.kind_name()
     n = spec.rollout.samples_per_prompt
@@ -206,6 +207,15 @@ def expected_control(spec, b) -> list:
         return [i % n < guide.control_samples for i in range(b.size)]
     if kind == "none":
         return [True] * b.size
+    if getattr(guide, "placement", "response") == "prompt" and tokenizer is not None:
+        prompts = b.mask(("prompt",)) & b.attention_mask.bool()
+        out = []
+        for i in range(b.size):
+            ex = b.examples[i] if len(b.examples) == b.size else b.examples[int(b.prompt_index[i])]  # one per row
+            first = next((s for s in (ex.solution or "").split("\n") if s.strip()), None)
+            text = tokenizer.decode(b.tokens[i][prompts[i]].tolist(), skip_special_tokens=True)
+            out.append(first is None or first not in text.replace(ex.problem or "\0", ""))
+        return out
     return [not bool(b.mask(("guide_prefix",))[i].any()) for i in range(b.size)]
 
 
@@ -258,6 +268,9 @@ def grpo_advantages(obj, r: list, group: list, control: list, n_policy: list) ->
     if kind == "reinforce_pp_baseline":
         m, sd = sum(out) / len(out), _std(out)
         out = [(x - m) / (sd + eps) for x in out]
+    if getattr(obj, "valid_rows_scale", False):  # GPG's alpha = B / B_valid: rows over rows with a non-zero advantage
+        valid = sum(x != 0 for x in out)
+        out = [x * len(out) / valid for x in out] if valid else out
     return out
 
 

@@ -26,8 +26,7 @@ def _gated(spec) -> list[tuple[str, str]]:
     from composer.checks.terms import gates, terms
 
     names = [n for n, _s, _o, _w in terms(spec)]
-    many = len(names) > 1
-    return [(n, f"{n}/gate_frac" if many else "gate_frac") for n, g in zip(names, gates(spec)) if g is not None]
+    return [(n, f"{n}/gate_frac") for n, g in zip(names, gates(spec)) if g is not None]
 
 
 def _verifies(spec) -> bool:
