@@ -37,6 +37,8 @@ class TrajectoryBatch:
     row_mask: Optional["torch.Tensor"] = None  # [B] bool: the rows this term trains on (its gate); None: all
     old_logprobs: Optional["torch.Tensor"] = None  # [B, T]: the policy at the start of the step's first pass (set
     # when a step makes several updates, train.epochs x train.mini_batches; the importance ratio's denominator)
+    token_select: Optional["torch.Tensor"] = None  # [B, T] bool: tokens a step-wide token selection chose (grpo's
+    # token_selection: KL-Cov, Clip-Cov), computed with the advantages over the whole step, read by every micro-batch
 
     @property
     def size(self) -> int:
@@ -141,7 +143,7 @@ def concat(batches: list[TrajectoryBatch], pad_id: int) -> TrajectoryBatch:
                              behavior_logprobs=pad(b.behavior_logprobs), behavior_known=pad(b.behavior_known, False),
                              teacher_logprobs=pad(b.teacher_logprobs),
                              teacher_logits=pad(b.teacher_logits), initial_logprobs=pad(b.initial_logprobs),
-                             old_logprobs=pad(b.old_logprobs)))
+                             old_logprobs=pad(b.old_logprobs), token_select=pad(b.token_select, False)))
         offset += int(b.group.max()) + 1 if b.size else 0
     out = {}
     for f in fields(TrajectoryBatch):

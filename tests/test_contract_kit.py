@@ -21,6 +21,8 @@ OBJECTIVES += [("divergence", {"estimator": e, "k": 4}) for e in ("sampled", "fu
 OBJECTIVES += [("divergence", {"estimator": "full", "measure": m, "aggregation": "seq-mean-token-mean"})
                for m in ("forward_kl", "jsd")]
 OBJECTIVES += [("advantage_regression", {}), ("advantage_regression", {"baseline": "control"})]
+OBJECTIVES += [("grpo", {"token_selection": {"kind": "kl_cov", "k": 0.1}}),  # step-wide selection (issue 46)
+               ("grpo", {"token_selection": {"kind": "clip_cov", "r": 0.1, "omega_low": 0.01}})]
 
 
 def test_the_list_covers_every_registered_objective():

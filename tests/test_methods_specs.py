@@ -22,6 +22,8 @@ MECHANISM = {  # spec -> text explain must show
     "topr.yaml": "ratio: per trajectory: pi(tau)/mu(tau) = exp(sum_t log rho_t); bound: TOPR: A log pi for A >= 0, sg(clip(rho, 0, 1)) A log pi for A < 0",
     "gmpo.yaml": "bound: GMPO: each token's log-ratio clipped to [-0.4, 0.4] (by the sign of A) inside the geometric mean",
     "gpg.yaml": "x alpha = B / B_valid (rows over rows with a non-zero advantage, GPG)",
+    "kl-cov.yaml": "KL-Cov: the top max(1, floor(0.01 N)) of the step's N loss tokens by Cov_t",
+    "clip-cov.yaml": "Clip-Cov: max(1, floor(0.01 N)) of the step's N loss tokens with 0.02 < Cov_t < 5",
 }
 
 
@@ -29,7 +31,8 @@ MECHANISM = {  # spec -> text explain must show
 # default's, where the first steps' groups are often all-equal), so the loss is that of a learning signal
 HOT = {n: ["data.train_tiers=[6]", "rollout.max_new_tokens=48"] for n in ("cispo.yaml", "dr-grpo.yaml", "gspo.yaml", "rloo.yaml",
                                               "reinforce-pp-baseline.yaml", "kdrl.yaml", "srpo.yaml", "kdrl-mask.yaml",
-                                              "prorl.yaml", "topr.yaml", "gmpo.yaml", "gpg.yaml")}
+                                              "prorl.yaml", "topr.yaml", "gmpo.yaml", "gpg.yaml",
+                                              "kl-cov.yaml", "clip-cov.yaml")}
 
 
 @pytest.mark.parametrize("name", sorted(MECHANISM))

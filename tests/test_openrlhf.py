@@ -41,7 +41,10 @@ LIGHTNING_ONLY = {"specs/hybrids/fkl-plus-sft.yaml": ("terms[1].signal", "cannot
                   "specs/methods/gkd.yaml": ("signal.off_policy", "are not samples of the step"),
                   "specs/methods/hpt.yaml": ("terms[1].signal", "cannot be mixed with rollout terms"),
                   # a periodic reference and optimizer reset inside a run (ProRL): one stage per reset there
-                  "specs/methods/prorl.yaml": ("train.reset_every", "cannot be expressed")}
+                  "specs/methods/prorl.yaml": ("train.reset_every", "cannot be expressed"),
+                  # a step-wide per-token selection (KL-Cov, Clip-Cov): the plugin has no per-token carrier to the loss
+                  "specs/methods/kl-cov.yaml": ("objective.token_selection", "a per-token mask has no carrier there"),
+                  "specs/methods/clip-cov.yaml": ("objective.token_selection", "a per-token mask has no carrier there")}
 # the teacher whose generations give PrefixRL its prefixes takes a GPU of its own: 4 + 1 per node
 GPUS_PER_NODE = {"specs/methods/prefixrl.yaml": 5}
 SPECS = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("specs/*.yaml"), *ROOT.glob("specs/hybrids/*.yaml"),

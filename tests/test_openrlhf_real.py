@@ -542,11 +542,11 @@ def test_plugin_guide_runs_in_the_rollout_workers(plugin_guide_job):
 
 # InT: stage 1 (SFT on the agent's guided targets, built once by the engine's agent from the initial weights)
 # and stage 2 (GRPO) as two OpenRLHF runs chained in one job, stage 2 starting from stage 1's saved model
-# 6-step chains only: the toy student fails them often enough that the proposer's interventions are kept as
-# targets (on the default tiers 2-6 it rarely fails, no target is kept and stage 1's loss is 0)
-INT = ["train.prompts_per_step=4", "data.train_tiers=[6]", "stages[0].train.steps=2", "stages[1].train.steps=2",
-       "stages[0].signal.filter_samples=2", "stages[1].train.prompts_per_step=2",
-       "stages[1].rollout.samples_per_prompt=4", "stages[1].rollout.temperature=1.5"]
+# The spec's own policy (toy:instruct) and tiers (4 and 6), where its failed attempts get interventions and some
+# targets are kept; the test fails if stage 1's loss is 0 or any run moves no weight
+INT = ["stages[0].train.steps=3", "stages[1].train.steps=2",
+       "stages[1].train.prompts_per_step=2", "stages[1].rollout.samples_per_prompt=4",
+       "stages[1].rollout.temperature=1.5"]
 
 
 @pytest.fixture(scope="module")
@@ -562,8 +562,8 @@ def test_int_stages_chain_and_losses_equal_lightning(int_job):
     plan = json.loads((bundle / "plan.json").read_text())
     assert [r["name"] for r in plan["openrlhf"]["runs"]] == ["sft", "rl"]
     fits, engine = out["fits"], out["engine"]
-    print(f"int: largest |openrlhf - lightning| = {check_losses(out, 4):.3g}")
-    one, two = fits[:2], fits[2:]
+    print(f"int: largest |openrlhf - lightning| = {check_losses(out, 5):.3g}")
+    one, two = fits[:3], fits[3:]
     assert len({f["pid"] for f in one}) == 1 and len({f["pid"] for f in two}) == 1 and one[0]["pid"] != two[0]["pid"]
     # targets reached the loss: stage 1 trained on kept interventions, so the weights moved
     assert any(abs(f["lightning_loss"]) > 1e-3 for f in one), [f["lightning_loss"] for f in one]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar, Literal, Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from components.objectives.base import (
     Aggregation,
@@ -16,6 +16,7 @@ from components.objectives.base import (
     masked_mean,
 )
 from components.objectives.estimators import AnyEstimator, Estimator, GroupMean
+from components.objectives.token_selection import AnyTokenSelection, NoSelection
 from composer.lazy import torch
 from composer.registry import register
 from composer.lang.curves import ScheduledNumber, describe, ever_nonzero, resolved_number, values
@@ -162,6 +163,7 @@ class Grpo(Objective):
     start of the step's first pass when the step makes several updates (train.epochs x train.mini_batches),
     else the behaviour log-prob of the sampler (the same weights on-policy). GSPO, Dr. GRPO, DAPO's
     objective, RLOO, REINFORCE++-baseline and CISPO are settings of these fields (specs/methods/).
+    `token_selection` (KL-Cov, Clip-Cov) picks tokens of the whole step whose l_t changes.
     """
 
     kind: Literal["grpo"] = Field("grpo", description="Component kind.")
@@ -179,6 +181,7 @@ class Grpo(Objective):
     kl_coef: ScheduledNumber = Field(0.001, description="Coefficient of the KL loss against the initial policy (0 disables; verl 0.001, DeepSeekMath 0.04); a number >= 0 or a schedule ({kind: linear|cosine|step, start, end, steps}).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator of the KL loss.")
     std_eps: float = Field(1e-6, gt=0, description="Added to the group std (with the default estimator).")
+    token_selection: AnyTokenSelection = Field(default_factory=NoSelection, description="Step-wide token selection by Cov_t = (log pi - mean log pi)(A - mean A) over the whole step's loss tokens (every micro-batch and rank): none; kl_cov (KL-Cov: the top k N tokens get -A rho + beta |log rho| in place of the clipped term); clip_cov (Clip-Cov: r N random tokens with omega_low < Cov_t < omega_high get no gradient). Cui et al. 2025, arXiv 2505.22617. Needs ratio: token and bound: clip.")
 
     needs: ClassVar = ("reward",)
     on_policy_only: ClassVar = True
@@ -192,6 +195,15 @@ class Grpo(Objective):
         if min(values(value)) < 0:
             raise ValueError("kl_coef must be >= 0 (a schedule's start and end too)")
         return value
+
+    @model_validator(mode="after")
+    def _token_selection_needs_the_token_clip(self):
+        if self.token_selection.acts and (self.ratio != "token" or self.bound != "clip"):
+            raise ValueError(f"token_selection {self.token_selection.kind} changes the PPO clipped surrogate of single "
+                             f"tokens (Cui et al. 2025: KL-Cov replaces it by -A rho_t + beta |log rho_t|, Clip-Cov "
+                             f"removes its gradient), and this grpo has ratio: {self.ratio}, bound: {self.bound}; use "
+                             "ratio: token and bound: clip (the defaults)")
+        return self
 
     @property
     def wants_initial(self) -> bool:
@@ -243,6 +255,13 @@ class Grpo(Objective):
                                     "to make the bound act, update several times per step (train.mini_batches: 2 "
                                     "or train.epochs: 2) or lag the sampler (sync.every > 1); else remove the "
                                     "clip settings", severity="warning"))
+        sel = self.token_selection
+        if sel.kind == "kl_cov" and sel.beta > 0 and t.epochs * t.mini_batches == 1 and spec.sync.every == 1:
+            out.append(InertSetting("token_selection", f"kl_cov's penalty {sel.beta:g} |log pi_theta - log pi_old| "
+                                    "cannot act: one update per step on-policy keeps log pi_theta = log pi_old (up to "
+                                    "the sampler's numerical mismatch), so the selected tokens train as -A rho only",
+                                    "update several times per step (train.epochs: 2 or train.mini_batches: 2) or lag "
+                                    "the sampler (sync.every > 1)", severity="warning"))
         if "kl_estimator" in set_ and not ever_nonzero(self.kl_coef):
             out.append(InertSetting("kl_estimator", f"kl_estimator {self.kl_estimator} with kl_coef "
                                     f"{describe(self.kl_coef)}: there is no KL loss, so the estimator is never "
@@ -254,7 +273,23 @@ class Grpo(Objective):
         if batch.rewards is None:
             raise ValueError("grpo: the batch has no rewards (a reward signal must fill batch.rewards)")
         adv = self.est.estimate(batch.rewards, batch.group, batch.control)  # [B]
-        return adv * valid_row_scale(adv).to(adv.dtype) if self.valid_rows_scale else adv
+        adv = adv * valid_row_scale(adv).to(adv.dtype) if self.valid_rows_scale else adv
+        if self.token_selection.acts:
+            self.select_tokens(batch, adv)
+        return adv
+
+    def select_tokens(self, batch: TrajectoryBatch, adv: Tensor) -> None:
+        """The step-wide token selection (`token_selection`), where the advantages are computed (whole groups, the
+        whole step on this rank; the statistic over every rank): batch.token_select [B, T] bool, and the step's
+        counts in batch.info (`token_selection/tokens`, `/selected`, clip_cov `/candidates`), which the
+        micro-batches' loss logs. Its log-probs are those the step starts with: the behaviour log-probs (the old
+        log-probs, when the batch holds them already)."""
+        start = batch.old_logprobs if batch.old_logprobs is not None else batch.behavior_logprobs  # [B, T]
+        mask = self.loss_mask(batch) & batch.known_mask  # [B, T]
+        sel, facts = self.token_selection.select(start, adv, mask, batch.tokens)
+        batch.token_select = sel
+        for k, v in facts.items():
+            batch.info[f"token_selection/{k}"] = v
 
     def reduction(self) -> Reduction:
         return Reduction(self.loss_agg, self.norm_const)
@@ -274,6 +309,8 @@ class Grpo(Objective):
                  "none": "none: plain policy gradient -A log pi (no ratio)"}[self.bound]
         if self.bound == "none":
             ratio = "none"
+        if self.token_selection.acts:
+            bound += "; " + self.token_selection.describe()
         agg = self.loss_agg + (f" (C = {self.norm_const:g})" if self.norm_const and self.loss_agg ==
                                "seq-mean-token-sum-norm" else "")
         kl = (f"KL to the initial policy: {self.kl_estimator} x {describe(self.kl_coef)}"
@@ -297,6 +334,9 @@ class Grpo(Objective):
             log_r = sequence_log_ratio(cur.logprobs, old, mask, self.ratio)  # [B, T] or [B, 1]
             loss_tok, bounded, ratio = bounded_surrogate(cur.logprobs, log_r, adv, self.bound, lo, hi, self.dual_clip)
         loss_tok = loss_tok.expand_as(cur.logprobs)  # [B, T]
+        sel_metrics = {}
+        if self.token_selection.acts:
+            loss_tok, sel_metrics = self.selected_loss(batch, loss_tok, log_r, ratio, adv, mask)
         pg_loss = aggregate(loss_tok, mask, self.loss_agg, self.norm_const)
         total = pg_loss
         kl_val = 0.0
@@ -315,5 +355,24 @@ class Grpo(Objective):
             "clip_frac": float(masked_mean(bounded.expand_as(mask).float(), mask)),
             "ratio_mean": float(masked_mean(ratio.detach().expand_as(mask).float(), mask)),
             "adv_mean": float(adv.mean()),
+            **sel_metrics,
         }
         return total, metrics
+
+    def selected_loss(self, batch: TrajectoryBatch, loss_tok: Tensor, log_r: Tensor, ratio: Tensor, adv: Tensor,
+                      mask: Tensor) -> tuple[Tensor, dict[str, float]]:
+        """l_t on the tokens the step's selection chose (batch.token_select, from `advantages`): KL-Cov
+        -A rho_t + beta |log rho_t|; Clip-Cov 0 (no loss, no gradient; the token still counts in the normaliser,
+        as verl's corr = 0). Logs the selection's step-wide counts (token_selection/selected, /tokens)."""
+        sel = batch.token_select
+        if sel is None:
+            raise ValueError(f"grpo: token_selection {self.token_selection.kind} needs batch.token_select, the step's "
+                             "selection that grpo's advantages() computes over the whole step; call advantages() on "
+                             "the whole step's batch before the micro-batches' loss")
+        sel = sel.to(loss_tok.device) & mask
+        if self.token_selection.kind == "kl_cov":
+            kl_tok = -(ratio * adv) + self.token_selection.beta * log_r.abs()  # [B, T]
+            loss_tok = torch.where(sel, kl_tok, loss_tok)
+        else:  # clip_cov
+            loss_tok = torch.where(sel, torch.zeros_like(loss_tok), loss_tok)
+        return loss_tok, {k: float(v) for k, v in batch.info.items() if k.startswith("token_selection/")}

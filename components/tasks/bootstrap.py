@@ -1,6 +1,7 @@
-"""Bootstrap the toy testbed's checkpoints: a char tokenizer, an SFT'd student and a deeper teacher.
+"""Bootstrap the toy testbed's checkpoints: a char tokenizer, an SFT'd student, a deeper teacher, and an
+instruction model for InT.
 
-    ensure_checkpoints() -> {"tokenizer": dir, "student": dir, "teacher": dir}
+    ensure_checkpoints() -> {"tokenizer": dir, "student": dir, "teacher": dir, "instruct": dir}
 
 Built once into $COMPOSER_CACHE/toy-v2 (default ~/.cache/composer/toy-v2), under a file lock, each
 directory written to a temp name and renamed, so concurrent processes are safe. A held-out toy variant
@@ -11,6 +12,13 @@ The student (4 layers) learns chains of 1-4 steps and fails on long ones. The te
 student grown to 6 layers (the new layers start as the identity) and trained on chains of 1-8:
 learning from scratch on 1-8 plateaus for far longer, growing costs ~100 updates. Both see the
 privileged-context formats of components.tasks.toy.TEMPLATES in a second SFT phase.
+
+`instruct` (toy:instruct, issue 41) is InT's base, as Qwen3-4B-Instruct is the paper's: the student fine-tuned
+(INSTRUCT_SFT) on its own mix, plain chains up to 6 steps, and InT's proposer task in the prompt the composer
+renders for it (toy.proposal_prompt; target "REVISE k\n<right line k>" for realistic failed attempts, some of
+them the student's own). Built from the student into the same folder (as INSTRUCT_DIR, versioned on its own)
+when missing, so a cache that has the student and the teacher keeps them (and the folder's name) and only
+gains this one.
 """
 
 from __future__ import annotations
@@ -46,6 +54,31 @@ TEACHER_SFT = {
 }
 # phase 2 of the SFT: the share of each format in a batch (the rest is plain problems)
 MIX = {"reference": 0.15, "sibling": 0.10, "feedback": 0.05, "prefix": 0.20, "judge": 0.10}
+# toy:instruct, InT's base (an instruction model, as Qwen3-4B-Instruct is for the paper): the student fine-tuned
+# (phase 2 only) on its own mix plus InT's proposer task ("proposal": the prompt composer/prompts.py renders for
+# InT's proposer on the toy, the target "REVISE k\n<right line k>"), with plain chains up to 6 steps whose
+# demonstrations slip: a subtraction that needs a borrow is written b-a instead of a-b (mod 10) `slip` of the
+# time, the later lines computed from the slip. So it fails some chains it can solve, at a step in the middle, and
+# a continuation from the corrected step can succeed, as InT assumes of its base. The student cannot give InT
+# that: sampling at 0.7 / top_p 0.8 it is deterministic, and its only failure is structural (it stops after 4
+# lines): a corrected 5th line either is the last one (and states the answer: leak filter) or needs lines the
+# student never writes (no continuation succeeds). Open (issue 41): 800 updates teach the proposal format (every
+# greedy answer is a readable 'REVISE k' + line) but not the task: 0.15 of held-out attempts get the right k and line.
+INSTRUCT_SFT = {
+    "tiers": (1, 2, 3, 4, 5, 6),
+    "copy_tiers": (1, 2, 3, 4, 5, 6, 7, 8),
+    "seed": 3,
+    "max_plain": 0,
+    "mix_updates": 800,
+    "slip": 0.4,
+    "batch": 32,
+    "lr": 2e-3,
+    "warmup": 20,
+    "mix": {"reference": 0.05, "sibling": 0.05, "feedback": 0.02, "prefix": 0.08, "judge": 0.05, "proposal": 0.50},
+}
+INSTRUCT_DIR = "instruct-v1"  # its folder in the cache: bump when INSTRUCT_SFT changes (student, teacher unchanged)
+PROPOSAL_TIERS = (2, 3, 4, 5, 6, 7, 8)  # chain lengths of the proposer task's failed attempts
+REAL_FAILURES = 0.3  # share of the proposer task's attempts that are the student's own failures (when given)
 EVAL_TIERS = (1, 2, 4, 6, 8)
 
 
@@ -113,9 +146,30 @@ def pick_format(rng: random.Random, mix: dict) -> str:
     return "plain"
 
 
-def mix_pair(rng: random.Random, fmt: str, tiers, copy_tiers) -> tuple[str, str]:
-    """One (prompt, target) bootstrap pair in format `fmt` ('plain' or a TEMPLATES key)."""
+def slipped(rng: random.Random, ex, slip: float) -> str:
+    """`ex`'s solution written by a solver that, `slip` of the time, does a subtraction needing a borrow (a-b,
+    b > a) as b-a; every later line follows from what it wrote."""
+    m, p = toy.modulus(), ex.problem
+    acc, lines = int(p[0]), []
+    for i in range(1, len(p), 2):
+        op, b = p[i], int(p[i + 1])
+        new = toy._apply(acc, op, b, m)
+        if op == "-" and b > acc and rng.random() < slip:
+            new = (b - acc) % m
+        lines.append(f"{acc}{op}{b}={new}")
+        acc = new
+    return "\n".join(lines) + f"\n#{acc}"
+
+
+def mix_pair(rng: random.Random, fmt: str, tiers, copy_tiers, failures=None, slip: float = 0.0) -> tuple[str, str]:
+    """One (prompt, target) bootstrap pair in format `fmt` ('plain', a TEMPLATES key, or 'proposal': InT's
+    proposer task, see proposal_pair); `slip` > 0: the plain solutions slip (see `slipped`)."""
     T = toy.TEMPLATES
+    if fmt == "proposal":
+        return proposal_pair(rng, PROPOSAL_TIERS, failures)
+    if fmt == "plain" and slip > 0:
+        ex = toy.make_example(toy.random_problem(rng, rng.choice(tiers), "train"))
+        return ex.prompt, slipped(rng, ex, slip)
     tier = rng.choice(copy_tiers if fmt in ("reference", "sibling") else tiers)
     if fmt == "prefix":  # a long chain whose prefix leaves at most max(tiers) steps to do
         tier = rng.choice(copy_tiers)
@@ -139,6 +193,63 @@ def mix_pair(rng: random.Random, fmt: str, tiers, copy_tiers) -> tuple[str, str]
         j = rng.randrange(len(new))
         new = new[:j] + [corrupt(new[j], rng)] + new[j + 1 :]
     return toy.judge_prompt(ex, steps[:a], new), toy.judge_target(ex, steps[:a], new)
+
+
+def chain_lines(problem: str, steps: list[tuple[int, str, int]], start: int) -> tuple[list[str], int]:
+    """Step lines computed consistently from `start` over (operand, op) pairs: -> (lines, final value)."""
+    m, acc, out = toy.modulus(), start, []
+    for b, op in steps:
+        new = toy._apply(acc, op, b, m)
+        out.append(f"{acc}{op}{b}={new}")
+        acc = new
+    return out, acc
+
+
+def failed_attempt(rng: random.Random, ex) -> list[str]:
+    """A failed attempt at `ex` (its step lines, then '#N') as a model writes one: one step goes wrong (a wrong
+    result, a misread operand, a skipped term, an early stop, or only the final line) and every later step is
+    computed consistently from the wrong value; sometimes the final '#N' line is wrong as well. Its final
+    answer is always wrong."""
+    m = toy.modulus()
+    p = ex.problem
+    pairs = [(int(p[i + 1]), p[i]) for i in range(1, len(p), 2)]  # (operand, op) per step
+    n = len(pairs)
+    ref, answer = toy.solve(p)
+    for _ in range(100):
+        kind, j = rng.random(), rng.randrange(n)
+        head, acc = chain_lines(p, pairs[:j], int(p[0]))
+        if kind < 0.35:  # a wrong result at step j, the rest computed from it
+            b, op = pairs[j]
+            wrong = (toy._apply(acc, op, b, m) + rng.randrange(1, m)) % m
+            tail, final = chain_lines(p, pairs[j + 1 :], wrong)
+            lines = head + [f"{acc}{op}{b}={wrong}"] + tail
+        elif kind < 0.55:  # a misread operand (or operation) at step j
+            b, op = pairs[j]
+            bad = (b, "-" if op == "+" else "+") if rng.random() < 0.3 else ((b + rng.randrange(1, m)) % m, op)
+            lines, final = chain_lines(p, pairs[:j] + [bad] + pairs[j + 1 :], int(p[0]))
+        elif kind < 0.65 and n > 1:  # a term skipped at step j
+            lines, final = chain_lines(p, pairs[:j] + pairs[j + 1 :], int(p[0]))
+        elif kind < 0.9 and j > 0:  # stops early, after j right steps (the student's own failure past 4 steps)
+            lines, final = head, acc
+        else:  # every step right, the final line wrong
+            lines, final = ref, (int(answer) + rng.randrange(1, m)) % m
+        if rng.random() < 0.15:  # a final line that does not follow from the last step either
+            final = (final + rng.randrange(1, m)) % m
+        if str(final) != answer:
+            return lines + [f"#{final}"]
+    raise AssertionError(f"no failed attempt found for {p}")
+
+
+def proposal_pair(rng: random.Random, tiers, failures=None) -> tuple[str, str]:
+    """One (prompt, target) pair of InT's proposer task: a failed attempt (the student's own from `failures`
+    [(example, steps)], else `failed_attempt`) in the prompt the composer renders (toy.proposal_prompt), and
+    the perfect proposal (toy.proposal_target): the first wrong step and its right line."""
+    if failures and rng.random() < REAL_FAILURES:
+        ex, steps = rng.choice(failures)
+    else:
+        ex = toy.make_example(toy.random_problem(rng, rng.choice(tiers), "train"))
+        steps = failed_attempt(rng, ex)
+    return toy.proposal_prompt(ex, steps), toy.proposal_target(ex, steps)
 
 
 def batch_tensors(pairs, tok):
@@ -173,12 +284,16 @@ def sft(
     lr: float = 3e-3,
     warmup: int = 50,
     log_every: int = 100,
+    failures=None,
+    slip: float = 0.0,
 ) -> dict:
     """Two-phase AdamW SFT; returns {phase: (updates, smoothed loss)}.
 
     Phase 1 trains on plain problems until the smoothed loss falls below `plain_until` (at most
     `max_plain` updates: the loss plateaus near 1.0 for ~500 updates first). Phase 2 trains
     `mix_updates` on the mix of formats, the learning rate decaying linearly to 10% over its second half.
+    `failures` [(example, steps)]: failed attempts the 'proposal' format draws from (proposal_pair); `slip`:
+    the plain solutions' slip rate (see `slipped`; 0: exact solutions)
     """
     import torch
     import torch.nn.functional as F
@@ -198,7 +313,7 @@ def sft(
             for g in opt.param_groups:
                 g["lr"] = lr * scale
             fmt = pick_format(rng, mix) if phase == "mix" else "plain"  # one format per batch: little padding
-            ids, _, lab = batch_tensors([mix_pair(rng, fmt, tiers, copy_tiers) for _ in range(batch)], tok)  # [B, L]
+            ids, _, lab = batch_tensors([mix_pair(rng, fmt, tiers, copy_tiers, failures, slip) for _ in range(batch)], tok)  # [B, L]
             logits = model(input_ids=ids).logits  # [B, L, V]; right padding needs no mask under causal attention
             loss = F.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.size(-1)), lab[:, 1:].reshape(-1), ignore_index=-100
@@ -319,19 +434,84 @@ def train_model(name: str, tok, init=None):
     return model
 
 
-def ensure_checkpoints(cache_dir: str | None = None) -> dict:
-    """Directories {tokenizer, student, teacher}, bootstrapped on first call (a few minutes on 2 cores).
+def own_failures(model, tok, split: str = "train", tiers=(5, 6, 7, 8), n: int = 64, seed: int = 4) -> list:
+    """A model's own failed greedy attempts at `n` chains of each of `tiers` steps from `split`:
+    [(example, steps)] (steps: the attempt's lines, as the InT guide numbers them)."""
+    from components.tasks.verifiers import toy_verifier
+
+    out = []
+    for tier in tiers:
+        exs = toy.make_examples(tier, n, seed, split)
+        for ex, text in zip(exs, generate_greedy(model, tok, [e.prompt for e in exs], toy.max_new_tokens_for(tier))):
+            steps = toy.step_lines(text)
+            if steps and toy_verifier(text, ex).reward < 1.0:
+                out.append((ex, steps))
+    return out
+
+
+def held_out_failures(model, tok, n: int = 24, seed: int = 5) -> list:
+    """Failed attempts at eval-split chains, never trained on: `n` made by failed_attempt per chain length of
+    PROPOSAL_TIERS, and the model's own failures at 5-8 steps. [(example, steps)]."""
+    rng = random.Random(seed)
+    made = [(ex, failed_attempt(rng, ex)) for t in PROPOSAL_TIERS for ex in toy.make_examples(t, n, seed, "eval")]
+    return made + own_failures(model, tok, "eval", n=n, seed=seed)
+
+
+def proposal_accuracy(model, tok, attempts: list) -> float:
+    """The share of failed attempts [(example, steps)] whose greedy proposal (parsed as the InT guide parses
+    it, components/guides/judges.py parse_proposal) names the first wrong step and its right line."""
+    from components.guides.judges import REVISE, parse_proposal
+
+    if not attempts:
+        return 0.0
+    prompts = [toy.proposal_prompt(ex, steps) for ex, steps in attempts]
+    outs = generate_greedy(model, tok, prompts, 24)
+    right = 0
+    for (ex, steps), text in zip(attempts, outs):
+        want, got = parse_proposal(toy.proposal_target(ex, steps), len(steps), "\n"), parse_proposal(text, len(steps), "\n")
+        right += got.kind == REVISE and (got.index, got.correction) == (want.index, want.correction)
+    return right / len(attempts)
+
+
+def train_instruct(tok, student):
+    """toy:instruct: a copy of the student fine-tuned by INSTRUCT_SFT (its own mix, longer plain chains and InT's
+    proposer task, on its own failures too); prints time and proposal accuracy on held-out failed attempts."""
+    import copy
+
+    import torch
+
+    recipe = dict(INSTRUCT_SFT)
+    torch.manual_seed(recipe["seed"])
+    model = copy.deepcopy(student)
+    t0 = time.time()
+    failures = own_failures(student, tok)
+    print(f"[bootstrap] instruct: from the student, {len(failures)} of its own failed attempts in the proposer "
+          f"task; plain chains of {recipe['tiers']} steps", flush=True)
+    phases = sft(model, tok, **recipe, failures=failures)
+    print(f"[bootstrap] instruct: trained in {time.time() - t0:.1f}s; (updates, loss) per phase {phases}", flush=True)
+    acc = proposal_accuracy(model, tok, held_out_failures(model, tok))
+    print(f"[bootstrap] instruct: proposal accuracy {acc:.3f} (greedy 'REVISE k' and the right line k, "
+          f"held-out failed attempts)", flush=True)
+    return model
+
+
+def ensure_checkpoints(cache_dir: str | None = None, instruct: bool = False) -> dict:
+    """Directories {tokenizer, student, teacher, instruct}, bootstrapped on first call (a few minutes on 2 cores).
+    toy:instruct, InT's base, is built from the student only when asked for (`instruct`, as resolving
+    `toy:instruct` does), in about 8 more minutes: runs that never name it never wait for it.
 
     Idempotent; concurrent callers wait on a file lock and reuse the result.
     """
     folder = cache_folder(cache_dir)
     paths = {k: os.path.join(folder, k) for k in ("tokenizer", "student", "teacher")}
-    if all(os.path.isdir(p) for p in paths.values()):
+    paths["instruct"] = os.path.join(folder, INSTRUCT_DIR)
+    need = [p for k, p in paths.items() if instruct or k != "instruct"]
+    if all(os.path.isdir(p) for p in need):
         return paths
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if all(os.path.isdir(p) for p in paths.values()):
+        if all(os.path.isdir(p) for p in need):
             return paths
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -352,6 +532,12 @@ def ensure_checkpoints(cache_dir: str | None = None) -> dict:
             student = models.get("student") or AutoModelForCausalLM.from_pretrained(paths["student"])
             models["teacher"] = train_model("teacher", tok, init=student)
             _save(models["teacher"], tok, paths["teacher"])
+        if instruct and not os.path.isdir(paths["instruct"]):  # added later (issue 41): a cache gains it when asked
+            student = models.get("student") or AutoModelForCausalLM.from_pretrained(paths["student"])
+            t0 = time.time()
+            models["instruct"] = train_instruct(tok, student)
+            _save(models["instruct"], tok, paths["instruct"])
+            print(f"[bootstrap] instruct: built in {time.time() - t0:.1f}s", flush=True)
         print(f"[bootstrap] total {time.time() - t_start:.1f}s; greedy pass@1 (64 eval problems per tier):", flush=True)
         print(pass_table(models, tok), flush=True)
         print("with the reference solution in the prompt (template 'reference'):", flush=True)

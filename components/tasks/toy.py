@@ -191,6 +191,21 @@ def judge_target(example: Example, accepted: list[str], new: list[str]) -> str:
     return f"REVISE {bad - len(accepted) + 1}\n{checker.correct_step(example, accepted + new, bad)}"
 
 
+def proposal_prompt(example: Example, steps: list[str]) -> str:
+    """InT's proposal prompt as the composer renders it for the toy (composer/prompts.py `proposal_prompt`
+    with a proposer whose context is the reference solution): the reference line, then the judge template
+    with nothing accepted and every step of the failed attempt numbered from 1."""
+    solution = example.solution or make_example(example.problem).solution
+    return TEMPLATES["context:reference_solution"].format(text=solution) + judge_prompt(example, [], steps)
+
+
+def proposal_target(example: Example, steps: list[str]) -> str:
+    """What a perfect InT proposer answers for a failed attempt's `steps`: 'REVISE k\\n<right line k>', k the
+    first wrong step (1-based; a missing line counts: an attempt that stops early is wrong at the line after
+    its last right one), the right line its reference line (the '#N' line when only the answer is wrong)."""
+    return judge_target(example, [], steps)
+
+
 def parse_judge(text: str) -> tuple[int, str] | None:
     """None for KEEP (or unreadable text); else (k 1-based within the new steps, correction line)."""
     lines = text.strip().split("\n")
@@ -236,11 +251,12 @@ class ToyStepChecker:
 # ------------------------------------------------------------------------------------- the task
 
 
-def toy_checkpoints(cache_dir: str | None = None) -> dict:
-    """Directories of the bootstrapped checkpoints {tokenizer, student, teacher}; builds them on first use."""
+def toy_checkpoints(cache_dir: str | None = None, instruct: bool = False) -> dict:
+    """Directories of the bootstrapped checkpoints {tokenizer, student, teacher, instruct}; builds them on first use
+    (instruct only when asked for)."""
     from components.tasks.bootstrap import ensure_checkpoints
 
-    return ensure_checkpoints(cache_dir)
+    return ensure_checkpoints(cache_dir, instruct)
 
 
 def toy_task(

@@ -179,7 +179,9 @@ def component_entry(section: str, builtins_only: bool = False) -> Entry:
             "guide": "`rollout.guide:` who else writes tokens into rollouts (default `{kind: none}`).",
             "signal": "`signal:` (or a term's `signal`): where the learning signal comes from.",
             "objective": "`objective:` (or a term's `objective`): how the signal becomes a loss.",
-            "estimator": "`objective.estimator:` (grpo): how rewards and groups become advantages."}[section]
+            "estimator": "`objective.estimator:` (grpo): how rewards and groups become advantages.",
+            "token_selection": "`objective.token_selection:` (grpo): tokens of the whole step chosen by a statistic "
+                               "(KL-Cov, Clip-Cov), whose loss term changes."}[section]
     kinds = [kind_entry(section, c) for _, c in sorted(registry.kinds(section).items())
              if _included(c, builtins_only)]
     return Entry(section, text, kinds=kinds)
@@ -268,7 +270,7 @@ def gate_entry() -> Entry:
 
 
 def topics() -> list[str]:
-    return [*SPEC_KEYS, "guide", "estimator", "gate", "verifiers"]
+    return [*SPEC_KEYS, "guide", "estimator", "token_selection", "gate", "verifiers"]
 
 
 class UnknownTopic(ValueError):
@@ -368,6 +370,7 @@ def markdown(builtins_only: bool = True) -> str:
             out += _md_entry(component_entry("guide", builtins_only), 2)
         if key == "objective":  # the kinds of grpo's `estimator` field
             out += _md_entry(component_entry("estimator", builtins_only), 2)
+            out += _md_entry(component_entry("token_selection", builtins_only), 2)  # and of its `token_selection`
     out += _md_entry(verifier_entry(builtins_only), 2)
     return "\n".join(re.sub(r"[ \t]+$", "", line) for line in out).rstrip("\n") + "\n"
 

@@ -48,8 +48,9 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
             continue
         b = e["batch"]
         m = (b.mask(loss_origins(plan, e["step"], e["term"])) & b.attention_mask.bool()).cpu()
-        if e["grad"] is not None:  # where the loss depends on them (autograd): a gate's unread rows are never computed
-            m &= e["grad"].abs() > 0
+        g = e["grad"]
+        if g is not None and bool((g != 0).any()):  # rows the loss depends on (autograd): a gate's unread rows are
+            m &= (g != 0).any(-1, keepdim=True)      # never computed; a loss on logits only (full divergence) keeps all
         err = _max(e["view"].logprobs.detach().cpu().double() - e["fresh"].double(), m)
         rep.expect("loss log-probs (declared temperature)", err <= TOL,
                    f"step {e['step']} {e['term']}: the loss's log-probs are not the policy's at the declared "
@@ -317,6 +318,11 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
                 want = float(off.sum() / resp.sum().clamp(min=1))
                 rep.expect("offpolicy_token_frac recounted", abs(float(logged) - want) <= 1e-6,
                            f"step {e['step']}: logged {logged}, recounted {want}")
+
+    # ---- step-wide token selection (grpo.token_selection: KL-Cov, Clip-Cov), recomputed from the spec
+    from composer.referee.checks import check_token_selection
+
+    check_token_selection(rep, term_events)
     return rep
 
 

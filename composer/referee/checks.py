@@ -348,6 +348,13 @@ def grpo_parts(obj, b, mask, cur, old, ref, adv, kl_coef):
 
     if not grpo_formula_covers(obj):
         return None
+    sel = None
+    kind = selection_kind(obj)
+    if kind is not None:
+        if not whole_step(b, mask):  # a mini-batch of the step: the statistic is the whole step's
+            return None
+        sel = (referee_selection(obj, b, mask, adv)[0] if kind == "kl_cov"  # recomputed: the top k N by Cov_t
+               else b.token_select.cpu() & mask)  # a random draw: its tokens checked by check_token_selection
     w = _token_weights(mask, obj.loss_agg)
     lo = obj.clip if obj.clip_low is None else obj.clip_low
     hi = obj.clip if obj.clip_high is None else obj.clip_high
@@ -358,6 +365,14 @@ def grpo_parts(obj, b, mask, cur, old, ref, adv, kl_coef):
     unclipped_min = rho * A <= clipped * A
     pg_tok = -torch.minimum(rho * A, clipped * A)
     pg_grad = torch.where(inside | unclipped_min, -A * rho, torch.zeros_like(rho))
+    if kind == "kl_cov":  # l_t = -A rho + beta |log rho|; d/dlp = -A rho + beta sign(log rho)
+        d = cur.double() - old.double()
+        beta = obj.token_selection.beta
+        pg_tok = torch.where(sel, -A * rho + beta * d.abs(), pg_tok)
+        pg_grad = torch.where(sel, -A * rho + beta * torch.sign(d), pg_grad)
+    elif kind == "clip_cov":  # l_t = 0: no loss, no gradient (the token still counts in the normaliser)
+        pg_tok = torch.where(sel, torch.zeros_like(pg_tok), pg_tok)
+        pg_grad = torch.where(sel, torch.zeros_like(pg_grad), pg_grad)
     out = {"w": w, "pg_value": float((w * pg_tok * mask).sum()), "pg_grad": w * pg_grad * mask,
            "kl_value": 0.0, "kl_grad": torch.zeros_like(rho)}
     if kl_coef > 0 and ref is not None:
@@ -366,6 +381,105 @@ def grpo_parts(obj, b, mask, cur, old, ref, adv, kl_coef):
         out["kl_value"] = float((w * val * mask).sum())
         out["kl_grad"] = w * dk * mask
     return out
+
+
+# ----------------------------------------------------------------------------------------------- token selection
+
+def selection_kind(obj) -> str | None:
+    """grpo's token_selection kind when it selects (kl_cov, clip_cov), else None."""
+    sel = getattr(obj, "token_selection", None)
+    return None if sel is None or sel.kind == "none" else sel.kind
+
+
+def whole_step(b, mask) -> bool:
+    """b holds the whole step's loss tokens: as many as the run's selection counted over the step (a mini-batch of
+    the step holds fewer; check_token_selection checks the count itself on every whole batch)."""
+    return b.token_select is not None and float(b.info.get("token_selection/tokens", -1)) == float(mask.sum())
+
+
+def referee_covariance(b, mask, adv: list):
+    """Cov_t = (lp_t - mean lp)(A_t - mean A) over the step's loss tokens (row-major), lp the behaviour log-prob the
+    step starts with, A_t the referee's advantage of the token's row; float64 -> (cov [N], the [B, T] mask)."""
+    import torch
+
+    m = mask.cpu().bool()
+    lp = b.behavior_logprobs.detach().cpu().double()[m]
+    a = torch.tensor(adv, dtype=torch.float64)[:, None].expand(m.shape)[m]
+    if lp.numel() == 0:
+        return lp, m
+    return (lp - lp.sum() / lp.numel()) * (a - a.sum() / a.numel()), m
+
+
+def referee_selection(obj, b, mask, adv: list):
+    """The selection recomputed from the spec: kl_cov the max(1, floor(k N)) largest Cov_t (ties by position);
+    clip_cov the band omega_low < Cov_t < omega_high and the count min(max(1, floor(r N)), band size) a draw must
+    have. -> ([B, T] bool: kl_cov the tokens, clip_cov the band; the count; cov [N]; mask)."""
+    import torch
+
+    cov, m = referee_covariance(b, mask, adv)
+    n = cov.numel()
+    sel = obj.token_selection
+    out = torch.zeros(m.shape, dtype=torch.bool)
+    flat = torch.zeros(n, dtype=torch.bool)
+    if sel.kind == "kl_cov":
+        count = max(1, int(n * sel.k)) if n else 0
+        order = sorted(range(n), key=lambda i: (-float(cov[i]), i))
+        flat[order[:count]] = True
+    else:
+        flat = (cov > sel.omega_low) & (cov < sel.omega_high)
+        count = min(max(1, int(sel.r * n)) if n else 0, int(flat.sum()))
+    out[m] = flat
+    return out, count, cov, m
+
+
+def check_token_selection(rep, term_events) -> None:
+    """KL-Cov / Clip-Cov (grpo.token_selection): on every batch that holds a whole step, the run's step count N, and
+    its selection against the one recomputed from the spec: kl_cov the same top k N tokens (a token may differ only
+    at a tie of Cov_t, within 1e-9); clip_cov the count and every token inside the band. A batch that is a mini-batch
+    of its step is not covered (noted). Fails when no token was ever selected (a check that cannot fail is none)."""
+    import torch
+
+    seen = {"whole": 0, "parts": 0, "selected": 0}
+    for e in term_events:
+        b, obj = e["batch"], e["objective"]
+        kind = selection_kind(obj)
+        if kind is None or b.advantages is None:
+            continue
+        mask = (b.mask(obj.loss_tokens) & b.attention_mask.bool() & b.known_mask).cpu()
+        if b.row_mask is not None:
+            mask &= b.row_mask.cpu()[:, None]
+        name = f"token selection ({kind}) recomputed"
+        if b.token_select is None:
+            rep.expect(name, False, f"step {e['step']} {e['term']}: the batch carries no token selection")
+            continue
+        if not whole_step(b, mask):
+            seen["parts"] += 1
+            continue
+        seen["whole"] += 1
+        adv = ADVANTAGES["grpo"](obj, b.rewards.double().tolist(), b.group.tolist(), b.control.tolist(),
+                                 b.mask(("policy",)).sum(-1).tolist())
+        want, count, cov, m = referee_selection(obj, b, mask, adv)
+        got = b.token_select.cpu() & mask
+        seen["selected"] += int(got.sum())
+        if kind == "kl_cov":
+            differ = (want ^ got)[m]
+            ok = int(got.sum()) == count
+            if ok and differ.any():  # only ties at the k-th value may differ
+                kth = float(torch.sort(cov, descending=True).values[count - 1])
+                ok = bool(((cov[differ] - kth).abs() <= 1e-9).all())
+            rep.expect(name, ok, f"step {e['step']} {e['term']}: the run selected {int(got.sum())} tokens, the top "
+                       f"{count} by Cov_t differ at {int(differ.sum())}")
+        else:
+            outside = int((got & ~want).sum())
+            rep.expect(name, int(got.sum()) == count and outside == 0,
+                       f"step {e['step']} {e['term']}: the run selected {int(got.sum())} tokens ({outside} outside the "
+                       f"band {obj.token_selection.omega_low:g} < Cov_t < {obj.token_selection.omega_high:g}), the "
+                       f"spec's count is {count} of {int(want.sum())} in the band")
+    if seen["whole"] or seen["parts"]:
+        rep.expect("token selection selected tokens", seen["selected"] > 0,
+                   f"no token selected in {seen['whole']} whole steps: nothing tested the selection")
+        rep.note("token selection selected tokens", f"{seen['selected']} selected over {seen['whole']} whole-step "
+                 f"batches; {seen['parts']} mini-batches not covered")
 
 
 @gradient("advantage_regression")

@@ -11,12 +11,13 @@ from composer.errors import ModelLoadError
 
 
 def resolve(name: str) -> str:
-    """Map `toy:student` / `toy:teacher` to the toy testbed's cached checkpoints; anything else is as given."""
+    """Map `toy:student` / `toy:teacher` / `toy:instruct` (the student taught InT's proposer task, InT's base) to
+    the toy testbed's cached checkpoints; anything else is as given."""
     if name.startswith("toy:"):
         from composer.registry import part
 
         which = name.split(":", 1)[1]
-        paths = part("toy.checkpoints")()
+        paths = part("toy.checkpoints")(**({"instruct": True} if which == "instruct" else {}))
         if which not in paths:
             raise ModelLoadError(f"{name}: the toy testbed has {', '.join(k for k in paths if k != 'tokenizer')}")
         return str(paths[which])

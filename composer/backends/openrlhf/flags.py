@@ -96,7 +96,7 @@ def _native_grpo(spec) -> bool:
             and obj.loss_agg in NATIVE_AGG and spec.sync.every == 1 and all(g is None for g in gates(spec))
             and spec.rollout.filter.truncated == "keep" and _native_estimator(obj) is not None
             and obj.ratio == "token" and obj.bound == "clip" and obj.dual_clip is None
-            and not is_scheduled(obj.kl_coef))
+            and not is_scheduled(obj.kl_coef) and not obj.token_selection.acts)
 
 
 BINARY_VERIFIERS = ("toy", "math", "exact")  # rewards in {0, 1}: a mean strictly inside (0, 1) is a mixed group
@@ -246,6 +246,23 @@ def _check_spec(spec, where: tuple) -> None:
     if spec.sync.reuse:
         raise Unsupported(where + ("sync", "reuse"), "OpenRLHF samples new rollouts every step; it cannot train "
                           "between syncs on the rollouts of the last sync", "set sync.reuse: false")
+    _check_token_selection(spec, where)
+
+
+def _check_token_selection(spec, where: tuple) -> None:
+    """grpo's token_selection (KL-Cov, Clip-Cov) is refused: the selection is a per-token mask over the whole step,
+    and the plugin carries the advantage step's results to the loss as per-sample values in Experience.info, which
+    OpenRLHF splits, shuffles and re-pads by row (packing); a [B, T] mask aligned to the step's padded rows has no
+    carrier there, and per micro-batch the statistic would change the method (ALGORITHMS.md section 14)."""
+    for b, _sig, obj, _w in _terms(spec):
+        sel = getattr(obj, "token_selection", None)
+        if sel is not None and sel.acts:
+            raise Unsupported(where + b + ("objective", "token_selection"), f"token_selection {sel.kind}: the selection "
+                              "is a statistic of the whole step's tokens (Cov_t over every micro-batch and rank), and "
+                              "the bundle's plugin carries the advantage step's results to the loss only as per-sample "
+                              "values in Experience.info, which OpenRLHF splits and re-pads by row; a per-token mask "
+                              "has no carrier there, and computing it per micro-batch (as verl does) would change the "
+                              "method", "train it on the lightning backend, or set token_selection: {kind: none}")
 
 
 def _check_optimizer(spec, where: tuple, later_stage: bool) -> None:
