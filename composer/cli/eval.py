@@ -24,6 +24,10 @@ def eval_(target, overrides, data, k, out):
     from composer.cli.run import _failure
 
     try:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # the eval's own lines say where it is
+        transformers.utils.logging.set_verbosity_error()
         from composer.runtime.evaluate import evaluate_target
 
         metrics, folder = evaluate_target(target, data=data, k=k, out=out, overrides=list(overrides))
@@ -31,6 +35,10 @@ def eval_(target, overrides, data, k, out):
         from composer.errors import SpecError
         from composer.runtime.evaluate import EvalError
 
+        if isinstance(e, SpecError):
+            from composer.cli.main import with_override_hints
+
+            e = with_override_hints(e, list(overrides))
         click.echo(f"error: {e if isinstance(e, (EvalError, SpecError)) else _failure(e)}", err=True)
         sys.exit(EXIT_INVALID)
     for key, val in sorted(metrics.items()):

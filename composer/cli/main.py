@@ -52,7 +52,30 @@ def trust_remote_code_option(command):
 def _validate(path: str, overrides: list[str]):
     from composer.checks.validate import validate_file
 
-    return validate_file(path, overrides)
+    try:
+        return validate_file(path, overrides)
+    except SpecError as e:
+        raise with_override_hints(e, overrides) from None
+
+
+def with_override_hints(e: SpecError, overrides) -> SpecError:
+    """An override whose value YAML read as a mapping or a list where text was wanted (`data.prompt_template=
+    {prompt}`: YAML's flow mapping {prompt: null}) gets a hint to quote it (was: only "Input should be a valid
+    string")."""
+    for d in getattr(e, "diagnostics", []):
+        where = str(getattr(d.location, "file", "") or "")
+        item = next((o for o in overrides or [] if where == f"<override {o!r}>"), None)
+        if item is None or "valid string" not in d.message:
+            continue
+        key, _, value = item.partition("=")
+        value = value.strip()
+        if not value[:1] in ("{", "["):
+            continue
+        what = "a mapping" if value.startswith("{") else "a list"
+        quoted = "'" + key.strip() + '="' + value.replace('"', '\\"') + '"' + "'"
+        d.hint = (f"the value {value} was read as YAML, where an unquoted {value[0]}...{value[-1]} is {what}, not "
+                  f"text: quote it for YAML inside the shell's quotes, {quoted}" + (f"\n    {d.hint}" if d.hint else ""))
+    return e
 
 
 def split_args(args) -> tuple[list[str], list[str]]:
@@ -139,8 +162,8 @@ def explain(spec, overrides, fmt):
         return
     bad_data = (plan.get("prompts") or {}).get("data_error")
     if bad_data:  # a data field or split the rows do not have: the run would stop here, so explain does too
-        _fail(f"{spec}: error: data: {bad_data}\n    hint: check data.prompt_field / answer_field / split "
-              "against the rows' fields")
+        hint = (plan.get("prompts") or {}).get("data_hint") or "check the data file against `composer list data`"
+        _fail(f"{spec}: error: data: {bad_data}\n    hint: {hint}")
     for w in v.warnings:
         click.echo(w.format(), err=True)
     click.echo(out)

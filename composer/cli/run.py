@@ -157,6 +157,12 @@ def _expected_errors() -> tuple:
 def _failure(e: Exception) -> str:
     """The message of a failed run; an unexpected exception also gets its traceback saved to a file."""
     if isinstance(e, _expected_errors()):
+        from composer.errors import DataError
+
+        if isinstance(e, DataError) and "hint:" not in str(e):  # what to do, for this error's reason and field
+            from composer.runtime.binding import data_hint
+
+            return f"{e}\n    hint: {data_hint(e)}"
         if isinstance(e, OSError) and not isinstance(e, FileNotFoundError) and e.strerror:
             return f"{e.filename or ''}{': ' if e.filename else ''}{e.strerror}"
         return str(e)

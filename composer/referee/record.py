@@ -25,8 +25,9 @@ FAST = ["train.prompts_per_step=4", "rollout.max_new_tokens=32", "train.eval_eve
 # The toy student solves the chains it was trained on (1-4 steps) nearly always: groups there may never mix. On
 # 6-step chains it errs in most samples and gets some right, on any bootstrap (48 new tokens fit them).
 HARD = ["data.train_tiers=[6]", "rollout.max_new_tokens=48"]
-# specs with their own tiers (InT: its stages need targets and a GRPO stage that moves the weights)
-HOT: dict[str, list[str]] = {"int": []}
+# specs with their own tiers (InT: its stages need targets and a GRPO stage that moves the weights; 8 prompts a
+# step over its 3 short steps give its stage 1 about 20 failed attempts, and 48 tokens fit its 6-step chains)
+HOT: dict[str, list[str]] = {"int": ["train.prompts_per_step=8", "rollout.max_new_tokens=48"]}
 GUIDE_ORIGINS = ("guide_prefix", "guide_intervention")
 TOL = 2e-3  # float32 forward passes of different shapes (KV cache vs one pass)
 

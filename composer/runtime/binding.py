@@ -46,6 +46,47 @@ def _error(file, row: int, field: Optional[str], what: str, reason: str) -> Data
     return DataError(f"{where}: {what}", file=str(file), row=row, field=field or "", reason=reason)
 
 
+SKIP_HINT = "or data.on_bad_row=skip to train on the other rows (the skipped ones are counted)"
+
+
+def data_hint(e: DataError, d=None) -> str:
+    """What to do about a data error, for its reason and field (was: one hint about the fields for every data
+    error). `d`: the spec's data settings, to name the field setting that picked the missing field."""
+    reason, field = getattr(e, "reason", ""), getattr(e, "field", "")
+    text = str(e)
+    if reason == MISSING_FIELD:
+        defaults = {"prompt_field": "prompt", "answer_field": "answer", "solution_field": "solution"}
+        setting = next((f"data.{name}" for name, default in defaults.items()
+                        if (getattr(d, name, None) if d is not None else default) == field),
+                       "data.prompt_field / data.answer_field")
+        return (f"the rows have no field '{field}': set {setting} to the name the rows use for it (their fields are "
+                "listed above); `composer explain SPEC` shows the first row's prompt once it reads")
+    if reason == BAD_JSON:
+        return f"each line of a .jsonl file is one JSON object; fix that row, {SKIP_HINT}"
+    if reason == NOT_UTF8:
+        return f"save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8 IN > OUT`), {SKIP_HINT}"
+    if reason == NOT_OBJECT:
+        return f'each row is an object with named fields, e.g. {{"prompt": "...", "answer": "..."}}; {SKIP_HINT}'
+    if reason == BAD_TYPE:
+        return f"the field '{field}' must hold text (an answer may be a number); fix those rows, {SKIP_HINT}"
+    if reason == EMPTY_PROMPT:
+        return f"remove the rows with an empty '{field}', {SKIP_HINT}"
+    if reason == TOO_LONG:
+        return f"shorten those prompts, or use a policy with a longer context; {SKIP_HINT}"
+    if reason == UNPARSABLE_ANSWER:
+        return ("the answer field must be what the verifier reads (its forms: `composer list verifiers`); choose "
+                f"the verifier that matches the answers (sources.<name>.verifier), {SKIP_HINT}")
+    if field == "prompt_format":
+        return "see `composer list data` for data.prompt_format, system_prompt and prompt_template"
+    if "split" in text:
+        return "set data.split / data.eval_split to one of the splits named above, or drop the setting"
+    if "no such data" in text or "not found" in text or "not a regular file" in text:
+        return "give data.train / data.eval a local file (jsonl, json, csv, parquet) or a `datasets` folder"
+    if "no usable row" in text:
+        return f"every row was refused for the reason shown; fix the rows, or check the field settings"
+    return "check the data file against `composer list data`"
+
+
 class _Skips:
     """Counts skipped rows by reason; raises instead when on_bad_row is `error`."""
 

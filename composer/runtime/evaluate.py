@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -84,17 +85,28 @@ def ks_up_to(n: int) -> list[int]:
     return ks + [n]
 
 
-def evaluate(ctx, policy, records: list | None = None) -> dict[str, float]:
+def evaluate(ctx, policy, records: list | None = None, progress=None) -> dict[str, float]:
     """pass@1/<tier> for every held-out tier; with train.eval_k = n > 1 also pass@k/<tier> (k = 2, 4, .., n)
-    and pass@1_sampled/<tier> from n sampled answers. `records` receives what was generated."""
+    and pass@1_sampled/<tier> from n sampled answers. `records` receives what was generated. `progress(line)`,
+    when given, gets a line before and after each tier's generation (`composer eval`)."""
+    import time
+
     out = {}
     n = getattr(getattr(ctx.spec, "train", None), "eval_k", 0) or 0
-    for tier, exs in ctx.task.eval.items():
+    tiers = list(ctx.task.eval.items())
+    for i, (tier, exs) in enumerate(tiers, start=1):
         exs = eval_examples(ctx, exs)
+        t0 = time.perf_counter()
+        if progress:
+            progress(f"eval {i}/{len(tiers)} {tier}: {len(exs)} problem(s), greedy"
+                     + (f", then {n} sampled answers each" if n > 1 and exs else "") + " ...")
         out[f"pass@1/{tier}"] = pass_at_1(ctx, policy, exs, records=records, tier=tier)
         if n > 1 and exs:
             for k, v in pass_at_k(ctx, policy, exs, n=n, ks=ks_up_to(n), records=records, tier=tier).items():
                 out[f"pass@{k}/{tier}" if k > 1 else f"pass@1_sampled/{tier}"] = v
+        if progress:
+            got = ", ".join(f"{k.split('/')[0]} {v:.3f}" for k, v in out.items() if k.endswith(f"/{tier}"))
+            progress(f"eval {i}/{len(tiers)} {tier}: {got} ({time.perf_counter() - t0:.1f}s)")
     return out
 
 
@@ -187,12 +199,14 @@ def prepare_records(folder: Path, resumed_at: int | None) -> None:
     if resumed_at is None or not path.exists():
         return
     kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            if json.loads(line).get("step", 0) < resumed_at:
-                kept.append(line)
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:  # a damaged line (not JSON, not an object, no whole-number step) is dropped, never a traceback
+            row = json.loads(line)
         except ValueError:
             continue
+        step = row.get("step", 0) if isinstance(row, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool) and step < resumed_at:
+            kept.append(line)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
     tmp.replace(path)
@@ -207,6 +221,14 @@ sources: {{verifier: {{kind: outcome_reward}}}}
 signal: {{kind: reward, source: verifier}}
 objective: {{kind: grpo}}
 """
+
+
+def _say(line: str) -> None:
+    """`composer eval`'s progress: one line on stderr per stage (loading, each tier before and after)."""
+    import sys
+
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 class EvalError(ValueError):
@@ -256,10 +278,15 @@ def _spec(run: Path | None, ckpt: Path | None, model_dir: Path | None, data: str
     if ckpt is not None:
         from composer.backends.lightning import checkpoint as ckpt_format
 
-        record = (ckpt_format.load(ckpt, mmap=True).get("composer") or {}).get("spec") or {}
-        if "json" not in record:
-            raise EvalError(f"{ckpt}: the checkpoint does not record its spec; evaluate its run folder instead")
-        resolved = json.loads(record["json"])
+        composer = ckpt_format.load(ckpt, mmap=True).get("composer")
+        record = composer.get("spec") if isinstance(composer, dict) else None
+        try:
+            resolved = json.loads(record["json"]) if isinstance(record, dict) else None
+        except (KeyError, TypeError, ValueError):
+            resolved = None
+        if not isinstance(resolved, dict):
+            raise EvalError(f"{ckpt}: the checkpoint does not record its spec (or the record is damaged); evaluate "
+                            "its run folder instead")
         for key in ("phases", "stages", "extends"):  # the checkpoint records the resolved base spec
             if not resolved.get(key):
                 resolved.pop(key, None)
@@ -359,6 +386,10 @@ def evaluate_target(target, data: str | None = None, k: int | None = None, out=N
         spec = spec.model_copy(update={"data": spec.data.model_copy(update={"train": spec.data.eval, "split": split})})
     task = bind_task(spec)
     trust = spec.policy.trust_remote_code
+    _say(f"eval: {target} ({'the model directory' if model_dir is not None else 'its checkpoint'}), "
+         f"verifier {eval_verifier(SimpleNamespace(spec=spec, task=task))}, "
+         f"{sum(len(eval_examples(SimpleNamespace(spec=spec), x)) for x in task.eval.values())} problem(s) in "
+         f"{len(task.eval)} tier(s); loading the model ...")
     step = 0
     if model_dir is not None:
         policy = load_model(str(model_dir), spec.policy.dtype, trust_remote_code=trust)
@@ -369,15 +400,25 @@ def evaluate_target(target, data: str | None = None, k: int | None = None, out=N
         tokenizer = load_tokenizer(spec.policy.tokenizer or name, trust_remote_code=trust)
         policy = prepare_policy(load_model(name, spec.policy.dtype, trust_remote_code=trust), spec.policy)
         state = ckpt_format.load(ckpt)
-        sd = {key[len("policy."):]: t for key, t in state["state_dict"].items() if key.startswith("policy.")}
-        policy.load_state_dict(sd)
-        step = int(state.get("global_step", 0))
+        step = state.get("global_step", 0)
+        if not isinstance(state.get("state_dict"), dict) or not isinstance(step, int) or isinstance(step, bool) \
+                or step < 0:
+            raise EvalError(f"{ckpt}: the checkpoint is damaged (its state_dict or global_step is not what a run "
+                            "writes)\n    hint: restore the run's own checkpoints/last.ckpt, or evaluate its model/")
+        sd = {key[len("policy."):]: t for key, t in state["state_dict"].items()
+              if isinstance(key, str) and key.startswith("policy.")}
+        try:
+            policy.load_state_dict(sd)
+        except Exception as e:  # weights of another model, or not tensors
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise EvalError(f"{ckpt}: its weights do not fit the policy the spec names ({type(e).__name__}: "
+                            f"{first})") from None
         weights = str(ckpt)
     policy.eval()
     ctx = RunContext(task=task, tokenizer=tokenizer, policy=policy, engine=None, spec=spec, seed=spec.train.seed,
                      step=max(step - 1, 0))  # the run's final evaluation samples with the last step's seed
     records: list = []
-    metrics = evaluate(ctx, policy, records)
+    metrics = evaluate(ctx, policy, records, progress=_say)
     if out is None:
         base = (run or (model_dir.parent if model_dir is not None else target.parent)) / "eval"
         out, n = base, 1

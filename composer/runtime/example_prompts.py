@@ -41,7 +41,8 @@ def first_example(spec):
             continue
         return ex, f"row {i} of {where}", Task(name=path.stem, train=[], eval={}, verifier="math")
     # no row is usable: the first one's reason (a wrong prompt_field names the fields the rows have)
-    raise DataError(f"{where}: no usable row" + (f"; the first: {first}" if first else ""), file=str(d.train))
+    raise DataError(f"{where}: no usable row" + (f"; the first: {first}" if first else ""), file=str(d.train),
+                    field=first.field if first else "", reason=first.reason if first else "")
 
 
 def example_prompts(spec, segment_specs=()) -> dict:
@@ -60,7 +61,10 @@ def example_prompts(spec, segment_specs=()) -> dict:
 
         out = {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}
         if isinstance(e, DataError):  # the spec's data cannot be read as declared: explain fails like the run
+            from composer.runtime.binding import data_hint
+
             out["data_error"] = str(e)
+            out["data_hint"] = data_hint(e, spec.data)
         return out
     out = {"format": fmt.to_json(), "describe": fmt.describe(), "example": where, "policy": example.prompt,
            "sources": {}}

@@ -158,7 +158,32 @@ def _spec_policy(state: dict, ckpt: Path) -> dict:
     if not isinstance(record, dict) or "json" not in record:
         raise ExportError(f"{ckpt}: the checkpoint does not record its spec (written by an older version); "
                           "give --base MODEL_DIR, the model it was trained from")
-    return (json.loads(record["json"]).get("policy") or {})
+    try:
+        policy = json.loads(record["json"]).get("policy") or {}
+    except (TypeError, ValueError, AttributeError):
+        policy = None
+    if not isinstance(policy, dict):
+        raise ExportError(f"{ckpt}: the checkpoint's spec record is damaged; give --base MODEL_DIR, the model it "
+                          "was trained from")
+    return policy
+
+
+def _config_problem(arch: str, e: Exception, trust: bool) -> str:
+    """Why `arch`'s config.json builds no model, in a line: its own Python code not allowed, an unknown
+    model_type, or transformers' first line."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    try:
+        cfg = json.loads((Path(arch) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        cfg = None
+    if not isinstance(cfg, dict):
+        return f"config.json is not a JSON object ({type(e).__name__}: {text})"
+    if ("trust_remote_code" in str(e) or "custom code" in str(e)) and not trust:
+        return (f"config.json names its own Python code (auto_map, model_type {cfg.get('model_type')!r}), which is "
+                "not run without --trust-remote-code (or COMPOSER_TRUST_REMOTE_CODE=1): only for a folder you trust")
+    if any(w in str(e) for w in ("model_type", "model type", "Unrecognized", "not recognize")):
+        return f"model_type {cfg.get('model_type')!r} is not one this transformers knows ({text})"
+    return f"{type(e).__name__}: {text}"
 
 
 def export_checkpoint(src: Path | str, dest: Path | str, base: str | None = None) -> Path:
@@ -206,8 +231,12 @@ def export_checkpoint(src: Path | str, dest: Path | str, base: str | None = None
     if why:
         raise ExportError(f"the tokenizer: {why}")
     dtype = next((t.dtype for t in weights.values() if torch.is_tensor(t) and t.is_floating_point()), torch.float32)
-    config = AutoConfig.from_pretrained(arch, trust_remote_code=trust)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust)  # the checkpoint's dtype
+    try:  # a config.json transformers cannot build a model from: an unknown model_type, custom code (auto_map)
+        config = AutoConfig.from_pretrained(arch, trust_remote_code=trust)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust)  # the checkpoint's dtype
+    except Exception as e:
+        raise ExportError(f"{arch}: the model's config does not build a model here: {_config_problem(arch, e, trust)}\n"
+                          "    hint: give --base the transformers model directory the run was trained from") from None
     if any(k.startswith("base_model.model.") for k in weights):  # trained with LoRA: rebuild the adapter, merge below
         from composer.runtime.models import prepare_policy
         from composer.lang.spec import Policy

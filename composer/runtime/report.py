@@ -7,8 +7,11 @@ from pathlib import Path
 
 
 def read_metrics(path: Path) -> list[dict]:
-    with Path(path).open() as f:
-        return list(csv.DictReader(f))
+    with Path(path).open(encoding="utf-8", errors="replace", newline="") as f:
+        try:
+            return [r for r in csv.DictReader(f) if isinstance(r, dict)]
+        except csv.Error:
+            return []
 
 
 def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
@@ -16,8 +19,12 @@ def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     for r in rows:
         v = r.get(key, "")
         if v not in ("", None):
-            xs.append(float(r.get("step") or 0))
-            ys.append(float(v))
+            try:  # an edited or damaged cell is left out of the plot, not the end of the run
+                x, y = float(r.get("step") or 0), float(v)
+            except (TypeError, ValueError):
+                continue
+            xs.append(x)
+            ys.append(y)
     return xs, ys
 
 

@@ -119,6 +119,10 @@ def load(path: Path | str, map_location: Any = "cpu", mmap: bool = False) -> dic
                               "file, or start a new run") from None
     if not isinstance(data, dict) or "state_dict" not in data:
         raise CheckpointError(f"{path}: not a checkpoint of a run (no state_dict)")
+    sd = data["state_dict"]
+    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
+        raise CheckpointError(f"{path}: the checkpoint is damaged: its state_dict is not a mapping of weight names "
+                              "to tensors\n    hint: restore a good copy of the file, or start a new run")
     return data
 
 

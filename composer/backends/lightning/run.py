@@ -140,7 +140,12 @@ def check_resume(validated, out: Path) -> tuple[dict, list]:
     if not isinstance(record, dict) or "json" not in record:
         raise RunError(f"{ckpt}: the checkpoint does not record its spec (written by an older version); it "
                        "cannot be checked against this one, so it is not resumed")
-    changes = ckpt_format.spec_changes(record, validated)
+    try:
+        changes = ckpt_format.spec_changes(record, validated)
+    except (TypeError, ValueError, AttributeError):  # a record whose json is not the JSON of a spec
+        raise RunError(f"{ckpt}: the checkpoint's spec record is damaged, so it cannot be checked against this "
+                       "spec; it is not resumed\n    hint: restore the run's own checkpoints/last.ckpt, or start "
+                       "a new run") from None
     fixed = [c for c in changes if c[0] not in ckpt_format.RESUMABLE]
     if fixed:
         raise RunError(f"{out}: the checkpoint was trained with another spec; resuming it with this one would "
@@ -148,7 +153,99 @@ def check_resume(validated, out: Path) -> tuple[dict, list]:
                        f"{ckpt_format.describe_changes(fixed)}\n"
                        f"    hint: resume with the run's own spec (`composer run --resume {out}`); only "
                        f"{', '.join(ckpt_format.RESUMABLE)} may change on resume. For another spec, start a new run.")
+    check_counters(state, out, ckpt, record)
     return state, changes
+
+
+def _loop_steps(state: dict) -> int | None:
+    """The optimizer steps Lightning's loop counters in a checkpoint hold (what it resumes from), None when
+    they are missing or not counts. `global_step` is written from the same counters, so the two always agree
+    in a checkpoint the run wrote."""
+    try:
+        loop = state["loops"]["fit_loop"]
+        auto = loop["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["total"]["completed"]
+        manual = loop["epoch_loop.manual_optimization.optim_step_progress"]["total"]["completed"]
+    except (KeyError, TypeError, IndexError):
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (auto, manual)):
+        return None
+    return auto + manual
+
+
+def read_metrics_rows(out: Path) -> list[dict] | None:
+    """The rows of the run folder's metrics.csv (None without one); a file that is not CSV text is a RunError
+    that names it (was: UnicodeDecodeError from deep inside the CSV logger, after the folder was claimed)."""
+    path = Path(out) / "metrics.csv"
+    if not path.exists() and not path.is_symlink():
+        return None
+    hint = ("    hint: restore a good copy of the file; or move it away to resume without the earlier rows "
+            "(the curves in report.md then start at the resumed step)")
+    if not path.is_file():
+        raise RunError(f"{path}: not a regular file, so the run's logged rows cannot be kept\n{hint}")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise RunError(f"{path}: cannot be read ({e.strerror or e})\n{hint}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RunError(f"{path}: not the run's metrics (not UTF-8 text: byte {e.start} is 0x{raw[e.start]:02x}); "
+                       f"resuming would append to a damaged file, so nothing was changed\n{hint}") from None
+    if "\x00" in text:
+        raise RunError(f"{path}: not the run's metrics (it holds NUL bytes); nothing was changed\n{hint}")
+    import csv
+    import io
+
+    try:
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        rows = list(reader)
+    except csv.Error as e:
+        raise RunError(f"{path}: not readable as CSV ({e}); nothing was changed\n{hint}") from None
+    if rows and "step" not in (reader.fieldnames or []):
+        raise RunError(f"{path}: its header has no `step` column, so it is not the run's metrics; nothing was "
+                       f"changed\n{hint}")
+    return rows
+
+
+def check_counters(state: dict, out: Path, ckpt: Path, record: dict) -> None:
+    """Refuse a checkpoint whose step counters disagree with each other or with the run folder's metrics.csv:
+    a resume cuts metrics.csv, samples.jsonl and eval_samples.jsonl back to the checkpoint's step, so a
+    tampered or foreign `global_step` would delete rows the run logged. Nothing is changed when refused."""
+    step = state.get("global_step")
+    fix = (f"    hint: restore the run's own checkpoints/last.ckpt, or start a new run (`composer run SPEC --out "
+           f"NEW`); nothing in {out} was changed")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise RunError(f"{ckpt}: the checkpoint's global_step is {step!r}, not a step count\n{fix}")
+    counted = _loop_steps(state)
+    if counted is None:
+        raise RunError(f"{ckpt}: the checkpoint's loop counters (loops.fit_loop) are missing or damaged, so "
+                       f"where it resumes cannot be checked\n{fix}")
+    if counted != step:
+        raise RunError(f"{ckpt}: the checkpoint's counters disagree: global_step {step}, but its loop counters "
+                       f"hold {counted} optimizer steps (an edited or damaged checkpoint); resuming would cut the "
+                       f"run folder's logs back to step {step}\n{fix}")
+    rows = read_metrics_rows(out)
+    if not rows:
+        return
+    from composer.backends.lightning.callbacks import _step_cell
+
+    trained = [st for r in rows if r.get("loss") and (st := _step_cell(r)) is not None]
+    if not trained:
+        return
+    last = max(trained)  # metrics.csv numbers a step's row from 0: the row of step N (1-based) says N - 1
+    try:
+        every = int(json.loads(record["json"])["train"]["checkpoint_every"])
+    except (KeyError, TypeError, ValueError):
+        every = 1
+    # the row of the checkpoint's own step is written just after the checkpoint: a kill between may lose it
+    if last < step - 2:
+        raise RunError(f"{ckpt}: the checkpoint is at step {step}, but {out / 'metrics.csv'} logged only {last + 1} "
+                       f"step(s): the checkpoint is not this run folder's (or metrics.csv was cut)\n{fix}")
+    if last + 1 - step > max(every, 1):
+        raise RunError(f"{ckpt}: the checkpoint is at step {step}, but {out / 'metrics.csv'} logged {last + 1} "
+                       f"steps, more than one checkpoint interval (train.checkpoint_every {every}) past it: a later "
+                       f"checkpoint was written, so this one is not the run's last; resuming from it would delete "
+                       f"the {last + 1 - step} later step(s)' rows\n{fix}")
 
 
 def check_launcher(num_nodes: int) -> None:
@@ -247,6 +344,9 @@ def train(validated, out: Path, resume: bool = False, progress: bool = True, fin
 def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop: GracefulStop, recorder,
            strict: bool = False) -> dict:
     spec = validated.spec
+    # the bar only where it draws: on a pipe or a file (CI, nohup, `2> log`) Rich would dump its last frame
+    # at the end of the output; there the step lines (StepLog) say the same
+    progress = progress and _tty()
     check_run_inputs(validated)  # every model, tokenizer and data path, and the loggers' packages: nothing written yet
     quiet_libraries()
     check_launcher(spec.train.num_nodes)
