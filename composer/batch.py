@@ -33,12 +33,14 @@ class TrajectoryBatch:
     info: dict[str, Any] = field(default_factory=dict)  # per-batch scalars for metrics
     behavior_known: Optional["torch.Tensor"] = None  # [B, T] bool: behavior_logprobs holds a real value (None: all)
     notes: list = field(default_factory=list)  # [B] dict: what the guide saw and did for each row
-    advantages: Optional["torch.Tensor"] = None  # [B]: the term's per-trajectory advantage (objectives that use one)
+    advantages: Optional["torch.Tensor"] = None  # [B] (or [B, T] per token): the term's advantages (objectives that use them)
     row_mask: Optional["torch.Tensor"] = None  # [B] bool: the rows this term trains on (its gate); None: all
     old_logprobs: Optional["torch.Tensor"] = None  # [B, T]: the policy at the start of the step's first pass (set
     # when a step makes several updates, train.epochs x train.mini_batches; the importance ratio's denominator)
     token_select: Optional["torch.Tensor"] = None  # [B, T] bool: tokens a step-wide token selection chose (grpo's
     # token_selection: KL-Cov, Clip-Cov), computed with the advantages over the whole step, read by every micro-batch
+    values: Optional["torch.Tensor"] = None  # [B, T]: a critic's values V(tokens[b, :t]) before the step's update (ppo)
+    returns: Optional["torch.Tensor"] = None  # [B, T]: the critic's targets G_t = A_t + V_t (ppo's advantages)
 
     @property
     def size(self) -> int:
@@ -124,6 +126,7 @@ class PolicyView:
     logprobs: "torch.Tensor"  # [B, T] log pi_theta(tokens[b, t] | tokens[b, :t]), 0 at t = 0
     logits: Optional["torch.Tensor"] = None  # [B, T, V] predicting tokens[b, t]; only when wanted
     entropy: Optional["torch.Tensor"] = None  # [B, T] entropy of the predicting distribution
+    values: Optional["torch.Tensor"] = None  # [B, T] a critic head on the policy's network (ppo critic.network: shared)
 
 
 def concat(batches: list[TrajectoryBatch], pad_id: int) -> TrajectoryBatch:
@@ -143,7 +146,8 @@ def concat(batches: list[TrajectoryBatch], pad_id: int) -> TrajectoryBatch:
                              behavior_logprobs=pad(b.behavior_logprobs), behavior_known=pad(b.behavior_known, False),
                              teacher_logprobs=pad(b.teacher_logprobs),
                              teacher_logits=pad(b.teacher_logits), initial_logprobs=pad(b.initial_logprobs),
-                             old_logprobs=pad(b.old_logprobs), token_select=pad(b.token_select, False)))
+                             old_logprobs=pad(b.old_logprobs), token_select=pad(b.token_select, False),
+                             values=pad(b.values), returns=pad(b.returns), advantages=pad(b.advantages)))
         offset += int(b.group.max()) + 1 if b.size else 0
     out = {}
     for f in fields(TrajectoryBatch):

@@ -123,8 +123,9 @@ def kwargs_problem(tokenizer, kwargs: dict) -> str | None:
     return None
 
 
-def render(tokenizer, messages: list, kwargs: dict) -> str:
-    """apply_chat_template(messages, add_generation_prompt) under the time and size limits."""
+def render(tokenizer, messages: list, kwargs: dict, add_generation_prompt: bool = True) -> str:
+    """apply_chat_template(messages, add_generation_prompt) under the time and size limits (a finished conversation,
+    e.g. a reward model's input: add_generation_prompt False)."""
     install()
     deadline = time.monotonic() + SECONDS
     count = [0]
@@ -138,7 +139,8 @@ def render(tokenizer, messages: list, kwargs: dict) -> str:
     old = sys.gettrace()
     sys.settrace(tracer)
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **kwargs)
     finally:
         sys.settrace(old)
     if isinstance(text, str) and len(text) > MAX_CHARS:

@@ -67,6 +67,7 @@ def synthetic_batch(B: int = 8, T: int = 14, V: int = 11, seed: int = 0):
         seq_weight=torch.tensor([[1.0, 0.5, 0.0, 1.0][i % 4] for i in range(B)]),
         prompt_index=torch.tensor([(i // 2) % 2 for i in range(B)]),
         guided=torch.tensor([i % 2 == 1 for i in range(B)]),
+        values=torch.randn(B, T, generator=g),  # a critic's old values (ppo)
     )
     logits = torch.randn(B, T, V, generator=g).requires_grad_(True)
     return batch, logits

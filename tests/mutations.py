@@ -87,6 +87,24 @@ def m_stale_reference(undo):
     replace(undo, ModelServer, "refresh_initial", lambda self: None)
 
 
+def m_ppo_lambda(undo):
+    import components.objectives.ppo as ppo
+
+    patch_source(undo, ppo, "gae", "running = delta + gamma * lambd * running", "running = delta + gamma * running")
+
+
+def m_ppo_value_clip(undo):
+    import components.objectives.ppo as ppo
+
+    patch_source(undo, ppo, "value_loss_tokens", "if clip is None:", "if True:")
+
+
+def m_critic_frozen(undo):
+    from components.objectives.critic import ValueModel
+
+    patch_source(undo, ValueModel, "step", "self.opt.step()", "pass")
+
+
 # name -> (description, mutation, spec, extra overrides)
 MUTATIONS = {
     "k3_k1": ("KL estimator k3 <-> k1 (kl_coef 0.001)", m_k3_k1, "specs/grpo.yaml", []),
@@ -102,6 +120,9 @@ MUTATIONS = {
     "stale_ref_int": ("a later stage keeps stage 1's reference (InT)", m_stale_reference, "specs/int.yaml", []),
     "stale_ref_curriculum": ("a later stage keeps stage 1's reference (sft-opd-grpo)", m_stale_reference,
                              "specs/hybrids/sft-opd-grpo.yaml", []),
+    "ppo_lambda": ("PPO's GAE ignores lambda (lambda 1)", m_ppo_lambda, "specs/methods/ppo.yaml", []),
+    "ppo_value_clip": ("PPO's value clip dropped", m_ppo_value_clip, "specs/methods/ppo.yaml", []),
+    "critic_frozen": ("the critic's optimizer never steps", m_critic_frozen, "specs/methods/ppo.yaml", []),
 }
 FAST = ["k3_k1", "dapo_filter"]  # the default suite's subset (tests/test_conformance.py)
 

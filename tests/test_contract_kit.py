@@ -23,6 +23,7 @@ OBJECTIVES += [("divergence", {"estimator": "full", "measure": m, "aggregation":
 OBJECTIVES += [("advantage_regression", {}), ("advantage_regression", {"baseline": "control"})]
 OBJECTIVES += [("grpo", {"token_selection": {"kind": "kl_cov", "k": 0.1}}),  # step-wide selection (issue 46)
                ("grpo", {"token_selection": {"kind": "clip_cov", "r": 0.1, "omega_low": 0.01}})]
+OBJECTIVES += [("ppo", {}), ("ppo", {"loss_agg": "seq-mean-token-mean", "whiten": "mean"})]  # a critic's GAE (issue 46)
 
 
 def test_the_list_covers_every_registered_objective():

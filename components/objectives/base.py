@@ -99,8 +99,22 @@ class Objective(Component):
         return {o: ratio for o in self.loss_tokens}
 
     def advantages(self, batch) -> Tensor | None:
-        """[B] per-row advantages over whole groups, or None (the default: no advantage)."""
+        """[B] per-row (or [B, T] per-token) advantages over whole groups, or None (the default: no advantage)."""
         return None
+
+    def value_model(self):
+        """The learned value model (critic) this objective reads and trains, or None (the default). With one, a
+        backend fills batch.values [B, T] (the critic's old values) before `advantages`, and trains the critic on
+        `critic_loss` over the same updates as the policy (components/objectives/critic.py: settings, runtime)."""
+        return None
+
+    def critic_loss(self, batch, values) -> tuple[Tensor, dict[str, float]]:
+        """The critic's loss of `values` [B, T] (the critic now) on `batch` (an objective with a value_model)."""
+        raise NotImplementedError(f"{type(self).__name__} has no critic")
+
+    def critic_normalizer(self, batch) -> Tensor:
+        """What `critic_loss` divides its sum by on `batch` (micro-batches and ranks scale by it, as `normalizer`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no critic")
 
     def advantage_metrics(self, batch) -> dict[str, float]:
         """Facts of the advantages over the whole batch (its groups), logged with the term's loss."""

@@ -12,13 +12,13 @@ from composer.registry import register
 
 @register("signal")
 class RewardSignal(Signal):
-    """The outcome reward of every rollout, from an outcome_reward source."""
+    """The sequence reward of every rollout, from an outcome_reward (a verifier) or a reward_model source."""
 
     kind: Literal["reward"] = Field("reward", description="Component kind.")
-    source: str = Field(..., description="The outcome_reward source.")
+    source: str = Field(..., description="The reward source: an outcome_reward (a verifier) or a reward_model (a learned reward model).")
     plus: dict[str, float] = Field(default_factory=dict, description="Further reward sources added with weights, r = r_source + sum_k w_k r_k: another outcome_reward (a format verifier), overlong_penalty (DAPO), length_penalty, or a plugin's; each is logged as reward/<name>.")
 
-    refs: ClassVar = {"source": ("outcome_reward",)}
+    refs: ClassVar = {"source": ("outcome_reward", "reward_model")}
     needs: ClassVar = ("sequence_reward",)
     provides: ClassVar = ("reward",)
     usage: ClassVar[str] = "reward"
@@ -27,7 +27,9 @@ class RewardSignal(Signal):
         return {"source": [self.source], **({"plus": list(self.plus)} if self.plus else {})}
 
     def describe(self, spec) -> str:
-        out = f"score with '{self.source}' ({spec.sources[self.source].verifier} verifier)"
+        src = spec.sources[self.source]
+        out = f"score with '{self.source}' " + (f"({src.verifier} verifier)" if hasattr(src, "verifier") else
+                                                 f"({src.describe()})")
         if self.plus:
             out += " plus " + " + ".join(f"{w:g} x '{n}' ({spec.sources[n].kind_name()})" for n, w in self.plus.items())
         return out

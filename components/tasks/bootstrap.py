@@ -77,6 +77,14 @@ INSTRUCT_SFT = {
     "mix": {"reference": 0.05, "sibling": 0.05, "feedback": 0.02, "prefix": 0.08, "judge": 0.05, "proposal": 0.50},
 }
 INSTRUCT_DIR = "instruct-v1"  # its folder in the cache: bump when INSTRUCT_SFT changes (student, teacher unchanged)
+# toy:reward (issue 46): a reward model for PPO-RM, a Qwen3ForSequenceClassification (one output, head `score`) whose
+# backbone starts as the student's, trained to predict the toy verifier's reward of a response: the prompt, then a
+# right solution (reward 1) or a failed attempt (`failed_attempt`: a wrong step, a misread operand, a skipped term, an
+# early stop, a wrong final line; reward 0), half of them ending in <eos> (the rollout's token ids end in it, a
+# re-tokenised text does not: the score is read at the last token either way). Binary cross-entropy on the score as
+# a logit: the score is the log-odds that the verifier accepts the response.
+REWARD_SFT = {"tiers": (1, 2, 3, 4, 5, 6, 7, 8), "seed": 6, "updates": 500, "batch": 64, "lr": 2e-3, "warmup": 20}
+REWARD_DIR = "reward-v1"  # its folder in the cache: bump when REWARD_SFT changes
 PROPOSAL_TIERS = (2, 3, 4, 5, 6, 7, 8)  # chain lengths of the proposer task's failed attempts
 REAL_FAILURES = 0.3  # share of the proposer task's attempts that are the student's own failures (when given)
 EVAL_TIERS = (1, 2, 4, 6, 8)
@@ -495,17 +503,124 @@ def train_instruct(tok, student):
     return model
 
 
-def ensure_checkpoints(cache_dir: str | None = None, instruct: bool = False) -> dict:
-    """Directories {tokenizer, student, teacher, instruct}, bootstrapped on first call (a few minutes on 2 cores).
-    toy:instruct, InT's base, is built from the student only when asked for (`instruct`, as resolving
-    `toy:instruct` does), in about 8 more minutes: runs that never name it never wait for it.
+def reward_pair(rng: random.Random, tiers) -> tuple[str, str, float]:
+    """One (prompt, response, verifier reward) example for toy:reward: a right solution or a failed attempt, half
+    of each ending in <eos>."""
+    from components.tasks.verifiers import toy_verifier
+
+    ex = toy.make_example(toy.random_problem(rng, rng.choice(tiers), "train"))
+    text = ex.solution if rng.random() < 0.5 else "\n".join(failed_attempt(rng, ex))
+    return ex.prompt, text, float(toy_verifier(text, ex).reward)
+
+
+def reward_batch(rng: random.Random, tok, n: int, tiers):
+    """Right-padded ids [n, L], mask [n, L] and the target reward [n]."""
+    import torch
+
+    seqs, target = [], []
+    for _ in range(n):
+        prompt, text, r = reward_pair(rng, tiers)
+        ids = tok.encode(prompt + text) + ([tok.eos_token_id] if rng.random() < 0.5 else [])
+        seqs.append(ids)
+        target.append(r)
+    L = max(len(x) for x in seqs)
+    ids = torch.full((n, L), tok.pad_token_id)
+    mask = torch.zeros((n, L), dtype=torch.bool)
+    for i, x in enumerate(seqs):
+        ids[i, : len(x)], mask[i, : len(x)] = torch.tensor(x), True
+    return ids, mask, torch.tensor(target)
+
+
+def last_scores(model, ids, mask):
+    """[n] the score head of a sequence-classification model at each right-padded row's last real token."""
+    import torch
+
+    h = model.model(input_ids=ids, attention_mask=mask.long()).last_hidden_state  # [n, L, H]
+    last = mask.long().sum(1) - 1  # [n]
+    return model.score(h[torch.arange(len(last)), last]).squeeze(-1)
+
+
+def reward_net(student, seed: int):
+    """A Qwen3ForSequenceClassification (one output) with the student's backbone and a fresh `score` head."""
+    import copy
+
+    import torch
+    from transformers import Qwen3ForSequenceClassification
+
+    cfg = copy.deepcopy(student.config)
+    cfg.num_labels = 1
+    torch.manual_seed(seed)
+    net = Qwen3ForSequenceClassification(cfg)
+    net.model.load_state_dict(student.model.state_dict())
+    return net
+
+
+def reward_accuracy(model, tok, n: int = 512, seed: int = 9) -> float:
+    """The share of held-out examples (right solutions and failed attempts, eval split) whose score has the sign of
+    the verifier's verdict (score > 0 exactly for reward 1)."""
+    import torch
+
+    from components.tasks.verifiers import toy_verifier
+
+    rng, right = random.Random(seed), 0
+    for _ in range(n):
+        ex = toy.make_example(toy.random_problem(rng, rng.choice(REWARD_SFT["tiers"]), "eval"))
+        text = ex.solution if rng.random() < 0.5 else "\n".join(failed_attempt(rng, ex))
+        ids = torch.tensor([tok.encode(ex.prompt + text)])
+        with torch.no_grad():
+            score = float(last_scores(model, ids, torch.ones_like(ids, dtype=torch.bool))[0])
+        right += (score > 0) == (toy_verifier(text, ex).reward >= 1.0)
+    return right / n
+
+
+def train_reward(tok, student):
+    """toy:reward: a Qwen3ForSequenceClassification (one output) from the student's backbone and a fresh head, trained
+    by REWARD_SFT to predict the verifier's reward (binary cross-entropy on the last token's score); prints its time
+    and held-out sign accuracy."""
+    import torch
+    import torch.nn.functional as F
+
+    recipe = REWARD_SFT
+    model = reward_net(student, recipe["seed"])
+    model.config.pad_token_id = tok.pad_token_id
+    rng = random.Random(recipe["seed"])
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], betas=(0.9, 0.99), weight_decay=0.01)
+    model.train()
+    t0, ema = time.time(), None
+    for step in range(recipe["updates"]):
+        scale = min(1.0, (step + 1) / recipe["warmup"]) * (1.0 - 0.9 * step / recipe["updates"])
+        for g in opt.param_groups:
+            g["lr"] = recipe["lr"] * scale
+        ids, mask, target = reward_batch(rng, tok, recipe["batch"], recipe["tiers"])
+        score = last_scores(model, ids, mask)  # [n]
+        loss = F.binary_cross_entropy_with_logits(score, target)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        if (step + 1) % 100 == 0:
+            print(f"  reward step {step + 1:5d}  loss {ema:.4f}  {time.time() - t0:6.1f}s", flush=True)
+    model.eval()
+    acc = reward_accuracy(model, tok)
+    print(f"[bootstrap] reward: trained in {time.time() - t0:.1f}s; held-out sign accuracy {acc:.3f} (right solutions "
+          "and failed attempts, tiers 1-8)", flush=True)
+    return model
+
+
+def ensure_checkpoints(cache_dir: str | None = None, instruct: bool = False, reward: bool = False) -> dict:
+    """Directories {tokenizer, student, teacher, instruct, reward}, bootstrapped on first call (a few minutes on 2
+    cores). toy:instruct, InT's base, is built from the student only when asked for (`instruct`, as resolving
+    `toy:instruct` does), in about 8 more minutes; toy:reward (PPO-RM's reward model) likewise (`reward`), in about
+    a minute: runs that never name them never wait for them, and the default cache key does not change.
 
     Idempotent; concurrent callers wait on a file lock and reuse the result.
     """
     folder = cache_folder(cache_dir)
     paths = {k: os.path.join(folder, k) for k in ("tokenizer", "student", "teacher")}
     paths["instruct"] = os.path.join(folder, INSTRUCT_DIR)
-    need = [p for k, p in paths.items() if instruct or k != "instruct"]
+    paths["reward"] = os.path.join(folder, REWARD_DIR)
+    need = [p for k, p in paths.items() if (k != "instruct" or instruct) and (k != "reward" or reward)]
     if all(os.path.isdir(p) for p in need):
         return paths
     os.makedirs(folder, exist_ok=True)
@@ -538,6 +653,11 @@ def ensure_checkpoints(cache_dir: str | None = None, instruct: bool = False) -> 
             models["instruct"] = train_instruct(tok, student)
             _save(models["instruct"], tok, paths["instruct"])
             print(f"[bootstrap] instruct: built in {time.time() - t0:.1f}s", flush=True)
+        if reward and not os.path.isdir(paths["reward"]):  # added later (issue 46): a cache gains it when asked
+            student = models.get("student") or AutoModelForCausalLM.from_pretrained(paths["student"])
+            t0 = time.time()
+            _save(train_reward(tok, student), tok, paths["reward"])
+            print(f"[bootstrap] reward: built in {time.time() - t0:.1f}s", flush=True)
         print(f"[bootstrap] total {time.time() - t_start:.1f}s; greedy pass@1 (64 eval problems per tier):", flush=True)
         print(pass_table(models, tok), flush=True)
         print("with the reference solution in the prompt (template 'reference'):", flush=True)

@@ -170,7 +170,13 @@ def kind_entry(section: str, cls) -> Entry:
     if getattr(cls, "pi", ""):
         notes.append(f"privileged information: {cls.pi}")
     notes.append("from: " + (cls.plugin or "built-in"))
-    return Entry(f"{section}/{cls.kind_name()}", cls.summary(), doc, fields_of(cls), notes)
+    fields = fields_of(cls)
+    for name, mf in cls.model_fields.items():  # a nested settings block that is no component (ppo.critic): its fields
+        sub = mf.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel) and not issubclass(sub, registry.Component):
+            fields += [FieldDoc(f"{mf.alias or name}.{d.name}", d.type, d.allowed, d.default, d.description)
+                       for d in fields_of(sub)]
+    return Entry(f"{section}/{cls.kind_name()}", cls.summary(), doc, fields, notes)
 
 
 def component_entry(section: str, builtins_only: bool = False) -> Entry:

@@ -28,6 +28,7 @@ PI_TYPE = {
     "overlong_penalty": ("reward shaping by response length (no privileged information)", "posterior"),
     "length_penalty": ("reward shaping by response length (no privileged information)", "posterior"),
     "sibling_success": ("a successful sibling rollout of the same group (never the row itself)", "posterior"),
+    "reward_model": ("a learned reward model's score of the response", "posterior"),
 }
 
 
@@ -72,6 +73,9 @@ def _models(spec) -> list[dict]:
     used = _usage(spec)
     needs_initial = any(obj is not None and obj.wants_initial for _n, _s, obj, _w in terms(spec))
     for name, src in spec.sources.items():
+        if src.kind_name() != "policy_model" and src.model_path is not None and used.get(name):  # a reward model
+            models.append({"role": f"source:{name}", "model": src.model_path, "trainable": False,
+                           "placement": "trainer", "note": "frozen; read as " + " and ".join(sorted(used[name]))})
         if src.kind_name() != "policy_model" or not used.get(name):
             continue
         how = "read as " + " and ".join(sorted(used[name]))
@@ -84,6 +88,16 @@ def _models(spec) -> list[dict]:
         else:
             models.append({"role": f"source:{name}", "model": src.model, "trainable": False,
                            "placement": "own device when several", "note": f"frozen; {how}"})
+    for name, _sig, obj, _w in terms(spec):
+        critic = obj.value_model() if obj is not None else None
+        if critic is not None:
+            shared = critic.network == "shared"
+            models.append({"role": f"critic:{name}", "model": "self" if shared else critic.model or policy,
+                           "trainable": True, "placement": "trainer",
+                           "note": ("a scalar head on the policy's network" if shared else
+                                    "own weights + scalar head" + (", from the policy's weights at first use"
+                                                                    if critic.model is None else "")) +
+                           "; trained on the value loss by its own AdamW"})
     if needs_initial:
         models.append({"role": "initial", "model": policy, "trainable": False, "placement": "trainer",
                        "note": "frozen policy weights of the run's (or stage's, train.reference) start"})

@@ -32,6 +32,8 @@ def _load(m: dict) -> str:
     if m["role"] == "rollout":
         return "its rollout copy"
     role = m["role"].split(":", 1)[-1]
+    if m["role"].startswith("critic:"):
+        return f"{role}'s critic ({'a head on the policy' if m['model'] == 'self' else m['model']}, trained)"
     return f"'{role}' ({m['model']})" if m["role"].startswith("source:") else f"the {role} policy (frozen)"
 
 

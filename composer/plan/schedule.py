@@ -54,7 +54,7 @@ class LR:
 class Call:
     """One model call of a segment and the weights it reads: `policy` (the trained weights of this step),
     `sampler` (the rollout copy, as of its last sync), `initial` (the frozen initial weights), `ema`, or
-    `frozen` (an external model)."""
+    `frozen` (an external model), `critic before the step's update` (a value model)."""
 
     call: str
     weights: str
@@ -178,6 +178,8 @@ def _calls(seg, models: list[dict]) -> list[Call]:
             out.append(Call("rollout", "sampler"))
         elif role == "initial":
             out.append(Call("initial", "initial"))
+        elif role.startswith("critic:"):  # a value model: its own weights before the step's update
+            out.append(Call(role, "critic before the step's update"))
         elif role.startswith("source:"):
             src = seg.spec.sources[role[7:]]
             w = getattr(src, "weights", "current") if m["model"] == "self" else "frozen"

@@ -210,7 +210,7 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
         if where is not None and id(rollout.tokens) in control_of:
             control = [control_of[id(rollout.tokens)][j] for j in where]
         adv = None
-        if b.advantages is not None:
+        if b.advantages is not None and b.advantages.dim() == 1:  # per-token advantages (a critic): check_critics
             if not rep.expect("advantages recomputed", obj.kind_name() in ADVANTAGES,
                               f"{obj.kind_name()} has advantages but no formula in the referee"):
                 continue
@@ -300,6 +300,11 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
     if any("guide_intervention" in obj.loss_tokens and covered(obj) for _s, obj in objectives):
         rep.expect("saw trained interventions", seen["interventions"], "no intervention token trained")
     rep.note("saw gradients", ", ".join(f"{k} {n}" for k, n in seen.items()))
+
+    # ---- a learned critic (PPO): its values, GAE, its updates, the policy loss; a reward model's scores
+    from composer.referee.critic import check_critics
+
+    check_critics(v, plan, rec, rep, events, term_events)
 
     # ---- every stage moved the weights, and the sampler check could tell syncs apart
     _check_stages(plan, rec, rep)

@@ -119,6 +119,7 @@ class Recorder:
         self.tokenizer = None
         self.verdicts: dict[tuple, tuple] = {}  # (verifier, row tokens) -> (reward, parsed)
         self.verdict_log: list[tuple] = []  # (step, segment, verifier, parsed)
+        self.critic_scratch: dict = {}  # term -> a copy of its critic's network (own) or head (shared)
 
     def _keep_weights(self, step: int, policy) -> None:
         if policy is None or step in self.weights_at:
@@ -136,12 +137,38 @@ class Recorder:
             self.check_behaviour(data["batch"], data["engine"], data["step"], data["segment"])
             self.check_sampled(data["batch"], data["step"])
             self.rollout_at.setdefault(data["step"], fingerprint(data["engine"].model))
+        if kind in ("critic_values", "critic_update", "critic_head"):  # a critic's weights as they were, and its loss
+            self.keep_critic(kind, data)
         if kind == "term_loss":  # now, before backward frees the graph and the optimiser moves the weights
             self._keep_weights(data["step"], data.get("policy"))
             data["grad_origins"], data["grad"] = self.grad_origins(data["loss"], data["view"], data["batch"])
             data["fresh"], data["temperature"] = self.fresh_view(data)
             data["loss_value"] = float(data["loss"].detach())
-        self.events.append((kind, {k: x for k, x in data.items() if k not in ("policy", "loss")}))
+        self.events.append((kind, {k: x for k, x in data.items() if k not in ("policy", "loss", "critic")}))
+
+    def keep_critic(self, kind: str, data: dict) -> None:
+        """A critic's recorded inputs: a copy of its weights (own network: the network; shared: the head, and the
+        policy's weights it reads), a scratch copy of its architecture (once), and at an update autograd's gradient
+        of the value loss w.r.t. the values and the loss's value."""
+        import torch
+
+        rt = data["critic"]
+        own = rt.net_or_head
+        data["network"] = "own" if rt.separate else "shared"
+        data["state"] = {k: t.detach().clone() for k, t in own.state_dict().items()}
+        if data["term"] not in self.critic_scratch:
+            self.critic_scratch[data["term"]] = copy.deepcopy(own).eval().requires_grad_(False)
+        if data.get("policy") is not None:
+            data["policy_state"] = {k: t.detach().clone() for k, t in data["policy"].state_dict().items()}
+            if self.scratch is None:
+                self.scratch = copy.deepcopy(data["policy"]).eval().requires_grad_(False)
+        if "values" in data:
+            v = data["values"]
+            if kind == "critic_update":
+                (g,) = torch.autograd.grad(data["loss"], v, retain_graph=True, allow_unused=True)
+                data["values_grad"] = None if g is None else g.detach().cpu()
+                data["loss_value"] = float(data["loss"].detach())
+            data["values"] = v.detach().cpu()
 
     def fresh_view(self, data):
         """The live weights' log-probs of the term's batch at the temperature the spec declares for the term

@@ -261,6 +261,18 @@ class RunContext:
             self.state.runtimes[key] = rt
         return self.state.runtimes[key]
 
+    def critic(self, term: str, cfg):
+        """The built runtime of term `term`'s critic (a `value_model()` config, components/objectives/critic.py),
+        built once per config when first used; a resumed run's checkpointed state is loaded into it."""
+        key = ("critic", term, cfg.model_dump_json())
+        if key not in self.state.runtimes:
+            rt = cfg.build(self, term)
+            state = self.state.pending_runtime_state.get(repr(key))
+            if state and isinstance(rt, Runtime):
+                rt.load_state_dict(state)
+            self.state.runtimes[key] = rt
+        return self.state.runtimes[key]
+
     def verifier(self, name: str):
         from composer.registry import VERIFIERS
 
@@ -322,6 +334,51 @@ class RunContext:
         from composer.runtime.models import load_tokenizer
 
         return load_tokenizer(self.resolve_model(name), trust_remote_code=trust_remote_code)
+
+    def value_model(self, name: str | None, dtype: str = "float32", trust_remote_code: bool = False, seed: int = 0):
+        """A value model with one scalar output per position: from `name` (resolved; a causal LM gets a fresh head),
+        or with `name` None initialised from the policy's weights (composer/runtime/models.py, value_model_from)."""
+        from composer.runtime.models import load_value_model, value_model_from
+
+        if name is None:
+            return value_model_from(self.policy, seed)
+        return load_value_model(self.resolve_model(name), dtype, trust_remote_code, seed)
+
+    def value_head(self, seed: int = 0):
+        """A fresh scalar head over the policy's hidden states (a critic sharing the policy's network)."""
+        from composer.runtime.models import policy_head
+
+        return policy_head(self.policy, seed)
+
+    def load_scorer(self, name: str, dtype: str = "float32", trust_remote_code: bool = False):
+        """A trained sequence-regression model (a reward model: one output, its `score` head in the checkpoint)."""
+        from composer.runtime.models import load_scorer
+
+        return load_scorer(self.resolve_model(name), dtype, trust_remote_code)
+
+    def token_scores(self, model, tokens, attention_mask):
+        """[B, T] a sequence-regression model's scalar head at every position (on the model's device, returned on
+        the tokens' device)."""
+        from composer.runtime.models import token_scores
+
+        device = next(model.parameters()).device
+        return token_scores(model, tokens.to(device), attention_mask.to(device)).to(tokens.device)
+
+    def last_hidden(self, model, tokens, attention_mask):
+        """[B, T, H] the last hidden state of `model`'s backbone (a head on the policy's network)."""
+        from composer.runtime.models import last_hidden
+
+        device = next(model.parameters()).device
+        return last_hidden(model, tokens.to(device), attention_mask.to(device)).to(tokens.device)
+
+    def lr_scale(self) -> float:
+        """The Plan's learning-rate factor of the step in force (warm-up and decay of train, per segment): a second
+        optimizer (a critic's) follows the policy's program at its own base rate."""
+        from composer.plan.schedule import LR
+
+        t = self.spec.train
+        length = max(self.segment_end - self.segment_start, 1)
+        return LR(1.0, t.warmup_steps, t.lr_schedule).at(self.step - self.segment_start, length)
 
     def serve(self, model: torch.nn.Module, tokenizer):
         """A model server (generate / score, the interface of the rollout engine) over local weights."""

@@ -11,13 +11,14 @@ from composer.errors import ModelLoadError
 
 
 def resolve(name: str) -> str:
-    """Map `toy:student` / `toy:teacher` / `toy:instruct` (the student taught InT's proposer task, InT's base) to
-    the toy testbed's cached checkpoints; anything else is as given."""
+    """Map `toy:student` / `toy:teacher` / `toy:instruct` (the student taught InT's proposer task, InT's base) /
+    `toy:reward` (a reward model trained to predict the toy verifier, PPO-RM's) to the toy testbed's cached
+    checkpoints; anything else is as given."""
     if name.startswith("toy:"):
         from composer.registry import part
 
         which = name.split(":", 1)[1]
-        paths = part("toy.checkpoints")(**({"instruct": True} if which == "instruct" else {}))
+        paths = part("toy.checkpoints")(**({which: True} if which in ("instruct", "reward") else {}))
         if which not in paths:
             raise ModelLoadError(f"{name}: the toy testbed has {', '.join(k for k in paths if k != 'tokenizer')}")
         return str(paths[which])
@@ -432,3 +433,154 @@ def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor, te
     if want_logits:
         full = torch.cat([logits.new_zeros(tokens.shape[0], 1, logits.shape[-1]), logits], dim=1)  # [B, T, V]
     return logprobs, full, entropy
+
+
+# ---------------------------------------------------------------------------------------- scalar heads
+# A critic (ppo.critic) and a reward model (reward_model sources) are transformers *ForSequenceClassification models
+# with one output: a backbone (`base_model_prefix`) and a linear head `score` (Llama, Qwen, Mistral, GPT-2), the
+# layout OpenRLHF's get_llm_for_sequence_regression loads and saves (value_head_prefix "score").
+
+def score_head(model) -> torch.nn.Module:
+    """The scalar head of a sequence-regression model (`score`), or ModelLoadError."""
+    head = getattr(model, "score", None)
+    if not isinstance(head, torch.nn.Linear) or head.out_features != 1:
+        raise ModelLoadError(f"{type(model).__name__}: a value or reward model needs one output from a linear head "
+                             "named `score` (a *ForSequenceClassification with num_labels 1)")
+    return head
+
+
+def backbone(model) -> torch.nn.Module:
+    """The transformer under a causal LM's or a sequence-regression model's head (`base_model_prefix`)."""
+    inner = unwrapped(model)
+    return getattr(inner, inner.base_model_prefix)
+
+
+def last_hidden(model, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T, H] the last hidden state of the model's backbone on right-padded rows (causal: position t sees :t+1)."""
+    return backbone(model)(input_ids=tokens, attention_mask=attention_mask.long()).last_hidden_state
+
+
+def token_scores(model, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] the scalar head of a sequence-regression model at every position (a reward model reads the last real
+    one, a critic each action's state)."""
+    return score_head(model)(last_hidden(model, tokens, attention_mask)).squeeze(-1)
+
+
+def seeded_head(hidden: int, std: float, seed: int, dtype=torch.float32) -> torch.nn.Linear:
+    """A fresh Linear(hidden, 1, bias=False), weights N(0, std^2) from a generator of its own (`seed`): building a
+    critic never moves the run's global random state, so a resumed run draws what an uninterrupted one draws."""
+    with torch.random.fork_rng(devices=[]):  # nn.Linear's own init draws from the global generator
+        head = torch.nn.Linear(hidden, 1, bias=False, dtype=dtype)
+    g = torch.Generator().manual_seed(int(seed) + 7919)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=g, dtype=torch.float32) * std)
+    return head
+
+
+def _init_std(config) -> float:
+    return float(getattr(config, "initializer_range", 0.02) or 0.02)
+
+
+def value_model_from(policy, seed: int) -> torch.nn.Module:
+    """A critic initialised from the policy's weights: a *ForSequenceClassification (num_labels 1) of the policy's
+    architecture, its backbone a copy of the policy's (a LoRA policy: merged), its `score` head fresh (`seeded_head`),
+    as OpenRLHF starts its critic from the actor's checkpoint with a new value head."""
+    from transformers import AutoModelForSequenceClassification
+
+    source = merged(unwrapped(policy)) if has_adapter(policy) else unwrapped(policy)
+    import copy
+
+    config = copy.deepcopy(source.config)
+    config.num_labels = 1
+    dtype = next(source.parameters()).dtype
+    with torch.random.fork_rng(devices=[]):  # the throw-away random init draws from a forked generator
+        try:
+            net = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+        except (ValueError, KeyError) as e:
+            raise ModelLoadError(f"the policy ({type(source).__name__}) has no sequence-regression form for a critic "
+                                 f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); give ppo.critic.model a value "
+                                 "model checkpoint") from None
+    backbone(net).load_state_dict(backbone(source).state_dict())
+    net.score = seeded_head(config.hidden_size, _init_std(config), seed, dtype)
+    net.config.pad_token_id = config.pad_token_id
+    from composer.runtime.onednn import use_onednn
+
+    return use_onednn(net)
+
+
+def load_value_model(name: str, dtype: str = "float32", trust_remote_code: bool = False,
+                     seed: int = 0) -> torch.nn.Module:
+    """A sequence-regression model with one output from `name` (resolved): a *ForSequenceClassification checkpoint
+    keeps its head; a causal LM's gets a fresh `score` head (`seeded_head`). ModelLoadError when it does not load."""
+    from transformers import AutoModelForSequenceClassification
+
+    path = resolve(name)
+    if not Path(path).exists():
+        from composer.runtime.paths import model_problem
+
+        why = model_problem(path, tokenizer_too=False)
+        if why:
+            raise ModelLoadError(why)
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a causal LM's missing `score` is expected: no load report for it
+    try:
+        with torch.random.fork_rng(devices=[]):
+            net, info = AutoModelForSequenceClassification.from_pretrained(
+                path, num_labels=1, dtype=getattr(torch, dtype), trust_remote_code=_trusted(trust_remote_code),
+                output_loading_info=True)
+    except Exception as e:
+        raise _load_error("value model", path, e) from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    head = score_head(net)
+    if any(k.split(".")[0] == "score" for k in info.get("missing_keys", ())):  # a causal LM: a fresh head
+        net.score = seeded_head(head.in_features, _init_std(net.config), seed, head.weight.dtype)
+    from composer.runtime.onednn import use_onednn
+
+    return use_onednn(net)
+
+
+def policy_head(policy, seed: int) -> torch.nn.Linear:
+    """A fresh scalar head over the policy's hidden size (ppo critic.network: shared)."""
+    config = unwrapped(policy).config
+    config = getattr(config, "text_config", None) or config
+    return seeded_head(config.hidden_size, _init_std(config), seed, next(policy.parameters()).dtype)
+
+
+def load_scorer(name: str, dtype: str = "float32", trust_remote_code: bool = False) -> torch.nn.Module:
+    """A trained sequence-regression model (a reward model) from `name`: a *ForSequenceClassification checkpoint
+    with one output and its `score` head; ModelLoadError when it does not load, has another number of outputs, or
+    has no trained head (a causal LM would score with random weights)."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    path = resolve(name)
+    if not Path(path).exists():
+        from composer.runtime.paths import model_problem
+
+        why = model_problem(path, tokenizer_too=False)
+        if why:
+            raise ModelLoadError(why)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the missing head is reported below, as an error
+    try:
+        with torch.random.fork_rng(devices=[]):
+            net, info = AutoModelForSequenceClassification.from_pretrained(
+                path, dtype=getattr(torch, dtype), trust_remote_code=_trusted(trust_remote_code),
+                output_loading_info=True)
+    except Exception as e:
+        raise _load_error("reward model", path, e) from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if getattr(net.config, "num_labels", 1) != 1:
+        raise ModelLoadError(f"reward model at {path}: {net.config.num_labels} outputs (num_labels); a reward model "
+                             "scores with one")
+    score_head(net)
+    if any(k.split(".")[0] == "score" for k in info.get("missing_keys", ())):
+        raise ModelLoadError(f"reward model at {path}: the checkpoint has no trained `score` head (a causal LM?); "
+                             "a reward model is a *ForSequenceClassification with one output")
+    from composer.runtime.onednn import use_onednn
+
+    return use_onednn(net)

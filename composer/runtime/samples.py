@@ -55,6 +55,19 @@ def _plain(value):
     return str(value)
 
 
+def row_advantages(batch) -> list | None:
+    """Each row's advantage: the objective's per-row advantage, or the mean of its per-token advantages (a critic's
+    GAE, ppo) over the row's response tokens."""
+    adv = batch.advantages
+    if adv is None:
+        return None
+    adv = adv.detach().float().cpu()
+    if adv.dim() == 2:
+        m = batch.response_mask.cpu().float()
+        adv = (adv * m).sum(1) / m.sum(1).clamp(min=1)
+    return adv.tolist()
+
+
 def rows_of(batch, tokenizer, step: int, segment: str = "", term: str = "") -> list[dict]:
     """One JSON-ready dict per row of a TrajectoryBatch (after its signal: rewards and verdicts filled)."""
     from composer.origins import CODE, ORIGINS
@@ -62,7 +75,7 @@ def rows_of(batch, tokenizer, step: int, segment: str = "", term: str = "") -> l
     tokens = batch.tokens.detach().cpu().tolist()
     origin = batch.origin.detach().cpu().tolist()
     rewards = batch.rewards.detach().float().cpu().tolist() if batch.rewards is not None else None
-    advantages = batch.advantages.detach().float().cpu().tolist() if batch.advantages is not None else None
+    advantages = row_advantages(batch)
     verdicts = batch.info.get("verdicts") if isinstance(batch.info, dict) else None
     if not isinstance(verdicts, list) or len(verdicts) != batch.size:
         verdicts = None

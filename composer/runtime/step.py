@@ -11,6 +11,7 @@ import torch
 from composer.batch import PolicyView, TrajectoryBatch, concat
 from components.objectives.base import zero_advantage_fraction
 from composer.runtime.context import RunContext
+from composer.runtime.critic import critic_values, with_critic_values
 from composer.runtime.models import token_logprobs
 from composer.lang.curves import is_scheduled, value_at
 from composer.checks.terms import gates, rolls_out, terms, terms_at  # noqa: F401  (re-exported: components read terms through step)
@@ -64,6 +65,7 @@ def sample(ctx: RunContext, examples) -> list[TrajectoryBatch]:
             if owner.initial_logprobs is None:
                 owner.initial_logprobs = initial_logprobs(ctx, owner)
             batch.initial_logprobs = owner.initial_logprobs
+        critic_values(ctx, name, obj, batch)  # a critic's old values (ppo), read by the advantages
         adv = obj.advantages(batch)
         batch.advantages = None if adv is None else adv.detach()
         out.append(batch)
@@ -151,9 +153,10 @@ def loss(ctx: RunContext, policy, batches: list[TrajectoryBatch], shares: dict |
     for i, ((name, _sig, obj, weight), b) in enumerate(zip(terms_at(ctx.spec, ctx.step), batches)):
         if id(b.tokens) not in views:
             views[id(b.tokens)] = policy_view(policy, b, wants[id(b.tokens)], read[id(b.tokens)])
-        value, m = obj.loss(b, views[id(b.tokens)], b.advantages)
+        view = with_critic_values(ctx, name, obj, policy, b, views[id(b.tokens)])
+        value, m = obj.loss(b, view, b.advantages)
         m = {**obj.advantage_metrics(b), **m}
-        ctx.record("term_loss", term=name, objective=obj, batch=b, view=views[id(b.tokens)], loss=value, weight=weight,
+        ctx.record("term_loss", term=name, objective=obj, batch=b, view=view, loss=value, weight=weight,
                    policy=policy)
         total = total + weight * (shares or {}).get(i, 1.0) * value
         for k, v in m.items():
@@ -228,8 +231,9 @@ def batch_metrics(batch: TrajectoryBatch) -> dict[str, float]:
         r = batch.rewards
         out["reward_mean"] = float(r.mean())
         out["zero_advantage_frac"] = float(zero_advantage_fraction(r, batch.group))
-        if batch.advantages is not None:
-            out["adv_abs_mean"] = float(batch.advantages.abs().float().mean())
+        if batch.advantages is not None:  # per row, or per response token (a critic's GAE)
+            a = batch.advantages.abs().float()
+            out["adv_abs_mean"] = float(a.mean() if a.dim() == 1 else a[resp.to(a.device)].mean())
         if batch.guided is not None and batch.guided.any() and (~batch.guided).any():
             out["reward_guided"] = float(r[batch.guided].mean())
             out["reward_control"] = float(r[~batch.guided].mean())

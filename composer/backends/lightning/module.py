@@ -20,6 +20,7 @@ from composer.plan.schedule import Schedule
 from composer.plan.segments import segment_at, segments_of
 from composer.contract import Runtime
 from composer.runtime.context import RunContext
+from composer.runtime.critic import step_heads, train_critics
 from composer.runtime.engine import make_engine
 from composer.runtime.report import metric_row
 from composer.runtime import vacuous
@@ -185,6 +186,7 @@ class ComposerModule(L.LightningModule):
             self._check_finite(loss, step)
         else:
             loss, metrics = self._updates(batches, step)
+        metrics.update(train_critics(ctx, batches))  # a critic with its own network: its value updates (ppo)
         metrics.update(ctx.metrics)
         metrics.update(self.start_metrics)
         metrics.update({f"cost/{k}": float(v) for k, v in ctx.costs.items()})  # cumulative, for compute matching
@@ -297,6 +299,7 @@ class ComposerModule(L.LightningModule):
     def on_before_optimizer_step(self, optimizer) -> None:
         """Refuse a step whose gradients hold a NaN or an infinity (the weights stay the last good ones)."""
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+        step_heads(self.ctx)  # a critic head on the policy's network: its step on the gradients of this backward
         if not grads:
             return
         # one fused norm over every gradient (0.2 ms on the toy student, against 1.8 ms for a check per tensor):

@@ -172,6 +172,19 @@ def _models(v) -> tuple[str, dict[str, str]]:
     return policy, sources
 
 
+def _critic_paths(v) -> dict[str, str]:
+    """A ppo critic's own checkpoint (critic.model), resolved (toy:* bootstrapped if missing): {"critic": path}."""
+    from composer.checks.terms import terms
+    from composer.runtime.models import resolve
+
+    for seg in v.segments:
+        for _n, _s, obj, _w in terms(seg.spec):
+            critic = obj.value_model() if obj is not None else None
+            if critic is not None and critic.model is not None:
+                return {"critic": resolve(critic.model)}
+    return {}
+
+
 def _eos(path: str, v) -> str | None:
     """The eos text SFT targets end with (OpenRLHF would otherwise append ' ' + eos)."""
     from composer.checks.graph import signal_objective_pairs
@@ -211,6 +224,7 @@ def compile_bundle(v, out: Path, layout: Layout) -> dict:
     counts, inputs, fmt = write_data(v, out, _eos(policy, v))
     pin_prompt_format(plan, fmt)
     inputs.policy_path, inputs.source_paths = policy, sources
+    inputs.critic_paths = _critic_paths(v)
     runs = build_runs(v, layout, inputs)
     warnings = {}
     for run in runs:
@@ -240,8 +254,8 @@ def compile_bundle(v, out: Path, layout: Layout) -> dict:
     ship_code(out)
     ship_plugins(out, plugins)
     os.chmod(out / "launch.sh", 0o755)
-    if any(not r.plugin.get("agent") and r.trainer == "ppo" for r in runs):
-        r = next(r for r in runs if not r.plugin.get("agent") and r.trainer == "ppo")
+    if any("--reward.remote_url" in r.argv and not r.plugin.get("agent") and r.trainer == "ppo" for r in runs):
+        r = next(r for r in runs if "--reward.remote_url" in r.argv and not r.plugin.get("agent") and r.trainer == "ppo")
         (out / "reward.py").write_text(reward_file(v.spec.name, r.plugin["verifier"], policy, trust_remote_code(v),
                                                    list(plugins)))
     if any(r.plugin.get("agent") for r in runs):
@@ -271,7 +285,7 @@ def ship_toy_models(out: Path, runs: list[Run], inputs: Inputs) -> tuple[str, di
 
     root = os.path.realpath(part("toy.cache_folder")())
     moves = {}
-    for path in [inputs.policy_path, *inputs.source_paths.values()]:
+    for path in [inputs.policy_path, *inputs.source_paths.values(), *inputs.critic_paths.values()]:
         real = os.path.realpath(path) if path and path != "self" else ""
         if real.startswith(root + os.sep) and os.path.isdir(real):
             rel = "models/" + os.path.relpath(real, root).replace(os.sep, "/")
@@ -283,6 +297,7 @@ def ship_toy_models(out: Path, runs: list[Run], inputs: Inputs) -> tuple[str, di
             setattr(run, f.name, _relocate(getattr(run, f.name), moves))
     inputs.policy_path = _relocate(inputs.policy_path, moves)
     inputs.source_paths = _relocate(inputs.source_paths, moves)
+    inputs.critic_paths = _relocate(inputs.critic_paths, moves)
     return inputs.policy_path, inputs.source_paths
 
 
@@ -537,7 +552,9 @@ def node_paths(runs: list[Run], inputs: Inputs, layout: Layout) -> list[tuple[st
     them named in the runs' arguments, so none is missed), with what each is."""
     out = {inputs.policy_path: "the policy model (read)"}
     out.update({p: f"the model of source `{n}` (read)" for n, p in inputs.source_paths.items() if p != "self"})
-    keys = {"--data.dataset": "training data (read)", "--data.prompt_dataset": "training prompts (read)",
+    out.update({p: "the critic's starting model (read)" for p in inputs.critic_paths.values()})
+    keys = {"--critic.model_name_or_path": "the critic's starting model (read)",
+            "--reward.model_name_or_path": "the reward model (read)", "--data.dataset": "training data (read)", "--data.prompt_dataset": "training prompts (read)",
             "--eval.dataset": "evaluation prompts (read)", "--reward.remote_url": "the reward function (read)",
             "--train.agent_func_path": "the agent (read)",
             "--actor.model_name_or_path": "the policy model (read)", "--model.model_name_or_path": "the model (read)",
@@ -613,7 +630,7 @@ def readme(v, plan, runs: list[Run], layout: Layout, inputs: Inputs, warnings: d
     lines += ["## Files", "", "plan.json (the resolved Plan + the runs), args.json and command.txt (the OpenRLHF "
               "arguments, checked with OpenRLHF's own parser and post-parse checks at compile time), launch.sh, "
               "runtime_env.json, data/ (prompts with a JSON label: answer, reference solution, problem)"
-              + (", reward.py" if any(r.trainer == "ppo" and not r.plugin.get("agent") for r in runs) else "")
+              + (", reward.py" if any("--reward.remote_url" in r.argv and not r.plugin.get("agent") for r in runs) else "")
               + (", agent.py" if any(r.plugin.get("agent") for r in runs) else "")
               + "".join(f", {p} (plugin module `{m}`)" for m, p in (plan["openrlhf"].get("plugins") or {}).items())
               + ".", ""]

@@ -58,6 +58,7 @@ class Inputs:
     prompt_overhead_chars: int = 0  # what rendering adds around a user message (chat turns, system prompt)
     prompt_example: str = ""  # the first training prompt as written into the data
     prompt_note: str | None = None  # a problem with the rendered prompts worth a note in the README
+    critic_paths: dict[str, str] = field(default_factory=dict)  # "critic" -> a ppo critic's own checkpoint, resolved
 
 
 @dataclass
@@ -449,7 +450,9 @@ def _prompt_line(inputs: Inputs) -> str:
 def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: Inputs, model: str) -> None:
     r, t = spec.rollout, spec.train
     terms = [tt for s in specs for tt in _terms(s)]
-    native = all(_native_grpo(s) for s in specs) and len({repr(_terms(s)[0][2]) for s in specs}) == 1
+    critic = _critic_objective(specs, [where] * len(specs), model != inputs.policy_path)  # PPO with a critic
+    native = critic is not None or (all(_native_grpo(s) for s in specs)
+                                    and len({repr(_terms(s)[0][2]) for s in specs}) == 1)
     kinds = {o.kind_name() for _, _, o, _ in terms}
     frozen = any(o is not None and o.wants_initial for _, _, o, _ in terms) or any(
         src.wants_initial for src in spec.sources.values())
@@ -556,7 +559,12 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
                    _prompt_line(inputs)]
     if r.top_k:
         run.via_plugin.append(f"top_k {r.top_k} added to vLLM's SamplingParams (OpenRLHF has no top_k flag)")
-    if inputs.eval_file:
+    scorer = _reward_model_source(spec)
+    if inputs.eval_file and scorer is not None:
+        run.notes.append(f"no evaluation during the run: OpenRLHF evaluates with a reward function (--reward.remote_url), "
+                         f"and this run's reward is the reward model '{scorer}'; evaluate the exported model with "
+                         "`composer eval`")
+    elif inputs.eval_file:
         a.add("eval.dataset", inputs.eval_file)
         a.add("eval.steps", t.eval_every or -1)
         a.add("eval.temperature", 0.0)
@@ -588,6 +596,9 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
         raise Unsupported(("terms",), "OpenRLHF carries one reward per sample; these terms read "
                           f"{len(rewards)} reward sources ({', '.join(sorted(rewards))})", "use one outcome_reward")
     verifiers = rewards or {n for n, s in spec.sources.items() if "sequence_reward" in type(s).provides}
+    if scorer is not None:
+        verifiers = set()
+        _reward_model_flags(a, run, spec, specs, where, inputs, scorer, layout)
     if verifiers:
         name = sorted(verifiers)[0]
         p["reward_source"], p["verifier"] = name, spec.sources[name].verifier
@@ -608,7 +619,7 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
                               "guide through llm_engine.generate, returns trainable spans and the reward, and "
                               "carries per-sample provenance in the label / extra_logs; the guide follows the "
                               "trainer's step (phases)")
-    else:
+    elif scorer is None:
         a.add("reward.remote_url", "reward.py")
         run.native.append(f"reward: reward.py (reward_func over the composer's '{p['verifier']}' verifier)"
                           + ("" if rewards else "; no term reads it, it is logged" if verifiers else "")
@@ -616,7 +627,9 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
     _teachers(a, run, spec, specs, terms, inputs)
 
     # ---- objective ----
-    if native:
+    if critic is not None:
+        _critic_flags(a, run, critic, inputs, model)
+    elif native:
         obj = _terms(spec)[0][2]
         lo = obj.clip if obj.clip_low is None else obj.clip_low
         hi = obj.clip if obj.clip_high is None else obj.clip_high
@@ -827,3 +840,166 @@ def _teachers(a: _Args, run: Run, spec, specs, terms, inputs: Inputs) -> None:
             run.via_plugin.append(f"teacher '{name}': {info['path']} loaded where OpenRLHF loads the reference model "
                                   "(its log-probs arrive as base_action_log_probs)")
         p["teachers"][name] = info
+
+
+# ------------------------------------------------------------------------------- PPO's critic, a reward model
+
+WIDE_REWARD_CLIP = 1e10  # OpenRLHF clips the sequence reward to --reward.clip_range (default +-10); the composer does not
+
+
+def _critic_objective(specs, where, later_stage: bool):
+    """The objective with a critic (`value_model()`, PPO) of this run, checked to run on OpenRLHF's own critic
+    (CriticModelActor, --algo.advantage.estimator gae, ValueLoss) and PolicyLoss; None when no term has one.
+    Unsupported names what OpenRLHF cannot do with a critic: the per-token advantages of GAE live in OpenRLHF's
+    Experience.advantages and reach only its own PolicyLoss, so nothing of the composer's plugin loss can join them."""
+    found = [(spec, w, b, o) for spec, w in zip(specs, where) for b, _s, o, _w in _terms(spec)
+             if o is not None and o.value_model() is not None]
+    if not found:
+        return None
+    spec, w, b, obj = found[0]
+    path = w + b + ("objective",)
+    if len({repr(_terms(s)) for s in specs}) > 1 or len(found) != len(specs):
+        raise Unsupported(path, "OpenRLHF's critic is created for the whole run; its phases cannot change the "
+                          "objective or the critic", "keep one ppo objective in every phase, or use `stages`")
+    if len(_terms(spec)) != 1 or _terms(spec)[0][3] != 1.0:
+        raise Unsupported(path, "OpenRLHF's critic runs with its own PolicyLoss, one objective: other terms (the "
+                          "composer's plugin loss) cannot join the per-token GAE advantages it keeps in "
+                          "Experience.advantages", "train this mix on the lightning backend")
+    if not type(spec.rollout.guide).plain or any(g is not None for g in gates(spec)):
+        raise Unsupported(w + (("rollout", "guide") if not type(spec.rollout.guide).plain else ("terms", 0, "gate")),
+                          "a guide or a term gate needs the composer's agent or loss, and OpenRLHF's critic and GAE "
+                          "run only with its own PolicyLoss", "train it on the lightning backend")
+    if obj.loss_tokens != ["policy"]:
+        raise Unsupported(path + ("loss_tokens",), "OpenRLHF's PolicyLoss trains the policy's own tokens (the "
+                          "action mask)", "use loss_tokens: [policy]")
+    if obj.loss_agg not in NATIVE_AGG:
+        raise Unsupported(path + ("loss_agg",), f"OpenRLHF's --actor.loss_agg_mode takes {', '.join(NATIVE_AGG)}",
+                          "use one of them, or the lightning backend")
+    c = obj.value_model()
+    if c.network != "own":
+        raise Unsupported(path + ("critic", "network"), "OpenRLHF's critic is a model of its own (CriticModelActor "
+                          "with a value head); it has no head on the actor's network", "use critic.network: own")
+    if c.value_clip is None:
+        raise Unsupported(path + ("critic", "value_clip"), "OpenRLHF's ValueLoss is built with --critic.value_clip, a "
+                          "number (default 0.5): it cannot be switched off", "give critic.value_clip a number")
+    if obj.whiten == "none":
+        raise Unsupported(path + ("whiten",), "OpenRLHF normalises GAE advantages over the step's action tokens "
+                          "(the mean always, the std unless --algo.advantage.no_std_norm)", "use whiten: mean_std or mean")
+    if spec.rollout.filter.truncated != "keep":
+        raise Unsupported(w + ("rollout", "filter", "truncated"), "masking rows takes the composer's loss, and "
+                          "OpenRLHF's critic runs only with its own PolicyLoss", "use truncated: keep")
+    if later_stage:
+        raise Unsupported(path + ("critic",), "each stage is a new OpenRLHF run, whose critic would start again from "
+                          "the stage's model, while the lightning backend carries the critic on from stage to stage",
+                          "put PPO in the first stage, or train on the lightning backend")
+    return obj
+
+
+def _critic_flags(a: _Args, run: Run, obj, inputs: Inputs, model: str) -> None:
+    """PPO with a critic on OpenRLHF's own parts: the critic actor (colocated with the actor), GAE, ValueLoss, the KL
+    in the reward, PolicyLoss; its optimizer on the critic's flags."""
+    c = obj.value_model()
+    lo, hi = obj.bounds()
+    actor = _flag_values(a.argv)
+    if "--train.colocate_all" not in actor:
+        raise Unsupported(("objective", "critic"), "the bundle places OpenRLHF's critic on the actor's GPUs, which "
+                          "needs the colocated layout", "compile with --colocate")
+    path = model if c.model is None else inputs.critic_paths.get("critic", c.model)
+    a.add("algo.advantage.estimator", "gae")
+    a.add("algo.advantage.gamma", obj.gamma)
+    a.add("algo.advantage.lambd", obj.lambd)
+    if obj.whiten == "mean":
+        a.add("algo.advantage.no_std_norm")
+    a.add("critic.model_name_or_path", path)
+    a.add("critic.num_nodes", *actor["--actor.num_nodes"])
+    a.add("critic.num_gpus_per_node", *actor["--actor.num_gpus_per_node"])
+    a.add("critic.value_clip", c.value_clip)
+    spec_lr = float(actor["--actor.adam.lr"][0])
+    for flag in ("adam.betas", "adam.weight_decay", "lr_scheduler", "lr_warmup_ratio", "max_norm"):
+        a.add(f"critic.{flag}", *actor[f"--actor.{flag}"])
+    a.add("critic.adam.lr", c.lr if c.lr is not None else spec_lr)
+    a.add("algo.kl.init_coef", obj.kl_coef)
+    if obj.kl_coef:
+        a.add("algo.kl.estimator", obj.kl_estimator)
+    a.add("reward.clip_range", -WIDE_REWARD_CLIP, WIDE_REWARD_CLIP)
+    a.add("actor.policy_loss_type", "ppo")
+    a.add("actor.eps_clip_low_high", lo, hi)
+    a.add("actor.loss_agg_mode", obj.loss_agg)
+    run.native.append(f"PPO with a critic: OpenRLHF's CriticModelActor from {path}"
+                      + (" (the policy's checkpoint: a new value head `score`, as the composer's critic)"
+                         if c.model is None else "") + f", ValueLoss clip {c.value_clip:g}, its own AdamW lr "
+                      f"{c.lr if c.lr is not None else spec_lr:g}; GAE (--algo.advantage.estimator gae, gamma "
+                      f"{obj.gamma:g}, lambda {obj.lambd:g}), advantages "
+                      + ("whitened" if obj.whiten == "mean_std" else "centred") + " over the step; "
+                      + (f"KL in the reward: -{obj.kl_coef:g} x {obj.kl_estimator} (--algo.kl.init_coef)"
+                         if obj.kl_coef else "no KL")
+                      + f"; PolicyLoss ppo clip ({lo:g}, {hi:g}), {obj.loss_agg}")
+    run.notes.append("OpenRLHF's KL in the reward reads the actor's log-probs of the make-experience step (the "
+                     "composer's: the sampler's, the same weights on-policy); its critic and actor shuffle the step's "
+                     "rows into mini-batches (the composer's: whole groups in order); the sequence reward is not "
+                     f"clipped (--reward.clip_range +-{WIDE_REWARD_CLIP:g})")
+
+
+def _reward_model_source(spec) -> str | None:
+    """The reward_model source a term's reward signal reads (None: none)."""
+    for _b, sig, _o, _w in _terms(spec):
+        for name in (sig.ref_names().get("source", []) if sig is not None else []):
+            if spec.sources[name].kind_name() == "reward_model":
+                return name
+    return None
+
+
+def _reward_model_flags(a: _Args, run: Run, spec, specs, where, inputs: Inputs, name: str, layout: Layout) -> None:
+    """A reward_model source as OpenRLHF's own reward model (RewardModelActor, --reward.model_name_or_path): it scores
+    the policy's token ids (`sequences`) and reads the score at the last non-padding token."""
+    src = spec.sources[name]
+    path = where + ("sources", name)
+    if any(not s.rollout.guide.plain for s in specs):
+        raise Unsupported(path, "OpenRLHF's reward model runs without an agent: a guide's agent returns the reward "
+                          "itself (--train.agent_func_path sets the reward to the agent's)", "train it on lightning")
+    if src.input != "tokens":
+        raise Unsupported(path + ("input",), "OpenRLHF's reward model scores the policy's token ids as they are; it "
+                          "cannot re-tokenise the text with its own tokenizer and chat template",
+                          "use input: tokens (the reward model must share the policy's vocabulary), or lightning")
+    if src.normalize == "running":
+        raise Unsupported(path + ("normalize",), "OpenRLHF normalises a reward model's score by the mean and std in "
+                          "its config.json (--reward.normalize_enable), not by running statistics",
+                          "use normalize: config or none")
+    located = inputs.source_paths.get(name, src.model)
+    differ = _vocabularies_differ(located, inputs.policy_path)
+    if differ:
+        raise Unsupported(path + ("model",), f"the reward model's tokenizer differs from the policy's ({differ}), and "
+                          "OpenRLHF's reward model scores the policy's token ids", "use a reward model of the policy's "
+                          "tokenizer, or input: text on the lightning backend")
+    actor = _flag_values(a.argv)
+    if "--train.colocate_all" not in actor:
+        raise Unsupported(path, "the bundle places OpenRLHF's reward model on the actor's GPUs, which needs the "
+                          "colocated layout", "compile with --colocate")
+    a.add("reward.model_name_or_path", located)
+    a.add("reward.num_nodes", *actor["--actor.num_nodes"])
+    a.add("reward.num_gpus_per_node", *actor["--actor.num_gpus_per_node"])
+    if src.normalize == "config":
+        a.add("reward.normalize_enable")
+    run.plugin["reward_source"], run.plugin["verifier"] = name, "none"
+    run.native.append(f"reward: OpenRLHF's reward model {located} (RewardModelActor) on the policy's token ids, the "
+                      "score at the last non-padding token" + (", normalised by its config's mean and std"
+                                                               if src.normalize == "config" else ""))
+
+
+def _vocabularies_differ(a: str, b: str) -> str | None:
+    """Why two local tokenizers differ ("N vs M tokens", "other token ids"), None when equal or not both readable here
+    (a hub id or a directory only the cluster has: the cluster's run checks nothing, OpenRLHF scores the ids)."""
+    import os
+
+    if not (os.path.isdir(a) and os.path.isdir(b)):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        ta, tb = AutoTokenizer.from_pretrained(a), AutoTokenizer.from_pretrained(b)
+    except Exception:  # noqa: BLE001 - unreadable here: the run decides
+        return None
+    va, vb = ta.get_vocab(), tb.get_vocab()
+    if va == vb:
+        return None
+    return f"{len(va)} vs {len(vb)} tokens" if len(va) != len(vb) else "other token ids"

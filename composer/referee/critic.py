@@ -1,0 +1,383 @@
+"""The referee's checks of a learned critic (PPO) and of a reward-model source (DESIGN.md section 10), with formulas
+written here, from the spec and the recorded inputs only:
+
+  critic values      V(tokens[:t]) by a fresh forward of the critic's recorded weights (own network: its copy; a head
+                     on the policy: the policy's recorded weights and the head's) = the old values the run used
+  critic start       an own network without `model` starts as the policy's backbone at its first use
+  critic moved       its weights at each step's start differ from the step before's (a frozen critic fails)
+  rewards            the verifier's verdicts, or the reward model's score by a fresh forward of its checkpoint on the
+                     declared input (the rollout's ids, or the text re-rendered with its own tokenizer and template),
+                     at the last non-padding token, normalised as declared
+  GAE                r_t = -beta k(log pi_behaviour - log pi_ref) + R at the last action (the reference by a fresh
+                     forward of the stage's starting weights), delta, A, G row by row in float64, the whitening over
+                     the step's action tokens = the run's advantages and returns
+  value loss         each critic update: 0.5 max((V - G)^2, (V_old + clip(V - V_old) - G)^2), token mean, with V a
+                     fresh forward of the critic's weights before that update: its value and its gradient w.r.t. V
+  policy loss        -min(rho A_t, clip(rho) A_t) with the referee's A_t: value and gradient w.r.t. the log-probs
+A run whose critic never moved, or whose value clip was never checked, fails with the counts.
+"""
+
+from __future__ import annotations
+
+import math
+
+from composer.origins import CODE
+from composer.referee.record import TOL, fresh_logprobs, row_key, segment_spec
+
+VALUE_TOL = 2e-4  # float32 forward passes of one network, shapes apart
+
+
+def _terms_with_critics(spec):
+    from composer.checks.terms import terms
+
+    return {n: o for n, _s, o, _w in terms(spec) if o is not None and o.value_model() is not None}
+
+
+def _action_mask(plan, step: int, term: str, b):
+    from composer.referee.checks import loss_origins
+
+    m = (b.mask(loss_origins(plan, step, term)) & b.attention_mask.bool()).cpu()
+    if b.row_mask is not None:  # a gate's rows (checked against the gate's formula by the main referee)
+        m &= b.row_mask.cpu()[:, None]
+    return m
+
+
+def referee_values(rec, e) -> "object":
+    """[B, T] V(tokens[b, :t]) of event e's batch by a fresh forward of the recorded weights (0 at t = 0)."""
+    import torch
+
+    b = e["batch"]
+    net = rec.critic_scratch[e["term"]]
+    net.load_state_dict(e["state"])
+    ids, mask = b.tokens.cpu(), b.attention_mask.long().cpu()
+    with torch.no_grad():
+        if e["network"] == "own":
+            inner = getattr(net, net.base_model_prefix)
+            h = inner(input_ids=ids.to(net.device), attention_mask=mask.to(net.device)).last_hidden_state
+            v = (h.float() @ net.score.weight.float().T)[..., 0].cpu()
+        else:
+            policy = rec.scratch
+            policy.load_state_dict(e["policy_state"] if "policy_state" in e else rec.weights_at[e["step"]])
+            inner = getattr(policy, policy.base_model_prefix)
+            dev = next(policy.parameters()).device
+            h = inner(input_ids=ids.to(dev), attention_mask=mask.to(dev)).last_hidden_state
+            v = (h.float() @ net.weight.float().T.to(dev))[..., 0].cpu()
+    out = torch.zeros(ids.shape)
+    out[:, 1:] = v[:, :-1]
+    return out
+
+
+def reward_kl(d: float, estimator: str) -> float:
+    """k1 = d, k2 = d^2 / 2, k3 = exp(-d) + d - 1 at d = log pi - log pi_ref, clamped to [-10, 10]."""
+    if estimator == "k1":
+        k = d
+    elif estimator == "k2":
+        k = 0.5 * d * d
+    else:
+        k = math.exp(-max(min(d, 20.0), -20.0)) + max(min(d, 20.0), -20.0) - 1
+    return max(min(k, 10.0), -10.0)
+
+
+def referee_advantages(obj, b, mask, values, ref) -> tuple:
+    """(A [B, T] whitened, G [B, T]) from the spec's gamma, lambda, beta and estimator, row by row in float64."""
+    import torch
+
+    B, T = mask.shape
+    A = torch.zeros((B, T), dtype=torch.float64)
+    G = torch.zeros((B, T), dtype=torch.float64)
+    beh = b.behavior_logprobs.detach().cpu().double()
+    R = b.rewards.detach().cpu().double().tolist()
+    for i in range(B):
+        pos = mask[i].nonzero().flatten().tolist()
+        if not pos:
+            continue
+        r = [0.0] * len(pos)
+        if obj.kl_coef:
+            r = [-obj.kl_coef * reward_kl(float(beh[i, p] - ref[i, p]), obj.kl_estimator) for p in pos]
+        r[-1] += R[i]
+        v = [float(values[i, p]) for p in pos]
+        running, nxt = 0.0, 0.0
+        for j in reversed(range(len(pos))):
+            delta = r[j] + obj.gamma * nxt - v[j]
+            running = delta + obj.gamma * obj.lambd * running
+            A[i, pos[j]] = running
+            G[i, pos[j]] = running + v[j]
+            nxt = v[j]
+    xs = A[mask]
+    if obj.whiten != "none" and xs.numel():
+        mean = float(xs.sum()) / xs.numel()
+        A = torch.where(mask, A - mean, A)
+        if obj.whiten == "mean_std":
+            var = float(((xs - mean) ** 2).sum()) / xs.numel()
+            A = torch.where(mask, A / math.sqrt(max(var, 1e-8)), A)
+    return A, G
+
+
+# ------------------------------------------------------------------------------------------------ reward models
+
+def _reward_model(cache: dict, src):
+    """(model, tokenizer) of a reward_model source's checkpoint, loaded here with transformers."""
+    if src.model not in cache:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from composer.runtime.models import resolve
+
+        path = resolve(src.model)
+        cache[src.model] = (AutoModelForSequenceClassification.from_pretrained(path).eval(),
+                            AutoTokenizer.from_pretrained(path))
+    return cache[src.model]
+
+
+def referee_rm_scores(rec, spec, src, b, cache) -> list[float]:
+    """The reward model's raw score of each row: its declared input, a fresh forward, the head at the last real token."""
+    import torch
+
+    from composer.prompts import prompt_format
+
+    net, tok = _reward_model(cache, src)
+    n_tok = b.attention_mask.sum(1).tolist()
+    if src.input == "tokens":
+        seqs = [b.tokens[i, : n_tok[i]].tolist() for i in range(b.size)]
+    else:
+        fmt = prompt_format(spec.data, rec.tokenizer)
+        resp = b.response_mask
+        seqs = []
+        for i in range(b.size):
+            text = rec.tokenizer.decode(b.tokens[i][resp[i]].tolist(), skip_special_tokens=True)
+            ex = b.examples[i]
+            if getattr(tok, "chat_template", None):
+                msgs = ([{"role": "system", "content": fmt.system}] if fmt.system is not None else []) + \
+                    [{"role": "user", "content": fmt.user(ex)}, {"role": "assistant", "content": text}]
+                s = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
+                seqs.append(tok.encode(s, add_special_tokens=False))
+            else:
+                seqs.append(tok.encode(ex.prompt + text, add_special_tokens=True))
+    out = []
+    for ids in seqs:
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            h = getattr(net, net.base_model_prefix)(input_ids=x).last_hidden_state
+            out.append(float((h[0, -1].float() @ net.score.weight.float().T)[0]))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the checks
+
+def check_critics(v, plan, rec, rep, events, term_events) -> None:
+    """Every check of the module docstring, over the recorded events of terms whose objective has a critic."""
+    import torch
+
+    from composer.checks.terms import terms
+    from composer.referee.checks import stage_start
+
+    critic_terms = {n for seg in v.segments for n in _terms_with_critics(seg.spec)}
+    if not critic_terms:
+        return
+    seen = {"values": 0, "gae": 0, "updates": 0, "clip_bound": 0, "clip_tokens": 0, "policy": 0, "rewards": 0,
+            "moved": 0, "heads": 0}
+    rm_cache: dict = {}
+    running: dict = {}  # reward_model source -> [count, mean, m2] (normalize: running)
+    want_of: dict = {}  # (step, term) -> {row key: (A row, G row, V_old row)}
+    states: dict = {}  # term -> [(step, state)]
+    for kind, e in events:
+        if kind != "critic_values":
+            continue
+        step, term, b = e["step"], e["term"], e["batch"]
+        spec = segment_spec(v, e["segment"])
+        obj = _terms_with_critics(spec)[term]
+        mask = _action_mask(plan, step, term, b)
+        fresh = referee_values(rec, e)
+        err = float((fresh - b.values.detach().cpu()).abs()[mask].max()) if mask.any() else 0.0
+        rep.expect("critic values recomputed", err <= VALUE_TOL,
+                   f"step {step} {term}: the old values are not the critic's recorded weights' (off by {err:.3g})")
+        seen["values"] += 1
+        states.setdefault(term, []).append((step, e["state"]))
+        crit = obj.value_model()
+        if len(states[term]) == 1 and e["network"] == "own" and crit.model is None and step in rec.weights_at:
+            policy = rec.weights_at[step]
+            prefix = rec.critic_scratch[term].base_model_prefix + "."
+            keys = [k for k in e["state"] if k.startswith(prefix)]
+            same = bool(keys) and all(k in policy and torch.equal(e["state"][k], policy[k]) for k in keys)
+            rep.expect("critic starts from the policy's weights", same,
+                       f"step {step} {term}: the critic's backbone is not the policy's weights at its first use")
+        # rewards as the source declares them
+        sig = next(s for n, s, _o, _w in terms(spec) if n == term)
+        sig_source, plus = sig.source, getattr(sig, "plus", None)
+        src = spec.sources[sig_source]
+        if not plus:
+            if src.kind_name() == "reward_model":
+                raw = referee_rm_scores(rec, spec, src, b, rm_cache)
+                if src.normalize == "config":
+                    net, _ = _reward_model(rm_cache, src)
+                    m, s = float(getattr(net.config, "mean", 0.0)), float(getattr(net.config, "std", 1.0))
+                    want = [(x - m) / s for x in raw]
+                elif src.normalize == "running":
+                    c = running.setdefault(sig_source, [0, 0.0, 0.0])
+                    for x in raw:
+                        c[0] += 1
+                        d = x - c[1]
+                        c[1] += d / c[0]
+                        c[2] += d * (x - c[1])
+                    sd = math.sqrt(c[2] / c[0]) if c[0] > 1 else 1.0
+                    want = [(x - c[1]) / max(sd, 1e-8) for x in raw]
+                else:
+                    want = raw
+                got = b.rewards.detach().cpu().double().tolist()
+                bad = [(i, got[i], want[i]) for i in range(b.size) if abs(got[i] - want[i]) > 1e-3 * (1 + abs(want[i]))]
+                rep.expect("reward model scores recomputed", not bad,
+                           f"step {step} {term}: rewards (row, run, the reward model's) differ: {bad[:3]}")
+                seen["rewards"] += 1
+            elif src.kind_name() == "outcome_reward":
+                from composer.referee.checks import verdict_rewards
+
+                want = verdict_rewards(rec, spec, sig_source, b)
+                got = b.rewards.detach().cpu().double().tolist()
+                rep.expect("critic rewards are the verifier's", want is not None and all(
+                    abs(g - w) <= 1e-6 for g, w in zip(got, want)), f"step {step} {term}: rewards {got[:4]} are not "
+                           f"the verifier's {None if want is None else want[:4]}")
+                seen["rewards"] += 1
+        # GAE from the fresh values, the rewards, the fresh reference
+        ref = None
+        if obj.kl_coef:
+            start = stage_start(plan, spec, step)
+            if start not in rec.weights_at:
+                rep.expect("GAE advantages recomputed", False, f"step {step}: no recorded reference weights")
+                continue
+            ref = fresh_logprobs(rec.weights(start), b.tokens.cpu(), b.attention_mask.cpu(),
+                                 float(spec.rollout.temperature)).double()
+        A, G = referee_advantages(obj, b, mask, fresh.double(), ref)
+        if b.advantages is None or b.returns is None:
+            rep.expect("GAE advantages recomputed", False, f"step {step} {term}: the batch has no advantages")
+            continue
+        errA = float((A - b.advantages.detach().cpu().double()).abs()[mask].max()) if mask.any() else 0.0
+        errG = float((G - b.returns.detach().cpu().double()).abs()[mask].max()) if mask.any() else 0.0
+        scale = 1.0 + (float(A[mask].abs().max()) if mask.any() else 0.0)
+        rep.expect("GAE advantages recomputed", errA <= 1e-3 * scale,
+                   f"step {step} {term}: advantages differ from GAE(gamma {obj.gamma:g}, lambda {obj.lambd:g}) with "
+                   f"{obj.whiten} whitening by {errA:.3g}")
+        rep.expect("GAE returns recomputed", errG <= 1e-3 * (1 + float(G[mask].abs().max()) if mask.any() else 1),
+                   f"step {step} {term}: returns differ from A + V_old by {errG:.3g}")
+        seen["gae"] += 1
+        rows = {}
+        for i in range(b.size):
+            rows[row_key(b, i)] = (A[i], G[i], fresh[i])
+        want_of[(step, term)] = rows
+
+    # the critic moved between steps (a frozen critic: same state at every step's start)
+    for term, seq in states.items():
+        for (s0, a), (s1, c) in zip(seq, seq[1:]):
+            moved = any(not torch.equal(a[k], c[k]) for k in a)
+            rep.expect("critic moved", moved, f"{term}: the critic's weights at step {s1} are those of step {s0}")
+            seen["moved"] += moved
+
+    # each update of an own network: the value loss and its gradient w.r.t. the values
+    for kind, e in events:
+        if kind != "critic_update":
+            continue
+        step, term, b = e["step"], e["term"], e["batch"]
+        spec = segment_spec(v, e["segment"])
+        obj = _terms_with_critics(spec)[term]
+        rows = want_of.get((step, term))
+        if rows is None:
+            rep.expect("value loss recomputed", False, f"step {step} {term}: no recorded old values for its update")
+            continue
+        keys = [row_key(b, i) for i in range(b.size)]
+        if any(k not in rows for k in keys):
+            rep.expect("value loss recomputed", False, f"step {step} {term}: update rows not in the step's rollout")
+            continue
+        mask = _action_mask(plan, step, term, b)
+        V = referee_values(rec, e).double()
+        verr = float((V - e["values"].double()).abs()[mask].max()) if mask.any() else 0.0
+        rep.expect("critic values recomputed", verr <= VALUE_TOL,
+                   f"step {step} {term} update {e['update']}: the values are not the critic's recorded weights'")
+        T = b.tokens.shape[1]
+        G = torch.stack([rows[k][1][:T] for k in keys])
+        old = torch.stack([rows[k][2][:T].double() for k in keys])
+        eps = obj.value_model().value_clip
+        unclipped = (V - G) ** 2
+        if eps is None:
+            tok, dtok = 0.5 * unclipped, V - G
+            bound = torch.zeros_like(mask)
+        else:
+            Vc = old + (V - old).clamp(-eps, eps)
+            clipped = (Vc - G) ** 2
+            bound = clipped > unclipped
+            tok = 0.5 * torch.maximum(unclipped, clipped)
+            inside = (V - old).abs() < eps
+            dtok = torch.where(bound, (Vc - G) * inside, V - G)
+        n = max(int(mask.sum()), 1)
+        value = float(tok[mask].sum()) / n
+        rep.expect("value loss recomputed", abs(value - e["loss_value"]) <= 1e-4 * (1 + abs(value)),
+                   f"step {step} {term} update {e['update']}: value loss {e['loss_value']:.6g}, the formula's "
+                   f"{value:.6g} (value clip {eps})")
+        if e.get("values_grad") is not None:
+            want = torch.where(mask, dtok / n, torch.zeros_like(dtok))
+            gerr = float((want - e["values_grad"].double()).abs().max()) * n
+            rep.expect("value loss gradient recomputed", gerr <= 5e-3,
+                       f"step {step} {term} update {e['update']}: d loss / d V differs from the formula's by {gerr:.3g} "
+                       "per token")
+        seen["updates"] += 1
+        seen["clip_tokens"] += int(mask.sum())
+        seen["clip_bound"] += int((bound & mask).sum())
+
+    # the policy loss with the referee's per-token advantages
+    for e in term_events:
+        term, step, b, obj = e["term"], e["step"], e["batch"], e["objective"]
+        if term not in critic_terms or e["grad"] is None:
+            continue
+        rows = want_of.get((step, term))
+        keys = [row_key(b, i) for i in range(b.size)]
+        if rows is None or any(k not in rows for k in keys):
+            rep.expect("policy loss recomputed (critic)", False, f"step {step} {term}: rows without advantages")
+            continue
+        T = b.tokens.shape[1]
+        A = torch.stack([rows[k][0][:T] for k in keys])
+        mask = _action_mask(plan, step, term, b)
+        cur = e["view"].logprobs.detach().cpu().double()
+        old = (b.old_logprobs if b.old_logprobs is not None else b.behavior_logprobs).detach().cpu().double()
+        lo, hi = obj.bounds()
+        rho = torch.exp(cur - old)
+        cl = rho.clamp(1 - lo, 1 + hi)
+        inside = (rho >= 1 - lo) & (rho <= 1 + hi)
+        tok = -torch.minimum(rho * A, cl * A)
+        dtok = torch.where(inside | (rho * A <= cl * A), -A * rho, torch.zeros_like(rho))
+        from composer.referee.checks import _token_weights
+
+        w = _token_weights(mask, obj.loss_agg)
+        if w is None:
+            rep.note("policy loss recomputed (critic)", f"{obj.loss_agg}: not covered")
+            continue
+        value = float((w * tok * mask).sum())
+        grad = e["grad"].double()
+        gerr = float(((w * dtok * mask) - grad).abs().max()) / float(w[mask].max()) if mask.any() else 0.0
+        rep.expect("policy loss gradient recomputed (critic)", gerr <= 5e-3,
+                   f"step {step} {term}: d loss / d log pi differs from the clipped surrogate with GAE advantages by "
+                   f"{gerr:.3g} per unit")
+        extra = 0.0
+        head = [x for k, x in events if k == "critic_head" and x["step"] == step and x["term"] == term
+                and x["batch"].tokens is b.tokens]
+        if obj.value_model().network == "shared":  # the value loss inside the policy's loss
+            if not head:
+                rep.expect("policy loss recomputed (critic)", False, f"step {step} {term}: no recorded critic head")
+                continue
+            h = head[-1]
+            V = referee_values(rec, h).double()
+            G = torch.stack([rows[k][1][:T] for k in keys])
+            old_v = torch.stack([rows[k][2][:T].double() for k in keys])
+            eps = obj.value_model().value_clip
+            u = (V - G) ** 2
+            vt = 0.5 * (u if eps is None else torch.maximum(u, (old_v + (V - old_v).clamp(-eps, eps) - G) ** 2))
+            extra = obj.value_model().value_coef * float(vt[mask].sum()) / max(int(mask.sum()), 1)
+            seen["heads"] += 1
+        rep.expect("policy loss recomputed (critic)", abs(e["loss_value"] - value - extra) <= 1e-4 * (1 + abs(value)),
+                   f"step {step} {term}: loss {e['loss_value']:.6g}, the formula's {value + extra:.6g}")
+        seen["policy"] += 1
+
+    own = any(o.value_model().network == "own" for seg in v.segments for o in _terms_with_critics(seg.spec).values())
+    rep.expect("saw critic values", seen["values"] and seen["gae"], f"no critic value or GAE checked: {seen}")
+    if own:
+        rep.expect("saw value updates", seen["updates"], "no value update checked")
+        rep.expect("critic moved", seen["moved"], f"the critic never moved: {seen}")
+    rep.expect("saw policy losses (critic)", seen["policy"], f"no policy loss checked: {seen}")
+    rep.note("saw value updates", f"{seen['updates']} updates; the value clip bound on {seen['clip_bound']} of "
+             f"{seen['clip_tokens']} tokens; {seen['rewards']} reward batches; {seen['heads']} shared-head losses")
