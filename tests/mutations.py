@@ -124,7 +124,7 @@ MUTATIONS = {
     "ppo_value_clip": ("PPO's value clip dropped", m_ppo_value_clip, "specs/methods/ppo.yaml", []),
     "critic_frozen": ("the critic's optimizer never steps", m_critic_frozen, "specs/methods/ppo.yaml", []),
 }
-FAST = ["k3_k1", "dapo_filter"]  # the default suite's subset (tests/test_conformance.py)
+FAST = ["k3_k1", "dapo_filter", "ppo_lambda"]  # the default suite's subset (tests/test_conformance.py)
 
 
 @contextlib.contextmanager

@@ -209,13 +209,14 @@ def _mutations():
     return mutations
 
 
-@pytest.mark.parametrize("name", ["k3_k1", "dapo_filter"])
+@pytest.mark.parametrize("name", ["k3_k1", "dapo_filter", "ppo_lambda"])
 def test_referee_catches_a_mutation(name, tmp_path):
-    """The fast subset: KL k3 <-> k1 at kl_coef 0.001 (GRPO) and DAPO's filter keeping all-equal groups."""
+    """The fast subset: KL k3 <-> k1 at kl_coef 0.001 (GRPO), DAPO's filter keeping all-equal groups, PPO's GAE
+    ignoring lambda."""
     m = _mutations()
     caught, why = m.referee_verdict(name, tmp_path)
     assert caught, f"{name} went unnoticed"
-    assert "KL term" in why or "filter" in why, why
+    assert "KL term" in why or "filter" in why or "GAE" in why, why
 
 
 @pytest.mark.slow

@@ -24,6 +24,9 @@ MECHANISM = {  # spec -> text explain must show
     "gpg.yaml": "x alpha = B / B_valid (rows over rows with a non-zero advantage, GPG)",
     "kl-cov.yaml": "KL-Cov: the top max(1, floor(0.01 N)) of the step's N loss tokens by Cov_t",
     "clip-cov.yaml": "Clip-Cov: max(1, floor(0.01 N)) of the step's N loss tokens with 0.02 < Cov_t < 5",
+    "ppo.yaml": "advantage: GAE gamma 1, lambda 0.95 over the critic's old values; r_t = -0.01 x k1(log pi_old - "
+                "log pi_ref) + R at the last token",
+    "ppo-rm.yaml": "score with 'rm' (reward model toy:reward on the rollout's token ids, score at the last token)",
 }
 
 
@@ -32,7 +35,7 @@ MECHANISM = {  # spec -> text explain must show
 HOT = {n: ["data.train_tiers=[6]", "rollout.max_new_tokens=48"] for n in ("cispo.yaml", "dr-grpo.yaml", "gspo.yaml", "rloo.yaml",
                                               "reinforce-pp-baseline.yaml", "kdrl.yaml", "srpo.yaml", "kdrl-mask.yaml",
                                               "prorl.yaml", "topr.yaml", "gmpo.yaml", "gpg.yaml",
-                                              "kl-cov.yaml", "clip-cov.yaml")}
+                                              "kl-cov.yaml", "clip-cov.yaml", "ppo.yaml", "ppo-rm.yaml")}
 
 
 @pytest.mark.parametrize("name", sorted(MECHANISM))

@@ -283,11 +283,11 @@ def _rm_ctx(model_path: str, source_cfg: dict):
     from components.sources.reward_model import RewardModel
     from composer.checks.validate import validate_file  # noqa: F401  (registers every kind)
     from composer.lang.spec import spec_model
+    from composer.protocol import Piece, Trace
     from composer.registry import part
     from composer.runtime.context import RunContext
     from composer.runtime.models import load_model, load_tokenizer
     from composer.trajectory import assemble
-    from composer.protocol import Piece, Trace
 
     tok = load_tokenizer("toy:student")
     policy = load_model("toy:student")
@@ -387,3 +387,145 @@ def test_reward_model_score_equals_openrlhf(bpe_reward_model):
     with torch.no_grad():
         want = theirs(tok, attention_mask=mask)
     assert torch.allclose(scorer.raw_scores(ctx, batch), want.float(), atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------- runs
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    from components.tasks.bootstrap import tiny_random_checkpoint
+
+    return tiny_random_checkpoint(str(tmp_path_factory.mktemp("tiny")))
+
+
+def _rows(path: Path) -> list[dict]:
+    import csv
+
+    with open(path / "metrics.csv", newline="") as f:
+        return [r for r in csv.DictReader(f) if r.get("loss")]
+
+
+def test_resume_of_a_ppo_run_is_exact(tiny, tmp_path):
+    """A PPO run stopped after step 2 and resumed continues as the uninterrupted one, critic included: the same losses,
+    value losses and values at steps 3-4, and the same policy and critic (weights, AdamW state, update count) at the
+    end. The critic's state lives in the checkpoint's composer state (`runtimes`)."""
+    from composer.backends.lightning import checkpoint as ckpt_format
+    from composer.backends.lightning.run import train
+    from composer.checks.validate import validate_file
+
+    over = [f"policy.model={tiny}", "train.prompts_per_step=2", "rollout.samples_per_prompt=2",
+            "rollout.max_new_tokens=12", "train.eval_every=0", "train.eval_samples=2", "train.checkpoint_every=2",
+            "train.samples_every=0", "objective.kl_coef=0.05"]
+    spec = ROOT / "specs" / "methods" / "ppo.yaml"
+    train(validate_file(spec, over + ["train.steps=4"]), tmp_path / "ref", progress=False)
+    train(validate_file(spec, over + ["train.steps=2"]), tmp_path / "cut", progress=False)
+    train(validate_file(spec, over + ["train.steps=4"]), tmp_path / "cut", resume=True, progress=False)
+    want, got = _rows(tmp_path / "ref"), _rows(tmp_path / "cut")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == ["0", "1", "2", "3"]
+    for a, b in zip(want, got):
+        for key in ("loss", "critic/loss", "critic/first_loss", "values_mean", "returns_mean", "reward_kl"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    wa, wb = (ckpt_format.load(d / "checkpoints" / "last.ckpt") for d in (tmp_path / "ref", tmp_path / "cut"))
+    assert all(torch.equal(wa["state_dict"][k], wb["state_dict"][k]) for k in wa["state_dict"])
+    ca, cb = (next(v for k, v in w["composer"]["runtimes"].items() if "critic" in k) for w in (wa, wb))
+    assert ca["updates"] == cb["updates"] == 8  # 4 steps x 2 epochs
+    assert all(torch.equal(ca["weights"][k], cb["weights"][k]) for k in ca["weights"])
+    sa, sb = ca["optimizer"]["state"], cb["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"]) for i in sa)
+    start = _rows(tmp_path / "ref")[0]
+    assert float(start["critic/loss"]) != float(want[-1]["critic/loss"])  # the critic trained
+
+
+# --------------------------------------------------------------------------------------- OpenRLHF bundles
+
+@pytest.fixture(scope="module")
+def char_reward_model(tmp_path_factory) -> str:
+    """A tiny random reward model on the toy policy's char tokenizer (what OpenRLHF's reward model can read)."""
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    from components.tasks.tokenizer import char_tokenizer
+
+    out = tmp_path_factory.mktemp("char_rm")
+    tok = char_tokenizer()
+    torch.manual_seed(1)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_labels=1,
+                      pad_token_id=tok.pad_token_id, max_position_embeddings=512)
+    Qwen3ForSequenceClassification(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def _compile(tmp_path, spec: str, overrides: list[str]):
+    from composer.backends.openrlhf.bundle import compile_bundle
+    from composer.backends.openrlhf.flags import Layout
+    from composer.checks.validate import validate_file
+
+    v = validate_file(ROOT / spec, overrides)
+    out = tmp_path / "bundle"
+    compile_bundle(v, out, Layout(nodes=1, gpus_per_node=2, cluster_dir=str(tmp_path / "cluster")))
+    return out, json.loads((out / "args.json").read_text())["main"]
+
+
+def _flag(argv: list[str], name: str) -> list[str]:
+    i = argv.index(f"--{name}")
+    out = []
+    for x in argv[i + 1:]:
+        if x.startswith("--") and not x[2:3].isdigit():
+            break
+        out.append(x)
+    return out
+
+
+@needs_openrlhf
+def test_ppo_compiles_to_openrlhfs_own_critic(tiny, tmp_path):
+    """ppo.yaml on OpenRLHF: its critic (from the policy's checkpoint, on the actor's GPUs), GAE with the spec's gamma
+    and lambda, ValueLoss's clip, the critic's AdamW, the KL in the reward, PolicyLoss; no composer loss plugin."""
+    bundle, argv = _compile(tmp_path, "specs/methods/ppo.yaml", [f"policy.model={tiny}", "train.steps=2"])
+    assert _flag(argv, "algo.advantage.estimator") == ["gae"]
+    assert _flag(argv, "algo.advantage.gamma") == ["1.0"] and _flag(argv, "algo.advantage.lambd") == ["0.95"]
+    assert _flag(argv, "critic.model_name_or_path") == _flag(argv, "actor.model_name_or_path")
+    assert _flag(argv, "critic.value_clip") == ["0.2"] and _flag(argv, "critic.adam.lr") == ["0.0005"]
+    assert _flag(argv, "critic.num_gpus_per_node") == _flag(argv, "actor.num_gpus_per_node")
+    assert _flag(argv, "algo.kl.init_coef") == ["0.01"] and "--algo.kl.use_loss" not in argv
+    assert _flag(argv, "actor.policy_loss_type") == ["ppo"] and _flag(argv, "train.max_epochs") == ["2"]
+    plan = json.loads((bundle / "plan.json").read_text())
+    assert plan["openrlhf"]["runs"][0]["plugin"]["loss"] is False
+    assert any(m["role"] == "critic:term0" and m["trainable"] for m in plan["segments"][0]["models"])
+
+
+@needs_openrlhf
+def test_a_reward_model_compiles_to_openrlhfs_reward_model(tiny, char_reward_model, tmp_path):
+    """ppo-rm.yaml on OpenRLHF with a reward model of the policy's vocabulary: --reward.model_name_or_path on the
+    actor's GPUs, no reward function, no evaluation during the run (OpenRLHF's needs a reward function)."""
+    bundle, argv = _compile(tmp_path, "specs/methods/ppo-rm.yaml", [f"policy.model={tiny}",
+                                                                    f"sources.rm.model={char_reward_model}"])
+    assert _flag(argv, "reward.model_name_or_path") == [char_reward_model]
+    assert "--reward.remote_url" not in argv and "--eval.dataset" not in argv and not (bundle / "reward.py").exists()
+    assert "evaluate the exported model" in (bundle / "README.md").read_text()
+
+
+@needs_openrlhf
+@pytest.mark.parametrize("overrides,path,reason", [
+    (["objective.critic.network=shared"], "objective.critic.network", "no head on the actor's network"),
+    (["objective.critic.value_clip=null"], "objective.critic.value_clip", "cannot be switched off"),
+    (["objective.whiten=none"], "objective.whiten", "normalises GAE advantages"),
+    (["sources.rm.input=text"], "sources.rm.input", "cannot re-tokenise"),
+    (["sources.rm.normalize=running"], "sources.rm.normalize", "not by running statistics"),
+])
+def test_what_openrlhf_cannot_do_with_a_critic_is_refused(tiny, char_reward_model, tmp_path, overrides, path, reason):
+    from composer.backends.openrlhf.flags import Unsupported
+
+    with pytest.raises(Unsupported) as e:
+        _compile(tmp_path, "specs/methods/ppo-rm.yaml", [f"policy.model={tiny}", f"sources.rm.model={char_reward_model}",
+                                                        *overrides])
+    assert ".".join(map(str, e.value.path)) == path and reason in e.value.reason
+
+
+@needs_openrlhf
+def test_a_reward_model_of_another_vocabulary_is_refused_on_openrlhf(tiny, bpe_reward_model, tmp_path):
+    from composer.backends.openrlhf.flags import Unsupported
+
+    with pytest.raises(Unsupported, match="scores the policy's token ids") as e:
+        _compile(tmp_path, "specs/methods/ppo-rm.yaml", [f"policy.model={tiny}", f"sources.rm.model={bpe_reward_model}"])
+    assert e.value.path == ("sources", "rm", "model")

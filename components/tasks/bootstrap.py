@@ -83,7 +83,7 @@ INSTRUCT_DIR = "instruct-v1"  # its folder in the cache: bump when INSTRUCT_SFT 
 # early stop, a wrong final line; reward 0), half of them ending in <eos> (the rollout's token ids end in it, a
 # re-tokenised text does not: the score is read at the last token either way). Binary cross-entropy on the score as
 # a logit: the score is the log-odds that the verifier accepts the response.
-REWARD_SFT = {"tiers": (1, 2, 3, 4, 5, 6, 7, 8), "seed": 6, "updates": 500, "batch": 64, "lr": 2e-3, "warmup": 20}
+REWARD_SFT = {"tiers": (1, 2, 3, 4, 5, 6, 7, 8), "seed": 6, "updates": 300, "batch": 32, "lr": 2e-3, "warmup": 20}
 REWARD_DIR = "reward-v1"  # its folder in the cache: bump when REWARD_SFT changes
 PROPOSAL_TIERS = (2, 3, 4, 5, 6, 7, 8)  # chain lengths of the proposer task's failed attempts
 REAL_FAILURES = 0.3  # share of the proposer task's attempts that are the student's own failures (when given)

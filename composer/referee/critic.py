@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import math
 
-from composer.origins import CODE
-from composer.referee.record import TOL, fresh_logprobs, row_key, segment_spec
+from composer.referee.record import fresh_logprobs, row_key, segment_spec
 
 VALUE_TOL = 2e-4  # float32 forward passes of one network, shapes apart
 
@@ -321,6 +320,7 @@ def check_critics(v, plan, rec, rep, events, term_events) -> None:
         seen["clip_bound"] += int((bound & mask).sum())
 
     # the policy loss with the referee's per-token advantages
+    n_seen: dict = {}
     for e in term_events:
         term, step, b, obj = e["term"], e["step"], e["batch"], e["objective"]
         if term not in critic_terms or e["grad"] is None:
@@ -354,13 +354,15 @@ def check_critics(v, plan, rec, rep, events, term_events) -> None:
                    f"step {step} {term}: d loss / d log pi differs from the clipped surrogate with GAE advantages by "
                    f"{gerr:.3g} per unit")
         extra = 0.0
-        head = [x for k, x in events if k == "critic_head" and x["step"] == step and x["term"] == term
-                and x["batch"].tokens is b.tokens]
         if obj.value_model().network == "shared":  # the value loss inside the policy's loss
-            if not head:
+            key = (step, term, id(b.tokens))
+            n_seen[key] = n_seen.get(key, 0) + 1  # the k-th loss of this batch reads the k-th recorded head
+            head = [x for k, x in events if k == "critic_head" and x["step"] == step and x["term"] == term
+                    and x["batch"].tokens is b.tokens]
+            if len(head) < n_seen[key]:
                 rep.expect("policy loss recomputed (critic)", False, f"step {step} {term}: no recorded critic head")
                 continue
-            h = head[-1]
+            h = head[n_seen[key] - 1]
             V = referee_values(rec, h).double()
             G = torch.stack([rows[k][1][:T] for k in keys])
             old_v = torch.stack([rows[k][2][:T].double() for k in keys])
