@@ -244,3 +244,17 @@ def test_referee_fails_a_gate_that_selected_nothing(tmp_path):
     failures, with a success threshold no reward reaches inverted: every rollout counts as a success)."""
     rep = referee(ROOT / "specs" / "methods" / "kdrl-mask.yaml", tmp_path, ["sources.verifier.success_threshold=-1"])
     assert any("its gate selected 0 of" in f for f in rep.failures()), rep.table()
+
+
+def test_referee_k3_has_verls_clamps():
+    """The referee's own k3 (ALGORITHMS.md section 0: verl's low_var_kl, d clamped to +-20 and the value to +-10),
+    worked by hand: at d = -0.5 the value is e^0.5 - 1.5 = 0.148721 and the gradient 1 - e^0.5 = -0.648721; at
+    d = -2.72 the value e^2.72 - 3.72 = 11.46 is clamped to 10 and the token has no gradient (a ProRL run's
+    token 2.7 nats below its reference once failed the check for want of this clamp)."""
+    from composer.referee.checks import kl_formula
+
+    val, grad = kl_formula(torch.tensor([-0.5, -2.72, 0.0], dtype=torch.float64), "k3")
+    assert val.tolist() == pytest.approx([0.148721, 10.0, 0.0], abs=1e-6)
+    assert grad.tolist() == pytest.approx([-0.648721, 0.0, 0.0], abs=1e-6)
+    val1, grad1 = kl_formula(torch.tensor([-2.72], dtype=torch.float64), "k1")
+    assert val1.tolist() == [-2.72] and grad1.tolist() == [1.0]

@@ -329,14 +329,18 @@ def covered(obj) -> bool:
 
 def kl_formula(d, estimator: str):
     """(value, d value / d lp) per token of the KL estimators at d = lp - lp_ref (ALGORITHMS.md section 0):
-    k1 = d, k2 = d^2 / 2, k3 = exp(-d) + d - 1."""
+    k1 = d, k2 = d^2 / 2, k3 = exp(-d) + d - 1 with verl's low_var_kl clamps (d to +-20, the value to +-10): where
+    a clamp binds the token's KL has no gradient (a policy 2.7 nats below its reference on a token: k3 > 10)."""
     import torch
 
     if estimator == "k1":
         return d, torch.ones_like(d)
     if estimator == "k2":
         return 0.5 * d * d, d
-    return torch.exp(-d) + d - 1, 1 - torch.exp(-d)
+    dc = d.clamp(-20.0, 20.0)
+    k3 = torch.exp(-dc) + dc - 1
+    free = (d.abs() <= 20.0) & (k3.abs() <= 10.0)
+    return k3.clamp(-10.0, 10.0), torch.where(free, 1 - torch.exp(-dc), torch.zeros_like(d))
 
 
 @gradient("grpo")
