@@ -209,18 +209,25 @@ def _mutations():
     return mutations
 
 
-@pytest.mark.parametrize("name", ["k3_k1", "dapo_filter"])
+FAST_CHECKS = {"k3_k1": "KL term", "dapo_filter": "filter", "opt_kept_stage": "optimizer step recomputed",
+               "overlong_sign": "rewards recomputed"}
+
+
+@pytest.mark.parametrize("name", list(FAST_CHECKS))
 def test_referee_catches_a_mutation(name, tmp_path):
-    """The fast subset: KL k3 <-> k1 at kl_coef 0.001 (GRPO) and DAPO's filter keeping all-equal groups."""
+    """The fast subset (tests/mutations.py FAST): KL k3 <-> k1 at kl_coef 0.001 (GRPO), DAPO's filter keeping
+    all-equal groups, AdamW's moments kept at a stage's start, DAPO's overlong penalty with the wrong sign; each
+    caught by the check written for it."""
     m = _mutations()
+    assert set(FAST_CHECKS) == set(m.FAST)
     caught, why = m.referee_verdict(name, tmp_path)
     assert caught, f"{name} went unnoticed"
-    assert "KL term" in why or "filter" in why, why
+    assert FAST_CHECKS[name] in why, why
 
 
 @pytest.mark.slow
 def test_referee_catches_every_mutation():
-    """The whole script: every mutation of issue 40 caught."""
+    """The whole script: every mutation caught (issue 40's and the second set)."""
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "mutations.py")], cwd=ROOT, capture_output=True,
                        text=True, timeout=3600, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

@@ -84,11 +84,16 @@ def expected_syncs(plan: dict) -> list[int]:
 
 def stage_start(plan: dict, spec, step: int) -> int:
     """The step whose starting weights are the reference of `step`: its stage's first step (the run's
-    start without stages or with train.reference: run_start)."""
+    start without stages or with train.reference: run_start), or the last periodic reset at or before `step`
+    (train.reset_every steps of the segment, counted from its start, with `reference` in reset_what)."""
     seg = segment_of(plan, step)
-    if seg.get("stage") is None or spec.train.reference == "run_start":
-        return 0
-    return min(s["start"] for s in plan["segments"] if s.get("stage") == seg["stage"])
+    start = 0
+    if seg.get("stage") is not None and spec.train.reference != "run_start":
+        start = min(s["start"] for s in plan["segments"] if s.get("stage") == seg["stage"])
+    t = spec.train
+    if t.reset_every and "reference" in t.reset_what:
+        start = max(start, seg["start"] + (step - seg["start"]) // t.reset_every * t.reset_every)
+    return start
 
 
 def loss_origins(plan: dict, step: int, term: str) -> tuple:
@@ -176,6 +181,37 @@ def verdict_rewards(rec, spec, source: str, b) -> list | None:
     return out
 
 
+def expected_rewards(rec, spec, sig, b, task_cap) -> tuple[list, int] | None:
+    """r_i of a `reward` signal recomputed: the verifier's verdict on row i plus sum_k w_k part_k(i) over its `plus`
+    parts: another verifier's verdict; DAPO's overlong penalty (Yu et al. 2025, eq. 13) -factor *
+    clip(|o_i| - (L_max - L_cache), 0, L_cache) / L_cache with L_max = max_tokens or the run's response cap
+    (rollout.max_new_tokens, at most the task's) and L_cache = min(buffer, L_max); a length penalty -coef |o_i|.
+    -> (r [B], how many rows a part changed); None where a verdict is missing or a part is a plugin's."""
+    out = verdict_rewards(rec, spec, sig.source, b)
+    if out is None:
+        return None
+    base = list(out)
+    lengths = b.response_mask.sum(-1).tolist()
+    for name, w in sig.plus.items():
+        src = spec.sources[name]
+        kind = src.kind_name()
+        if kind == "outcome_reward":
+            part = verdict_rewards(rec, spec, name, b)
+        elif kind == "overlong_penalty":
+            n = spec.rollout.max_new_tokens
+            cap = src.max_tokens or (min(n, task_cap) if task_cap else n)
+            buf = min(src.buffer, cap)
+            part = [-src.factor * min(max(ln - (cap - buf), 0), buf) / buf for ln in lengths]
+        elif kind == "length_penalty":
+            part = [-src.coef * ln for ln in lengths]
+        else:
+            return None
+        if part is None:
+            return None
+        out = [r + w * p for r, p in zip(out, part)]
+    return out, sum(1 for r, r0 in zip(out, base) if r != r0)
+
+
 def truncated(b, eos_id: int) -> list:
     """Rows whose response does not end in EOS."""
     out = []
@@ -217,6 +253,38 @@ def expected_control(spec, b, tokenizer=None) -> list:
             out.append(first is None or first not in text.replace(ex.problem or "\0", ""))
         return out
     return [not bool(b.mask(("guide_prefix",))[i].any()) for i in range(b.size)]
+
+
+def expected_prefix_steps(spec, ex, step: int, n_ref: int) -> tuple[int, int]:
+    """The prefix a prefix guide (POPE, PrefixRL) must show row example `ex` at `step`, from the spec alone:
+    (k_min, k_max) of reference steps. Not chosen (sha256(prompt|step|seed) / 16^8 >= guided_fraction): (0, 0).
+    Chosen: at most floor(max_fraction n), never the whole reference; `fixed` exactly that; `random` the hashed
+    draw between ceil(min_fraction n) and it; `minimal` any k from 0 (the initial policy needs none) to it.
+    Units are the guide's: reference steps, or tokens (`unit: tokens`)."""
+    import hashlib
+
+    g = spec.rollout.guide
+    seed = spec.train.seed
+    chosen = int(hashlib.sha256(f"{ex.prompt}|{step}|{seed}".encode()).hexdigest()[:8], 16) / 16 ** 8 < g.guided_fraction
+    if not chosen:
+        return 0, 0
+    kmax = max(0, min(math.floor(g.max_fraction * n_ref), n_ref - 1))
+    if g.search == "fixed":
+        return kmax, kmax
+    if g.search == "random":
+        kmin = min(math.ceil(g.min_fraction * n_ref), kmax)
+        u = int(hashlib.sha256(f"{ex.prompt}|{step}|{seed}|k".encode()).hexdigest()[:8], 16) / 16 ** 8
+        k = kmin + min(int(u * (kmax - kmin + 1)), kmax - kmin)
+        return k, k
+    return 0, kmax
+
+
+def shown_prefix_steps(text: str, steps: list[str], sep: str) -> int:
+    """How many of the reference's first steps `text` shows, in order, each followed by the separator (0: none)."""
+    k = 0
+    while k < len(steps) and (sep.join(steps[: k + 1]) + sep) in text:
+        k += 1
+    return k
 
 
 # ----------------------------------------------------------------------------------------------- advantages

@@ -49,8 +49,13 @@ def short(path: Path, extra=()) -> list[str]:
         out += ["train.steps=3"]
     if all(s.spec.data.train is None for s in v.segments):  # the toy testbed
         out += HOT.get(Path(path).stem, HARD)
+        if any(src.kind_name() == "overlong_penalty" and src.max_tokens is None for s in v.segments
+               for src in s.spec.sources.values()):  # a cap some 6-step answers pass into the buffer: the part acts
+            out += ["rollout.max_new_tokens=40"]
     if any(s.spec.sync.every > 2 for s in v.segments) and not data.get("stages"):
         out += ["sync.every=2"]
+    if (data.get("train") or {}).get("reset_every") and not data.get("stages"):  # a periodic reset inside the run
+        out += ["train.reset_every=2"]
     return out + list(extra)
 
 
@@ -119,6 +124,9 @@ class Recorder:
         self.tokenizer = None
         self.verdicts: dict[tuple, tuple] = {}  # (verifier, row tokens) -> (reward, parsed)
         self.verdict_log: list[tuple] = []  # (step, segment, verifier, parsed)
+        self.updates = None  # composer/referee/optim.py's UpdateWatch on the run's optimiser
+        self.written: dict[str, list] = {}  # model source -> (prompt text, generated text) of every trace it wrote
+        self.judged: dict[tuple, bool] = {}  # (problem, text) -> the verifier's success, for texts a guide judged
 
     def _keep_weights(self, step: int, policy) -> None:
         if policy is None or step in self.weights_at:
@@ -231,6 +239,11 @@ def run_recorded(path: Path, out_dir: Path, extra=(), as_declared: bool = False)
         answers = real_serve(ctx, key, requests, *scope)
         if key[0] == "sample" and key[1] == POLICY and not key[2] and key[3] == "rollout":
             rec.on_sample(requests, answers)
+        if key[0] == "sample" and key[3] == "teacher":  # a model writing traces: what it wrote, per model
+            tok = ctx.tokenizer
+            rec.written.setdefault(key[1], []).extend(
+                (tok.decode(req.tokens, skip_special_tokens=True), tok.decode(g.tokens, skip_special_tokens=True))
+                for req, gens in zip(requests, answers) for g in gens)
         return answers
 
     def verdicts(self, ctx, batch):  # the verifier's verdicts as it returned them
@@ -238,11 +251,36 @@ def run_recorded(path: Path, out_dir: Path, extra=(), as_declared: bool = False)
         rec.on_verdicts(self.cfg.verifier, ctx.step, ctx.segment, batch, out)
         return out
 
+    from composer.backends.lightning.module import ComposerModule
+    from composer.referee.optim import UpdateWatch
+
+    real_configure = ComposerModule.configure_optimizers
+
+    def configure_optimizers(self):  # every update of the run's optimiser, around its step (composer/referee/optim.py)
+        out = real_configure(self)
+        rec.updates = UpdateWatch(v, out["optimizer"], self.policy, rec.events)
+        return out
+
+    import components.guides.intervention as intervention
+
+    real_successes = intervention.successes
+
+    def successes(ctx, examples, texts):  # the verifier's verdicts on texts a guide judges (a model's traces)
+        out = real_successes(ctx, examples, texts)
+        rec.judged.update({(ex.problem, t): ok for ex, t, ok in zip(examples, texts, out)})
+        return out
+
+    intervention.successes = successes
     rollout_mod.serve, RewardScorer.verdicts = serve, verdicts
+    ComposerModule.configure_optimizers = configure_optimizers
     try:
         train(v, Path(out_dir) / "run", progress=False, recorder=rec)
     finally:
         rollout_mod.serve, RewardScorer.verdicts = real_serve, real_verdicts
+        intervention.successes = real_successes
+        ComposerModule.configure_optimizers = real_configure
+        if rec.updates is not None:
+            rec.updates.active = False
     if rec.policy is not None:
         rec.final = {k: t.detach().clone() for k, t in rec.policy.state_dict().items()}
     rows = {}
