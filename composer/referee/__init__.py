@@ -320,9 +320,11 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
                            f"step {e['step']}: logged {logged}, recounted {want}")
 
     # ---- step-wide token selection (grpo.token_selection: KL-Cov, Clip-Cov), recomputed from the spec
-    from composer.referee.checks import check_token_selection
+    from composer.referee.checks import check_token_selection, check_traces
 
     check_token_selection(rep, term_events)
+    # ---- traces the policy did not write inside groups (the traces guide): which rows, their tokens, the groups
+    check_traces(rep, rec, v, events)
     return rep
 
 
