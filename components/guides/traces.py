@@ -44,7 +44,8 @@ class TracesGuide(Guide):
         """A policy_model source writes the traces: one generation of up to rollout.max_new_tokens each."""
         if not self.writer(spec):
             return []
-        return [ModelCall(self.source, spec.rollout.max_new_tokens, "\n", spec.sources[self.source].weights)]
+        return [ModelCall(self.source, spec.rollout.max_new_tokens, "\n", spec.sources[self.source].weights,
+                          sampled=True)]
 
     def describe(self, spec) -> str:
         what = (f"'{self.source}' writes from the policy's prompt (fresh each step)" if self.writer(spec) else

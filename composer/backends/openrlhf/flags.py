@@ -786,6 +786,13 @@ def _check_guides(specs, where, inputs: Inputs) -> None:
                 raise Unsupported(w + ("sources", call.source, "weights"), "a judge generates with the rollout "
                                   "engine (`self`: the current weights) or its own engine (an external model: its "
                                   "own weights)", "use weights: current")
+            r = spec.rollout
+            if call.sampled and (r.temperature != 1.0 or r.top_p != 1.0 or r.top_k):
+                raise Unsupported(w + ("rollout", "temperature"), f"'{call.source}' samples the sequences it writes "
+                                  f"(traces, prefixes) at the rollout's settings (temperature {r.temperature:g}, top_p "
+                                  f"{r.top_p:g}{f', top_k {r.top_k}' if r.top_k else ''}) on the Lightning backend, "
+                                  "and OpenRLHF's engine for an external model samples at temperature 1, top_p 1",
+                                  "use rollout temperature 1 and top_p 1 without top_k, or the lightning backend")
 
 
 def _teachers(a: _Args, run: Run, spec, specs, terms, inputs: Inputs) -> None:
