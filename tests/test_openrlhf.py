@@ -1042,3 +1042,15 @@ def test_a_teacher_sampling_traces_away_from_temperature_one_is_refused(tmp_path
     assert r.exit_code == 0, r.output
     plan = json.loads((tmp_path / "b" / "plan.json").read_text())
     assert "teacher" in plan["openrlhf"]["runs"][0]["plugin"]["judges"]  # its own vLLM actor writes the traces
+
+
+@needs_openrlhf
+def test_the_sft_plus_rl_refusal_points_at_traces_not_at_stages(tmp_path, cli):
+    """The refusal of an SFT term next to rollout terms names the part that keeps demonstrations inside the RL run
+    (the traces guide), not `stages`, which would turn the method into SFT-then-RL (issue 46)."""
+    text = ("name: x\nsources:\n  verifier: {kind: outcome_reward}\n  reference: {kind: reference_solution}\nterms:\n"
+            "  - {signal: {kind: reward, source: verifier}, objective: {kind: grpo}}\n"
+            "  - {signal: {kind: sft, target: reference}, objective: {kind: cross_entropy, loss_tokens: [demonstration]}}\n")
+    r = cli("compile", _spec_file(tmp_path, text), "--backend", "openrlhf", "--out", tmp_path / "b")
+    assert r.exit_code == 2 and "cannot be mixed with rollout terms" in r.stderr, r.output
+    assert "{kind: traces" in r.stderr and "off_policy_weight" in r.stderr and "another method" in r.stderr

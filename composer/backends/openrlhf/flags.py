@@ -298,7 +298,12 @@ def _run(name, group, segs, layout: Layout, inputs: Inputs, model: str) -> Run:
                               "which cannot be mixed with rollout terms in one OpenRLHF run, and its gate reads the "
                               "rollouts of the same step, so stages cannot split them", "train it on the Lightning backend")
         raise Unsupported(w + b + ("signal",), "an SFT term on reference demonstrations runs through train_sft, "
-                          "which cannot be mixed with rollout terms in one OpenRLHF run", "split them into `stages`")
+                          "which cannot be mixed with rollout terms in one OpenRLHF run",
+                          "to learn from the demonstrations inside the RL run, put them into the groups as traces "
+                          "(rollout.guide: {kind: traces, source: <reference_solution source>}, loss_tokens: [policy, "
+                          "demonstration] and off_policy_weight: {kind: shaped} on grpo; LUFFY, "
+                          "specs/methods/luffy.yaml), which OpenRLHF runs; or train on the Lightning backend; "
+                          "`stages` (SFT first, then RL) is another method")
     if all(ref_sft):
         run.trainer = "sft"
     for w, (b, sig, _o, _w) in pairs:  # one actor temperature per training step
