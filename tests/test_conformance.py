@@ -265,3 +265,58 @@ def test_referee_k3_has_verls_clamps():
     assert grad.tolist() == pytest.approx([-0.648721, 0.0, 0.0], abs=1e-6)
     val1, grad1 = kl_formula(torch.tensor([-2.72], dtype=torch.float64), "k1")
     assert val1.tolist() == [-2.72] and grad1.tolist() == [1.0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Traces the policy did not write inside a group (LUFFY, issue 46): bugs the referee catches from the spec alone.
+# ------------------------------------------------------------------------------------------------
+
+LUFFY = ROOT / "specs" / "methods" / "luffy.yaml"
+
+
+def test_conformance_catches_shaping_on_policy_tokens(tmp_path, monkeypatch):
+    """LUFFY's shaping f(pi) = pi / (pi + 0.1) applied to the policy's own tokens too (in place of the clipped
+    ratio) fails the recomputation of the loss's gradient from the declared weighted origins."""
+    from components.objectives.grpo import Grpo
+
+    monkeypatch.setattr(Grpo, "weighted_origins", lambda self: set(self.loss_tokens) if self.off_policy_weight.acts
+                        else set())
+    with pytest.raises(AssertionError, match="gradient differs"):
+        test_spec_runs_as_declared(LUFFY, tmp_path)
+
+
+def test_conformance_catches_advantages_over_the_rollouts_only(tmp_path, monkeypatch):
+    """The group's mean and std taken over the policy's rollouts only (the trace's reward left out, LUFFY's
+    `grpo_split`, not its paper's mixed group) fail the recomputation of the advantages over the declared group."""
+    from components.objectives.estimators import GroupMean
+
+    def rollouts_only(self, rewards, group, control=None):
+        out = torch.zeros_like(rewards)
+        for g in group.unique():
+            rows = group == g
+            own = rewards[rows & control.bool()]
+            std = own.std() if own.numel() > 1 else torch.tensor(0.0)
+            out[rows] = torch.where(std > 0, (rewards[rows] - own.mean()) / (std + self.eps), torch.zeros_like(out[rows]))
+        return out
+
+    monkeypatch.setattr(GroupMean, "estimate", rollouts_only)
+    with pytest.raises(AssertionError, match=r"advantages \(row, run, formula\) differ"):
+        test_spec_runs_as_declared(LUFFY, tmp_path)
+
+
+def test_conformance_catches_traces_in_a_group_of_their_own(tmp_path, monkeypatch):
+    """The trace row tagged into a group apart from its prompt's rollouts (as POPE's guided rows are) fails the
+    check of the declared mixed group, though the advantages then match the run's own groups."""
+    from components.guides.traces import TracesGuide
+
+    real = TracesGuide.row
+
+    def row(self, ctx, example, index, n):
+        trace = yield from real(self, ctx, example, index, n)
+        if index < self.per_group:
+            trace.tag = "trace"
+        return trace
+
+    monkeypatch.setattr(TracesGuide, "row", row)
+    with pytest.raises(AssertionError, match="mixed groups as declared"):
+        test_spec_runs_as_declared(LUFFY, tmp_path)

@@ -344,9 +344,11 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
                            f"step {e['step']}: logged {logged}, recounted {want}")
 
     # ---- step-wide token selection (grpo.token_selection: KL-Cov, Clip-Cov), recomputed from the spec
-    from composer.referee.checks import check_token_selection
+    from composer.referee.checks import check_token_selection, check_traces
 
     check_token_selection(rep, term_events)
+    # ---- traces the policy did not write inside groups (the traces guide): which rows, their tokens, the groups
+    check_traces(rep, rec, v, events)
 
     # ---- every optimiser update: the parameter gradient, the clip, AdamW at the declared LR, fresh moments
     from composer.referee.optim import check_updates
@@ -401,8 +403,9 @@ def _check_prefix_rows(rep, spec, b, e, tokenizer, written, judged) -> int:
         if src.kind_name() == "reference_solution":
             refs = [src.example_text(ex) or ""]
         else:  # a model's trace: the first the declared model wrote for this problem that the verifier accepted
-            refs = [next((t for p, t in written.get(g.reference, []) if (ex.problem or ex.prompt) in p
-                          and judged.get((ex.problem, t))), "")]
+            texts = ((tokenizer.decode(list(p), skip_special_tokens=True), tokenizer.decode(list(t), skip_special_tokens=True))
+                     for m, p, t in written if m == g.reference)
+            refs = [next((t for p, t in texts if (ex.problem or ex.prompt) in p and judged.get((ex.problem, t))), "")]
         best = None
         for ref in refs:
             if g.unit == "tokens":  # placement response: the guide_prefix tokens are the reference's first k
