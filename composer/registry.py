@@ -16,7 +16,7 @@ from typing import Any, Callable, ClassVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-SECTIONS = ("sources", "guide", "signal", "objective", "estimator", "token_selection")
+SECTIONS = ("sources", "guide", "signal", "objective", "estimator", "token_selection", "off_policy_weight")
 ENTRY_POINT_GROUP = "composer.components"
 ALLOW_PLUGINS_ENV = "COMPOSER_ALLOW_PLUGINS"
 TRUST_REMOTE_CODE_ENV = "COMPOSER_TRUST_REMOTE_CODE"

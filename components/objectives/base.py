@@ -85,12 +85,21 @@ class Objective(Component):
 
     def behavior_origins(self) -> set[str]:
         """Token origins whose behaviour log-probs `loss` reads (the rollout weights score guide tokens of
-        these origins). Default: the loss tokens of a policy-gradient objective."""
-        return set(self.loss_tokens) - self.exact_origins() if type(self).policy_gradient else set()
+        these origins). Default: the loss tokens of a policy-gradient objective, less those it trains exactly
+        or with a declared weight form."""
+        if not type(self).policy_gradient:
+            return set()
+        return set(self.loss_tokens) - self.exact_origins() - self.weighted_origins()
 
     def exact_origins(self) -> set[str]:
         """Origins this objective trains on exactly, with no importance ratio to a behaviour log-prob, so tokens
         the policy did not write are fine there (an exact divergence over the vocabulary). None by default."""
+        return set()
+
+    def weighted_origins(self) -> set[str]:
+        """Origins the policy did not write that this objective trains with a declared importance-weight form of the
+        current policy's probability alone (grpo's `off_policy_weight`: LUFFY's policy shaping), reading no
+        behaviour log-prob, so such tokens are fine there. None by default."""
         return set()
 
     def anchors(self) -> dict[str, str]:
