@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from composer.referee.checks import (ADVANTAGES, GRADIENTS, KL_TOL, NOISE, Report, _groups, _max, covered,
-                                     declared_filter_source, declared_gate_source, expected_control, expected_rewards,
+                                     declared_filter_source, declared_gate_source, expected_control, expected_rewards, source_rewards,
                                      expected_syncs,
                                      gate_select, loss_origins, segment_of, stage_start, surprisal, teacher_logprobs,
                                      teacher_state, truncated, verdict_rewards)
@@ -219,7 +219,7 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
         if where is not None and id(rollout.tokens) in control_of:
             control = [control_of[id(rollout.tokens)][j] for j in where]
         if b.rewards is not None and sig is not None and sig.kind_name() == "reward":  # before the advantages read them
-            got_parts = expected_rewards(rec, spec, sig, b, task_cap)
+            got_parts = expected_rewards(rec, spec, sig, b, task_cap, step)
             if got_parts is None:
                 rep.note("rewards recomputed", "a row without its verdict, or a plugin's reward part: not recomputed")
             else:
@@ -456,7 +456,7 @@ def _check_filters(v, plan, rec, rep, events, term_events) -> None:
         mixed = []
         group_keys: dict = {}  # a group's rows' keys -> mixed?
         for r in rounds:
-            rw = verdict_rewards(rec, spec, src, r)
+            rw = source_rewards(rec, spec, src, r, step)
             if rw is None:
                 rep.expect("filter groups recomputed", False, f"step {step}: rollout rows without a verdict")
                 return

@@ -170,8 +170,11 @@ def declared_filter_source(flt, spec) -> str | None:
 
 
 def verdict_rewards(rec, spec, source: str, b) -> list | None:
-    """The verifier's rewards of b's rows (as it returned them in the run); None if a row has none."""
-    verifier = spec.sources[source].verifier
+    """The verifier's rewards of b's rows (as it returned them in the run); None if a row has none (or the source is
+    no verifier)."""
+    verifier = getattr(spec.sources[source], "verifier", None)
+    if verifier is None:
+        return None
     out = []
     for i in range(b.size):
         got = rec.verdicts.get((verifier, row_key(b, i)))
@@ -181,13 +184,24 @@ def verdict_rewards(rec, spec, source: str, b) -> list | None:
     return out
 
 
-def expected_rewards(rec, spec, sig, b, task_cap) -> tuple[list, int] | None:
-    """r_i of a `reward` signal recomputed: the verifier's verdict on row i plus sum_k w_k part_k(i) over its `plus`
-    parts: another verifier's verdict; DAPO's overlong penalty (Yu et al. 2025, eq. 13) -factor *
-    clip(|o_i| - (L_max - L_cache), 0, L_cache) / L_cache with L_max = max_tokens or the run's response cap
-    (rollout.max_new_tokens, at most the task's) and L_cache = min(buffer, L_max); a length penalty -coef |o_i|.
+def source_rewards(rec, spec, source: str, b, step: int | None) -> list | None:
+    """The rewards source `source` gives b's rows: a verifier's verdicts as it returned them, or a reward model's
+    score recomputed by a fresh forward of its checkpoint (composer/referee/critic.py); None when not recomputable."""
+    if spec.sources[source].kind_name() == "reward_model":
+        from composer.referee.critic import reward_model_rewards
+
+        return None if step is None else reward_model_rewards(rec, step, source, b)
+    return verdict_rewards(rec, spec, source, b)
+
+
+def expected_rewards(rec, spec, sig, b, task_cap, step: int | None = None) -> tuple[list, int] | None:
+    """r_i of a `reward` signal recomputed: its source's reward of row i (a verifier's verdict, or a reward model's
+    score) plus sum_k w_k part_k(i) over its `plus` parts: another verifier's verdict or reward model's score; DAPO's
+    overlong penalty (Yu et al. 2025, eq. 13) -factor * clip(|o_i| - (L_max - L_cache), 0, L_cache) / L_cache with
+    L_max = max_tokens or the run's response cap (rollout.max_new_tokens, at most the task's) and
+    L_cache = min(buffer, L_max); a length penalty -coef |o_i|.
     -> (r [B], how many rows a part changed); None where a verdict is missing or a part is a plugin's."""
-    out = verdict_rewards(rec, spec, sig.source, b)
+    out = source_rewards(rec, spec, sig.source, b, step)
     if out is None:
         return None
     base = list(out)
@@ -195,8 +209,8 @@ def expected_rewards(rec, spec, sig, b, task_cap) -> tuple[list, int] | None:
     for name, w in sig.plus.items():
         src = spec.sources[name]
         kind = src.kind_name()
-        if kind == "outcome_reward":
-            part = verdict_rewards(rec, spec, name, b)
+        if kind in ("outcome_reward", "reward_model"):
+            part = source_rewards(rec, spec, name, b, step)
         elif kind == "overlong_penalty":
             n = spec.rollout.max_new_tokens
             cap = src.max_tokens or (min(n, task_cap) if task_cap else n)

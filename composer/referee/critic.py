@@ -13,6 +13,8 @@ written here, from the spec and the recorded inputs only:
                      the step's action tokens = the run's advantages and returns
   value loss         each critic update: 0.5 max((V - G)^2, (V_old + clip(V - V_old) - G)^2), token mean, with V a
                      fresh forward of the critic's weights before that update: its value and its gradient w.r.t. V
+  critic step        the parameter gradient J^T dL/dV (a fresh forward with gradient), its clip at train.grad_clip and
+                     AdamW at critic.lr (else train.lr) with train's program: the weights after the step
   policy loss        -min(rho A_t, clip(rho) A_t) with the referee's A_t: value and gradient w.r.t. the log-probs
 A run whose critic never moved, or whose value clip was never checked, fails with the counts.
 """
@@ -127,6 +129,47 @@ def _reward_model(cache: dict, src):
     return cache[src.model]
 
 
+def reward_model_rewards(rec, step: int, source: str, b) -> list | None:
+    """The rewards reward_model source `source` gave b's rows at `step`, recomputed: its raw score of every rollout of
+    each step, in step order (`referee_rm_scores`), normalised as declared (running: Welford over every score of
+    the steps so far, the step's own included). None when a row of b is not a rollout of `step`."""
+    table = getattr(rec, "rm_table", None)
+    if table is None:
+        table = rec.rm_table = {}
+        cache: dict = {}
+        running: dict = {}
+        for kind, e in rec.events:
+            if kind != "rollout":
+                continue
+            spec = segment_spec(rec.v, e["segment"])
+            for name, src in spec.sources.items():
+                if src.kind_name() != "reward_model":
+                    continue
+                rb = e["batch"]
+                raw = referee_rm_scores(rec, spec, src, rb, cache)
+                if src.normalize == "config":
+                    net, _ = _reward_model(cache, src)
+                    m, sd = float(getattr(net.config, "mean", 0.0)), float(getattr(net.config, "std", 1.0))
+                    want = [(x - m) / sd for x in raw]
+                elif src.normalize == "running":
+                    c = running.setdefault(name, [0, 0.0, 0.0])
+                    for x in raw:
+                        c[0] += 1
+                        d = x - c[1]
+                        c[1] += d / c[0]
+                        c[2] += d * (x - c[1])
+                    sd = math.sqrt(c[2] / c[0]) if c[0] > 1 else 1.0
+                    want = [(x - c[1]) / max(sd, 1e-8) for x in raw]
+                else:
+                    want = raw
+                rows = table.setdefault((e["step"], name), {})
+                for i in range(rb.size):
+                    rows.setdefault(row_key(rb, i), want[i])
+    rows = table.get((step, source), {})
+    out = [rows.get(row_key(b, i)) for i in range(b.size)]
+    return None if any(x is None for x in out) else out
+
+
 def referee_rm_scores(rec, spec, src, b, cache) -> list[float]:
     """The reward model's raw score of each row: its declared input, a fresh forward, the head at the last real token."""
     import torch
@@ -172,10 +215,8 @@ def check_critics(v, plan, rec, rep, events, term_events) -> None:
     critic_terms = {n for seg in v.segments for n in _terms_with_critics(seg.spec)}
     if not critic_terms:
         return
-    seen = {"values": 0, "gae": 0, "updates": 0, "clip_bound": 0, "clip_tokens": 0, "policy": 0, "rewards": 0,
-            "moved": 0, "heads": 0}
-    rm_cache: dict = {}
-    running: dict = {}  # reward_model source -> [count, mean, m2] (normalize: running)
+    seen = {"values": 0, "gae": 0, "updates": 0, "clip_bound": 0, "clip_tokens": 0, "policy": 0, "moved": 0,
+            "heads": 0}
     want_of: dict = {}  # (step, term) -> {row key: (A row, G row, V_old row)}
     states: dict = {}  # term -> [(step, state)]
     for kind, e in events:
@@ -199,42 +240,6 @@ def check_critics(v, plan, rec, rep, events, term_events) -> None:
             same = bool(keys) and all(k in policy and torch.equal(e["state"][k], policy[k]) for k in keys)
             rep.expect("critic starts from the policy's weights", same,
                        f"step {step} {term}: the critic's backbone is not the policy's weights at its first use")
-        # rewards as the source declares them
-        sig = next(s for n, s, _o, _w in terms(spec) if n == term)
-        sig_source, plus = sig.source, getattr(sig, "plus", None)
-        src = spec.sources[sig_source]
-        if not plus:
-            if src.kind_name() == "reward_model":
-                raw = referee_rm_scores(rec, spec, src, b, rm_cache)
-                if src.normalize == "config":
-                    net, _ = _reward_model(rm_cache, src)
-                    m, s = float(getattr(net.config, "mean", 0.0)), float(getattr(net.config, "std", 1.0))
-                    want = [(x - m) / s for x in raw]
-                elif src.normalize == "running":
-                    c = running.setdefault(sig_source, [0, 0.0, 0.0])
-                    for x in raw:
-                        c[0] += 1
-                        d = x - c[1]
-                        c[1] += d / c[0]
-                        c[2] += d * (x - c[1])
-                    sd = math.sqrt(c[2] / c[0]) if c[0] > 1 else 1.0
-                    want = [(x - c[1]) / max(sd, 1e-8) for x in raw]
-                else:
-                    want = raw
-                got = b.rewards.detach().cpu().double().tolist()
-                bad = [(i, got[i], want[i]) for i in range(b.size) if abs(got[i] - want[i]) > 1e-3 * (1 + abs(want[i]))]
-                rep.expect("reward model scores recomputed", not bad,
-                           f"step {step} {term}: rewards (row, run, the reward model's) differ: {bad[:3]}")
-                seen["rewards"] += 1
-            elif src.kind_name() == "outcome_reward":
-                from composer.referee.checks import verdict_rewards
-
-                want = verdict_rewards(rec, spec, sig_source, b)
-                got = b.rewards.detach().cpu().double().tolist()
-                rep.expect("critic rewards are the verifier's", want is not None and all(
-                    abs(g - w) <= 1e-6 for g, w in zip(got, want)), f"step {step} {term}: rewards {got[:4]} are not "
-                           f"the verifier's {None if want is None else want[:4]}")
-                seen["rewards"] += 1
         # GAE from the fresh values, the rewards, the fresh reference
         ref = None
         if obj.kl_coef:
@@ -319,6 +324,9 @@ def check_critics(v, plan, rec, rep, events, term_events) -> None:
         seen["clip_tokens"] += int(mask.sum())
         seen["clip_bound"] += int((bound & mask).sum())
 
+    # the critic's own optimizer: the parameter gradient of the value loss, its clip, AdamW with the declared lr
+    _check_critic_steps(v, plan, rec, rep, events, want_of, seen)
+
     # the policy loss with the referee's per-token advantages
     n_seen: dict = {}
     for e in term_events:
@@ -379,7 +387,84 @@ def check_critics(v, plan, rec, rep, events, term_events) -> None:
     rep.expect("saw critic values", seen["values"] and seen["gae"], f"no critic value or GAE checked: {seen}")
     if own:
         rep.expect("saw value updates", seen["updates"], "no value update checked")
+        rep.expect("saw critic steps", seen.get("critic_steps"), "no optimizer step of the critic checked")
         rep.expect("critic moved", seen["moved"], f"the critic never moved: {seen}")
     rep.expect("saw policy losses (critic)", seen["policy"], f"no policy loss checked: {seen}")
     rep.note("saw value updates", f"{seen['updates']} updates; the value clip bound on {seen['clip_bound']} of "
-             f"{seen['clip_tokens']} tokens; {seen['rewards']} reward batches; {seen['heads']} shared-head losses")
+             f"{seen['clip_tokens']} tokens; {seen['heads']} shared-head losses")
+
+
+def _check_critic_steps(v, plan, rec, rep, events, want_of, seen) -> None:
+    """Each update of an own critic: `critic gradient recomputed` (J^T dL/dV, J a fresh forward of the weights before
+    the update with gradient, dL/dV the value loss's formula, against the gradient the run's step read before its
+    clip), `critic step recomputed` (composer/referee/optim.py's clip at train.grad_clip and AdamW at critic.lr, else
+    train.lr, with train's warm-up and decay, betas and weight decay, moments from the critic's first update: the
+    predicted weights against the weights the run had after the step)."""
+    import copy
+
+    import torch
+
+    from composer.referee.optim import GRAD_TOL, STEP_TOL, _norm, _rel, adamw, clip, lr_at
+
+    by_key: dict = {}
+    for kind, e in events:
+        if kind in ("critic_update", "critic_grads", "critic_stepped"):
+            by_key.setdefault((e["step"], e["term"], e["update"]), {})[kind] = e
+    moments: dict = {}  # term -> the referee's AdamW state
+    grad_nets: dict = {}
+    for (step, term, k), parts in sorted(by_key.items(), key=lambda x: (x[0][0], x[0][2])):
+        u, g, after = parts.get("critic_update"), parts.get("critic_grads"), parts.get("critic_stepped")
+        if u is None or g is None or after is None or u["network"] != "own":
+            continue
+        spec = segment_spec(v, u["segment"])
+        obj = _terms_with_critics(spec)[term]
+        b = u["batch"]
+        rows = want_of.get((step, term))
+        keys = [row_key(b, i) for i in range(b.size)]
+        if rows is None or any(key not in rows for key in keys):
+            continue
+        if term not in grad_nets:
+            grad_nets[term] = copy.deepcopy(rec.critic_scratch[term]).train()
+        net = grad_nets[term]
+        net.load_state_dict(u["state"])
+        params = dict(net.named_parameters())
+        for p in params.values():
+            p.requires_grad_(True)
+        mask = _action_mask(plan, step, term, b)
+        inner = getattr(net, net.base_model_prefix)
+        h = inner(input_ids=b.tokens.cpu(), attention_mask=b.attention_mask.long().cpu()).last_hidden_state
+        raw = (h @ net.score.weight.T)[..., 0]
+        V = torch.cat([raw.new_zeros(raw.shape[0], 1), raw[:, :-1]], 1)  # [B, T]
+        T = b.tokens.shape[1]
+        G = torch.stack([rows[key][1][:T] for key in keys]).to(V.dtype)
+        old = torch.stack([rows[key][2][:T] for key in keys]).to(V.dtype)
+        eps = obj.value_model().value_clip
+        Vd = V.detach()
+        if eps is None:
+            dtok = Vd - G
+        else:
+            Vc = old + (Vd - old).clamp(-eps, eps)
+            bound = (Vc - G) ** 2 > (Vd - G) ** 2
+            dtok = torch.where(bound, (Vc - G) * ((Vd - old).abs() < eps), Vd - G)
+        n = max(int(mask.sum()), 1)
+        coef = torch.where(mask, dtok / n, torch.zeros_like(dtok))
+        names = list(g["grads"])
+        got = torch.autograd.grad((V * coef).sum(), [params[x] for x in names], allow_unused=True)
+        want = {x: (gx if gx is not None else torch.zeros_like(params[x])).detach() for x, gx in zip(names, got)}
+        run = g["grads"]
+        gerr = _rel(want, run, _norm(run))
+        rep.expect("critic gradient recomputed", gerr <= GRAD_TOL,
+                   f"step {step} {term} update {k}: the critic's parameter gradient differs from J^T dL/dV of the value "
+                   f"loss by {gerr:.3g} (relative)")
+        t = spec.train
+        crit = obj.value_model()
+        lr = lr_at(v, step) * ((crit.lr / t.lr) if crit.lr is not None else 1.0)
+        mine = clip(run, t.grad_clip)
+        before = {x: u["state"][x] for x in names}
+        predicted = adamw(moments.setdefault(term, {}), before, mine, lr, t.betas, t.weight_decay)
+        moved = {x: after["state"][x].double() - before[x].double() for x in names}
+        serr = _rel(predicted, {x: after["state"][x] for x in names}, _norm(moved))
+        rep.expect("critic step recomputed", serr <= STEP_TOL,
+                   f"step {step} {term} update {k}: the critic's weights after its step differ from AdamW (lr {lr:g}, "
+                   f"clip {t.grad_clip:g}) by {serr:.3g} of the step's size")
+        seen["critic_steps"] = seen.get("critic_steps", 0) + 1

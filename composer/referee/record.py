@@ -149,7 +149,8 @@ class Recorder:
             self.budgets = set()
             self.check_sampled(data["batch"], data["step"])
             self.rollout_at.setdefault(data["step"], fingerprint(data["engine"].model))
-        if kind in ("critic_values", "critic_update", "critic_head"):  # a critic's weights as they were, and its loss
+        if kind in ("critic_values", "critic_update", "critic_head", "critic_grads", "critic_stepped"):  # a critic's
+            # weights as they were, its loss, the gradient its optimizer step read
             self.keep_critic(kind, data)
         if kind == "term_loss":  # now, before backward frees the graph and the optimiser moves the weights
             self._keep_weights(data["step"], data.get("policy"))
@@ -167,6 +168,10 @@ class Recorder:
         rt = data["critic"]
         own = rt.net_or_head
         data["network"] = "own" if rt.separate else "shared"
+        if kind == "critic_grads":
+            data["grads"] = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+                             for n, p in own.named_parameters()}
+            return
         data["state"] = {k: t.detach().clone() for k, t in own.state_dict().items()}
         if data["term"] not in self.critic_scratch:
             self.critic_scratch[data["term"]] = copy.deepcopy(own).eval().requires_grad_(False)

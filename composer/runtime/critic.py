@@ -73,7 +73,9 @@ def train_critics(ctx, batches: list[TrajectoryBatch]) -> dict[str, float]:
             (loss * _share(ctx, obj, b)).backward()
             if k == 0:
                 first = float(loss.detach())
+            ctx.record("critic_grads", term=name, critic=rt, update=k)  # the gradient the step reads, unclipped
             metrics.update(rt.step(ctx))
+            ctx.record("critic_stepped", term=name, critic=rt, update=k)  # its weights after the step
         metrics["critic/first_loss"] = first
         prefix = f"{name}/" if len(todo) > 1 else ""
         out.update({prefix + key: v for key, v in metrics.items()})
