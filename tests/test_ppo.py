@@ -529,3 +529,36 @@ def test_a_reward_model_of_another_vocabulary_is_refused_on_openrlhf(tiny, bpe_r
     with pytest.raises(Unsupported, match="scores the policy's token ids") as e:
         _compile(tmp_path, "specs/methods/ppo-rm.yaml", [f"policy.model={tiny}", f"sources.rm.model={bpe_reward_model}"])
     assert e.value.path == ("sources", "rm", "model")
+
+
+# --------------------------------------------------------------------------------------- toy:reward
+
+def test_toy_reward_is_built_only_when_named(tmp_path, monkeypatch):
+    """The default cache key (toy-v2) and what a run that never names toy:reward waits for do not change: with the
+    student, the teacher and the tokenizer in the cache, ensure_checkpoints() returns at once and builds nothing;
+    resolving `toy:reward` asks for it (reward=True)."""
+    from components.tasks import bootstrap
+    from composer.runtime import models
+
+    for d in ("tokenizer", "student", "teacher"):
+        (tmp_path / d).mkdir()
+    monkeypatch.setattr(bootstrap, "train_reward", lambda *a: pytest.fail("toy:reward built without being named"))
+    paths = bootstrap.ensure_checkpoints(str(tmp_path))
+    assert paths["reward"] == str(tmp_path / bootstrap.REWARD_DIR) and not (tmp_path / bootstrap.REWARD_DIR).exists()
+    assert bootstrap.cache_key() == "toy-v2"
+    asked = []
+    monkeypatch.setattr("composer.registry.part", lambda name: (lambda **kw: asked.append(kw) or paths))
+    assert models.resolve("toy:reward") == paths["reward"] and asked == [{"reward": True}]
+    assert models.resolve("toy:student") == paths["student"] and asked[-1] == {}
+
+
+@pytest.mark.slow
+def test_a_critic_head_on_the_policy_passes_the_referee(tmp_path):
+    """ppo.yaml with critic.network: shared (a scalar head on the policy's network, the value loss inside the policy's
+    loss times value_coef): the referee recomputes its old values from the policy's recorded weights and the head's,
+    GAE, and each loss with the value part from a fresh forward of the weights and head of that update."""
+    from composer.referee import referee
+
+    rep = referee(ROOT / "specs" / "methods" / "ppo.yaml", tmp_path, ["objective.critic.network=shared"])
+    assert rep.ok, "\n".join(rep.failures()) + "\n" + rep.table()
+    assert rep.checks["policy loss recomputed (critic)"].passed > 0 and rep.checks["critic moved"].passed > 0

@@ -9,7 +9,8 @@ Around each optimiser update the recorder calls `UpdateWatch` (installed on the 
                                   recomputed`), J_k a fresh forward of the weights before the update at the term's
                                   declared temperature, w_k the term's weight as the spec declares it at that step,
                                   H the mean entropy of the first batch's response tokens. A term whose loss reads
-                                  logits (a full-vocabulary divergence) is not covered: its update is skipped.
+                                  logits (a full-vocabulary divergence) or a critic head's values (ppo's shared
+                                  network) is not covered: its update is skipped.
   gradient clip as declared       torch's clip_grad_norm_ at the segment's train.grad_clip (0: none):
                                   g <- g * min(1, c / (||g|| + 1e-6)).
   optimizer step recomputed       AdamW (Loshchilov & Hutter 2019, arXiv 1711.05101; torch's form, eps 1e-8) on
@@ -175,6 +176,8 @@ class UpdateWatch:
         if not terms or any(e["grad"] is None and e["objective"].wants_logits for e in terms) or \
                 any(e["objective"].wants_logits for e in terms):
             return None
+        if any(getattr(e["view"], "values", None) is not None for e in terms):  # a critic head on the policy's
+            return None  # network: its value loss reaches the weights through the values, not the log-probs
         weight = {n: w for n, _s, _o, w in self.terms(spec)}
         self.model.load_state_dict({**self.model.state_dict(), **before}, strict=False)
         params = dict(self.model.named_parameters())
@@ -241,5 +244,5 @@ def check_updates(rep, watch) -> None:
     rep.note("optimizer step recomputed", f"{len(watch.results)} updates"
              + (f", moments fresh before step(s) {sorted(set(resets))}" if resets else ""))
     if watch.results:
-        rep.note("parameter gradient recomputed", f"{covered} of {len(watch.results)} updates (the rest read logits)"
-                 if covered < len(watch.results) else f"{covered} updates")
+        rep.note("parameter gradient recomputed", f"{covered} of {len(watch.results)} updates (the rest read logits "
+                 "or a critic head's values)" if covered < len(watch.results) else f"{covered} updates")
