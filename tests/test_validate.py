@@ -137,7 +137,7 @@ CASES = [
          "sources.verifier.verifer", 3, "did you mean 'verifier'?"),
     Case("unknown_top_level_key", HEAD + GRPO + "trian: {steps: 3}\n", "trian", 6, "did you mean 'train'?"),
     Case("bad_kind_lists_kinds", HEAD.replace("outcome_reward", "outcome_rewrd") + GRPO, "sources.verifier.kind", 3,
-         "Valid kinds: feedback, oracle, outcome_reward, policy_model, reference_solution, overlong_penalty, length_penalty, sibling_success"),
+         "Valid kinds: feedback, oracle, outcome_reward, policy_model, reference_solution, reward_model, overlong_penalty, length_penalty, sibling_success"),
     Case("missing_kind", HEAD + "signal: {source: verifier}\nobjective: {kind: grpo}\n", "signal", 4,
          "missing `kind`"),
     Case("missing_required_field", HEAD + "  teacher: {kind: policy_model}\n" + GRPO, "sources.teacher.model", 4,
