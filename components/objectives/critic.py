@@ -36,6 +36,11 @@ class Critic(NumbersNotBooleans, BaseModel):
     value_coef: float = Field(0.1, gt=0, allow_inf_nan=False, description="network shared: the value loss's weight in the policy's loss (TRL vf_coef 0.1). An own network is trained by its own optimizer and reads no coefficient.")
     trust_remote_code: bool = Field(False, description="Allow the critic checkpoint's own Python code to run when it loads (off: such a model is refused).")
 
+    @property
+    def separate(self) -> bool:
+        """Trained by its own optimizer on its own loss (an own network), not inside the policy's loss."""
+        return self.network == "own"
+
     def describe(self) -> str:
         """The critic in words (explain)."""
         clip = "no value clip" if self.value_clip is None else f"value clip {self.value_clip:g}"

@@ -6,7 +6,7 @@ An objective with a value model (`Objective.value_model()`, PPO's critic) gets, 
   train_critics   an own network: train.epochs x train.mini_batches AdamW updates on `critic_loss`, over the same
                   mini-batches of whole groups as the policy's updates (OpenRLHF trains its critic on the replay
                   buffer of the step with the same epochs and batch size);
-  shared_values   a head on the policy's network: its values with gradient, for the policy's loss;
+  with_critic_values  a head on the policy's network: its values with gradient, in the policy view of the loss;
   step_heads      that head's optimizer step, after every policy backward.
 The critic's runtime (weights, AdamW state, update count) lives in ctx.state.runtimes and is checkpointed with
 them. Nothing here names a method: it reads the objective's contract and the critic's runtime.
@@ -55,7 +55,7 @@ def train_critics(ctx, batches: list[TrajectoryBatch]) -> dict[str, float]:
     first's loss as critic/first_loss), per term when several terms have critics."""
     from composer.runtime.step import mini_batches
 
-    todo = [(i, name, obj) for i, name, obj in _critic_terms(ctx) if ctx.critic(name, obj.value_model()).separate]
+    todo = [(i, name, obj) for i, name, obj in _critic_terms(ctx) if obj.value_model().separate]
     if not todo:
         return {}
     t = ctx.spec.train
@@ -88,11 +88,9 @@ def with_critic_values(ctx, name: str, obj, policy, batch: TrajectoryBatch, view
     from dataclasses import replace
 
     cfg = obj.value_model()
-    if cfg is None:
+    if cfg is None or cfg.separate:  # an own network is not read by the policy's loss
         return view
     rt = ctx.critic(name, cfg)
-    if rt.separate:
-        return view
     values = rt.values(ctx, batch, grad=True, policy=policy)
     ctx.record("critic_head", term=name, batch=batch, values=values, critic=rt, policy=policy)
     return replace(view, values=values)
@@ -103,6 +101,5 @@ def step_heads(ctx) -> None:
     if ctx is None or ctx.spec is None:
         return
     for _i, name, obj in _critic_terms(ctx):
-        rt = ctx.critic(name, obj.value_model())
-        if not rt.separate:
-            ctx.log(**{k: v for k, v in rt.step(ctx).items()})
+        if not obj.value_model().separate:
+            ctx.log(**ctx.critic(name, obj.value_model()).step(ctx))
