@@ -165,6 +165,12 @@ def m_critic_frozen(undo):
     patch_source(undo, ValueModel, "step", "self.opt.step()", "pass")
 
 
+def m_rm_position(undo):
+    from components.sources.reward_model import RewardModelScorer
+
+    patch_source(undo, RewardModelScorer, "raw_scores", "last = mask.long().sum(1) - 1", "last = mask.long().sum(1) - 2")
+
+
 # name -> (description, mutation, spec, extra overrides)
 MUTATIONS = {
     "k3_k1": ("KL estimator k3 <-> k1 (kl_coef 0.001)", m_k3_k1, "specs/grpo.yaml", []),
@@ -201,6 +207,7 @@ MUTATIONS = {
     "ppo_lambda": ("PPO's GAE ignores lambda (lambda 1)", m_ppo_lambda, "specs/methods/ppo.yaml", []),
     "ppo_value_clip": ("PPO's value clip dropped", m_ppo_value_clip, "specs/methods/ppo.yaml", []),
     "critic_frozen": ("the critic's optimizer never steps", m_critic_frozen, "specs/methods/ppo.yaml", []),
+    "rm_position": ("the reward model read one token before the last", m_rm_position, "specs/methods/ppo-rm.yaml", []),
 }
 SECOND = ["opt_kept_stage", "periodic_ref", "lr_not_stepped", "weight_dropped", "clip_skipped", "entropy_sign",
           "weight_decay", "overlong_sign", "ema_rate", "prefix_long"]

@@ -98,7 +98,12 @@ def test_bundle_compiles_and_parses_with_openrlhf(spec, bundles):
         parsed, _ = parser.check(run["trainer"], args[run["name"]])  # OpenRLHF's parser + post-parse asserts
         assert line.startswith(f"python -m composer.backends.openrlhf --plan plan.json --run {run['name']} -- ")
         if run["trainer"] == "ppo":
-            assert parsed.algo.advantage.estimator != "gae"  # never a silent critic
+            critic = any(m["role"].startswith("critic:") for s in plan["segments"] for m in s["models"])
+            assert (parsed.algo.advantage.estimator == "gae") == critic  # a critic exactly where the spec has one
+            assert bool(parsed.critic.model_name_or_path) == critic  # (OpenRLHF's default gae silently adds one)
+            if parsed.reward.model_name_or_path:  # a reward_model source: OpenRLHF's reward model, no reward function
+                assert not parsed.reward.remote_url and (d / parsed.reward.model_name_or_path).is_dir()
+                continue
             assert (d / ("agent.py" if run["plugin"]["agent"] else "reward.py")).exists()
             uses = parsed.train.agent_func_path or parsed.reward.remote_url[0]
             assert (d / uses).exists()

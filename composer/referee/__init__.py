@@ -227,8 +227,8 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
                 seen["reward_parts"] += acted
                 got_r = b.rewards.double().tolist()
                 bad = [(i, got_r[i], want_r[i]) for i in range(b.size) if abs(got_r[i] - want_r[i]) > 1e-5 * (1 + abs(want_r[i]))]
-                rep.expect("rewards recomputed", not bad, f"step {step} {e['term']}: rewards (row, run, the verifier's "
-                           f"verdicts and the declared parts) differ: {bad[:4]}")
+                rep.expect("rewards recomputed", not bad, f"step {step} {e['term']}: rewards (row, run, the source's "
+                           f"(a verifier's verdicts, a reward model's scores) and the declared parts) differ: {bad[:4]}")
         adv = None
         if b.advantages is not None and b.advantages.dim() == 1:  # per-token advantages (a critic): check_critics
             if not rep.expect("advantages recomputed", obj.kind_name() in ADVANTAGES,
