@@ -76,9 +76,9 @@ def m_dapo_filter(undo):
 
 
 def m_loss_t1(undo):
-    import composer.runtime.step as step
+    import composer.runtime.models as models
 
-    patch_source(undo, step, "policy_view", 'batch.info.get("temperature", 1.0)', "1.0")
+    patch_source(undo, models, "policy_view", 'batch.info.get("temperature", 1.0)', "1.0")
 
 
 def m_stale_reference(undo):

@@ -239,9 +239,9 @@ def test_openrlhf_agent_reads_initial_weights_from_the_schedule():
     plan = plan_of("specs/pope.yaml", ["train.steps=4"])
     plan["openrlhf"] = {"runs": [{"name": "main", "segments": [0], "plugin": {"agent": True}}]}
     agent = ComposerAgent(plan)
-    assert [agent.schedule.sampler_is_initial(t) for t in range(4)] == [True, False, False, False]
+    assert [agent.steps.at(t).sampler_is_initial for t in range(4)] == [True, False, False, False]
     with pytest.raises(RuntimeError, match="initial policy"):
-        agent._engine(object(), "initial", agent.schedule.sampler_is_initial(1))
+        agent._engine(object(), "initial", agent.steps.at(1).sampler_is_initial)
 
 
 def test_a_guide_takes_the_composer_loss_not_native_grpo(tmp_path, tiny):
@@ -292,8 +292,7 @@ def _hooked_trainer(monkeypatch, plan: dict, run: dict):
     from composer.backends.openrlhf import hooks
 
     monkeypatch.setattr(hooks, "_STATE", {"plan": plan, "run": run})
-    hooks._segments.cache_clear()
-    hooks._schedule.cache_clear()
+    hooks._plan.cache_clear()
     broadcasts = []
 
     class BasePPOTrainer:
@@ -343,8 +342,7 @@ def test_openrlhf_trainer_patch_syncs_on_the_plans_schedule(monkeypatch, case):
             assert out == k + 1 and trainer.samples_generator.composer_step == k + 1
             synced.append(status["composer/synced"])
     finally:
-        hooks._segments.cache_clear()
-        hooks._schedule.cache_clear()
+        hooks._plan.cache_clear()
     want = [d for d in s.syncs() if first < d <= first + n]
     assert broadcasts == want and synced == [float(first + k + 1 in want) for k in range(n)]
     assert want == ([1, 2, 3, 5, 7, 9] if case == "phases" else [5, 7])

@@ -100,6 +100,12 @@ class SftSignal(Signal):
             return guided_targets(ctx, batch, self.filter_samples, self.leak_filter, self.temperature)
         return batch
 
+    def ahead_program(self, ctx, example, index: int, n: int):
+        return attempt_program(ctx, self, example, index, n)
+
+    def ahead_targets(self, examples: list, results: list, n: int) -> tuple[dict, dict]:
+        return collect_targets(examples, results, n)
+
     @property
     def targets_rows(self) -> bool:
         return self.target == "guided" and not self.builds_ahead

@@ -187,7 +187,7 @@ def _edges(spec) -> list[dict]:
 def _segment(seg: Segment) -> dict:
     spec = seg.spec
     return {
-        "name": seg.name, "start": seg.start, "end": seg.end, "stage": seg.stage,
+        "name": seg.name, "start": seg.start, "end": seg.end, "stage": seg.stage, "origin": list(seg.origin),
         "guide": _component(spec.rollout.guide) if rolls_out(spec) else None,
         "terms": [{"name": n, "weight": schedule_json(w), "signal": _component(s) if s else None,
                    "objective": _component(o) if o else None,

@@ -272,6 +272,12 @@ class RunContext:
     def initial_policy(self) -> torch.nn.Module:
         return self.models.initial_policy()
 
+    def initial_logprobs(self, batch) -> torch.Tensor:
+        """[B, T] log-probs of the batch under the frozen initial weights (a KL term, A*PO's anchor)."""
+        from composer.runtime.models import batch_logprobs
+
+        return batch_logprobs(self.forward_model(self.initial_policy()), batch)
+
     def forward_model(self, model: torch.nn.Module):
         """`model` for log-prob forward passes: compiled once when train.compile is set."""
         return self.models.forward_model(model, self.spec is not None and self.spec.train.compile)

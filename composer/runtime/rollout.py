@@ -12,7 +12,7 @@ import contextlib
 import time
 
 from composer.runtime.engine import Sampling
-from composer.protocol import POLICY, Generation, Sample, Score, Trace, drive
+from composer.protocol import POLICY, Generation, Sample, Score, Trace, drive, fill_scores
 from composer.trajectory import assemble
 from composer.checks.terms import scored_origins
 
@@ -85,15 +85,6 @@ def score_guide_pieces(ctx, traces: list[Trace], origins: set[str]) -> None:
         return
     for t, lps in zip(todo, run(ctx, [_score_program(t) for t in todo])):
         fill_scores(t, lps, origins)
-
-
-def fill_scores(trace: Trace, lps: list[float], origins: set[str]) -> None:
-    """Give the unscored pieces of `origins` their log-probs from `lps`, the response's scores."""
-    pos = 0
-    for p in trace.pieces:
-        if p.logprobs is None and p.origin in origins:
-            p.logprobs = lps[pos: pos + len(p.tokens)]
-        pos += len(p.tokens)
 
 
 def _score_program(trace: Trace):

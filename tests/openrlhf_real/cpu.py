@@ -253,11 +253,10 @@ def teacher_forward(trainer, info: dict):
 
 
 def lightning(trainer, module, exp, pad_id: int) -> dict:
-    """The Lightning backend's loss of this step (composer/runtime/step.py `loss`) on the same batch and the
+    """The Lightning backend's loss of this step (composer/step.py `loss`) on the same batch and the
     same pre-update module: the batch rebuilt with loss.step_batch, each objective's own advantages, teacher
     log-probs scored by the composer's score_responses (both backends' scorer) with teacher_forward."""
     import dataclasses
-    from types import SimpleNamespace
 
     from components.sources.policy_model import score_responses
     from composer.backends.openrlhf.batch import to_batch
@@ -269,14 +268,16 @@ def lightning(trainer, module, exp, pad_id: int) -> dict:
 
     from composer.backends.openrlhf import hooks
     from composer.backends.openrlhf.batch import decode_label, shift
+    from composer import step as lightning_step
     from composer.backends.openrlhf.loss import _pad_cat, step_batch, step_of, term_batches
-    from composer.runtime import step as lightning_step
-    from composer.checks.terms import own_loss_temperature, terms
+    from composer.checks.terms import own_loss_temperature
+    from composer.runtime.models import policy_view
 
-    segments, run = hooks._segments(), hooks._STATE["run"]
+    plan, run = hooks._plan(), hooks._STATE["run"]
     labels = [x for e in experiences for x in e.labels]
     metas = [decode_label(x) for x in labels]
-    spec = segments.at(step_of(labels))
+    at = plan.at(plan.offset + step_of(labels))
+    spec = at.spec
     full = step_batch(experiences, pad_id, trainable_only=True)
     whole = step_batch(experiences, pad_id)
     # what the Lightning backend's batch records: a signal's own loss temperature (SFT, InT's guided targets:
@@ -292,13 +293,12 @@ def lightning(trainer, module, exp, pad_id: int) -> dict:
         base = [e.base_action_log_probs for e in experiences]
         if all(b is not None for b in base):
             full.initial_logprobs = shift(_pad_cat(base).float())
-    term_list = terms(spec)
-    batches = term_batches(term_list, full, metas)
-    for (_n, _s, obj, _w), b in zip(term_list, batches):
-        b.advantages = obj.advantages(whole) if whole.rewards is not None or not obj.needs else None
+    batches = term_batches(at, full, metas)
+    for t, b in zip(at.terms, batches):
+        b.advantages = t.declared.advantages(whole) if whole.rewards is not None or not t.declared.needs else None
     plugin = run["plugin"]
-    for k, ((_n, sig, obj, _w), b) in enumerate(zip(term_list, batches)):
-        name = sig.teacher_source
+    for k, (t, b) in enumerate(zip(at.terms, batches)):
+        obj, name = t.objective, t.signal.teacher_source
         if name is None:
             continue
         info = plugin["teachers"][name]
@@ -307,15 +307,13 @@ def lightning(trainer, module, exp, pad_id: int) -> dict:
         lp, lg = score_responses(teacher_forward(trainer, info), exp.sequences, exp.attention_mask,
                                  prompt_lengths(whole_rows), prompts, info["temperature"], pad_id, obj.wants_logits)
         batches[k] = dataclasses.replace(b, teacher_logprobs=lp, teacher_logits=lg)
-    step = min((int(m.get("step", 0)) for m in metas), default=0)  # the global step (scheduled numbers)
-    ctx = SimpleNamespace(spec=spec, step=max(step, 0), record=lambda *a, **k: None)
     was = module.training
-    with torch.no_grad():
-        total, _metrics = lightning_step.loss(ctx, module, batches)
+    with torch.no_grad():  # the Lightning backend's loss: its policy forward, the Plan at the step
+        total, _metrics = lightning_step.loss(at, batches, lambda b, want, read: policy_view(module, b, want, read))
     module.train(was)
     import inspect
 
-    objs = [obj for _n, _s, obj, _w in term_list]
+    objs = [t.objective for t in at.terms]
     return {"lightning_loss": float(total), "label_steps": sorted({int(m.get("step", -1)) for m in metas}),
             "objectives": [f"{type(o).__module__}.{type(o).__name__}" for o in objs],
             "objective_files": [inspect.getfile(type(o)) for o in objs]}
@@ -368,22 +366,24 @@ def sft_run(plan: dict) -> dict:
 
 
 def lightning_sft(trainer, module, window: list, step: int) -> dict:
-    """The Lightning backend's loss (composer/runtime/step.py `loss`) of the window's tokens: OpenRLHF's
+    """The Lightning backend's loss (composer/step.py `loss`) of the window's tokens: OpenRLHF's
     loss mask (the target tokens, shifted: mask[t-1] marks token t) as origin `demonstration`, every term of
     the run's spec at this step, the signal's loss temperature."""
-    from types import SimpleNamespace
-
     import torch
 
+    from composer import step as lightning_step
     from composer.backends.openrlhf.batch import shift, to_batch
-    from composer.backends.openrlhf.loss import Segments, _pad_cat
+    from composer.backends.openrlhf.loss import _pad_cat
+    from composer.checks.terms import own_loss_temperature
     from composer.origins import CODE
-    from composer.runtime import step as lightning_step
-    from composer.checks.terms import own_loss_temperature, terms
+    from composer.plan.plan import Plan
+    from composer.runtime.models import policy_view
 
     plan = json.load(open(os.environ.get("COMPOSER_PLAN", "plan.json")))
     run = sft_run(plan)
-    spec = Segments(plan, run["segments"]).at(step)
+    steps = Plan(plan, run["segments"])
+    at = steps.at(steps.offset + step)
+    spec = at.spec
     pad = trainer.tokenizer.pad_token_id
     ids = _pad_cat([b[0].squeeze(1) for b in window], pad)  # [B, T]
     att = _pad_cat([b[1].squeeze(1) for b in window])  # [B, T]
@@ -393,13 +393,12 @@ def lightning_sft(trainer, module, window: list, step: int) -> dict:
     batch.origin = torch.where(demo, torch.tensor(CODE["demonstration"], dtype=torch.uint8),
                                torch.where(att.bool(), torch.tensor(CODE["prompt"], dtype=torch.uint8),
                                            torch.tensor(CODE["pad"], dtype=torch.uint8)))
-    term_list = terms(spec)
     own = own_loss_temperature(spec)
     batch.info["temperature"] = own if own is not None else 1.0
-    ctx = SimpleNamespace(spec=spec, step=step, record=lambda *a, **k: None)
     was = module.training
     with torch.no_grad():
-        total, _metrics = lightning_step.loss(ctx, module, [batch] * len(term_list))
+        total, _metrics = lightning_step.loss(at, [batch] * len(at.terms),
+                                              lambda b, want, read: policy_view(module, b, want, read))
     module.train(was)
     return {"lightning_loss": float(total), "run": run["name"], "demo_tokens": int(demo.sum()),
             "sequences": [x[a.bool()].tolist() for x, a in zip(ids, att)], "demo_masks": demo.tolist()}
