@@ -184,7 +184,6 @@ class Grpo(Objective):
     token_selection: AnyTokenSelection = Field(default_factory=NoSelection, description="Step-wide token selection by Cov_t = (log pi - mean log pi)(A - mean A) over the whole step's loss tokens (every micro-batch and rank): none; kl_cov (KL-Cov: the top k N tokens get -A rho + beta |log rho| in place of the clipped term); clip_cov (Clip-Cov: r N random tokens with omega_low < Cov_t < omega_high get no gradient). Cui et al. 2025, arXiv 2505.22617. Needs ratio: token and bound: clip.")
 
     needs: ClassVar = ("reward",)
-    on_policy_only: ClassVar = True
     policy_gradient: ClassVar = True
     uses_group_baseline: ClassVar = True
     several_updates: ClassVar = "importance ratio to the old log-prob (the policy at the start of the step's first pass)"
