@@ -658,7 +658,7 @@ def test_agent_pope_prefix_in_the_prompt_with_minimal_search():
         assert tok.decode(out["observation_tokens"][: len(guided_prompt)]) == guided_prompt
         assert out["prompt"] == ex.prompt  # grouping and the label keep the original prompt
     # k = 0 (the plain prompt) failed, one reference line suffices: searched once, with the initial weights
-    assert agent.cache[("guide", "prefix-search", agent.steps.at(0).spec.rollout.guide.model_dump_json())][ex.prompt] == 1
+    assert agent.memo.prefixes[agent.steps.at(0).spec.rollout.guide.model_dump_json()][ex.prompt] == 1
 
 
 def test_agent_pope_searches_every_run_problem_at_every_step_before_the_first_broadcast(tmp_path, monkeypatch):
@@ -687,7 +687,7 @@ def test_agent_pope_searches_every_run_problem_at_every_step_before_the_first_br
 
     engine = FakeEngine(tok, lambda text: ["7+3=0\n#1"])  # never solves: the search ends at the largest k
     run_agent(agent, engine, tok, first.prompt, ob.encode_label(ob.label_of(first, step=0)), 2)
-    cache = agent.cache[("guide", "prefix-search", guide.model_dump_json())]
+    cache = agent.memo.prefixes[guide.model_dump_json()]
     assert late.prompt in cache  # searched on the first call, with the initial weights
     calls = engine.calls
     outs = run_agent(agent, engine, tok, late.prompt, ob.encode_label(ob.label_of(late, step=1)), 2)

@@ -318,9 +318,9 @@ def offline_targets(ctx, sig: SftSignal, build: bool = False) -> dict:
     <run>/int_targets/<segment>.jsonl and are read back from there after a resume; the attempts' tokens
     count in the run's cost columns. -> {prompt: [target traces]}.
     """
-    key = ("int_targets", ctx.segment, sig.model_dump_json())
-    if key in ctx.cache:
-        return ctx.cache[key]
+    key = (ctx.segment, sig.model_dump_json())
+    if key in ctx.memo.targets:
+        return ctx.memo.targets[key]
     path = _cache_file(ctx)
     if path is not None and (path.exists() or path.is_symlink()):
         targets = _load(path, ctx, sig)
@@ -331,7 +331,7 @@ def offline_targets(ctx, sig: SftSignal, build: bool = False) -> dict:
 
         raise DataError(f"InT's offline targets of segment '{ctx.segment}' were never built and are not in "
                            f"{path}: resume from a checkpoint taken after the segment started")
-    ctx.cache[key] = targets
+    ctx.memo.targets[key] = targets
     return targets
 
 

@@ -373,7 +373,7 @@ class ComposerModule(L.LightningModule):
             "rng": ctx.data.rng.getstate(), "torch_rng": torch.get_rng_state(), "data_pos": ctx.data.pos,
             "segment": ctx.segment, "initial": ctx.models.initial.state_dict() if ctx.models.initial is not None else None,
             "runtimes": {repr(k): rt.state_dict() for k, rt in ctx.state.runtimes.items() if isinstance(rt, Runtime)},
-            "memo": {repr(k): v for k, v in ctx.cache.items() if k[:2] == ("guide", "prefix-search")},
+            "memo": ctx.memo.checkpointed(),
             "costs": dict(ctx.costs),
             "buffer": to_device(ctx.state.buffer, "cpu") if ctx.state.buffer else None,
             "buffer_version": ctx.state.buffer_version,
@@ -421,7 +421,7 @@ class ComposerModule(L.LightningModule):
             self._fingerprint = list(state["vacuous"]["fingerprint"])
         ctx.state.pending_runtime_state = state.get("runtimes", {})
         for k, v in state.get("memo", {}).items():  # searched prefixes (POPE): the same k after a resume
-            ctx.cache[eval_key(k)] = v
+            ctx.memo.restore(eval_key(k), v)
         self._pending = None
 
 

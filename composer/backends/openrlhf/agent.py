@@ -35,6 +35,7 @@ class ComposerAgent:
 
     def __init__(self, plan="plan.json", run: Optional[str] = None):
         from composer.checks.terms import terms
+        from composer.runtime.context import Memo
 
         self.plan = json.load(open(plan)) if isinstance(plan, str) else plan
         runs = self.plan["openrlhf"]["runs"]
@@ -45,7 +46,7 @@ class ComposerAgent:
         self.trainable = {"policy"} | {o for s in specs for _, _, obj, _ in terms(s) for o in obj.loss_tokens}
         self.counts: dict = {}
         self.contexts: dict = {}
-        self.cache: dict = {}  # the run's memo, shared by every segment's context
+        self.memo = Memo()  # the run's tables, shared by every segment's context
         self.prepared: set = set()
         self.built: dict = {}  # targets a signal builds once per segment (InT offline)
         self.lock: asyncio.Lock | None = None
@@ -60,7 +61,7 @@ class ComposerAgent:
             # one memo for the run, as on Lightning: a phase's context finds what another prepared (prefixes)
             ctx = RunContext(task=task_of(self.plan, self.run, spec), tokenizer=tok, policy=None, engine=None,
                              spec=spec)
-            ctx.state.cache = self.cache
+            ctx.state.memo = self.memo
             self.contexts[key] = ctx
         return self.contexts[key]
 
