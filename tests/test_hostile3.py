@@ -422,7 +422,7 @@ def test_a_relative_model_path_is_absolute_in_the_bundle(tiny, tmp_path):
 def test_export_refuses_non_finite_weights(finished_run, tmp_path):
     import torch
 
-    from composer.backends.lightning import checkpoint as ckpt_format
+    from composer.runtime import checkpoint as ckpt_format
 
     state = ckpt_format.load(finished_run / "checkpoints" / "last.ckpt")
     key = next(k for k, v in state["state_dict"].items() if k.startswith("policy.") and v.is_floating_point())
@@ -519,7 +519,7 @@ def test_resume_with_a_bad_step_cell_in_metrics_csv(finished_run, tmp_path):
 def test_resume_with_a_damaged_rng_entry(finished_run, tmp_path):
     import torch
 
-    from composer.backends.lightning import checkpoint as ckpt_format
+    from composer.runtime import checkpoint as ckpt_format
 
     out = _copy_run(finished_run, tmp_path)
     ckpt = out / "checkpoints" / "last.ckpt"
@@ -553,7 +553,7 @@ def test_a_full_disk_inside_torchs_zip_writer_keeps_the_previous_checkpoint(tmp_
     import torch
 
     from composer.backends.lightning import callbacks
-    from composer.backends.lightning.checkpoint import CheckpointError
+    from composer.runtime.checkpoint import CheckpointError
 
     path = tmp_path / "last.ckpt"
     path.write_bytes(b"previous")

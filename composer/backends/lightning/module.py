@@ -364,7 +364,7 @@ class ComposerModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Tensors and plain data only (the file is read back with weights_only=True); the rollout buffer's
         batches become tagged dicts, and the resolved spec is recorded so --resume can refuse another one."""
-        from composer.backends.lightning.checkpoint import spec_record, to_plain
+        from composer.runtime.checkpoint import spec_record, to_plain
 
         ctx = self.ctx
         state = {
@@ -383,7 +383,7 @@ class ComposerModule(L.LightningModule):
         checkpoint["composer"]["spec"] = spec_record(self.validated)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        from composer.backends.lightning.checkpoint import from_plain
+        from composer.runtime.checkpoint import from_plain
 
         self._pending = from_plain(checkpoint.get("composer"))
 
@@ -405,7 +405,7 @@ class ComposerModule(L.LightningModule):
             if type(state["data_pos"]) is not int or state["data_pos"] < 0:
                 raise TypeError(f"data_pos {state['data_pos']!r:.40}")
         except (TypeError, ValueError, IndexError, KeyError, RuntimeError) as e:
-            from composer.backends.lightning.checkpoint import CheckpointError
+            from composer.runtime.checkpoint import CheckpointError
 
             raise CheckpointError(f"the checkpoint's training state is damaged (random state or data position: "
                                   f"{type(e).__name__}: {str(e)[:200]}); it cannot be resumed bit for bit\n"

@@ -20,11 +20,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from composer import files
 from composer.runtime import samples as sample_files
-from composer.backends.lightning import checkpoint as ckpt_format
+from composer.runtime import checkpoint as ckpt_format
 from composer.backends.lightning.callbacks import (AfterStep, AtomicCheckpointIO, GracefulStop, RunCSVLogger, StrictStop,
                                                    SampleWriter, StepLog, StopRequested, keep_logged_steps,
                                                    last_logged_step)
-from composer.backends.lightning.checkpoint import CheckpointError
+from composer.runtime.checkpoint import CheckpointError
 from composer.backends.lightning.module import ComposerModule, NonFiniteError
 from composer.runtime.export import MODEL_DIR, save_policy
 from composer.runtime.paths import check_run_inputs
