@@ -83,6 +83,12 @@ def test_the_step_and_the_runtime_import_no_backend():
     assert bad == []
 
 
+def test_the_plan_imports_no_runtime():
+    """The Plan is a function of the spec: composer/plan imports nothing of the runtime or a backend (what this
+    machine adds, example prompts and the engine's note, is composer/runtime/example_prompts.py `machine_notes`)."""
+    assert offenders("composer/plan", ("composer.runtime", "composer.backends")) == []
+
+
 def test_composer_finds_the_toy_testbed_through_the_registry():
     assert offenders("composer", ("components.tasks",), skip=("composer/bench",)) == []
 
