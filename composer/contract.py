@@ -28,7 +28,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, final
 
 from composer.registry import Component
 
@@ -152,8 +152,10 @@ class Guide(Component):
         """Per-step facts of the finished traces, logged as guide/<name> (nothing by default)."""
         return {}
 
+    @final
     def rollout(self, ctx, examples, n: int):
-        """n rollouts per example as a TrajectoryBatch, driven by the run's batching driver."""
+        """n rollouts per example as a TrajectoryBatch, driven by the run's batching driver (a helper, not a hook:
+        the guide's program is `row`)."""
         return ctx.rollout(self, examples, n)
 
 

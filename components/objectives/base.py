@@ -7,7 +7,7 @@ the lazy proxy so that importing this module (spec validation) never loads torch
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple, final
 
 from pydantic import Field
 
@@ -140,6 +140,7 @@ class Objective(Component):
         (composer/runtime/varlen.py). Default: `loss_mask`; an objective that reads more overrides this."""
         return self.loss_mask(batch)
 
+    @final
     def loss_mask(self, batch) -> Tensor:
         """[B, T] bool: tokens of `loss_tokens` origins that are not padding, in the rows the term's gate took
         (batch.row_mask, composer/gates.py): a gated-out row gets no loss and no share of the normaliser."""
