@@ -36,12 +36,14 @@ from composer.registry import Component
 @dataclass(frozen=True)
 class ModelCall:
     """A generation a guide asks of a model other than the rollout itself (a model judge): what backends size
-    engine contexts by. `weights` is the source's weights (`current`, `initial`, `ema`)."""
+    engine contexts by. `weights` is the source's weights (`current`, `initial`, `ema`); `sampled`: the model
+    samples (at the rollout's sampling settings), not greedy (a judge's verdict)."""
 
     source: str
     answer_tokens: int
     step_split: str
     weights: str = "current"
+    sampled: bool = False
 
 
 class Runtime:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from composer.capabilities import Capable
 
-SECTIONS = ("sources", "guide", "signal", "objective", "estimator", "token_selection")
+SECTIONS = ("sources", "guide", "signal", "objective", "estimator", "token_selection", "off_policy_weight")
 ENTRY_POINT_GROUP = "composer.components"
 ALLOW_PLUGINS_ENV = "COMPOSER_ALLOW_PLUGINS"
 TRUST_REMOTE_CODE_ENV = "COMPOSER_TRUST_REMOTE_CODE"

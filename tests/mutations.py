@@ -87,6 +87,66 @@ def m_stale_reference(undo):
     replace(undo, ModelServer, "refresh_initial", lambda self: None)
 
 
+# A second set, not issue 40's: bugs in what the first referee took on trust (the optimiser's side of the step,
+# the reward's parts, a term's weight) and in the parts added since (stage optimizer state, periodic resets).
+
+def m_opt_kept_at_stage(undo):
+    from composer.backends.lightning.module import ComposerModule
+
+    patch_source(undo, ComposerModule, "_enter", "if at.optimizer_reset:", "if False:")
+
+
+def m_lr_not_stepped(undo):
+    from composer.backends.lightning.module import ComposerModule
+
+    patch_source(undo, ComposerModule, "_updates", "self.lr_schedulers().step()", "None")
+
+
+def m_weight_dropped(undo):
+    import composer.step as step
+
+    patch_source(undo, step, "loss", "total = total + term.weight * (shares or {}).get(term.index, 1.0) * value",
+                 "total = total + (shares or {}).get(term.index, 1.0) * value")
+
+
+def m_clip_skipped(undo):
+    from composer.backends.lightning.module import ComposerModule
+
+    patch_source(undo, ComposerModule, "configure_gradient_clipping", "if clip:", "if False:")
+
+
+def m_entropy_sign(undo):
+    import composer.step as step
+
+    patch_source(undo, step, "loss", "total = total - entropy_bonus(", "total = total + entropy_bonus(")
+
+
+def m_weight_decay_ignored(undo):
+    from composer.backends.lightning.module import ComposerModule
+
+    patch_source(undo, ComposerModule, "_enter", "weight_decay=t.weight_decay)", "weight_decay=0.0)")
+
+
+def m_overlong_sign(undo):
+    from components.signals.reward import RewardSignal
+
+    patch_source(undo, RewardSignal, "apply", "r = r + w * part", "r = r - w * part")
+
+
+def m_ema_rate(undo):
+    from components.sources.policy_model import ModelSource
+
+    patch_source(undo, ModelSource, "after_optimizer_step", "rate = self.cfg.ema_rate",
+                 "rate = 1 - 2 * (1 - self.cfg.ema_rate)")
+
+
+def m_prefix_too_long(undo):
+    from components.guides.prefix import PrefixGuide
+
+    patch_source(undo, PrefixGuide, "max_steps", "math.floor(self.max_fraction * n_steps)",
+                 "math.floor(2 * self.max_fraction * n_steps)")
+
+
 # name -> (description, mutation, spec, extra overrides)
 MUTATIONS = {
     "k3_k1": ("KL estimator k3 <-> k1 (kl_coef 0.001)", m_k3_k1, "specs/grpo.yaml", []),
@@ -102,8 +162,27 @@ MUTATIONS = {
     "stale_ref_int": ("a later stage keeps stage 1's reference (InT)", m_stale_reference, "specs/int.yaml", []),
     "stale_ref_curriculum": ("a later stage keeps stage 1's reference (sft-opd-grpo)", m_stale_reference,
                              "specs/hybrids/sft-opd-grpo.yaml", []),
+    # the second set
+    "opt_kept_stage": ("AdamW moments kept at a stage's start (optimizer_at_stage: reset)", m_opt_kept_at_stage,
+                       "specs/hybrids/sft-opd-grpo.yaml", []),
+    "periodic_ref": ("ProRL's periodic reference reset skipped", m_stale_reference, "specs/methods/prorl.yaml", []),
+    "lr_not_stepped": ("LR schedule frozen with several updates a step (DAPO, train.warmup_steps=3)",
+                       m_lr_not_stepped, "specs/methods/dapo.yaml", ["train.warmup_steps=3"]),
+    "weight_dropped": ("a term's weight dropped (KDRL's scheduled KL weight)", m_weight_dropped,
+                       "specs/methods/kdrl.yaml", []),
+    "clip_skipped": ("the gradient clip skipped (SFT)", m_clip_skipped, "specs/sft.yaml", []),
+    "entropy_sign": ("entropy bonus with the wrong sign (GRPO, train.entropy_coef=0.01)", m_entropy_sign,
+                     "specs/grpo.yaml", ["train.entropy_coef=0.01"]),
+    "weight_decay": ("AdamW weight decay ignored (GRPO, train.weight_decay=0.1)", m_weight_decay_ignored,
+                     "specs/grpo.yaml", ["train.weight_decay=0.1"]),
+    "overlong_sign": ("DAPO's overlong penalty added with the wrong sign", m_overlong_sign,
+                      "specs/methods/dapo.yaml", []),
+    "ema_rate": ("SRPO's EMA teacher updated twice as fast", m_ema_rate, "specs/methods/srpo.yaml", []),
+    "prefix_long": ("POPE's prefixes up to twice max_fraction", m_prefix_too_long, "specs/pope.yaml", []),
 }
-FAST = ["k3_k1", "dapo_filter"]  # the default suite's subset (tests/test_conformance.py)
+SECOND = ["opt_kept_stage", "periodic_ref", "lr_not_stepped", "weight_dropped", "clip_skipped", "entropy_sign",
+          "weight_decay", "overlong_sign", "ema_rate", "prefix_long"]
+FAST = ["k3_k1", "dapo_filter", "opt_kept_stage", "overlong_sign"]  # the default suite's subset (tests/test_conformance.py)
 
 
 @contextlib.contextmanager

@@ -209,18 +209,25 @@ def _mutations():
     return mutations
 
 
-@pytest.mark.parametrize("name", ["k3_k1", "dapo_filter"])
+FAST_CHECKS = {"k3_k1": "KL term", "dapo_filter": "filter", "opt_kept_stage": "optimizer step recomputed",
+               "overlong_sign": "rewards recomputed"}
+
+
+@pytest.mark.parametrize("name", list(FAST_CHECKS))
 def test_referee_catches_a_mutation(name, tmp_path):
-    """The fast subset: KL k3 <-> k1 at kl_coef 0.001 (GRPO) and DAPO's filter keeping all-equal groups."""
+    """The fast subset (tests/mutations.py FAST): KL k3 <-> k1 at kl_coef 0.001 (GRPO), DAPO's filter keeping
+    all-equal groups, AdamW's moments kept at a stage's start, DAPO's overlong penalty with the wrong sign; each
+    caught by the check written for it."""
     m = _mutations()
+    assert set(FAST_CHECKS) == set(m.FAST)
     caught, why = m.referee_verdict(name, tmp_path)
     assert caught, f"{name} went unnoticed"
-    assert "KL term" in why or "filter" in why, why
+    assert FAST_CHECKS[name] in why, why
 
 
 @pytest.mark.slow
 def test_referee_catches_every_mutation():
-    """The whole script: every mutation of issue 40 caught."""
+    """The whole script: every mutation caught (issue 40's and the second set)."""
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "mutations.py")], cwd=ROOT, capture_output=True,
                        text=True, timeout=3600, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
@@ -244,3 +251,72 @@ def test_referee_fails_a_gate_that_selected_nothing(tmp_path):
     failures, with a success threshold no reward reaches inverted: every rollout counts as a success)."""
     rep = referee(ROOT / "specs" / "methods" / "kdrl-mask.yaml", tmp_path, ["sources.verifier.success_threshold=-1"])
     assert any("its gate selected 0 of" in f for f in rep.failures()), rep.table()
+
+
+def test_referee_k3_has_verls_clamps():
+    """The referee's own k3 (ALGORITHMS.md section 0: verl's low_var_kl, d clamped to +-20 and the value to +-10),
+    worked by hand: at d = -0.5 the value is e^0.5 - 1.5 = 0.148721 and the gradient 1 - e^0.5 = -0.648721; at
+    d = -2.72 the value e^2.72 - 3.72 = 11.46 is clamped to 10 and the token has no gradient (a ProRL run's
+    token 2.7 nats below its reference once failed the check for want of this clamp)."""
+    from composer.referee.checks import kl_formula
+
+    val, grad = kl_formula(torch.tensor([-0.5, -2.72, 0.0], dtype=torch.float64), "k3")
+    assert val.tolist() == pytest.approx([0.148721, 10.0, 0.0], abs=1e-6)
+    assert grad.tolist() == pytest.approx([-0.648721, 0.0, 0.0], abs=1e-6)
+    val1, grad1 = kl_formula(torch.tensor([-2.72], dtype=torch.float64), "k1")
+    assert val1.tolist() == [-2.72] and grad1.tolist() == [1.0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Traces the policy did not write inside a group (LUFFY, issue 46): bugs the referee catches from the spec alone.
+# ------------------------------------------------------------------------------------------------
+
+LUFFY = ROOT / "specs" / "methods" / "luffy.yaml"
+
+
+def test_conformance_catches_shaping_on_policy_tokens(tmp_path, monkeypatch):
+    """LUFFY's shaping f(pi) = pi / (pi + 0.1) applied to the policy's own tokens too (in place of the clipped
+    ratio) fails the recomputation of the loss's gradient from the declared weighted origins."""
+    from components.objectives.grpo import Grpo
+
+    monkeypatch.setattr(Grpo, "weighted_origins", lambda self: set(self.loss_tokens) if self.off_policy_weight.acts
+                        else set())
+    with pytest.raises(AssertionError, match="gradient differs"):
+        test_spec_runs_as_declared(LUFFY, tmp_path)
+
+
+def test_conformance_catches_advantages_over_the_rollouts_only(tmp_path, monkeypatch):
+    """The group's mean and std taken over the policy's rollouts only (the trace's reward left out, LUFFY's
+    `grpo_split`, not its paper's mixed group) fail the recomputation of the advantages over the declared group."""
+    from components.objectives.estimators import GroupMean
+
+    def rollouts_only(self, rewards, group, control=None):
+        out = torch.zeros_like(rewards)
+        for g in group.unique():
+            rows = group == g
+            own = rewards[rows & control.bool()]
+            std = own.std() if own.numel() > 1 else torch.tensor(0.0)
+            out[rows] = torch.where(std > 0, (rewards[rows] - own.mean()) / (std + self.eps), torch.zeros_like(out[rows]))
+        return out
+
+    monkeypatch.setattr(GroupMean, "estimate", rollouts_only)
+    with pytest.raises(AssertionError, match=r"advantages \(row, run, formula\) differ"):
+        test_spec_runs_as_declared(LUFFY, tmp_path)
+
+
+def test_conformance_catches_traces_in_a_group_of_their_own(tmp_path, monkeypatch):
+    """The trace row tagged into a group apart from its prompt's rollouts (as POPE's guided rows are) fails the
+    check of the declared mixed group, though the advantages then match the run's own groups."""
+    from components.guides.traces import TracesGuide
+
+    real = TracesGuide.row
+
+    def row(self, ctx, example, index, n):
+        trace = yield from real(self, ctx, example, index, n)
+        if index < self.per_group:
+            trace.tag = "trace"
+        return trace
+
+    monkeypatch.setattr(TracesGuide, "row", row)
+    with pytest.raises(AssertionError, match="mixed groups as declared"):
+        test_spec_runs_as_declared(LUFFY, tmp_path)

@@ -23,6 +23,12 @@ OBJECTIVES += [("divergence", {"estimator": "full", "measure": m, "aggregation":
 OBJECTIVES += [("advantage_regression", {}), ("advantage_regression", {"baseline": "control"})]
 OBJECTIVES += [("grpo", {"token_selection": {"kind": "kl_cov", "k": 0.1}}),  # step-wide selection (issue 46)
                ("grpo", {"token_selection": {"kind": "clip_cov", "r": 0.1, "omega_low": 0.01}})]
+# tokens the policy did not write in the loss, with a weight form (LUFFY's shaping; every form), and a KL term
+OBJECTIVES += [("grpo", {"loss_tokens": ["policy", "guide_prefix", "guide_intervention", "demonstration"],
+                         "off_policy_weight": w, "kl_coef": 0.01}) for w in
+               ({"kind": "shaped", "gamma": 0.1}, {"kind": "prob"}, {"kind": "pow", "alpha": 0.5}, {"kind": "log"})]
+OBJECTIVES += [("grpo", {"loss_tokens": ["policy", "demonstration"], "off_policy_weight": {"kind": "shaped"},
+                         "ratio": "sequence", "loss_agg": "seq-mean-token-mean"})]
 
 
 def test_the_list_covers_every_registered_objective():

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -545,13 +546,34 @@ def test_compile_refuses_a_folder_of_other_files(tmp_path):
     assert r.exit_code == 2 and "not a bundle" in r.stderr and (tmp_path / "notes.txt").read_text() == "mine"
 
 
-def test_sigint_before_training_exits_130(tmp_path):
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_sigint_before_training_exits_130(tmp_path, inherited):
+    """Also when started as a script's background job (`composer run ... &`), which inherits SIGINT ignored:
+    a signal during validation was lost there and the run trained to the end with exit status 0."""
+    disposition = signal.SIG_IGN if inherited == "ignored" else signal.SIG_DFL
     p = subprocess.Popen([sys.executable, "-m", "composer", "run", "specs/grpo.yaml", "--out", tmp_path / "o",
                           "--no-progress"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    time.sleep(1.0)  # importing and validating: long before the first step
-    p.send_signal(signal.SIGINT)
-    out = p.communicate(timeout=120)[0]
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, disposition))
+    time.sleep(1.0 if inherited == "default" else 0.3)  # importing and validating: long before the first step
+    # again every 0.25 s until it exits: an ignored SIGINT that comes before `composer run` restores the handler
+    # is dropped (the process cannot see it), and setup lasts seconds, so one lands in it on a loaded machine too
+    # (and no more once it says it stopped: a second SIGINT would land in its exit)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
+    reader.start()
+    for _ in range(240):
+        if any("stopped before training" in line for line in lines):
+            break
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(timeout=0.25)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+    p.wait(timeout=120)
+    reader.join(timeout=30)
+    out = "".join(lines)
     assert p.returncode == 130, out[-2000:]
     assert "stopped before training" in out and "Traceback" not in out and not (tmp_path / "o").exists()
 

@@ -124,6 +124,15 @@ def test_explain_says_the_default_clip_is_inert(cli):
     assert r.exit_code == 0 and "PPO clip [1-0.2, 1+0.28]" in r.stdout and "inert here" not in r.stdout
 
 
+def test_off_policy_weight_without_a_token_the_policy_did_not_write(cli, tmp_path):
+    text = GRPO.replace("{kind: grpo}", "{kind: grpo, off_policy_weight: {kind: shaped}}")
+    _refused(cli, tmp_path, text, [], "objective.off_policy_weight", "holds none", "objective_settings")
+    _ok(cli, tmp_path, text.replace("  verifier: {kind: outcome_reward}\n", "  verifier: {kind: outcome_reward}\n"
+                                    "  ref: {kind: reference_solution}\n").replace(
+        "signal:", "rollout: {guide: {kind: traces, source: ref}}\nsignal:").replace(
+        "{kind: shaped}", "{kind: shaped}, loss_tokens: [policy, demonstration]"))
+
+
 def test_divergence_field_of_another_estimator(cli, tmp_path):
     text = HEAD + "  teacher: {kind: policy_model, model: big}\nsignal: {kind: distillation, teacher: teacher}\n" \
         "objective: {kind: divergence, estimator: full, k: 50}\n"

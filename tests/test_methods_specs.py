@@ -24,6 +24,13 @@ MECHANISM = {  # spec -> text explain must show
     "gpg.yaml": "x alpha = B / B_valid (rows over rows with a non-zero advantage, GPG)",
     "kl-cov.yaml": "KL-Cov: the top max(1, floor(0.01 N)) of the step's N loss tokens by Cov_t",
     "clip-cov.yaml": "Clip-Cov: max(1, floor(0.01 N)) of the step's N loss tokens with 0.02 < Cov_t < 5",
+    "luffy.yaml": "1 of each prompt's 8 rows are traces the policy did not write (the reference text of 'reference' + "
+                  "EOS",
+}
+MECHANISM_MORE = {  # further lines explain must show
+    "luffy.yaml": ["all in one advantage group, the traces scored by the same reward",
+                   "tokens the policy did not write (demonstration): loss -A w(pi), w = pi / (pi + 0.1) (LUFFY's policy "
+                   "shaping), no ratio, no clip", "aggregation: token-mean; no KL loss"],
 }
 
 
@@ -32,7 +39,7 @@ MECHANISM = {  # spec -> text explain must show
 HOT = {n: ["data.train_tiers=[6]", "rollout.max_new_tokens=48"] for n in ("cispo.yaml", "dr-grpo.yaml", "gspo.yaml", "rloo.yaml",
                                               "reinforce-pp-baseline.yaml", "kdrl.yaml", "srpo.yaml", "kdrl-mask.yaml",
                                               "prorl.yaml", "topr.yaml", "gmpo.yaml", "gpg.yaml",
-                                              "kl-cov.yaml", "clip-cov.yaml")}
+                                              "kl-cov.yaml", "clip-cov.yaml", "luffy.yaml")}
 
 
 @pytest.mark.parametrize("name", sorted(MECHANISM))
@@ -41,7 +48,8 @@ def test_explain_shows_the_defining_mechanism(name):
     from composer.plan.compile import compile_plan
 
     out = text(compile_plan(validate_file(ROOT / "specs" / "methods" / name)))
-    assert MECHANISM[name] in out, out
+    for line in [MECHANISM[name], *MECHANISM_MORE.get(name, [])]:
+        assert line in out, out
 
 
 @pytest.mark.slow

@@ -983,3 +983,75 @@ def test_plugin_loss_reads_old_logprobs_with_several_epochs():
     assert loss(2) == pytest.approx(-(s_old[0] * a - s_old[1] * a) / 2, rel=1e-5)
     assert loss(2) == pytest.approx(-(s_old[0] * a - s_old[1] * a) / 2, rel=1e-5)  # a second pass, same inputs
     assert loss(1) == pytest.approx(-(s_beh[0] * a - s_beh[1] * a) / 2, rel=1e-5)
+
+
+# ------------------------------------------------------------------------------ traces inside groups (LUFFY)
+
+def test_agent_runs_luffy_traces_and_the_plugin_trains_the_mixed_group():
+    """The agent runs the traces guide one sample at a time: draw 0 of each prompt is the reference + EOS as
+    demonstration tokens (trainable, no sampler log-prob, reward by the same verifier), draws 1-7 the policy's. The
+    advantage step groups all 8 (one group per prompt and tag), and the plugin's loss is LUFFY's on that step:
+    rewards [1, 0 x 7]: mean 1/8, unbiased std sqrt(1/8); A = 7/8 / sqrt(1/8) on the trace, -1/8 / sqrt(1/8) on
+    the rollouts. With the current log-prob ln 0.5 on every token: the trace's tokens -A_t 0.5 / 0.6 (shaping),
+    the rollouts' -A_p exp(ln 0.5 + 0.5) (the fake sampler's log-prob -0.5; inside the clip), token-mean."""
+    from components.tasks import toy
+    from components.tasks.tokenizer import char_tokenizer
+
+    tok = char_tokenizer()
+    ex = toy.make_example("7+3-5")
+    bad = "7+3=0\n0-5=1\n#1"
+    agent = agent_for("specs/methods/luffy.yaml")
+    label = ob.encode_label(ob.label_of(ex, step=0))
+    outs = run_agent(agent, FakeEngine(tok, lambda text: [bad]), tok, ex.prompt, label, 8)
+    P = len(tok.encode(ex.prompt, add_special_tokens=False))
+    trace = outs[0]
+    meta = ob.decode_label(trace["label"])
+    want = tok.encode(ex.solution, add_special_tokens=False) + [tok.eos_token_id]
+    assert trace["observation_tokens"][P:] == want and trace["reward"] == 1.0
+    assert meta["spans"] == [[P, P + len(want), "demonstration"]] and trace["action_ranges"] == [(P, P + len(want))]
+    assert not meta["control"] and meta["guided"] and meta["tag"] == ""
+    assert set(trace["rollout_log_probs"][P:]) == {0.0}  # no sampler log-prob: the weight form reads none
+    for out in outs[1:]:
+        m = ob.decode_label(out["label"])
+        assert m["control"] and out["reward"] == 0.0 and [o for _, _, o in m["spans"]] == ["policy"]
+    step = [as_experience(o) for o in outs]
+    prepare_step(step, Plan(agent.plan, [0]), {"teachers": {}}, _Tok(), None)
+    adv = torch.cat([e.info["composer/adv0"] for e in step])
+    s = math.sqrt(1 / 8)
+    a_t, a_p = (7 / 8) / (s + 1e-6), -(1 / 8) / (s + 1e-6)
+    assert approx(adv[0], a_t) and all(approx(x, a_p) for x in adv[1:].tolist())
+    n_t = len(want)
+    n_p = len(tok.encode(bad, add_special_tokens=False)) + 1  # + EOS
+    rho = math.exp(math.log(0.5) + 0.5)
+    expected = (-a_t * n_t * 0.5 / 0.6 - a_p * rho * 7 * n_p) / (n_t + 7 * n_p)
+    half = lambda e: torch.full(e.action_mask.shape, math.log(0.5))
+    for micro in ([gather(step, list(range(8)))], [gather(step, [0, 3, 5]), gather(step, [1, 2, 4, 6, 7])]):
+        assert approx(float(loss_over(agent.plan, {"ref": "initial"}, micro, half, 8)), expected)
+
+
+@needs_openrlhf
+def test_a_teacher_sampling_traces_away_from_temperature_one_is_refused(tmp_path, cli):
+    """A policy_model source writing the traces samples at the rollout's settings on Lightning; OpenRLHF's engine for
+    an external model samples at temperature 1: refused with the reason, and accepted at temperature 1."""
+    over = ["sources.teacher={kind: policy_model, model: 'toy:teacher'}", "rollout.guide.source=teacher",
+            "rollout.max_new_tokens=256"]  # the toy teacher's context: 512 tokens
+    r = cli("compile", ROOT / "specs/methods/luffy.yaml", *over, "rollout.temperature=0.9", "--backend", "openrlhf",
+            "--out", tmp_path / "a", "--gpus-per-node", "5")
+    assert r.exit_code == 2 and "rollout.temperature" in r.stderr and "temperature 1" in r.stderr, r.output
+    r = cli("compile", ROOT / "specs/methods/luffy.yaml", *over, "--backend", "openrlhf", "--out", tmp_path / "b",
+            "--gpus-per-node", "5")
+    assert r.exit_code == 0, r.output
+    plan = json.loads((tmp_path / "b" / "plan.json").read_text())
+    assert "teacher" in plan["openrlhf"]["runs"][0]["plugin"]["judges"]  # its own vLLM actor writes the traces
+
+
+@needs_openrlhf
+def test_the_sft_plus_rl_refusal_points_at_traces_not_at_stages(tmp_path, cli):
+    """The refusal of an SFT term next to rollout terms names the part that keeps demonstrations inside the RL run
+    (the traces guide), not `stages`, which would turn the method into SFT-then-RL (issue 46)."""
+    text = ("name: x\nsources:\n  verifier: {kind: outcome_reward}\n  reference: {kind: reference_solution}\nterms:\n"
+            "  - {signal: {kind: reward, source: verifier}, objective: {kind: grpo}}\n"
+            "  - {signal: {kind: sft, target: reference}, objective: {kind: cross_entropy, loss_tokens: [demonstration]}}\n")
+    r = cli("compile", _spec_file(tmp_path, text), "--backend", "openrlhf", "--out", tmp_path / "b")
+    assert r.exit_code == 2 and "cannot be mixed with rollout terms" in r.stderr, r.output
+    assert "{kind: traces" in r.stderr and "off_policy_weight" in r.stderr and "another method" in r.stderr

@@ -172,7 +172,7 @@ def test_typos_inside_stages_and_phases_fail_the_json_schema_at_their_line(tmp_p
     for path, line in want.items():
         assert path in found, (path, found)
         assert found[path][0] == line, (path, found[path], lines[line - 1])
-    assert "'prefx' is not one of ['intervention', 'none', 'prefix']" in found[("stages", 1, "rollout", "guide", "kind")][1]
+    assert "'prefx' is not one of ['intervention', 'none', 'prefix', 'traces']" in found[("stages", 1, "rollout", "guide", "kind")][1]
 
 
 def test_a_wrong_field_of_a_kind_is_named_not_any_of(validator):

@@ -216,6 +216,18 @@ CASES = [
          "signal: {kind: distillation, teacher: teacher, off_policy: reference, reference: ref, lambda: 0.5}\n"
          "objective: {kind: divergence, estimator: full}\n", "objective.loss_tokens", 7,
          "add demonstration", rule="off_policy_sequences_trained"),
+    Case("grpo_on_trace_tokens_without_a_weight", HEAD + "  ref: {kind: reference_solution}\n"
+         "rollout: {guide: {kind: traces, source: ref}}\nsignal: {kind: reward, source: verifier}\n"
+         "objective: {kind: grpo, loss_tokens: [policy, demonstration]}\n", "objective.loss_tokens", 7,
+         "off_policy_weight: {kind: shaped, gamma: 0.1}", rule="policy_gradient_on_guide_tokens"),
+    Case("traces_fill_the_group", HEAD + "  ref: {kind: reference_solution}\n"
+         "rollout: {samples_per_prompt: 2, guide: {kind: traces, source: ref, per_group: 2}}\n"
+         "signal: {kind: reward, source: verifier}\n"
+         "objective: {kind: grpo, loss_tokens: [policy, demonstration], off_policy_weight: {kind: shaped}}\n",
+         "rollout.guide.per_group", 5, "no row is the policy's own rollout", rule="traces_fit"),
+    Case("trace_rows_untrained", HEAD + "  ref: {kind: reference_solution}\n"
+         "rollout: {guide: {kind: traces, source: ref}}\n" + GRPO, "objective.loss_tokens", 7,
+         "never train", rule="trace_rows_trained"),
     Case("lagged_grpo", HEAD + GRPO + "sync: {every: 4}\n", "sync.every", 6, "assumes on-policy data",
          rule="lag_needs_correction"),
     Case("clear_buffer_without_reuse", HEAD + "signal: {kind: reward, source: verifier}\n"

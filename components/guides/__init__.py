@@ -1,3 +1,3 @@
 """Rollout guides: who else writes tokens into the policy's rollouts."""
 
-from components.guides import intervention, none, prefix  # noqa: F401
+from components.guides import intervention, none, prefix, traces  # noqa: F401

@@ -64,7 +64,7 @@ class PrefixGuide(Guide):
         src = spec.sources.get(self.reference)
         if src is None or src.kind_name() != "policy_model":
             return []
-        return [ModelCall(self.reference, spec.rollout.max_new_tokens, "\n", src.weights)]
+        return [ModelCall(self.reference, spec.rollout.max_new_tokens, "\n", src.weights, sampled=True)]
 
     def extra_tokens(self, spec, max_solution_tokens: int) -> int:
         return max_solution_tokens + len(self.instruction) + 8  # the prefix (never the whole reference) in the prompt

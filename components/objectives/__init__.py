@@ -1,3 +1,4 @@
 """Objectives: pure functions that turn a trajectory batch and current log-probs into a loss."""
 
-from components.objectives import advantage_regression, cross_entropy, divergence, estimators, grpo, token_selection  # noqa: F401,E501
+from components.objectives import (advantage_regression, cross_entropy, divergence, estimators, grpo,  # noqa: F401
+                                   off_policy_weight, token_selection)

@@ -87,8 +87,17 @@ class Objective(Component):
 
     def behavior_origins(self) -> set[str]:
         """Token origins whose behaviour log-probs `loss` reads (the rollout weights score guide tokens of
-        these origins). Default: the loss tokens of a policy-gradient objective."""
-        return set(self.loss_tokens) - self.capabilities().exact_origins if type(self).policy_gradient else set()
+        these origins). Default: the loss tokens of a policy-gradient objective, less those it trains exactly
+        (its capabilities' exact_origins) or with a declared weight form."""
+        if not type(self).policy_gradient:
+            return set()
+        return set(self.loss_tokens) - self.capabilities().exact_origins - self.weighted_origins()
+
+    def weighted_origins(self) -> set[str]:
+        """Origins the policy did not write that this objective trains with a declared importance-weight form of the
+        current policy's probability alone (grpo's `off_policy_weight`: LUFFY's policy shaping), reading no
+        behaviour log-prob, so such tokens are fine there. None by default."""
+        return set()
 
     def anchors(self) -> dict[str, str]:
         """What each loss origin is anchored to, in words, for `explain` and plan.json."""

@@ -16,10 +16,12 @@ from components.objectives.base import (
     masked_mean,
 )
 from components.objectives.estimators import AnyEstimator, Estimator, GroupMean
+from components.objectives.off_policy_weight import AnyOffPolicyWeight, NoOffPolicyWeight
 from components.objectives.token_selection import AnyTokenSelection, NoSelection
 from composer.lazy import torch
 from composer.registry import register
 from composer.lang.curves import ScheduledNumber, describe, ever_nonzero, resolved_number, values
+from composer.origins import OFF_POLICY
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -163,7 +165,9 @@ class Grpo(Objective):
     start of the step's first pass when the step makes several updates (train.epochs x train.mini_batches),
     else the behaviour log-prob of the sampler (the same weights on-policy). GSPO, Dr. GRPO, DAPO's
     objective, RLOO, REINFORCE++-baseline and CISPO are settings of these fields (specs/methods/).
-    `token_selection` (KL-Cov, Clip-Cov) picks tokens of the whole step whose l_t changes.
+    `token_selection` (KL-Cov, Clip-Cov) picks tokens of the whole step whose l_t changes. Loss tokens the policy
+    did not write (a trace of the `traces` guide, a guide's prefix) take `off_policy_weight` w(pi) in place of the
+    ratio and its bound: l_t = -A w(pi_theta(y_t)), no clip (LUFFY: w = pi / (pi + 0.1)).
     """
 
     kind: Literal["grpo"] = Field("grpo", description="Component kind.")
@@ -182,6 +186,8 @@ class Grpo(Objective):
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator of the KL loss.")
     std_eps: float = Field(1e-6, gt=0, description="Added to the group std (with the default estimator).")
     token_selection: AnyTokenSelection = Field(default_factory=NoSelection, description="Step-wide token selection by Cov_t = (log pi - mean log pi)(A - mean A) over the whole step's loss tokens (every micro-batch and rank): none; kl_cov (KL-Cov: the top k N tokens get -A rho + beta |log rho| in place of the clipped term); clip_cov (Clip-Cov: r N random tokens with omega_low < Cov_t < omega_high get no gradient). Cui et al. 2025, arXiv 2505.22617. Needs ratio: token and bound: clip.")
+
+    off_policy_weight: AnyOffPolicyWeight = Field(default_factory=NoOffPolicyWeight, description="The importance weight w of loss tokens the policy did not write (demonstration: a trace of the `traces` guide; guide_prefix, guide_intervention), a function of the current policy's probability alone (the trace's own probability taken as 1): their loss is -A w(pi), no ratio, no clip. none (default: such tokens are refused in loss_tokens); shaped (LUFFY, Yan et al. 2025, arXiv 2504.14945: pi / (pi + gamma), gamma 0.1); prob (pi); pow (pi^alpha); log (log pi).")
 
     needs: ClassVar = ("reward",)
     policy_gradient: ClassVar = True
@@ -204,6 +210,20 @@ class Grpo(Objective):
                              "ratio: token and bound: clip (the defaults)")
         return self
 
+    @model_validator(mode="after")
+    def _weighted_tokens_are_not_selected(self):
+        if self.off_policy_weight.acts and self.token_selection.acts:
+            raise ValueError(f"token_selection {self.token_selection.kind} selects by the covariance of log-probs the "
+                             "policy sampled with their advantages (Cui et al. 2025), and off_policy_weight "
+                             f"{self.off_policy_weight.kind} trains tokens the policy did not write, which no paper "
+                             "selects among; use one of them (token_selection: {kind: none} or off_policy_weight: "
+                             "{kind: none})")
+        return self
+
+    def weighted_origins(self) -> set[str]:
+        """The off-policy origins among loss_tokens when a weight form is declared (their loss -A w(pi))."""
+        return set(self.loss_tokens) & set(OFF_POLICY) if self.off_policy_weight.acts else set()
+
     @property
     def wants_initial(self) -> bool:
         """The KL loss reads the frozen initial policy's log-probs."""
@@ -217,7 +237,10 @@ class Grpo(Objective):
         return GroupMean(std="group" if self.std_norm else "none", eps=self.std_eps)
 
     def anchors(self) -> dict[str, str]:
-        return {o: "importance ratio to the old log-prob (the behaviour log-prob when a step makes one update)"
+        weighted = self.weighted_origins()
+        return {o: (f"weight {self.off_policy_weight.describe()} of the current policy's probability (the trace's "
+                    "own probability taken as 1; no ratio, no clip)" if o in weighted else
+                    "importance ratio to the old log-prob (the behaviour log-prob when a step makes one update)")
                 for o in self.loss_tokens}
 
     def bounds(self) -> tuple[float, float]:
@@ -261,6 +284,12 @@ class Grpo(Objective):
                                     "the sampler's numerical mismatch), so the selected tokens train as -A rho only",
                                     "update several times per step (train.epochs: 2 or train.mini_batches: 2) or lag "
                                     "the sampler (sync.every > 1)", severity="warning"))
+        if "off_policy_weight" in set_ and self.off_policy_weight.acts and not self.weighted_origins():
+            out.append(InertSetting("off_policy_weight", f"off_policy_weight {self.off_policy_weight.kind} weighs loss "
+                                    "tokens the policy did not write, and loss_tokens "
+                                    f"({', '.join(self.loss_tokens)}) holds none", "add the trace tokens to "
+                                    "loss_tokens (loss_tokens: [policy, demonstration] with a traces guide), or "
+                                    "remove off_policy_weight"))
         if "kl_estimator" in set_ and not ever_nonzero(self.kl_coef):
             out.append(InertSetting("kl_estimator", f"kl_estimator {self.kl_estimator} with kl_coef "
                                     f"{describe(self.kl_coef)}: there is no KL loss, so the estimator is never "
@@ -316,26 +345,40 @@ class Grpo(Objective):
               if ever_nonzero(self.kl_coef) else "no KL loss")
         adv = self.est.describe() + ("; x alpha = B / B_valid (rows over rows with a non-zero advantage, GPG)"
                                      if self.valid_rows_scale else "")
-        return [f"advantage: {adv}", f"ratio: {ratio}; bound: {bound}",
-                f"aggregation: {agg}; {kl}"]
+        out = [f"advantage: {adv}", f"ratio: {ratio}; bound: {bound}", f"aggregation: {agg}; {kl}"]
+        weighted = sorted(self.weighted_origins())
+        if weighted:
+            out.append(f"tokens the policy did not write ({', '.join(weighted)}): loss -A w(pi), w = "
+                       f"{self.off_policy_weight.describe()}, no ratio, no clip"
+                       + ("; the KL loss on policy tokens only" if ever_nonzero(self.kl_coef) else ""))
+        return out
 
     def loss(self, batch: TrajectoryBatch, cur: PolicyView, adv: Tensor) -> tuple[Tensor, dict[str, float]]:
-        """agg(l_t(rho, A)) + kl_coef * agg(k(log pi_theta - log pi_init)) over the loss tokens."""
+        """agg(l_t(rho, A)) + kl_coef * agg(k(log pi_theta - log pi_init)) over the loss tokens; on loss tokens the
+        policy did not write (`weighted_origins`) l_t = -A w(pi_theta) instead, and no KL."""
         mask = self.loss_mask(batch)  # [B, T]
+        off = batch.mask(self.weighted_origins()) & mask  # [B, T]: weighted by off_policy_weight
+        on = mask & ~off  # [B, T]: tokens the policy sampled (ratio and bound)
         adv = adv.to(cur.logprobs.device, cur.logprobs.dtype)[:, None]  # [B, 1]
         old = batch.old_logprobs if batch.old_logprobs is not None else batch.behavior_logprobs  # [B, T]
         lo, hi = self.bounds()
         if self.bound == "log_clip":  # GMPO: the clip inside the geometric mean
-            log_r, bounded = geometric_log_clip(cur.logprobs, old, mask, adv, lo, hi)  # [B, 1], [B, T]
+            log_r, bounded = geometric_log_clip(cur.logprobs, old, on, adv, lo, hi)  # [B, 1], [B, T]
             ratio = torch.exp(log_r.clamp(-20.0, 20.0))
             loss_tok = -(ratio * adv)  # [B, 1]
         else:
-            log_r = sequence_log_ratio(cur.logprobs, old, mask, self.ratio)  # [B, T] or [B, 1]
+            log_r = sequence_log_ratio(cur.logprobs, old, on, self.ratio)  # [B, T] or [B, 1]
             loss_tok, bounded, ratio = bounded_surrogate(cur.logprobs, log_r, adv, self.bound, lo, hi, self.dual_clip)
         loss_tok = loss_tok.expand_as(cur.logprobs)  # [B, T]
-        sel_metrics = {}
+        sel_metrics, off_metrics = {}, {}
         if self.token_selection.acts:
             loss_tok, sel_metrics = self.selected_loss(batch, loss_tok, log_r, ratio, adv, mask)
+        if self.weighted_origins():  # -A w(pi) on the tokens the policy did not write: no ratio, no clip
+            w = self.off_policy_weight.weight(torch.where(off, cur.logprobs, torch.zeros_like(cur.logprobs)))  # [B, T]
+            loss_tok = torch.where(off, -(adv * w), loss_tok)
+            off_metrics = {"off_policy_weight_mean": float(masked_mean(w.detach(), off)),
+                           "off_policy_prob_mean": float(masked_mean(cur.logprobs.detach().exp(), off)),
+                           "off_policy_token_frac": float(off.sum() / mask.sum().clamp(min=1))}
         pg_loss = aggregate(loss_tok, mask, self.loss_agg, self.norm_const)
         total = pg_loss
         kl_val = 0.0
@@ -345,16 +388,18 @@ class Grpo(Objective):
                 raise ValueError("grpo: kl_coef > 0 needs batch.initial_logprobs (the frozen initial policy's "
                                  "log-probs); set kl_coef: 0 or provide the initial policy")
             k = kl_estimate(cur.logprobs - batch.initial_logprobs.detach(), self.kl_estimator)  # [B, T]
+            k = torch.where(on, k, torch.zeros_like(k))  # an estimate from the policy's own samples only
             kl = aggregate(k, mask, self.loss_agg, self.norm_const)
             total = total + kl_coef * kl
             kl_val = float(kl.detach())
         metrics = {
             "pg_loss": float(pg_loss.detach()),
             "kl": kl_val,
-            "clip_frac": float(masked_mean(bounded.expand_as(mask).float(), mask)),
-            "ratio_mean": float(masked_mean(ratio.detach().expand_as(mask).float(), mask)),
+            "clip_frac": float(masked_mean(bounded.expand_as(mask).float(), on)),
+            "ratio_mean": float(masked_mean(ratio.detach().expand_as(mask).float(), on)),
             "adv_mean": float(adv.mean()),
             **sel_metrics,
+            **off_metrics,
         }
         return total, metrics
 

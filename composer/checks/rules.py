@@ -72,8 +72,8 @@ def policy_gradient_on_guide_tokens(spec, segment):
     for base, sig, obj in _pairs_with_paths(spec):
         if obj is None or not type(obj).policy_gradient:
             continue
-        exact_here = obj.capabilities().exact_origins
-        bad = [o for o in obj.loss_tokens if o in OFF_POLICY_ORIGINS and o not in exact_here]
+        fine = obj.capabilities().exact_origins | obj.weighted_origins()
+        bad = [o for o in obj.loss_tokens if o in OFF_POLICY_ORIGINS and o not in fine]
         if bad and "estimator" in type(obj).model_fields:  # an estimator choice: say which one is exact
             exact = [e for e in ("full", "top_k")
                      if bad[0] in obj.model_copy(update={"estimator": e}).capabilities().exact_origins]
@@ -85,11 +85,15 @@ def policy_gradient_on_guide_tokens(spec, segment):
                               f"use estimator: {' or '.join(exact)} (exact over the vocabulary at each position, no sample needed)"))
                 continue
         if bad:
+            weigh = ("give them an importance-weight form of the policy's probability (off_policy_weight: {kind: "
+                     "shaped, gamma: 0.1} is LUFFY's policy shaping; `composer list off_policy_weight`), "
+                     if "off_policy_weight" in type(obj).model_fields else "")
             out.append(_d("policy_gradient_on_guide_tokens",
                           f"{obj.kind_name()} is a policy gradient, but loss_tokens includes {', '.join(bad)}: "
                           "those tokens were not sampled by the policy, so their importance ratios are wrong",
                           base + ("objective", "loss_tokens"),
-                          "mask them (loss_tokens: [policy]) or use advantage_regression, which anchors them"))
+                          f"{weigh}mask them (loss_tokens: [policy]), or use advantage_regression, which anchors "
+                          "them"))
     return out
 
 
@@ -137,6 +141,41 @@ def control_samples_fit(spec, segment):
                    " or no rollout can be guided", ("rollout", "guide", "control_samples"),
                    f"for example control_samples: {spec.rollout.samples_per_prompt // 2}")]
     return []
+
+
+@rule("traces_fit")
+def traces_fit(spec, segment):
+    """The traces guide replaces k of each group's rows: at least one row stays the policy's rollout."""
+    guide = spec.rollout.guide
+    k, n = getattr(guide, "per_group", 0), spec.rollout.samples_per_prompt
+    if guide.kind_name() == "traces" and k >= n:
+        return [_d("traces_fit", f"per_group ({k}) traces fill every one of the {n} rows of a group: no row is the "
+                   "policy's own rollout, so nothing on-policy trains and a group's rewards compare traces only",
+                   ("rollout", "guide", "per_group"), f"use per_group below samples_per_prompt (LUFFY: 1 of 8; here "
+                   f"at most {n - 1}), or SFT (signal: {{kind: sft}}) to train on the traces alone")]
+    return []
+
+
+@rule("trace_rows_trained")
+def trace_rows_trained(spec, segment):
+    """The traces guide's rows are demonstration tokens: a term on the rollout that leaves them out of its
+    loss_tokens trains on the policy's rows only (the traces then only move the group's baseline)."""
+    if spec.rollout.guide.kind_name() != "traces":
+        return []
+    out = []
+    guide = spec.rollout.guide
+    for base, sig, obj in _pairs_with_paths(spec):
+        if sig is None or obj is None or sig.makes_batch or "demonstration" not in sig.origins(guide):
+            continue
+        if "demonstration" not in obj.loss_tokens:
+            out.append(_d("trace_rows_trained", f"the traces guide puts traces the policy did not write into each "
+                          "group as demonstration tokens, and this objective's loss_tokens "
+                          f"({', '.join(obj.loss_tokens)}) leave them out: they would move the group's baseline "
+                          "and never train", base + ("objective", "loss_tokens"),
+                          f"add demonstration: loss_tokens: [{', '.join([*obj.loss_tokens, 'demonstration'])}]"
+                          + (" with off_policy_weight (LUFFY: {kind: shaped, gamma: 0.1})"
+                             if "off_policy_weight" in type(obj).model_fields else "")))
+    return out
 
 
 @rule("group_baseline_needs_groups")

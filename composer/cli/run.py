@@ -33,6 +33,11 @@ def run(spec, overrides, out, resume, no_progress, strict):
         spec = str(Path(resume) / "spec.yaml")
     if spec is None:
         raise click.UsageError("give a SPEC, or --resume DIR")
+    # a run started as a background job (`composer run ... &` in a script) inherits SIGINT ignored; training's
+    # own handler (callbacks.StopOnSignal) honours a SIGINT anyway, so setup honours it too: one behaviour
+    old_int = signal.getsignal(signal.SIGINT)
+    if old_int == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     old_term = signal.signal(signal.SIGTERM, _interrupt)  # before training, SIGTERM stops like SIGINT: exit 130
     try:
         _run(spec, overrides, out, resume, no_progress, strict)
@@ -41,6 +46,7 @@ def run(spec, overrides, out, resume, no_progress, strict):
         sys.exit(130)
     finally:
         signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
 
 
 _SIGNALLED: dict = {}

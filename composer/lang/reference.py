@@ -181,7 +181,10 @@ def component_entry(section: str, builtins_only: bool = False) -> Entry:
             "objective": "`objective:` (or a term's `objective`): how the signal becomes a loss.",
             "estimator": "`objective.estimator:` (grpo): how rewards and groups become advantages.",
             "token_selection": "`objective.token_selection:` (grpo): tokens of the whole step chosen by a statistic "
-                               "(KL-Cov, Clip-Cov), whose loss term changes."}[section]
+                               "(KL-Cov, Clip-Cov), whose loss term changes.",
+            "off_policy_weight": "`objective.off_policy_weight:` (grpo): the importance weight of loss tokens the policy "
+                                 "did not write (a trace of the `traces` guide, a guide's prefix), a function of the "
+                                 "current policy's probability alone (LUFFY's policy shaping)."}[section]
     kinds = [kind_entry(section, c) for _, c in sorted(registry.kinds(section).items())
              if _included(c, builtins_only)]
     return Entry(section, text, kinds=kinds)
@@ -270,7 +273,7 @@ def gate_entry() -> Entry:
 
 
 def topics() -> list[str]:
-    return [*SPEC_KEYS, "guide", "estimator", "token_selection", "gate", "verifiers"]
+    return [*SPEC_KEYS, "guide", "estimator", "token_selection", "off_policy_weight", "gate", "verifiers"]
 
 
 class UnknownTopic(ValueError):
@@ -371,6 +374,7 @@ def markdown(builtins_only: bool = True) -> str:
         if key == "objective":  # the kinds of grpo's `estimator` field
             out += _md_entry(component_entry("estimator", builtins_only), 2)
             out += _md_entry(component_entry("token_selection", builtins_only), 2)  # and of its `token_selection`
+            out += _md_entry(component_entry("off_policy_weight", builtins_only), 2)  # and `off_policy_weight`
     out += _md_entry(verifier_entry(builtins_only), 2)
     return "\n".join(re.sub(r"[ \t]+$", "", line) for line in out).rstrip("\n") + "\n"
 

@@ -95,7 +95,7 @@ def _behaviour(origin: str, spec) -> str | None:
     if origin == "prompt":
         return None
     if origin == "demonstration":
-        return "none needed: reference text, teacher-forced"
+        return "none read: tokens the policy did not write (a reference's or a teacher's text), teacher-forced"
     if origin == "policy":
         return "exact: the sampling log-probs of the rollout weights that wrote them"
     if origin in scored_origins(spec):

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from composer.referee.checks import (ADVANTAGES, GRADIENTS, KL_TOL, NOISE, Report, _groups, _max, covered,
-                                     declared_filter_source, declared_gate_source, expected_control, expected_syncs,
+                                     declared_filter_source, declared_gate_source, expected_control, expected_rewards,
+                                     expected_syncs,
                                      gate_select, loss_origins, segment_of, stage_start, surprisal, teacher_logprobs,
                                      teacher_state, truncated, verdict_rewards)
 from composer.origins import CODE
@@ -58,6 +59,7 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
 
     # ---- guide tokens carry a behaviour log-prob exactly when an objective of their segment reads it; control rows
     control_of: dict[int, list] = {}
+    prefixed = prefix_guides = 0  # rows that showed a prefix; rollouts under a prefix guide
     for kind, e in events:
         if kind != "rollout":
             continue
@@ -71,6 +73,8 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
                 want = o in scored_origins(spec)
                 rep.expect("guide tokens scored as declared", bool((b.known_mask[m] == want).all()),
                            f"step {e['step']}: {o}: known must be {want}")
+        prefixed += _check_prefix_rows(rep, spec, b, e, rec.tokenizer, rec.written, rec.judged)
+        prefix_guides += spec.rollout.guide.kind_name() == "prefix"
         want = expected_control(spec, b, rec.tokenizer)
         control_of[id(b.tokens)] = want
         guided = b.mask(GUIDE_ORIGINS).any(-1).tolist()
@@ -83,6 +87,10 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
                    f"(differ at rows {[i for i in range(b.size) if flags[i] != want[i]][:6]})")
         if spec.rollout.guide.kind_name() == "none":
             rep.expect("no guide, no guide tokens", not any(guided), f"step {e['step']}: guide tokens with no guide")
+
+    if prefix_guides:
+        rep.expect("saw prefixed rows", prefixed, f"no row showed a prefix in {prefix_guides} rollouts under a prefix "
+                   "guide: the prefix rows' check saw nothing to check")
 
     # ---- gradient reaches exactly the origins plan.json trains
     for e in term_events:
@@ -196,8 +204,9 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
 
     # ---- the numbers: advantages, references, teachers, each loss and gradient
     seen = {"advantages": 0, "mixed_groups": 0, "reference": 0, "stage_reference": 0, "gradient": 0, "kl": 0,
-            "teacher": 0, "ema_moved": 0, "interventions": 0}
+            "teacher": 0, "ema_moved": 0, "interventions": 0, "reward_parts": 0}
     cache: dict = {}
+    task_cap = next((e.get("task_cap") for k, e in events if k == "rollout"), None)
     for e in term_events:
         b, obj, step = e["batch"], e["objective"], e["step"]
         spec = segment_spec(v, e["segment"])
@@ -209,6 +218,17 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
         control = b.control.tolist()
         if where is not None and id(rollout.tokens) in control_of:
             control = [control_of[id(rollout.tokens)][j] for j in where]
+        if b.rewards is not None and sig is not None and sig.kind_name() == "reward":  # before the advantages read them
+            got_parts = expected_rewards(rec, spec, sig, b, task_cap)
+            if got_parts is None:
+                rep.note("rewards recomputed", "a row without its verdict, or a plugin's reward part: not recomputed")
+            else:
+                want_r, acted = got_parts
+                seen["reward_parts"] += acted
+                got_r = b.rewards.double().tolist()
+                bad = [(i, got_r[i], want_r[i]) for i in range(b.size) if abs(got_r[i] - want_r[i]) > 1e-5 * (1 + abs(want_r[i]))]
+                rep.expect("rewards recomputed", not bad, f"step {step} {e['term']}: rewards (row, run, the verifier's "
+                           f"verdicts and the declared parts) differ: {bad[:4]}")
         adv = None
         if b.advantages is not None:
             if not rep.expect("advantages recomputed", obj.kind_name() in ADVANTAGES,
@@ -297,6 +317,10 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
         rep.expect("EMA teacher moved", seen["ema_moved"],
                    f"the EMA teacher never differed from its start in {seen['teacher']} checks: a frozen teacher "
                    "would pass (run longer)")
+    if any(sig is not None and sig.kind_name() == "reward" and sig.plus for seg in v.segments
+           for _n, sig, _o, _w in terms(seg.spec)) and rolls:
+        rep.expect("saw reward parts act", seen["reward_parts"],
+                   "no row's reward was changed by the declared `plus` parts: their formula went untested")
     if any("guide_intervention" in obj.loss_tokens and covered(obj) for _s, obj in objectives):
         rep.expect("saw trained interventions", seen["interventions"], "no intervention token trained")
     rep.note("saw gradients", ", ".join(f"{k} {n}" for k, n in seen.items()))
@@ -320,9 +344,16 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
                            f"step {e['step']}: logged {logged}, recounted {want}")
 
     # ---- step-wide token selection (grpo.token_selection: KL-Cov, Clip-Cov), recomputed from the spec
-    from composer.referee.checks import check_token_selection
+    from composer.referee.checks import check_token_selection, check_traces
 
     check_token_selection(rep, term_events)
+    # ---- traces the policy did not write inside groups (the traces guide): which rows, their tokens, the groups
+    check_traces(rep, rec, v, events)
+
+    # ---- every optimiser update: the parameter gradient, the clip, AdamW at the declared LR, fresh moments
+    from composer.referee.optim import check_updates
+
+    check_updates(rep, rec.updates)
     return rep
 
 
@@ -349,6 +380,54 @@ def _rollout_rows(events, step: int, b):
         if all(g is not None for g in got):
             return r, got
     return (rolls[-1], None) if rolls else (None, None)
+
+
+def _check_prefix_rows(rep, spec, b, e, tokenizer, written, judged) -> int:
+    """A prefix guide's rows: which prompts are guided and how many reference steps each row shows (its prompt's
+    text, or its guide_prefix tokens), recomputed from the spec (`expected_prefix_steps`); the steps shown are the
+    row's own reference's first ones."""
+    from composer.referee.checks import expected_prefix_steps, shown_prefix_steps
+
+    g = spec.rollout.guide
+    if g.kind_name() != "prefix" or tokenizer is None:
+        return 0
+    src = spec.sources[g.reference]
+    sep = e.get("step_split") or "\n"
+    where = b.mask(("prompt",) if g.placement == "prompt" else ("guide_prefix",)) & b.attention_mask.bool()
+    guided = 0
+    for i in range(b.size):
+        ex = b.examples[i] if len(b.examples) == b.size else b.examples[int(b.prompt_index[i])]
+        text = tokenizer.decode(b.tokens[i][where[i]].tolist(), skip_special_tokens=True)
+        if g.placement == "prompt":
+            text = text.replace(ex.problem or "\0", "\0", 1)  # the problem's own text is not a step shown
+        if src.kind_name() == "reference_solution":
+            refs = [src.example_text(ex) or ""]
+        else:  # a model's trace: the first the declared model wrote for this problem that the verifier accepted
+            texts = ((tokenizer.decode(list(p), skip_special_tokens=True), tokenizer.decode(list(t), skip_special_tokens=True))
+                     for m, p, t in written if m == g.reference)
+            refs = [next((t for p, t in texts if (ex.problem or ex.prompt) in p and judged.get((ex.problem, t))), "")]
+        best = None
+        for ref in refs:
+            if g.unit == "tokens":  # placement response: the guide_prefix tokens are the reference's first k
+                units = tokenizer.encode(ref, add_special_tokens=False)
+                shown = b.tokens[i][where[i]].tolist()
+                k = len(shown) if shown == units[: len(shown)] else -1
+            else:
+                units = ref.split(sep)
+                while units and not units[-1].strip():
+                    units.pop()
+                k = shown_prefix_steps(text, units, sep)
+            want = expected_prefix_steps(spec, ex, e["step"], len(units))
+            steps = units
+            if best is None or (want[0] <= k <= want[1] and k >= best[0]):
+                best = (k, want, len(steps))
+        k, want, n = best
+        guided += k > 0
+        rep.expect("prefix rows recomputed", want[0] <= k <= want[1],
+                   f"step {e['step']} row {i}: shows {k} {g.unit} of '{g.reference}' (-1: not its first ones); the spec allows "
+                   f"{want[0]}..{want[1]} (guided_fraction {g.guided_fraction:g}, max_fraction {g.max_fraction:g} "
+                   f"of {n}, search {g.search})")
+    return guided
 
 
 def _check_filters(v, plan, rec, rep, events, term_events) -> None:

@@ -84,11 +84,16 @@ def expected_syncs(plan: dict) -> list[int]:
 
 def stage_start(plan: dict, spec, step: int) -> int:
     """The step whose starting weights are the reference of `step`: its stage's first step (the run's
-    start without stages or with train.reference: run_start)."""
+    start without stages or with train.reference: run_start), or the last periodic reset at or before `step`
+    (train.reset_every steps of the segment, counted from its start, with `reference` in reset_what)."""
     seg = segment_of(plan, step)
-    if seg.get("stage") is None or spec.train.reference == "run_start":
-        return 0
-    return min(s["start"] for s in plan["segments"] if s.get("stage") == seg["stage"])
+    start = 0
+    if seg.get("stage") is not None and spec.train.reference != "run_start":
+        start = min(s["start"] for s in plan["segments"] if s.get("stage") == seg["stage"])
+    t = spec.train
+    if t.reset_every and "reference" in t.reset_what:
+        start = max(start, seg["start"] + (step - seg["start"]) // t.reset_every * t.reset_every)
+    return start
 
 
 def loss_origins(plan: dict, step: int, term: str) -> tuple:
@@ -176,6 +181,37 @@ def verdict_rewards(rec, spec, source: str, b) -> list | None:
     return out
 
 
+def expected_rewards(rec, spec, sig, b, task_cap) -> tuple[list, int] | None:
+    """r_i of a `reward` signal recomputed: the verifier's verdict on row i plus sum_k w_k part_k(i) over its `plus`
+    parts: another verifier's verdict; DAPO's overlong penalty (Yu et al. 2025, eq. 13) -factor *
+    clip(|o_i| - (L_max - L_cache), 0, L_cache) / L_cache with L_max = max_tokens or the run's response cap
+    (rollout.max_new_tokens, at most the task's) and L_cache = min(buffer, L_max); a length penalty -coef |o_i|.
+    -> (r [B], how many rows a part changed); None where a verdict is missing or a part is a plugin's."""
+    out = verdict_rewards(rec, spec, sig.source, b)
+    if out is None:
+        return None
+    base = list(out)
+    lengths = b.response_mask.sum(-1).tolist()
+    for name, w in sig.plus.items():
+        src = spec.sources[name]
+        kind = src.kind_name()
+        if kind == "outcome_reward":
+            part = verdict_rewards(rec, spec, name, b)
+        elif kind == "overlong_penalty":
+            n = spec.rollout.max_new_tokens
+            cap = src.max_tokens or (min(n, task_cap) if task_cap else n)
+            buf = min(src.buffer, cap)
+            part = [-src.factor * min(max(ln - (cap - buf), 0), buf) / buf for ln in lengths]
+        elif kind == "length_penalty":
+            part = [-src.coef * ln for ln in lengths]
+        else:
+            return None
+        if part is None:
+            return None
+        out = [r + w * p for r, p in zip(out, part)]
+    return out, sum(1 for r, r0 in zip(out, base) if r != r0)
+
+
 def truncated(b, eos_id: int) -> list:
     """Rows whose response does not end in EOS."""
     out = []
@@ -199,12 +235,16 @@ def expected_control(spec, b, tokenizer=None) -> list:
     """Control rows from the spec: an intervention guide's first `control_samples` rollouts of each prompt
     (rows are written prompt by prompt, samples_per_prompt each); a prefix guide's rows without a prefix (placed
     in the response: no guide_prefix token; placed in the prompt (POPE): the prompt shows no step of the row's
-    reference solution, read off the row's example and its decoded prompt); with no guide every row."""
+    reference solution, read off the row's example and its decoded prompt); a traces guide's rows other than a
+    prompt's first `per_group` (and those when a reference has no text for the problem); with no guide every row."""
     guide = spec.rollout.guide
     kind = guide.kind_name()
     n = spec.rollout.samples_per_prompt
     if kind == "intervention":
         return [i % n < guide.control_samples for i in range(b.size)]
+    if kind == "traces":
+        return [not (i % n < guide.per_group and declared_trace(spec, _example(b, i)) is not False)
+                for i in range(b.size)]
     if kind == "none":
         return [True] * b.size
     if getattr(guide, "placement", "response") == "prompt" and tokenizer is not None:
@@ -217,6 +257,110 @@ def expected_control(spec, b, tokenizer=None) -> list:
             out.append(first is None or first not in text.replace(ex.problem or "\0", ""))
         return out
     return [not bool(b.mask(("guide_prefix",))[i].any()) for i in range(b.size)]
+
+
+def expected_prefix_steps(spec, ex, step: int, n_ref: int) -> tuple[int, int]:
+    """The prefix a prefix guide (POPE, PrefixRL) must show row example `ex` at `step`, from the spec alone:
+    (k_min, k_max) of reference steps. Not chosen (sha256(prompt|step|seed) / 16^8 >= guided_fraction): (0, 0).
+    Chosen: at most floor(max_fraction n), never the whole reference; `fixed` exactly that; `random` the hashed
+    draw between ceil(min_fraction n) and it; `minimal` any k from 0 (the initial policy needs none) to it.
+    Units are the guide's: reference steps, or tokens (`unit: tokens`)."""
+    import hashlib
+
+    g = spec.rollout.guide
+    seed = spec.train.seed
+    chosen = int(hashlib.sha256(f"{ex.prompt}|{step}|{seed}".encode()).hexdigest()[:8], 16) / 16 ** 8 < g.guided_fraction
+    if not chosen:
+        return 0, 0
+    kmax = max(0, min(math.floor(g.max_fraction * n_ref), n_ref - 1))
+    if g.search == "fixed":
+        return kmax, kmax
+    if g.search == "random":
+        kmin = min(math.ceil(g.min_fraction * n_ref), kmax)
+        u = int(hashlib.sha256(f"{ex.prompt}|{step}|{seed}|k".encode()).hexdigest()[:8], 16) / 16 ** 8
+        k = kmin + min(int(u * (kmax - kmin + 1)), kmax - kmin)
+        return k, k
+    return 0, kmax
+
+
+def shown_prefix_steps(text: str, steps: list[str], sep: str) -> int:
+    """How many of the reference's first steps `text` shows, in order, each followed by the separator (0: none)."""
+    k = 0
+    while k < len(steps) and (sep.join(steps[: k + 1]) + sep) in text:
+        k += 1
+    return k
+
+
+def _example(b, i: int):
+    return b.examples[i] if len(b.examples) == b.size else b.examples[int(b.prompt_index[i])]
+
+
+# ----------------------------------------------------------------------------------------------- traces
+
+def declared_trace(spec, example):
+    """What the traces guide declares for a trace row of `example`: the reference text (a reference_solution source:
+    its `field` of the data row when set, else the row's solution; False when there is none, the row is then the
+    policy's rollout) or None (a policy_model source writes it: checked against what that model generated)."""
+    src = spec.sources[spec.rollout.guide.source]
+    if src.kind_name() == "policy_model":
+        return None
+    field = getattr(src, "field", None)
+    text = example.meta.get(field) if field and example.meta.get(field) is not None else example.solution
+    return str(text) if text else False
+
+
+def check_traces(rep, rec, v, events) -> None:
+    """The traces guide, from the spec: in each recorded rollout (rows prompt by prompt, samples_per_prompt each) the
+    first per_group rows of a prompt are traces: every response token `demonstration`, the tokens the reference's
+    text + EOS (cut at the rollout's response budget) or a continuation the declared writer generated after that
+    very prompt; the other rows hold no demonstration token. In every trained batch each advantage group holds one
+    prompt's n rows with its k traces (the mixed group), never the traces apart."""
+    from composer.checks.terms import terms
+
+    seen = 0
+    written = set(rec.written)
+    for kind, e in events:
+        spec = segment_spec(v, e["segment"])
+        if spec.rollout.guide.kind_name() != "traces":
+            continue
+        g = spec.rollout.guide
+        n, k = spec.rollout.samples_per_prompt, g.per_group
+        if kind == "rollout":
+            b, tok = e["batch"], rec.tokenizer
+            for i in range(b.size):
+                resp = b.response_mask[i]
+                origins = set(b.origin[i][resp].tolist())
+                want = declared_trace(spec, _example(b, i)) if i % n < k else False
+                if i % n >= k or want is False:
+                    rep.expect("trace rows as declared", CODE["demonstration"] not in origins,
+                               f"step {e['step']} row {i}: a rollout row (sample {i % n} of {n}) carries trace tokens")
+                    continue
+                got = b.tokens[i][resp].tolist()
+                prompt = b.tokens[i][b.origin[i] == CODE["prompt"]].tolist()
+                ok = origins == {CODE["demonstration"]}
+                if want is None:  # written by the declared policy_model source after this prompt
+                    ok = ok and (g.source, tuple(prompt), tuple(got)) in written
+                    what = f"a generation of '{g.source}' after the row's prompt"
+                else:
+                    full = tok.encode(want, add_special_tokens=False) + [tok.eos_token_id]
+                    room = e.get("room") or len(full)
+                    ok = ok and got == full[:room]
+                    what = f"the reference text + EOS cut at {room} tokens ({min(room, len(full))} tokens)"
+                seen += 1
+                rep.expect("trace rows as declared", ok, f"step {e['step']} row {i}: sample {i % n} of {n} must be "
+                           f"{what}, all demonstration tokens; got {len(got)} tokens of origins {sorted(origins)}")
+        elif kind == "term_loss" and e["batch"].rewards is not None and any(
+                n_ == e["term"] and not s_.makes_batch for n_, s_, _o, _w in terms(spec)):
+            b = e["batch"]
+            for rows in _groups(b.group.tolist()).values():
+                traces = sum(bool((b.origin[i] == CODE["demonstration"]).any()) for i in rows)
+                ex = _example(b, rows[0])
+                want = k if declared_trace(spec, ex) is not False else 0
+                rep.expect("mixed groups as declared", len(rows) == n and traces == want,
+                           f"step {e['step']} {e['term']}: a group of {len(rows)} rows with {traces} traces; the spec "
+                           f"declares {n} rows of one prompt with {want} traces among them")
+    if any(seg.spec.rollout.guide.kind_name() == "traces" for seg in v.segments):
+        rep.expect("saw trace rows", seen > 0, "no trace row checked: nothing tested the traces guide")
 
 
 # ----------------------------------------------------------------------------------------------- advantages
@@ -329,14 +473,18 @@ def covered(obj) -> bool:
 
 def kl_formula(d, estimator: str):
     """(value, d value / d lp) per token of the KL estimators at d = lp - lp_ref (ALGORITHMS.md section 0):
-    k1 = d, k2 = d^2 / 2, k3 = exp(-d) + d - 1."""
+    k1 = d, k2 = d^2 / 2, k3 = exp(-d) + d - 1 with verl's low_var_kl clamps (d to +-20, the value to +-10): where
+    a clamp binds the token's KL has no gradient (a policy 2.7 nats below its reference on a token: k3 > 10)."""
     import torch
 
     if estimator == "k1":
         return d, torch.ones_like(d)
     if estimator == "k2":
         return 0.5 * d * d, d
-    return torch.exp(-d) + d - 1, 1 - torch.exp(-d)
+    dc = d.clamp(-20.0, 20.0)
+    k3 = torch.exp(-dc) + dc - 1
+    free = (d.abs() <= 20.0) & (k3.abs() <= 10.0)
+    return k3.clamp(-10.0, 10.0), torch.where(free, 1 - torch.exp(-dc), torch.zeros_like(d))
 
 
 @gradient("grpo")
@@ -360,6 +508,11 @@ def grpo_parts(obj, b, mask, cur, old, ref, adv, kl_coef):
     hi = obj.clip if obj.clip_high is None else obj.clip_high
     A = torch.tensor(adv, dtype=torch.float64)[:, None]
     rho = torch.exp(cur.double() - old.double())
+    form = getattr(getattr(obj, "off_policy_weight", None), "kind", "none")
+    off = torch.zeros_like(mask)  # loss tokens the policy did not write, under the declared weight form
+    if form != "none":
+        for o in ("guide_prefix", "guide_intervention", "demonstration"):
+            off |= mask & (b.origin.cpu() == CODE[o])
     clipped = rho.clamp(1 - lo, 1 + hi)
     inside = (rho >= 1 - lo) & (rho <= 1 + hi)
     unclipped_min = rho * A <= clipped * A
@@ -373,14 +526,37 @@ def grpo_parts(obj, b, mask, cur, old, ref, adv, kl_coef):
     elif kind == "clip_cov":  # l_t = 0: no loss, no gradient (the token still counts in the normaliser)
         pg_tok = torch.where(sel, torch.zeros_like(pg_tok), pg_tok)
         pg_grad = torch.where(sel, torch.zeros_like(pg_grad), pg_grad)
+    if form != "none":  # tokens the policy did not write: l = -A f(pi), no ratio, no clip; d l / d lp = -A f'(pi) pi
+        f, df = off_policy_formula(obj.off_policy_weight, cur.double())
+        pg_tok = torch.where(off, -A * f, pg_tok)
+        pg_grad = torch.where(off, -A * df, pg_grad)
     out = {"w": w, "pg_value": float((w * pg_tok * mask).sum()), "pg_grad": w * pg_grad * mask,
            "kl_value": 0.0, "kl_grad": torch.zeros_like(rho)}
-    if kl_coef > 0 and ref is not None:
+    if kl_coef > 0 and ref is not None:  # on the policy's own tokens (an estimate from its samples)
         d = torch.where(mask, cur.double() - ref.double(), torch.zeros_like(rho))
         val, dk = kl_formula(d, obj.kl_estimator)
-        out["kl_value"] = float((w * val * mask).sum())
-        out["kl_grad"] = w * dk * mask
+        on = mask & ~off
+        out["kl_value"] = float((w * val * on).sum())
+        out["kl_grad"] = w * dk * on
     return out
+
+
+def off_policy_formula(form, lp):
+    """(f, d f / d lp) per token of the declared weight form of tokens the policy did not write, at pi = exp(lp):
+    shaped f = pi / (pi + gamma), f' pi = gamma pi / (pi + gamma)^2 (LUFFY); prob f = pi; pow f = pi^alpha,
+    alpha pi^alpha; log f = lp, 1."""
+    import torch
+
+    pi = torch.exp(lp)
+    if form.kind == "shaped":
+        return pi / (pi + form.gamma), form.gamma * pi / (pi + form.gamma) ** 2
+    if form.kind == "prob":
+        return pi, pi
+    if form.kind == "pow":
+        return pi ** form.alpha, form.alpha * pi ** form.alpha
+    if form.kind == "log":
+        return lp, torch.ones_like(lp)
+    raise ValueError(f"the referee has no formula for off_policy_weight {form.kind}")
 
 
 # ----------------------------------------------------------------------------------------------- token selection

@@ -28,7 +28,8 @@ HARD = ["data.train_tiers=[6]", "rollout.max_new_tokens=48"]
 # specs with their own tiers (InT: its stages need targets and a GRPO stage that moves the weights; 8 prompts a
 # step over its 3 short steps give its stage 1 about 20 failed attempts, and 48 tokens fit its 6-step chains)
 HOT: dict[str, list[str]] = {"int": ["train.prompts_per_step=8", "rollout.max_new_tokens=48"]}
-GUIDE_ORIGINS = ("guide_prefix", "guide_intervention")
+GUIDE_ORIGINS = ("guide_prefix", "guide_intervention", "demonstration")  # tokens a guide wrote (the traces guide:
+# demonstration)
 TOL = 2e-3  # float32 forward passes of different shapes (KV cache vs one pass)
 
 
@@ -49,8 +50,13 @@ def short(path: Path, extra=()) -> list[str]:
         out += ["train.steps=3"]
     if all(s.spec.data.train is None for s in v.segments):  # the toy testbed
         out += HOT.get(Path(path).stem, HARD)
+        if any(src.kind_name() == "overlong_penalty" and src.max_tokens is None for s in v.segments
+               for src in s.spec.sources.values()):  # a cap some 6-step answers pass into the buffer: the part acts
+            out += ["rollout.max_new_tokens=40"]
     if any(s.spec.sync.every > 2 for s in v.segments) and not data.get("stages"):
         out += ["sync.every=2"]
+    if (data.get("train") or {}).get("reset_every") and not data.get("stages"):  # a periodic reset inside the run
+        out += ["train.reset_every=2"]
     return out + list(extra)
 
 
@@ -114,11 +120,15 @@ class Recorder:
         self.scratch = None  # a copy of the policy's architecture: fresh forwards of recorded weights
         self.policy = None  # the live policy module
         self.sampled: set[tuple] = set()
+        self.budgets: set[int] = set()  # max_tokens of the rollout weights' sample requests of the current rollout
+        self.written: list[tuple] = []  # (model, prompt tokens, continuation), in order, of every generation a source wrote
         self.not_sampled: list[tuple] = []
         self.policy_tokens_checked = 0
         self.tokenizer = None
         self.verdicts: dict[tuple, tuple] = {}  # (verifier, row tokens) -> (reward, parsed)
         self.verdict_log: list[tuple] = []  # (step, segment, verifier, parsed)
+        self.updates = None  # composer/referee/optim.py's UpdateWatch on the run's optimiser
+        self.judged: dict[tuple, bool] = {}  # (problem, text) -> the verifier's success, for texts a guide judged
 
     def _keep_weights(self, step: int, policy) -> None:
         if policy is None or step in self.weights_at:
@@ -134,6 +144,8 @@ class Recorder:
             self._keep_weights(data["step"], data["policy"])
             self.tokenizer = self.tokenizer or data["engine"].tok
             self.check_behaviour(data["batch"], data["engine"], data["step"], data["segment"])
+            data["room"] = max(self.budgets) if self.budgets else None  # the response budget the rollouts got
+            self.budgets = set()
             self.check_sampled(data["batch"], data["step"])
             self.rollout_at.setdefault(data["step"], fingerprint(data["engine"].model))
         if kind == "term_loss":  # now, before backward frees the graph and the optimiser moves the weights
@@ -158,9 +170,15 @@ class Recorder:
     def on_sample(self, requests, answers) -> None:
         """The rollout weights' sampled continuations (served by the run's driver): every prefix they extend."""
         for req, gens in zip(requests, answers):
+            self.budgets.add(req.max_tokens)
             for g in gens:
                 seq = tuple(req.tokens) + tuple(g.tokens)
                 self.sampled.update(seq[: t + 1] for t in range(len(req.tokens), len(seq)))
+
+    def on_write(self, model: str, requests, answers) -> None:
+        """What a source model (a teacher writing traces) generated after which tokens, as its server returned it."""
+        for req, gens in zip(requests, answers):
+            self.written.extend((model, tuple(req.tokens), tuple(g.tokens)) for g in gens)
 
     def on_verdicts(self, verifier: str, step: int, segment: str, batch, verdicts) -> None:
         for i, vd in enumerate(verdicts):
@@ -231,6 +249,8 @@ def run_recorded(path: Path, out_dir: Path, extra=(), as_declared: bool = False)
         answers = real_serve(ctx, key, requests, *scope)
         if key[0] == "sample" and key[1] == POLICY and not key[2] and key[3] == "rollout":
             rec.on_sample(requests, answers)
+        if key[0] == "sample" and key[3] == "teacher":  # a source writing sequences the policy did not write
+            rec.on_write(key[1], requests, answers)
         return answers
 
     def verdicts(self, ctx, batch):  # the verifier's verdicts as it returned them
@@ -238,11 +258,36 @@ def run_recorded(path: Path, out_dir: Path, extra=(), as_declared: bool = False)
         rec.on_verdicts(self.cfg.verifier, ctx.step, ctx.segment, batch, out)
         return out
 
+    from composer.backends.lightning.module import ComposerModule
+    from composer.referee.optim import UpdateWatch
+
+    real_configure = ComposerModule.configure_optimizers
+
+    def configure_optimizers(self):  # every update of the run's optimiser, around its step (composer/referee/optim.py)
+        out = real_configure(self)
+        rec.updates = UpdateWatch(v, out["optimizer"], self.policy, rec.events)
+        return out
+
+    import components.guides.intervention as intervention
+
+    real_successes = intervention.successes
+
+    def successes(ctx, examples, texts):  # the verifier's verdicts on texts a guide judges (a model's traces)
+        out = real_successes(ctx, examples, texts)
+        rec.judged.update({(ex.problem, t): ok for ex, t, ok in zip(examples, texts, out)})
+        return out
+
+    intervention.successes = successes
     rollout_mod.serve, RewardScorer.verdicts = serve, verdicts
+    ComposerModule.configure_optimizers = configure_optimizers
     try:
         train(v, Path(out_dir) / "run", progress=False, recorder=rec)
     finally:
         rollout_mod.serve, RewardScorer.verdicts = real_serve, real_verdicts
+        intervention.successes = real_successes
+        ComposerModule.configure_optimizers = real_configure
+        if rec.updates is not None:
+            rec.updates.active = False
     if rec.policy is not None:
         rec.final = {k: t.detach().clone() for k, t in rec.policy.state_dict().items()}
     rows = {}

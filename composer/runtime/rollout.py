@@ -74,7 +74,8 @@ def rollout(ctx, guide, examples, n: int):
     rows = [i for i in range(len(examples)) for _ in range(n)]
     batch = assemble(traces, [examples[i] for i in rows], rows, ctx.pad_id)
     batch.info["temperature"] = ctx.sampling.temperature
-    ctx.record("rollout", batch=batch, engine=ctx.engine, traces=traces, policy=ctx.policy)
+    ctx.record("rollout", batch=batch, engine=ctx.engine, traces=traces, policy=ctx.policy, task_cap=ctx.task.max_new_tokens,
+               step_split=ctx.task.step_split)
     return batch
 
 

@@ -171,6 +171,7 @@ class ComposerModule(L.LightningModule):
         examples = ctx.next_prompts(ctx.spec.train.prompts_per_step)
         batches = run_step.collect(ctx, at, [e for e in examples])
         batches = to_device(batches, self.device)
+        lr = optimizer.param_groups[0]["lr"]  # this step's (the manual path steps the scheduler inside _updates)
         if self.automatic_optimization:
             loss, metrics = self._loss(at, ctx.forward_model(self.policy), batches)
             self._check_finite(loss, step)
@@ -181,7 +182,7 @@ class ComposerModule(L.LightningModule):
         metrics.update({f"cost/{k}": float(v) for k, v in ctx.costs.items()})  # cumulative, for compute matching
         metrics.update(metrics_eval)
         metrics["loss"] = float(loss.detach())
-        metrics["lr"] = optimizer.param_groups[0]["lr"]
+        metrics["lr"] = lr
         metrics["_eval"] = metrics_eval  # the training step shows the middle tier's pass@1; dropped before logging
         metrics["_batches"] = batches  # for callers that count rows and tokens; dropped before logging
         return loss, metrics
@@ -258,6 +259,8 @@ class ComposerModule(L.LightningModule):
                 self.configure_gradient_clipping(opt)
                 opt.step()  # Lightning's step: runs on_before_optimizer_step, counts the global step
             opt.zero_grad()
+            if k == n - 1:  # the Plan's LR is per rollout step; Lightning steps schedulers only under automatic
+                self.lr_schedulers().step()  # optimization, so by hand here (else warm-up and decay never moved)
             losses.append(float(loss.detach()))
             if k == 0:
                 metrics_first = {f"first_update/{key}": v for key, v in metrics.items()

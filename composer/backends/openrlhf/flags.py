@@ -294,7 +294,12 @@ def _run(name, group, segs, layout: Layout, inputs: Inputs, model: str) -> Run:
                               "which cannot be mixed with rollout terms in one OpenRLHF run, and its gate reads the "
                               "rollouts of the same step, so stages cannot split them", "train it on the Lightning backend")
         raise Unsupported(w + b + ("signal",), "an SFT term on reference demonstrations runs through train_sft, "
-                          "which cannot be mixed with rollout terms in one OpenRLHF run", "split them into `stages`")
+                          "which cannot be mixed with rollout terms in one OpenRLHF run",
+                          "to learn from the demonstrations inside the RL run, put them into the groups as traces "
+                          "(rollout.guide: {kind: traces, source: <reference_solution source>}, loss_tokens: [policy, "
+                          "demonstration] and off_policy_weight: {kind: shaped} on grpo; LUFFY, "
+                          "specs/methods/luffy.yaml), which OpenRLHF runs; or train on the Lightning backend; "
+                          "`stages` (SFT first, then RL) is another method")
     if all(ref_sft):
         run.trainer = "sft"
     for w, (b, sig, _o, _w) in pairs:  # one actor temperature per training step
@@ -774,6 +779,13 @@ def _check_guides(specs, where, inputs: Inputs) -> None:
                 raise Unsupported(w + ("sources", call.source, "weights"), "a judge generates with the rollout "
                                   "engine (`self`: the current weights) or its own engine (an external model: its "
                                   "own weights)", "use weights: current")
+            r = spec.rollout
+            if call.sampled and (r.temperature != 1.0 or r.top_p != 1.0 or r.top_k):
+                raise Unsupported(w + ("rollout", "temperature"), f"'{call.source}' samples the sequences it writes "
+                                  f"(traces, prefixes) at the rollout's settings (temperature {r.temperature:g}, top_p "
+                                  f"{r.top_p:g}{f', top_k {r.top_k}' if r.top_k else ''}) on the Lightning backend, "
+                                  "and OpenRLHF's engine for an external model samples at temperature 1, top_p 1",
+                                  "use rollout temperature 1 and top_p 1 without top_k, or the lightning backend")
 
 
 def _teachers(a: _Args, run: Run, spec, specs, terms, inputs: Inputs) -> None:
