@@ -227,3 +227,14 @@ def test_batch_metrics_count_response_tokens():
     m = batch_metrics(batch)
     assert m["response_tokens"] == 6 and m["offpolicy_token_frac"] == pytest.approx(2 / 6)
     assert int((batch.origin == CODE["guide_intervention"]).sum()) == 2
+
+
+def test_the_plots_put_an_evaluation_at_the_samples_drawn_before_it():
+    """Row s's evaluation is of the weights before step s's update; cost/policy_samples is logged after step s's
+    rollout. InT: step 0 builds its targets (4308 samples) and evaluates the start; the final row only evaluates."""
+    rows = [{"step": "0", "cost/policy_samples": "4308", "pass_at_1/tier8": "0.1"},
+            {"step": "1", "cost/policy_samples": "4308"},
+            {"step": "2", "cost/policy_samples": "4372"},
+            {"step": "3", "pass_at_1/tier8": "0.2"}]
+    assert b.samples_before(rows) == {0: 0.0, 1: 4308.0, 2: 4308.0, 3: 4372.0}
+    assert b.samples_before([{"step": "0", "loss": "1"}]) == {}  # an older log: the plot falls back to steps

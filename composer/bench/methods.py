@@ -848,7 +848,9 @@ def plots(results: list[dict], out: Path) -> list[Path]:
                 from composer.runtime.report import metric_name
 
                 xs, ys = _curve(logs, metric_name(f"pass@1/{tier}"))  # metrics.csv's name of pass@1/<tier>
-                ax.plot([x * per_step for x in xs], ys, marker=".", label=label)
+                used = [samples_before(rows) for rows in logs]  # what each seed had sampled when it evaluated
+                ax.plot([statistics.fmean(u.get(x, x * per_step) for u in used) for x in xs], ys, marker=".",
+                        label=label)
             ks = sampled_ks(r0, HARD)
             axes[2].plot(ks, [statistics.fmean(float(r[sampled_key(k, HARD)]) for r in runs) for k in ks],
                          marker="o", label=label)
@@ -881,6 +883,21 @@ def plots(results: list[dict], out: Path) -> list[Path]:
             plt.close(fig)
             made.append(path)
     return made
+
+
+def samples_before(rows: list[dict]) -> dict[int, float]:
+    """{step: policy samples the run had drawn before that step's update} from its metrics rows
+    (cost/policy_samples is cumulative and logged after the step's rollout, while an evaluation in a step's row
+    is of the weights before it): InT's stage 1 spends its attempts, proposals and continuations at its first
+    step. Empty for a log without the column."""
+    out, before = {}, 0.0
+    if not any(r.get("cost/policy_samples") not in (None, "") for r in rows):
+        return out
+    for r in sorted(rows, key=lambda r: int(r["step"])):
+        out[int(r["step"])] = before
+        if r.get("cost/policy_samples") not in (None, ""):
+            before = float(r["cost/policy_samples"])
+    return out
 
 
 def _curve(runs: list[list[dict]], key: str) -> tuple[list[float], list[float]]:
