@@ -505,12 +505,13 @@ def arm(results: list[dict], label: str, metric: str) -> list[float]:
 def _fmt(c: dict) -> str:
     if math.isnan(c["d"]):
         return "n/a"
-    return f"{c['d']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
+    p = c.get("places", 3)
+    return f"{c['d']:+.{p}f} [{c['lo']:+.{p}f}, {c['hi']:+.{p}f}]"
 
 
-def _mean(xs: list[float]) -> str:
+def _mean(xs: list[float], places: int = 3) -> str:
     m, h = ci95(xs)
-    return "n/a" if math.isnan(m) else f"{m:.3f} ± {h:.3f}"
+    return "n/a" if math.isnan(m) else f"{m:.{places}f} ± {h:.{places}f}"
 
 
 def claim_verdicts(results: list[dict]) -> list[dict]:
@@ -589,8 +590,9 @@ def claim_verdicts(results: list[dict]) -> list[dict]:
             main = diff_ci((1, x("int")), (-1, x("grpo")))
             comps = [("InT - GRPO", main, f"{_mean(x('int'))} vs {_mean(x('grpo'))}")]
             for sec in (f"pass@32/{BOTH}", f"pass@1/{MIDDLE}", f"pass@1/{HARD}", "policy_samples_used"):
-                comps.append((f"InT - GRPO, {sec}", diff_ci((1, x("int", sec)), (-1, x("grpo", sec))),
-                              f"{_mean(x('int', sec))} vs {_mean(x('grpo', sec))}"))
+                p = 0 if sec in COUNTS else 3  # samples are whole numbers
+                comps.append((f"InT - GRPO, {sec}", {**diff_ci((1, x("int", sec)), (-1, x("grpo", sec))), "places": p},
+                              f"{_mean(x('int', sec), p)} vs {_mean(x('grpo', sec), p)}"))
             for what in ("intervention_share_sft", "offpolicy_share_trained", "continuation_success",
                          "kept_continuation_success"):
                 notes.append(f"InT's {what}: {_mean(x('int', what))}")
