@@ -18,6 +18,7 @@ optional hook declared here with its default, so backends call hooks and never p
              row_target(ctx, ex, trace) the same for one row (OpenRLHF), as a program
              builds_ahead / start(ctx) batches built once when the segment begins (InT offline);
              ahead_program / ahead_targets  the same, row by row (OpenRLHF's agent)
+             rollouts_ahead(spec, steps) the rollouts that build costs before it runs (the bench's budget)
              teacher_source            the policy_model source it reads log-probs from
   Objective  components/objectives/base.py: advantages(batch) over whole groups, then
              loss(batch, view, advantages) per micro-batch
@@ -214,6 +215,12 @@ class Signal(Component):
         """With `builds_ahead`: ({problem prompt: [target traces]}, counts) from `ahead_program`'s results, n per
         example in order."""
         raise NotImplementedError(f"{self.kind_name()} builds no batches ahead")
+
+    def rollouts_ahead(self, spec, steps: int) -> int:
+        """Rollouts `start` samples for a segment of `steps` steps under `spec`, as far as they are known before
+        it runs (the bench's budget counts them; what depends on the rollouts, such as InT's proposals and filter
+        continuations, is counted as it is sampled: cost/policy_samples). 0 by default."""
+        return 0
 
     @property
     def targets_rows(self) -> bool:

@@ -334,6 +334,7 @@ def batch_facts(batch: TrajectoryBatch) -> dict[str, float]:
     resp = batch.response_mask
     n_resp = resp.sum().clamp(min=1)
     out["response_len"] = float(resp.sum(1).float().mean())
+    out["response_tokens"] = float(resp.sum())  # so that shares over many steps can be weighted by tokens
     off = batch.mask(("guide_prefix", "guide_intervention", "demonstration")) & resp
     out["offpolicy_token_frac"] = float(off.sum() / n_resp)
     if batch.rewards is not None:

@@ -124,7 +124,9 @@ class MetricsSink:
     and the recorder of events (tests, conformance checks: recorder(kind, **data))."""
 
     metrics: dict = field(default_factory=dict)
-    costs: dict = field(default_factory=lambda: {"policy_tokens": 0, "judge_tokens": 0, "teacher_tokens": 0})
+    # policy_samples: every sequence the policy network wrote (composer/runtime/rollout.py `count_samples`)
+    costs: dict = field(default_factory=lambda: {"policy_tokens": 0, "judge_tokens": 0, "teacher_tokens": 0,
+                                                 "policy_samples": 0})
     recorder: Any = None
 
 
