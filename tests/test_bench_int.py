@@ -215,7 +215,7 @@ def test_batch_metrics_count_response_tokens():
     from components.tasks import toy
     from composer.origins import CODE
     from composer.protocol import Trace
-    from composer.runtime.step import batch_metrics
+    from composer.step import batch_facts
     from composer.trajectory import assemble
 
     ex = toy.make_example("1+2")
@@ -224,7 +224,7 @@ def test_batch_metrics_count_response_tokens():
     b_.add([5], "policy")
     b_.add([8, 9], "guide_intervention")
     batch = assemble([a, b_], [ex, ex], [0, 0], 0)
-    m = batch_metrics(batch)
+    m = batch_facts(batch)
     assert m["response_tokens"] == 6 and m["offpolicy_token_frac"] == pytest.approx(2 / 6)
     assert int((batch.origin == CODE["guide_intervention"]).sum()) == 2
 
