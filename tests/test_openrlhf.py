@@ -696,6 +696,33 @@ def test_agent_pope_searches_every_run_problem_at_every_step_before_the_first_br
     assert all(ob.decode_label(o["label"])["guided"] == (k > 0) for o in outs)
 
 
+def test_agent_prepares_the_run_problems_not_the_whole_task(tmp_path, monkeypatch):
+    """A guide that prepares per problem without the initial policy (PrefixRL: 8 teacher generations per problem,
+    the first correct one its trace) prepares, on the agent's first call, the run's training problems (the
+    bundle's train rows), then the problem at hand; not the task's whole training set (the real-job tier's
+    PrefixRL job spent minutes writing teacher traces for every toy problem before a 2-step job could start)."""
+    from components.tasks import toy
+    from components.tasks.tokenizer import char_tokenizer
+
+    agent = agent_for("specs/methods/prefixrl.yaml")
+    spec = agent.segments.at(0)
+    guide = spec.rollout.guide
+    run_rows = [toy.make_example(p) for p in ("7+3-5+9", "2+2-1+4")]
+    rows = tmp_path / "train.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": ex.prompt, "label": ob.encode_label(ob.label_of(ex))}) + "\n"
+                            for ex in run_rows))
+    agent.run["plugin"].update(train_file=str(rows), train_rows=2)
+    seen = []
+    monkeypatch.setattr(type(guide), "prepare", lambda self, ctx, examples: seen.extend(e.prompt for e in examples) or [])
+    ctx = agent.context(spec, char_tokenizer())
+    assert len(ctx.task.train) > 10 * len(run_rows)  # what the agent used to prepare
+    other = toy.make_example("5-3+8-2")
+    asyncio.run(agent._prepare(ctx, guide, other, serve=None))
+    assert seen == [ex.prompt for ex in run_rows] + [other.prompt]
+    asyncio.run(agent._prepare(ctx, guide, run_rows[0], serve=None))  # later calls: the problem at hand only
+    assert seen[3:] == [run_rows[0].prompt]
+
+
 def test_agent_int_stage_one_self_judge_and_sft_filter():
     """InT's first stage: a failed rollout gets one review by the policy itself (greedy, the toy judge
     template; the verdict, then the correction from the reference and the kept steps only), the target is

@@ -228,7 +228,9 @@ class ComposerAgent:
         weights (the Plan's schedule: before the first broadcast): every training problem of the run (the
         bundle's train rows) at every step of the run where this guide is in force, since what it prepares
         may depend on the step (POPE draws the guided prompts per step); a later call finds it done. Any
-        other guide prepares the training set once, then each new problem when first seen."""
+        other guide prepares the run's training problems once (`_run_problems`: the bundle's train rows, not the
+        task's whole set: PrefixRL's teacher writes its traces for those only), then each new problem when first
+        seen."""
         if self.lock is None:
             self.lock = asyncio.Lock()
         async with self.lock:
@@ -238,7 +240,7 @@ class ComposerAgent:
                 if engines is not None and self._reads_initial(guide, ctx.spec):
                     await self._prepare_run(ctx, guide, example, engines, initial_ok)
                 else:
-                    programs = list(guide.prepare(ctx, list(ctx.task.train) or [example]))
+                    programs = list(guide.prepare(ctx, self._run_problems(ctx) or [example]))
                     await asyncio.gather(*(run_async(p, serve) for p in programs))
             for p in list(guide.prepare(ctx, [example])):
                 await run_async(p, serve)
