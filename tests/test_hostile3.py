@@ -356,6 +356,16 @@ def test_a_base_60_override_is_refused_like_in_a_file(tmp_path):
     assert cli("validate", spec).exit_code == 2
 
 
+def test_a_brace_override_without_spaces_says_so():
+    """`{kind:linear,...}` is YAML for one key `kind:linear` with no value: the error says where the space goes
+    (it was `objective.kl_coef.Schedule: missing required field 'Schedule'`)."""
+    r = cli("validate", REPO / "specs" / "grpo.yaml", "objective.kl_coef={kind:linear,start:0.01,end:0,steps:10}")
+    assert r.exit_code == 2 and "`kind:linear` is read as one key" in r.stderr and "write `kind: linear`" in r.stderr
+    assert cli("validate", REPO / "specs" / "grpo.yaml",
+               "objective.kl_coef={kind: linear, start: 0.01, end: 0, steps: 10}").exit_code == 0
+    assert cli("validate", REPO / "specs" / "grpo.yaml", "summary=a:b").exit_code == 0  # a plain value keeps its colon
+
+
 def test_extends_is_not_an_override():
     r = cli("validate", REPO / "specs" / "grpo.yaml", "extends=sft.yaml")
     assert r.exit_code == 2 and "`extends` cannot be overridden" in r.stderr
