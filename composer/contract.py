@@ -4,6 +4,8 @@ optional hook declared here with its default, so backends call hooks and never p
   Source     preflight(ctx, name)      checks before any training (tokenizers, paths)
              build(ctx, name)          the runtime a run uses (default: the config itself)
              text(ctx, batch, i)       privileged text for row i (text sources), None when it has none
+             teacher_prompts / score_tokens   a teacher's privileged prompts and its scores of the student's
+                                       tokens with the backend's forward (both backends)
   Runtime    after_optimizer_step(ctx), state_dict(), load_state_dict(state)
   Guide      writes                    the token origins it writes into rollouts
              prepare(ctx, examples)    a program run once per step before the rollouts (searches, caches)
@@ -14,7 +16,9 @@ optional hook declared here with its default, so backends call hooks and never p
              makes_batch / make_batch  a signal whose batch is not a rollout (SFT on references)
              apply(ctx, batch)         fill rewards / teacher log-probs / targets
              row_target(ctx, ex, trace) the same for one row (OpenRLHF), as a program
-             builds_ahead / start(ctx) batches built once when the segment begins (InT offline)
+             builds_ahead / start(ctx) batches built once when the segment begins (InT offline);
+             ahead_program / ahead_targets  the same, row by row (OpenRLHF's agent)
+             rollouts_ahead(spec, steps) the rollouts that build costs before it runs (the bench's budget)
              teacher_source            the policy_model source it reads log-probs from
   Objective  components/objectives/base.py: advantages(batch) over whole groups, then
              loss(batch, view, advantages) per micro-batch
@@ -25,7 +29,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, final
 
 from composer.registry import Component
 
@@ -93,6 +97,19 @@ class Source(Component):
         problem only overrides this (the override is what declares it)."""
         raise TypeError(f"a {self.kind_name()} source has no per-problem text")
 
+    def teacher_prompts(self, ctx, name: str, batch) -> list:
+        """As a teacher shown privileged context: (its prompt's token ids, or None for the student's own prompt;
+        the row's weight, 0 when the declared context has no text for it) per row of `batch` (whole groups: a
+        context may read a row's siblings). Only a source that scores as a teacher has them."""
+        raise TypeError(f"a {self.kind_name()} source is no teacher")
+
+    def score_tokens(self, forward_logits, tokens, attention_mask, prompt_len: list[int], prompts: list,
+                     pad_id: int, want_logits: bool):
+        """As a teacher: log-probs [B, T] (and logits [B, T, V], or None) of each row's response tokens under its
+        prompt (`prompts[i]`, None: the row's own), with the backend's forward pass `forward_logits(ids, mask) ->
+        [B, T2, V]`. Only a source that scores as a teacher has them."""
+        raise TypeError(f"a {self.kind_name()} source is no teacher")
+
 
 class Guide(Component):
     """Base of every rollout guide: rollouts are programs of requests (composer/protocol.py)."""
@@ -138,8 +155,10 @@ class Guide(Component):
         """Per-step facts of the finished traces, logged as guide/<name> (nothing by default)."""
         return {}
 
+    @final
     def rollout(self, ctx, examples, n: int):
-        """n rollouts per example as a TrajectoryBatch, driven by the run's batching driver."""
+        """n rollouts per example as a TrajectoryBatch, driven by the run's batching driver (a helper, not a hook:
+        the guide's program is `row`)."""
         return ctx.rollout(self, examples, n)
 
 
@@ -185,6 +204,23 @@ class Signal(Component):
 
     def start(self, ctx) -> None:
         """When a segment that uses this signal begins, before its first step (nothing by default)."""
+
+    def ahead_program(self, ctx, example, index: int, n: int):
+        """With `builds_ahead`: the program of attempt `index` (of n) at `example` that may yield a target, returning
+        (status, trace) (InT: the guide's attempt, then its target). A backend that builds the targets itself
+        (OpenRLHF's agent) runs these and hands the results to `ahead_targets`."""
+        raise NotImplementedError(f"{self.kind_name()} builds no batches ahead")
+
+    def ahead_targets(self, examples: list, results: list, n: int) -> tuple[dict, dict]:
+        """With `builds_ahead`: ({problem prompt: [target traces]}, counts) from `ahead_program`'s results, n per
+        example in order."""
+        raise NotImplementedError(f"{self.kind_name()} builds no batches ahead")
+
+    def rollouts_ahead(self, spec, steps: int) -> int:
+        """Rollouts `start` samples for a segment of `steps` steps under `spec`, as far as they are known before
+        it runs (the bench's budget counts them; what depends on the rollouts, such as InT's proposals and filter
+        continuations, is counted as it is sampled: cost/policy_samples). 0 by default."""
+        return 0
 
     @property
     def targets_rows(self) -> bool:

@@ -19,10 +19,11 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from composer.capabilities import Capabilities, Capable, Need
 from composer.lazy import torch
 
 
-class RolloutFilter(BaseModel):
+class RolloutFilter(Capable, BaseModel):
     """Which rollouts of a step are trained on, decided after rewards and before advantages."""
 
     model_config = ConfigDict(extra="forbid")
@@ -35,6 +36,12 @@ class RolloutFilter(BaseModel):
     @property
     def active(self) -> bool:
         return self.equal_groups == "drop" or self.truncated != "keep"
+
+    def capabilities(self) -> Capabilities:
+        needs = [Need("capped_refill", ("max_rounds",))] if self.equal_groups == "drop" and self.max_rounds is not None \
+            else []
+        needs += [Need("row_drop", ("truncated",))] if self.truncated == "drop" else []
+        return Capabilities(needs=tuple(needs))
 
     def describe(self) -> str:
         parts = []

@@ -131,6 +131,24 @@ class Trace:
         return out
 
 
+def plain_row(ctx, example) -> Program:
+    """The program of one unguided rollout: the policy continues the prompt up to max_new_tokens (the `none` guide's
+    row, and an evaluation row on every backend)."""
+    trace = Trace(ctx.prompt_ids(example))
+    [gen] = yield Sample(trace.prompt, ctx.max_new_tokens)
+    trace.add(gen.tokens, "policy", gen.logprobs)
+    return trace
+
+
+def fill_scores(trace: Trace, lps: list[float], origins: set[str]) -> None:
+    """Give the unscored pieces of `origins` their log-probs from `lps`, the response's scores."""
+    pos = 0
+    for p in trace.pieces:
+        if p.logprobs is None and p.origin in origins:
+            p.logprobs = lps[pos: pos + len(p.tokens)]
+        pos += len(p.tokens)
+
+
 def done(value=None) -> Program:
     """A program that asks for nothing and returns `value` (`yield from done(x)` is `x`)."""
     return value

@@ -16,6 +16,8 @@ from typing import Any, Callable, ClassVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from composer.capabilities import Capable
+
 SECTIONS = ("sources", "guide", "signal", "objective", "estimator", "token_selection", "off_policy_weight")
 ENTRY_POINT_GROUP = "composer.components"
 ALLOW_PLUGINS_ENV = "COMPOSER_ALLOW_PLUGINS"
@@ -98,12 +100,14 @@ class NumbersNotBooleans:
         return {k: refuse_bool_numbers(v, fields[k].annotation) if k in fields else v for k, v in data.items()}
 
 
-class Component(NumbersNotBooleans, BaseModel):
+class Component(Capable, NumbersNotBooleans, BaseModel):
     """Base of every component config.
 
     Class-level data (not spec fields):
       needs / provides: port names, the graph layer checks that every need is provided.
       refs: field name -> source kinds the named source(s) may have (an edge in the graph).
+    `capabilities()` (composer/capabilities.py): on-policy only, exact origins, the backend features its
+    configuration needs; a component that declares nothing gets the safe defaults (on-policy only, no feature).
     """
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=False)

@@ -10,10 +10,9 @@ sequence weights, several advantage groups and the fields a signal would fill:
   2. the normaliser matches the aggregation: with a declared `reduction()` the normaliser is its
      `aggregate_count`, and the split into single rows adds up too (a loss that aggregates differently
      from what its normaliser says fails here);
-  3. the backends agree: the Lightning path (one batch: `advantages`, then `loss`, as
-     composer/runtime/step.py runs a term) and the OpenRLHF path (composer/backends/openrlhf/loss.py:
-     `advantages` over the step, micro-batches scaled by `micro_scale` with gradient accumulation, each
-     backward divided by gas as DeepSpeed does) give the same loss and the same gradient.
+  3. the backends agree: one batch (`advantages`, then `loss`) and the step's micro-batches as OpenRLHF trains them
+     (composer/step.py: `advantages` over the step, each micro-batch's `loss` scaled by its `shares` with gradient
+     accumulation, each backward divided by gas as DeepSpeed does) give the same loss and the same gradient.
 `check_component` checks the declared parts every component shares (hooks return what they declare).
 """
 
@@ -137,19 +136,20 @@ def check_backends_agree(obj, batch, logits, micro: int = 2, gas: int = 2) -> No
     """Check 3: the Lightning path and the OpenRLHF path give the same loss and gradient on one step."""
     import torch
 
-    from composer.backends.openrlhf.loss import advantages, micro_scale, total_loss
+    from composer import step
+    from composer.plan.plan import StepPlan, Term
 
-    term = [("term0", None, obj, 1.0)]
+    at = StepPlan(0, None, (Term(0, "term0", None, obj, 1.0, declared=obj),), 0.0, False)
     lit, _ = _step_loss(obj, batch, logits)
     (g_lit,) = torch.autograd.grad(lit, logits, allow_unused=True)
-    advs = advantages(term, batch)  # the experience maker's step over every sample
-    norm = float(obj.normalizer(batch))
+    adv = step.advantages(at.terms[0], batch)  # the experience maker's step over every sample
+    whole = step.normalisers(at, [batch])
     rlhf = 0.0
     for rows in _split(batch.size, micro):
-        mb = batch.select(rows)
-        a = {i: v[torch.as_tensor(rows)] for i, v in advs.items()}
-        scale = {0: micro_scale(obj, mb, norm, dp_size=1, gas=gas)}
-        loss, _m = total_loss(term, [mb], view_of(mb, logits, rows), a, scale)
+        mb = dataclasses.replace(batch.select(rows), advantages=None if adv is None else adv[torch.as_tensor(rows)])
+        shares = step.shares(step.normalisers(at, [mb]), whole, parts=gas)  # x gas: DeepSpeed's accumulation
+        view = view_of(mb, logits, rows)
+        loss, _m = step.loss(at, [mb], lambda b, want, read, view=view: view, shares, facts=False, entropy=False)
         rlhf = rlhf + loss / gas  # DeepSpeed divides every micro-batch's backward by gas
     _close(rlhf, lit, f"{obj.kind_name()}: the OpenRLHF loss path differs from the Lightning step")
     if g_lit is not None:

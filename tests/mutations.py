@@ -76,9 +76,9 @@ def m_dapo_filter(undo):
 
 
 def m_loss_t1(undo):
-    import composer.runtime.step as step
+    import composer.runtime.models as models
 
-    patch_source(undo, step, "policy_view", 'batch.info.get("temperature", 1.0)', "1.0")
+    patch_source(undo, models, "policy_view", 'batch.info.get("temperature", 1.0)', "1.0")
 
 
 def m_stale_reference(undo):
@@ -93,7 +93,7 @@ def m_stale_reference(undo):
 def m_opt_kept_at_stage(undo):
     from composer.backends.lightning.module import ComposerModule
 
-    patch_source(undo, ComposerModule, "_enter", "if self.schedule.optimizer_reset(step):", "if False:")
+    patch_source(undo, ComposerModule, "_enter", "if at.optimizer_reset:", "if False:")
 
 
 def m_lr_not_stepped(undo):
@@ -103,10 +103,10 @@ def m_lr_not_stepped(undo):
 
 
 def m_weight_dropped(undo):
-    import composer.runtime.step as step
+    import composer.step as step
 
-    patch_source(undo, step, "loss", "total = total + weight * (shares or {}).get(i, 1.0) * value",
-                 "total = total + (shares or {}).get(i, 1.0) * value")
+    patch_source(undo, step, "loss", "total = total + term.weight * (shares or {}).get(term.index, 1.0) * value",
+                 "total = total + (shares or {}).get(term.index, 1.0) * value")
 
 
 def m_clip_skipped(undo):
@@ -116,9 +116,9 @@ def m_clip_skipped(undo):
 
 
 def m_entropy_sign(undo):
-    import composer.runtime.step as step
+    import composer.step as step
 
-    patch_source(undo, step, "loss", "total = total - entropy_coef * ent", "total = total + entropy_coef * ent")
+    patch_source(undo, step, "loss", "total = total - entropy_bonus(", "total = total + entropy_bonus(")
 
 
 def m_weight_decay_ignored(undo):

@@ -62,14 +62,14 @@ def moved(bundle: Path, tmp_path: Path) -> Path:
     return dest
 
 
-# Loads the plan as the entry point and the worker hook do (hooks.load, then the run's Segments, which
+# Loads the plan as the entry point and the worker hook do (hooks.load, then the run's Plan, which
 # import the modules the segment specs name), then the plugin module and the bundle's reward.py.
 PROBE = r"""
 import json, os, sys
 from composer.backends.openrlhf import hooks
-from composer.backends.openrlhf.loss import Segments
+from composer.plan.plan import Plan
 plan, run = hooks.load("plan.json", None)
-obj = Segments(plan, run["segments"]).at(0).objective
+obj = Plan(plan, run["segments"]).segments[0].spec.objective
 import composer, length_penalty, reward
 print(json.dumps({"plugin": os.path.abspath(length_penalty.__file__), "composer": os.path.abspath(composer.__file__),
                   "kind": obj.kind_name(), "module": type(obj).__module__, "penalty": obj.penalty,

@@ -190,14 +190,15 @@ def test_the_toy_testbed_keeps_its_own_prompts():
 
 def test_rollout_tokens_follow_the_rendered_prompt_and_behaviour_logprobs_are_exact(real):
     from composer.origins import CODE
-    from composer.runtime import step
+    from composer import step
+    from composer.plan.plan import spec_at
     from composer.runtime.engine import make_engine
     from composer.runtime.models import token_logprobs
 
     ctx = make_ctx(real, spec_text(real, GRPO))
     ctx.models.engine = make_engine("hf", ctx.policy, ctx.tokenizer, ctx.spec.rollout)
     examples = ctx.task.train[:2]  # different prompt lengths
-    [batch] = step.sample(ctx, examples)
+    [batch] = step.sample(ctx, spec_at(ctx.spec), examples)
     with torch.no_grad():
         lp, _, _ = token_logprobs(ctx.policy, batch.tokens, batch.attention_mask)
     for i, ex in enumerate(batch.examples):
@@ -367,7 +368,7 @@ def test_cluster_side_teacher_and_judge_prompts_match_the_lightning_ones(real, t
     from composer.prompts import OPSD_TEMPLATE
     from composer.protocol import Trace
     from composer.trajectory import assemble
-    from composer.plan.segments import segments_of
+    from composer.plan.plan import segments_of
 
     tok = AutoTokenizer.from_pretrained(real["model"])
     # OPSD: the teacher prompts the plugin builds over a step (loss.teacher_prompts -> policy_model.teacher_prompts)
@@ -383,7 +384,7 @@ def test_cluster_side_teacher_and_judge_prompts_match_the_lightning_ones(real, t
     # MInTRL: the agent's judge renders its verdict prompt as the Lightning backend's judge does
     _out, plan, rows = _compile(cli, real, tmp_path, MINTRL, "mintrl")
     agent = ComposerAgent(plan)
-    spec = agent.segments.items[0].spec
+    spec = agent.steps.segments[0].spec
     ctx = agent.context(spec, tok)
     ex = example_of(rows[0]["prompt"], decode_label(rows[0]["label"]))
     verdict, correction = make_judge(ctx, "judge", spec.rollout.guide).renders(ctx, ex, ["a"], ["b"], ["a"])

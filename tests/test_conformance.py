@@ -71,10 +71,10 @@ def test_conformance_catches_a_missed_sync(tmp_path, monkeypatch):
 def test_conformance_catches_a_stale_phase(tmp_path, monkeypatch):
     """A run that stays in its first phase (the objective of phase 0 after the switch) fails the check of
     the objective in force."""
-    import composer.backends.lightning.module as module
+    from composer.plan.plan import Plan
 
-    real = module.ComposerModule.segment_at
-    monkeypatch.setattr(module.ComposerModule, "segment_at", lambda self, step: real(self, 0))
+    real = Plan.segment_at
+    monkeypatch.setattr(Plan, "segment_at", lambda self, step: real(self, 0))
     with pytest.raises(AssertionError, match="gradient on|in force"):  # the first check to see it
         test_spec_runs_as_declared(ROOT / "specs" / "hybrids" / "sft-opd-grpo.yaml", tmp_path)
 

@@ -48,7 +48,7 @@ def rows(out: Path) -> list[dict]:
 
 
 def weights(out: Path) -> dict:
-    from composer.backends.lightning import checkpoint as ckpt_format
+    from composer.runtime import checkpoint as ckpt_format
 
     return ckpt_format.load(out / "checkpoints" / "last.ckpt")["state_dict"]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer.backends.lightning import checkpoint as ckpt_format
+from composer.runtime import checkpoint as ckpt_format
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["rollout.max_new_tokens=24", "train.eval_every=0", "train.eval_samples=2", "train.samples_every=0",

@@ -38,7 +38,7 @@ def test_the_plugin_guide_lists_every_batch_and_view_field():
     for cls in (TrajectoryBatch, PolicyView):
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in guide, f.name
-    assert "exact_origins()" in guide and "torch.Generator" in guide
+    assert "Capabilities(exact_origins" in guide and "torch.Generator" in guide
 
 
 def test_a_refused_top_level_setting_is_named_where_the_file_writes_it(tmp_path):

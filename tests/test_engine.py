@@ -91,7 +91,7 @@ class FakeEngine:
 
 
 def test_fake_engine_sync_schedule_and_behaviour_logprobs(tiny, tmp_path, monkeypatch):
-    import composer.runtime.step as run_step
+    import composer.step as run_step
 
     engines: list[FakeEngine] = []
     kinds: list[str] = []
@@ -104,9 +104,9 @@ def test_fake_engine_sync_schedule_and_behaviour_logprobs(tiny, tmp_path, monkey
     seen = []
     real_loss = run_step.loss
 
-    def spy_loss(ctx, policy, batches, shares=None):
+    def spy_loss(at, batches, *args, **kwargs):
         seen.append(batches[0])
-        return real_loss(ctx, policy, batches, shares)
+        return real_loss(at, batches, *args, **kwargs)
 
     monkeypatch.setattr(run_step, "loss", spy_loss)
     with engine_factory(factory):

@@ -175,7 +175,7 @@ def test_a_gate_through_the_openrlhf_plugin_matches_the_hand_numbers():
     L = -(1/4) * 2 * (1.2 a + 0.5 a) = -0.85 a; the normaliser counts the 4 tokens of the gated rows only."""
     import math
 
-    from test_openrlhf import POL, PR, Segments, _Tok, experience, gather, loss_over, plan_for, prepare_step
+    from test_openrlhf import POL, PR, Plan, _Tok, experience, gather, loss_over, plan_for, prepare_step
 
     lh = math.log(0.5)
     plan = plan_for({"sources": {"verifier": {"kind": "outcome_reward"}},
@@ -183,7 +183,7 @@ def test_a_gate_through_the_openrlhf_plugin_matches_the_hand_numbers():
                                 "gate": {"outcome": "success"}}]})
     full = experience([[PR, POL, POL]] * 4, [[0.0, lh, lh]] * 4, ["a", "a", "b", "b"], rewards=[1.0, 0.0, 0.0, 1.0])
     step = [gather([full], [0, 1]), gather([full], [2, 3])]
-    prepare_step(step, Segments(plan, [0]), {"teachers": {}, "reward_source": "verifier"}, _Tok(), None)
+    prepare_step(step, Plan(plan, [0]), {"teachers": {}, "reward_source": "verifier"}, _Tok(), None)
     assert [float(e.info["composer/norm0"][0]) for e in step] == [4.0, 4.0]
     a = 0.5 / (math.sqrt(0.5) + 1e-6)
 
@@ -199,7 +199,7 @@ def test_truncated_rows_are_masked_in_the_openrlhf_loss_as_on_lightning():
     EOS, and every term's loss and normaliser leave them out (the same composer/filters.py rule)."""
     import math
 
-    from test_openrlhf import POL, PR, Segments, experience, gather, loss_over, plan_for, prepare_step
+    from test_openrlhf import POL, PR, Plan, experience, gather, loss_over, plan_for, prepare_step
 
     lh = math.log(0.5)
     plan = plan_for({"sources": {"verifier": {"kind": "outcome_reward"}}, "rollout": {"filter": {"truncated": "mask"}},
@@ -212,7 +212,7 @@ def test_truncated_rows_are_masked_in_the_openrlhf_loss_as_on_lightning():
 
     assert [int(x) for x in full.sequences[:, -1]].count(Tok.eos_token_id) == 1
     step = [gather([full], [0, 1]), gather([full], [2, 3])]
-    prepare_step(step, Segments(plan, [0]), {"teachers": {}, "reward_source": "verifier", "mask_truncated": True},
+    prepare_step(step, Plan(plan, [0]), {"teachers": {}, "reward_source": "verifier", "mask_truncated": True},
                  Tok(), None)
     assert [float(e.info["composer/norm0"][0]) for e in step] == [2.0, 2.0]  # row 0's two tokens only
     a = 0.5 / (math.sqrt(0.5) + 1e-6)

@@ -111,7 +111,7 @@ class _Boom:
 
 
 def test_a_crafted_checkpoint_runs_no_code(tmp_path):
-    from composer.backends.lightning.checkpoint import CheckpointError, load
+    from composer.runtime.checkpoint import CheckpointError, load
 
     marker = tmp_path / "PWNED"
     ckpt = tmp_path / "last.ckpt"
@@ -122,7 +122,7 @@ def test_a_crafted_checkpoint_runs_no_code(tmp_path):
 
 
 def test_checkpoint_state_is_plain_data_and_round_trips():
-    from composer.backends.lightning.checkpoint import CheckpointError, from_plain, to_plain
+    from composer.runtime.checkpoint import CheckpointError, from_plain, to_plain
     from composer.batch import TrajectoryBatch
     from composer.data import Example, Verdict
 
@@ -268,7 +268,7 @@ def test_resume_with_another_architecture_is_refused(tiny, tmp_path):
     import shutil
 
     from components.tasks.bootstrap import tiny_random_checkpoint
-    from composer.backends.lightning.checkpoint import CheckpointError
+    from composer.runtime.checkpoint import CheckpointError
 
     model = tmp_path / "model"
     shutil.copytree(tiny, model)
@@ -335,7 +335,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_no_temp_file(tiny, tmp_pa
     import errno
 
     from composer.backends.lightning import callbacks
-    from composer.backends.lightning.checkpoint import CheckpointError
+    from composer.runtime.checkpoint import CheckpointError
 
     out = tmp_path / "run"
     ov = [f"policy.model={tiny}", "train.checkpoint_every=1", *FAST]

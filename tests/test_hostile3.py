@@ -356,6 +356,16 @@ def test_a_base_60_override_is_refused_like_in_a_file(tmp_path):
     assert cli("validate", spec).exit_code == 2
 
 
+def test_a_brace_override_without_spaces_says_so():
+    """`{kind:linear,...}` is YAML for one key `kind:linear` with no value: the error says where the space goes
+    (it was `objective.kl_coef.Schedule: missing required field 'Schedule'`)."""
+    r = cli("validate", REPO / "specs" / "grpo.yaml", "objective.kl_coef={kind:linear,start:0.01,end:0,steps:10}")
+    assert r.exit_code == 2 and "`kind:linear` is read as one key" in r.stderr and "write `kind: linear`" in r.stderr
+    assert cli("validate", REPO / "specs" / "grpo.yaml",
+               "objective.kl_coef={kind: linear, start: 0.01, end: 0, steps: 10}").exit_code == 0
+    assert cli("validate", REPO / "specs" / "grpo.yaml", "summary=a:b").exit_code == 0  # a plain value keeps its colon
+
+
 def test_extends_is_not_an_override():
     r = cli("validate", REPO / "specs" / "grpo.yaml", "extends=sft.yaml")
     assert r.exit_code == 2 and "`extends` cannot be overridden" in r.stderr
@@ -422,7 +432,7 @@ def test_a_relative_model_path_is_absolute_in_the_bundle(tiny, tmp_path):
 def test_export_refuses_non_finite_weights(finished_run, tmp_path):
     import torch
 
-    from composer.backends.lightning import checkpoint as ckpt_format
+    from composer.runtime import checkpoint as ckpt_format
 
     state = ckpt_format.load(finished_run / "checkpoints" / "last.ckpt")
     key = next(k for k, v in state["state_dict"].items() if k.startswith("policy.") and v.is_floating_point())
@@ -519,7 +529,7 @@ def test_resume_with_a_bad_step_cell_in_metrics_csv(finished_run, tmp_path):
 def test_resume_with_a_damaged_rng_entry(finished_run, tmp_path):
     import torch
 
-    from composer.backends.lightning import checkpoint as ckpt_format
+    from composer.runtime import checkpoint as ckpt_format
 
     out = _copy_run(finished_run, tmp_path)
     ckpt = out / "checkpoints" / "last.ckpt"
@@ -553,7 +563,7 @@ def test_a_full_disk_inside_torchs_zip_writer_keeps_the_previous_checkpoint(tmp_
     import torch
 
     from composer.backends.lightning import callbacks
-    from composer.backends.lightning.checkpoint import CheckpointError
+    from composer.runtime.checkpoint import CheckpointError
 
     path = tmp_path / "last.ckpt"
     path.write_bytes(b"previous")

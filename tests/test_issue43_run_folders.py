@@ -75,7 +75,7 @@ def test_export_from_a_folder_with_an_unknown_model_type_and_auto_map(finished_r
 def _edit_ckpt(run: Path, edit) -> None:
     import torch
 
-    from composer.backends.lightning import checkpoint as ckpt_format
+    from composer.runtime import checkpoint as ckpt_format
 
     path = run / "checkpoints" / "last.ckpt"
     state = ckpt_format.load(path)

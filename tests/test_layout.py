@@ -65,6 +65,30 @@ def test_what_components_import_imports_no_runtime():
     assert bad == []
 
 
+def test_backends_import_no_component():
+    """A backend drives components through the contract (composer/contract.py, components/objectives/base.py via the
+    step) and the step (composer/step.py); it never imports a concrete component (the bundle only copies the
+    package: `import components` for its folder)."""
+    bad = [f"{p.relative_to(ROOT)}: imports {m}" for p in ROOT.joinpath("composer", "backends").rglob("*.py")
+           for _l, m in imported_modules(p) if m.startswith("components.")]
+    assert bad == []
+
+
+def test_the_step_and_the_runtime_import_no_backend():
+    """composer/step.py (the step, written once) knows no backend and no runtime: a backend hands it data and its
+    forward passes; the runtime (evaluation, export, the checkpoint format) imports no backend."""
+    assert offenders("composer/runtime", ("composer.backends",)) == []
+    bad = [f"composer/step.py:{line} imports {m}" for line, m in imported_modules(ROOT / "composer" / "step.py")
+           if m.startswith(("composer.runtime", "composer.backends"))]
+    assert bad == []
+
+
+def test_the_plan_imports_no_runtime():
+    """The Plan is a function of the spec: composer/plan imports nothing of the runtime or a backend (what this
+    machine adds, example prompts and the engine's note, is composer/runtime/example_prompts.py `machine_notes`)."""
+    assert offenders("composer/plan", ("composer.runtime", "composer.backends")) == []
+
+
 def test_composer_finds_the_toy_testbed_through_the_registry():
     assert offenders("composer", ("components.tasks",), skip=("composer/bench",)) == []
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer.backends.lightning import checkpoint as ckpt_format
+from composer.runtime import checkpoint as ckpt_format
 from composer.checks.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent

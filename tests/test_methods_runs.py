@@ -210,7 +210,7 @@ def test_sigkill_inside_a_steps_passes_then_resume_is_exact(tmp_path):
     import time
 
     from components.tasks.bootstrap import tiny_random_checkpoint
-    from composer.backends.lightning import checkpoint as ckpt_format
+    from composer.runtime import checkpoint as ckpt_format
 
     tiny = tiny_random_checkpoint(str(tmp_path / "tiny"))
     args = ["specs/grpo.yaml", f"policy.model={tiny}", "train.steps=6", "train.checkpoint_every=2",
@@ -262,7 +262,7 @@ def test_ddp_two_passes_equal_one_process_of_the_same_global_batch(tmp_path):
     import sys
 
     from components.tasks.bootstrap import tiny_random_checkpoint
-    from composer.backends.lightning import checkpoint as ckpt_format
+    from composer.runtime import checkpoint as ckpt_format
 
     tiny = tiny_random_checkpoint(str(tmp_path / "tiny"))
     fast = [f"policy.model={tiny}", "rollout.max_new_tokens=12", "train.eval_every=0", "train.eval_samples=2",

@@ -24,7 +24,8 @@ import torch
 from composer.backends.openrlhf import batch as ob
 from composer.backends.openrlhf import hooks
 from components.sources.policy_model import score_responses as context_scores
-from composer.backends.openrlhf.loss import ComposerLoss, Segments, prepare_step, step_batch, step_inputs, take_step_inputs
+from composer.backends.openrlhf.loss import ComposerLoss, prepare_step, step_batch, step_inputs, take_step_inputs
+from composer.plan.plan import Plan
 from composer.origins import CODE
 from composer.checks.validate import validate_file
 
@@ -277,7 +278,7 @@ def plan_for(spec_data: dict) -> dict:
 
 def loss_over(plan: dict, plugin: dict, micro: list[Exp], cur_logp, global_rows: int, ctx_extra=None):
     """Sum of ComposerLoss over OpenRLHF micro-batches (dp 1); cur_logp(exp) -> current log-probs [b, T-1]."""
-    fn = ComposerLoss(Segments(plan, [0]), plugin)
+    fn = ComposerLoss(Plan(plan, [0]), plugin)
     total = 0.0
     for e in micro:
         lp = cur_logp(e) * e.action_mask
@@ -333,10 +334,10 @@ def test_teacher_weight_weighs_only_its_distillation_term():
     metas[0]["teacher_weight"] = {"teacher": 0.0}
     metas[1]["teacher_weight"] = {"teacher": 1.0}
     e.labels = [ob.encode_label(m) for m in metas]
-    fn = ComposerLoss(Segments(plan, [0]), {"teachers": {}})
+    fn = ComposerLoss(Plan(plan, [0]), {"teachers": {}})
     fn.ctx = {"experience": e}
-    spec = fn.segments.at(0)
-    (_, (d, r)) = fn.batches(spec, None, e.action_mask, e.rollout_log_probs)
+    at = fn.plan.at(0)
+    (d, r) = fn.batches(at, None, e.action_mask, e.rollout_log_probs)
     assert d.weights().tolist() == [0.0, 1.0] and r.weights().tolist() == [1.0, 1.0]
     assert d.teacher_logprobs is not None and r.teacher_logprobs is None
 
@@ -354,7 +355,7 @@ def mintrl_step(anchor):
     full = experience(MINTRL_ORIGIN, beh, ["p0", "p0", "p1", "p1"], rewards=[0.0, 1.0, 1.0, 0.0],
                       control=[True, False, False, False])
     step = [gather([full], [0, 1]), gather([full], [2, 3])]  # the experience maker's micro-batches
-    prepare_step(step, Segments(plan, [0]), {"teachers": {}}, _Tok(), None)
+    prepare_step(step, Plan(plan, [0]), {"teachers": {}}, _Tok(), None)
     return plan, step
 
 
@@ -382,7 +383,7 @@ def grpo_exps(kl_coef, base=None):
     full = experience([[PR, POL, POL]] * 4, [[0.0, lh, lh]] * 4, ["a", "a", "b", "b"], rewards=[1.0, 0.0, 0.0, 0.0],
                       base=base)
     step = [gather([full], [0, 1]), gather([full], [2, 3])]
-    prepare_step(step, Segments(plan, [0]), {"teachers": {}}, _Tok(), None)
+    prepare_step(step, Plan(plan, [0]), {"teachers": {}}, _Tok(), None)
     return plan, step
 
 
@@ -478,7 +479,7 @@ def test_prepare_step_builds_the_opsd_teacher_prompt():
     e = Exp(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), ob.unshift(o == POL), None,
             torch.tensor([0.0]), [ex.prompt], [ob.encode_label(ob.label_of(ex, step=0))])
     plugin = {"teachers": {"teacher": {"self": True, "context": ["reference"]}}}
-    prepare_step([e], Segments(plan, [0]), plugin, tok, hooks_task(toy))
+    prepare_step([e], Plan(plan, [0]), plugin, tok, hooks_task(toy))
     meta = ob.decode_label(e.labels[0])
     want = toy.TEMPLATES["reference"].format(solution=ex.solution, problem=ex.problem)
     assert tok.decode(meta["teacher"]["teacher"]) == want and meta["teacher_weight"] == {"teacher": 1.0}
@@ -512,7 +513,7 @@ def test_prepare_step_sdpo_contexts_span_micro_batches():
 
     step = [cat(exp(responses[0]), exp(responses[2])), cat(exp(responses[1]), exp(responses[3]))]
     plugin = {"teachers": {"teacher": {"self": True, "context": ["sibling", "feedback"]}}}
-    prepare_step(step, Segments(plan, [0]), plugin, tok, hooks_task(toy))
+    prepare_step(step, Plan(plan, [0]), plugin, tok, hooks_task(toy))
     metas = [ob.decode_label(x) for e in step for x in e.labels]  # rows 0, 2, 1, 3
     assert metas[0]["teacher_weight"]["teacher"] == 0.0  # the only success: no sibling, no feedback -> no signal
     assert all(m.get("weight") is None for m in metas)  # other terms keep weight 1
@@ -662,7 +663,7 @@ def test_agent_pope_prefix_in_the_prompt_with_minimal_search():
         assert tok.decode(out["observation_tokens"][: len(guided_prompt)]) == guided_prompt
         assert out["prompt"] == ex.prompt  # grouping and the label keep the original prompt
     # k = 0 (the plain prompt) failed, one reference line suffices: searched once, with the initial weights
-    assert agent.cache[("guide", "prefix-search", agent.segments.at(0).rollout.guide.model_dump_json())][ex.prompt] == 1
+    assert agent.memo.prefixes[agent.steps.at(0).spec.rollout.guide.model_dump_json()][ex.prompt] == 1
 
 
 def test_agent_pope_searches_every_run_problem_at_every_step_before_the_first_broadcast(tmp_path, monkeypatch):
@@ -678,7 +679,7 @@ def test_agent_pope_searches_every_run_problem_at_every_step_before_the_first_br
 
     tok = char_tokenizer()
     agent = agent_for("specs/pope.yaml", ["train.steps=2", "train.prompts_per_step=1"])
-    spec, guide = agent.segments.at(0), agent.segments.at(0).rollout.guide
+    spec, guide = agent.steps.at(0).spec, agent.steps.at(0).spec.rollout.guide
     pool = [toy.make_example(p) for p in ("7+3-5+9", "2+2-1+4", "5-3+8-2", "9-4+1+6", "3+3+3-7", "8-1-2+5")]
     at = lambda s, ex: guide.chosen(SimpleNamespace(step=s, spec=spec), ex)  # noqa: E731
     late = next(ex for ex in pool if at(1, ex) and not at(0, ex))  # guided at step 1 only
@@ -687,17 +688,44 @@ def test_agent_pope_searches_every_run_problem_at_every_step_before_the_first_br
     rows.write_text("".join(json.dumps({"prompt": ex.prompt, "label": ob.encode_label(ob.label_of(ex))}) + "\n"
                             for ex in (first, late)))
     agent.run["plugin"].update(train_file=str(rows), train_rows=2)
-    assert agent.schedule.sampler_is_initial(0) and not agent.schedule.sampler_is_initial(1)
+    assert agent.steps.at(0).sampler_is_initial and not agent.steps.at(1).sampler_is_initial
 
     engine = FakeEngine(tok, lambda text: ["7+3=0\n#1"])  # never solves: the search ends at the largest k
     run_agent(agent, engine, tok, first.prompt, ob.encode_label(ob.label_of(first, step=0)), 2)
-    cache = agent.cache[("guide", "prefix-search", guide.model_dump_json())]
+    cache = agent.memo.prefixes[guide.model_dump_json()]
     assert late.prompt in cache  # searched on the first call, with the initial weights
     calls = engine.calls
     outs = run_agent(agent, engine, tok, late.prompt, ob.encode_label(ob.label_of(late, step=1)), 2)
     assert engine.calls == calls + 2  # the two rollouts only: no search after the broadcast
     k = cache[late.prompt]
     assert all(ob.decode_label(o["label"])["guided"] == (k > 0) for o in outs)
+
+
+def test_agent_prepares_the_run_problems_not_the_whole_task(tmp_path, monkeypatch):
+    """A guide that prepares per problem without the initial policy (PrefixRL: 8 teacher generations per problem,
+    the first correct one its trace) prepares, on the agent's first call, the run's training problems (the
+    bundle's train rows), then the problem at hand; not the task's whole training set (the real-job tier's
+    PrefixRL job spent minutes writing teacher traces for every toy problem before a 2-step job could start)."""
+    from components.tasks import toy
+    from components.tasks.tokenizer import char_tokenizer
+
+    agent = agent_for("specs/methods/prefixrl.yaml")
+    spec = agent.steps.at(0).spec
+    guide = spec.rollout.guide
+    run_rows = [toy.make_example(p) for p in ("7+3-5+9", "2+2-1+4")]
+    rows = tmp_path / "train.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": ex.prompt, "label": ob.encode_label(ob.label_of(ex))}) + "\n"
+                            for ex in run_rows))
+    agent.run["plugin"].update(train_file=str(rows), train_rows=2)
+    seen = []
+    monkeypatch.setattr(type(guide), "prepare", lambda self, ctx, examples: seen.extend(e.prompt for e in examples) or [])
+    ctx = agent.context(spec, char_tokenizer())
+    assert len(ctx.task.train) > 10 * len(run_rows)  # what the agent used to prepare
+    other = toy.make_example("5-3+8-2")
+    asyncio.run(agent._prepare(ctx, guide, other, serve=None))
+    assert seen == [ex.prompt for ex in run_rows] + [other.prompt]
+    asyncio.run(agent._prepare(ctx, guide, run_rows[0], serve=None))  # later calls: the problem at hand only
+    assert seen[3:] == [run_rows[0].prompt]
 
 
 def test_agent_int_stage_one_self_judge_and_sft_filter():
@@ -743,7 +771,7 @@ def test_agent_int_offline_targets_are_built_once_for_the_training_problems():
         return [bad.get(p, "") for p in bad if text.startswith(p)] + [fixable.solution, "4+4=8\n#8"]
 
     agent = agent_for("specs/int.yaml", segments=[0])
-    spec = agent.segments.at(0)
+    spec = agent.steps.at(0).spec
     agent.context(spec, tok).task.train = [fixable, leaky]  # this run's training problems
     engine = FakeEngine(tok, scripts)
     outs = run_agent(agent, engine, tok, fixable.prompt, ob.encode_label(ob.label_of(fixable, step=0)), 4, 128)
@@ -774,11 +802,11 @@ def test_reward_func_reads_the_response_with_the_verifier():
 @pytest.fixture
 def installed():
     saved = dict(hooks._STATE)
-    hooks._segments.cache_clear()
+    hooks._plan.cache_clear()
     yield hooks._STATE
     hooks._STATE.clear()
     hooks._STATE.update(saved)
-    hooks._segments.cache_clear()
+    hooks._plan.cache_clear()
 
 
 def test_post_import_hook_patches_a_module_when_it_is_imported(tmp_path, monkeypatch):
@@ -864,11 +892,11 @@ def token_logp(e):
 
 def whole_step_loss(plan, step, plugin):
     """The Lightning backend's figure: one batch of the whole step, the objective's own advantages over its
-    groups, then `loss` once (composer/runtime/step.py)."""
+    groups, then `loss` once (composer/step.py)."""
     from composer.batch import PolicyView
     from composer.checks.terms import terms
 
-    spec = Segments(plan, [0]).at(0)
+    spec = Plan(plan, [0]).at(0).spec
     (_n, _s, obj, _w), = terms(spec)
     full = step_batch(step, 0, trainable_only=True)
     if step[0].base_action_log_probs is not None and plugin.get("ref") != "initial":
@@ -904,7 +932,7 @@ def test_micro_batches_of_uneven_length_add_up_to_the_whole_step(name):
     base = [[0.0] + [math.log(0.3)] * 5] * 4 if distill else None
     full = experience(UNEVEN, beh, ["a", "a", "b", "b"], rewards=[1.0, 0.0, 1.0, 0.25], base=base)
     step = [gather([full], [0, 1]), gather([full], [2, 3])]
-    prepare_step(step, Segments(plan, [0]), plugin, _Tok(), None)
+    prepare_step(step, Plan(plan, [0]), plugin, _Tok(), None)
     want = whole_step_loss(plan, step, plugin)
     assert abs(want) > 1e-3  # a figure that can tell a wrong normaliser
     for split in ([[0], [1], [2], [3]], [[0, 3], [1, 2]], [[1], [0, 2, 3]], [[0, 1, 2, 3]]):
@@ -923,7 +951,7 @@ def test_a_row_with_nothing_to_train_adds_no_loss_and_no_gradient():
     metas = [ob.decode_label(x) for x in e.labels]
     metas[1]["weight"] = 0.0  # the placeholder row
     e.labels = [ob.encode_label(m) for m in metas]
-    prepare_step([e], Segments(plan, [0]), {"ref": "initial"}, _Tok(), None)
+    prepare_step([e], Plan(plan, [0]), {"ref": "initial"}, _Tok(), None)
     alone = gather([e], [1])
     lp = torch.full(alone.action_mask.shape, math.log(0.5), requires_grad=True)
     loss = loss_over(plan, {"ref": "initial"}, [alone], lambda x: lp, 1)
@@ -969,13 +997,13 @@ def test_plugin_loss_reads_old_logprobs_with_several_epochs():
             "objective": {"kind": "grpo", "ratio": "sequence", "clip": 10.0, "kl_coef": 0.0,
                           "loss_agg": "seq-mean-token-mean"}}
     e = experience([[PR, POL, POL], [PR, POL, POL]], [[0, q, q]] * 2, ["p", "p"], rewards=[1.0, 0.0])
-    prepare_step([e], Segments(plan_for(spec), [0]), {"teachers": {}}, _Tok(), None)
+    prepare_step([e], Plan(plan_for(spec), [0]), {"teachers": {}}, _Tok(), None)
     cur = ob.unshift(torch.tensor([[0, -1.0, -1.2], [0, -1.5, -1.1]])) * e.action_mask  # [2, T-1]
     old = ob.unshift(torch.tensor([[0, -1.1, -1.4], [0, -1.3, -1.3]])) * e.action_mask
     a = 0.5 / (math.sqrt(0.5) + 1e-6)  # (r - mean) / (unbiased std + eps)
 
     def loss(epochs):
-        fn = ComposerLoss(Segments(plan_for({**spec, "train": {"epochs": epochs}}), [0]), {"teachers": {}})
+        fn = ComposerLoss(Plan(plan_for({**spec, "train": {"epochs": epochs}}), [0]), {"teachers": {}})
         advs, norms = step_inputs(e)  # as the training-step hook does, in every pass
         fn.ctx = {"experience": e, "advantages": advs, "norms": norms}
         out, *_ = fn(cur, old, torch.zeros_like(cur), action_mask=e.action_mask,
@@ -1019,7 +1047,7 @@ def test_agent_runs_luffy_traces_and_the_plugin_trains_the_mixed_group():
         m = ob.decode_label(out["label"])
         assert m["control"] and out["reward"] == 0.0 and [o for _, _, o in m["spans"]] == ["policy"]
     step = [as_experience(o) for o in outs]
-    prepare_step(step, Segments(agent.plan, [0]), {"teachers": {}}, _Tok(), None)
+    prepare_step(step, Plan(agent.plan, [0]), {"teachers": {}}, _Tok(), None)
     adv = torch.cat([e.info["composer/adv0"] for e in step])
     s = math.sqrt(1 / 8)
     a_t, a_p = (7 / 8) / (s + 1e-6), -(1 / 8) / (s + 1e-6)

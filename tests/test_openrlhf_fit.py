@@ -13,7 +13,7 @@ Checked per spec:
   oapl    (fast) weights reach the engine exactly at the declared sync steps (sync.every 2 over 4 steps) and
           never in between; every rollout was sampled by the weights of the last declared sync; the trainer
           step travels in the labels; OpenRLHF's loss of every step equals the Lightning backend's loss of
-          the same batch (composer/runtime/step.py `loss`, batch rebuilt with loss.step_batch).
+          the same batch (composer/step.py `loss`, batch rebuilt with loss.step_batch).
   mintrl  (slow) phases switch the guide off at step 2: the agent's rollouts and the loss use the new
           segment from that step; sync every step; the loss with gradient accumulation (gas 2).
   int     (slow) stage 1 (SFT on guided targets) survives its first 2 steps with no SFT target in a step:

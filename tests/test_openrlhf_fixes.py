@@ -23,16 +23,14 @@ HAVE_OPENRLHF = importlib.util.find_spec("openrlhf") is not None
 
 def _schedule_of(monkeypatch, every: int, steps: int = 12):
     """hooks' schedule and segments from a real compiled Plan of GRPO with `sync.every`."""
-    from composer.backends.openrlhf.loss import Segments
+    from composer.plan.plan import Plan
     from composer.plan.compile import compile_plan
-    from composer.plan.schedule import Schedule
     from composer.checks.validate import validate_file
 
     lag = ["sync.off_policy_ok=true"] if every > 1 else []  # with a sync every step there is no lag to allow
     v = validate_file(ROOT / "specs" / "grpo.yaml", [f"sync.every={every}", *lag, f"train.steps={steps}"])
     plan = json.loads(json.dumps(compile_plan(v)))  # as plan.json
-    monkeypatch.setattr(hooks, "_schedule", lambda: Schedule(plan))
-    monkeypatch.setattr(hooks, "_segments", lambda: Segments(plan, list(range(len(plan["segments"])))))
+    monkeypatch.setattr(hooks, "_plan", lambda: Plan(plan, list(range(len(plan["segments"])))))
 
 
 @pytest.mark.parametrize("every,step,want", [(2, 0, True), (2, 2, True), (2, 4, True), (3, 1, False), (3, 2, False),

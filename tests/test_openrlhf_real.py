@@ -140,6 +140,8 @@ def compile_for_cpu(spec: str, overrides: list[str], out: Path, gpus_per_node: i
     for run in plan["openrlhf"]["runs"]:  # both trainers: no flash-attn on CPU
         run["argv"] += ["--ds.attn_implementation", "sdpa"]
     (bundle / "plan.json").write_text(json.dumps(plan, indent=1))
+    (out / "job.json").write_text(json.dumps({"spec": spec, "overrides": overrides + _extra(spec),
+                                              "gpus": nodes * gpus_per_node, "total_steps": v.total_steps}))
     return bundle
 
 
@@ -150,19 +152,60 @@ def records(bundle: Path, name: str) -> list[dict]:
 
 def job(head: Head, bundle: Path) -> dict:
     r = head.submit(bundle)
+    fits, engine = records(bundle, "fits.jsonl"), records(bundle, "engine.jsonl")
+    out = {"fits": fits, "engine": engine, "stdout": r.stdout, "seconds": r.seconds, "bundle": bundle,
+           "returncode": r.returncode}
+    if r.returncode != 0 or "succeeded" not in r.stdout:
+        note(out, None)  # the table's row of a job that failed (how far it got)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     assert "succeeded" in r.stdout
-    fits, engine = records(bundle, "fits.jsonl"), records(bundle, "engine.jsonl")
     print(f"\n{bundle.parent.name}: job {r.seconds:.0f}s, fits "
           + "; ".join(f"openrlhf {f.get('openrlhf_loss')!r} lightning {f.get('lightning_loss')!r}" for f in fits))
-    return {"fits": fits, "engine": engine, "stdout": r.stdout, "seconds": r.seconds}
+    return out
+
+
+def summary(out: dict, steps: int | None) -> dict:
+    """What check_losses asserts, as figures (no assertion): the closing table's row of a job."""
+    fits = out["fits"]
+    runs = [[f for f in fits if f["pid"] == pid] for pid in dict.fromkeys(f["pid"] for f in fits)]
+    ppo = [f for f in fits if f.get("trainer", "ppo") == "ppo"]
+    logged = logged_steps(out["stdout"]) if "stdout" in out and ppo else None
+    pairs = [updates(f) for f in fits]
+    diffs = [abs(o - lt) for fit in pairs for o, lt in fit]
+    return {"succeeded": out.get("returncode", 0) == 0, "seconds": out.get("seconds"),
+            "steps_trained": len(fits), "steps_declared": steps, "runs": len(runs),
+            "runs_moved": sum(run[0]["weights_before"] != run[-1]["weights_after"] for run in runs),
+            "logged_is_trained": None if logged is None else len(logged) == len(ppo) and all(
+                s.get("policy_loss") == pytest.approx(f["openrlhf_loss"], rel=1e-5, abs=1e-7) for s, f in zip(logged, ppo)),
+            "worst": max(diffs, default=None),
+            "within_tol": all(fit and all(abs(o - lt) <= TOL * max(1.0, abs(lt)) for o, lt in fit) for fit in pairs),
+            "updates": sum(len(fit) for fit in pairs),
+            "largest_loss": max((abs(f["lightning_loss"]) for f in fits if "lightning_loss" in f), default=None)}
+
+
+def note(out: dict, steps: int | None) -> None:
+    """With COMPOSER_REAL_TABLE=FILE: append this job's row (spec, overrides, test, summary) to FILE, the input
+    of tests/openrlhf_real/table.py. A job without a compiled spec (the resume test's joined record) adds none."""
+    table, bundle = os.environ.get("COMPOSER_REAL_TABLE"), out.get("bundle")
+    if not table or bundle is None or not (bundle.parent / "job.json").exists():
+        return
+    compiled = json.loads((bundle.parent / "job.json").read_text())
+    row = {**compiled, **summary(out, compiled["total_steps"] if steps is None else steps),
+           "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]}
+    with open(table, "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def check_losses(out: dict, steps: int) -> float:
-    """Every fit's loss (what DeepSpeed back-propagated) equals the Lightning backend's loss of the same batch
-    and weights; the job trained its declared steps; every run (stage: one training process) moved the
-    weights; the policy_loss OpenRLHF logged for each PPO step is the loss it trained on. Returns the largest
-    difference."""
+    """Every optimizer step's loss (what DeepSpeed back-propagated; train.epochs > 1: one per pass) equals the
+    Lightning backend's loss of the same batch and weights; the job trained its declared steps (the compiled
+    plan's); every run (stage: one training process) moved the weights; the policy_loss OpenRLHF logged for each
+    PPO step is the loss it trained on (the mean over the step's updates). With COMPOSER_REAL_TABLE set, the
+    job's row of the closing table first (`note`). Returns the largest difference."""
+    note(out, steps)
+    compiled = out["bundle"].parent / "job.json" if out.get("bundle") else None
+    if compiled is not None and compiled.exists():  # the steps the test expects are the compiled plan's
+        assert steps == json.loads(compiled.read_text())["total_steps"], (steps, compiled.read_text())
     fits = out["fits"]
     assert len(fits) == steps, f"trained {len(fits)} of {steps} declared steps"
     for pid in dict.fromkeys(f["pid"] for f in fits):
@@ -178,11 +221,23 @@ def check_losses(out: dict, steps: int) -> float:
     for f in fits:
         assert "lightning_error" not in f, f["lightning_error"]
         assert f["micro_batches"] >= 1
-        d = abs(f["openrlhf_loss"] - f["lightning_loss"])
-        assert d <= TOL * max(1.0, abs(f["lightning_loss"])), f
-        worst = max(worst, d)
+        pairs = updates(f)
+        assert pairs and len(pairs) * f["gas"] == f["micro_batches"], f  # a Lightning figure per optimizer step
+        for o, lt in pairs:
+            assert abs(o - lt) <= TOL * max(1.0, abs(lt)), (o, lt, f)
+            worst = max(worst, abs(o - lt))
     assert any(abs(f["lightning_loss"]) > 1e-4 for f in fits), "every loss ~0: the comparison says nothing"
     return worst
+
+
+def updates(fit: dict) -> list[tuple[float, float]]:
+    """(OpenRLHF, Lightning) loss of each optimizer step of a fit: one per pass over the step's rows
+    (train.epochs), each Lightning figure on the weights that update started from; an SFT window is one."""
+    if "update_losses" not in fit:
+        return [(fit["openrlhf_loss"], fit["lightning_loss"])] if "lightning_loss" in fit else []
+    if len(fit["update_losses"]) != len(fit["lightning_losses"]):
+        return []
+    return list(zip(fit["update_losses"], fit["lightning_losses"]))
 
 
 # ------------------------------------------------------------------------------------------------ specs

@@ -29,11 +29,9 @@ def _plan(overrides: list[str], spec: str = "specs/grpo.yaml") -> dict:
 
 
 def _use(monkeypatch, plan: dict, plugin: dict | None = None) -> None:
-    from composer.backends.openrlhf.loss import Segments
-    from composer.plan.schedule import Schedule
+    from composer.plan.plan import Plan
 
-    monkeypatch.setattr(hooks, "_schedule", lambda: Schedule(plan))
-    monkeypatch.setattr(hooks, "_segments", lambda: Segments(plan, list(range(len(plan["segments"])))))
+    monkeypatch.setattr(hooks, "_plan", lambda: Plan(plan, list(range(len(plan["segments"])))))
     monkeypatch.setattr(hooks, "_STATE", {"run": {"name": "main", "plugin": plugin or {}}, "plan": plan})
 
 

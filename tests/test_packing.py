@@ -164,7 +164,7 @@ def test_policy_view_reads_each_rows_prompt_length(model, monkeypatch):
     from composer.batch import TrajectoryBatch
     from composer.origins import CODE
     from composer.runtime import models
-    from composer.runtime.step import policy_view
+    from composer.runtime.models import policy_view
 
     V = model.config.vocab_size
     tokens, mask, plen = grouped_batch([6, 8], 4, 5, V, seed=7)

@@ -239,9 +239,9 @@ def test_openrlhf_agent_reads_initial_weights_from_the_schedule():
     plan = plan_of("specs/pope.yaml", ["train.steps=4"])
     plan["openrlhf"] = {"runs": [{"name": "main", "segments": [0], "plugin": {"agent": True}}]}
     agent = ComposerAgent(plan)
-    assert [agent.schedule.sampler_is_initial(t) for t in range(4)] == [True, False, False, False]
+    assert [agent.steps.at(t).sampler_is_initial for t in range(4)] == [True, False, False, False]
     with pytest.raises(RuntimeError, match="initial policy"):
-        agent._engine(object(), "initial", agent.schedule.sampler_is_initial(1))
+        agent._engine(object(), "initial", agent.steps.at(1).sampler_is_initial)
 
 
 def test_a_guide_takes_the_composer_loss_not_native_grpo(tmp_path, tiny):
@@ -292,8 +292,7 @@ def _hooked_trainer(monkeypatch, plan: dict, run: dict):
     from composer.backends.openrlhf import hooks
 
     monkeypatch.setattr(hooks, "_STATE", {"plan": plan, "run": run})
-    hooks._segments.cache_clear()
-    hooks._schedule.cache_clear()
+    hooks._plan.cache_clear()
     broadcasts = []
 
     class BasePPOTrainer:
@@ -343,8 +342,29 @@ def test_openrlhf_trainer_patch_syncs_on_the_plans_schedule(monkeypatch, case):
             assert out == k + 1 and trainer.samples_generator.composer_step == k + 1
             synced.append(status["composer/synced"])
     finally:
-        hooks._segments.cache_clear()
-        hooks._schedule.cache_clear()
+        hooks._plan.cache_clear()
     want = [d for d in s.syncs() if first < d <= first + n]
     assert broadcasts == want and synced == [float(first + k + 1 in want) for k in range(n)]
     assert want == ([1, 2, 3, 5, 7, 9] if case == "phases" else [5, 7])
+
+
+def test_plan_at_holds_every_number_of_the_step():
+    """`Plan.at(step)` is what both backends read: the segment in force and every scheduled number resolved at the
+    step (a term's weight, an objective's kl_coef, the entropy bonus), from plan.json alone."""
+    from composer.plan.plan import Plan
+
+    lin = "{kind: linear, start: 0.1, end: 0.0, steps: 4}"
+    plan = Plan(plan_of("specs/methods/kdrl.yaml", ["train.steps=8", f"terms.0.objective.kl_coef={lin}",
+                                                    f"train.entropy_coef={lin}"]))
+    for step, want in [(0, 0.1), (2, 0.05), (6, 0.0)]:
+        at = plan.at(step)
+        rl, kd = at.terms
+        assert at.segment.name == "main" and at.spec is at.segment.spec
+        assert rl.objective.kl_coef == pytest.approx(want) and at.entropy_coef == pytest.approx(want)
+        assert rl.declared.kl_coef.kind == "linear" and at.entropy_scheduled  # the spec's program, whole
+        assert kd.weight == pytest.approx(5e-3 + (1e-3 - 5e-3) * min(step, 60) / 60) and kd.scheduled
+        assert not rl.scheduled and rl.weight == 1.0
+    phased = Plan(plan_of("specs/grpo.yaml", PHASED))
+    assert [phased.at(s.start).segment.name for s in phased.segments] == ["phase0", "phase1"]
+    assert [phased.at(s).spec.sync.every for s in range(9)] == [1] * 3 + [2] * 6
+    assert phased.segments[1].origin == ("phases", 1)  # the validated Segment, rebuilt from plan.json

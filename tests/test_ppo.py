@@ -409,7 +409,7 @@ def test_resume_of_a_ppo_run_is_exact(tiny, tmp_path):
     """A PPO run stopped after step 2 and resumed continues as the uninterrupted one, critic included: the same losses,
     value losses and values at steps 3-4, and the same policy and critic (weights, AdamW state, update count) at the
     end. The critic's state lives in the checkpoint's composer state (`runtimes`)."""
-    from composer.backends.lightning import checkpoint as ckpt_format
+    from composer.runtime import checkpoint as ckpt_format
     from composer.backends.lightning.run import train
     from composer.checks.validate import validate_file
 

@@ -124,7 +124,7 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted_run(tiny, tmp_path):
     for a, b in zip(want, got):
         for key in ("loss", "reward_mean", "entropy", "response_len", "adv_mean", "logratio_mean"):
             assert a[key] == b[key], (a["step"], key)
-    from composer.backends.lightning import checkpoint as ckpt_format
+    from composer.runtime import checkpoint as ckpt_format
 
     wa, wb = (ckpt_format.load(d / "checkpoints" / "last.ckpt") for d in (tmp_path / "ref", out))
     assert wa["global_step"] == wb["global_step"] == 6  # the last step's state is always checkpointed

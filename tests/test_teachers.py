@@ -15,7 +15,7 @@ from composer.batch import PolicyView
 from composer.lang.loader import load_text
 from composer.runtime.context import RunContext
 from composer.runtime.models import load_model, load_tokenizer
-from composer.runtime.step import policy_view
+from composer.runtime.models import policy_view
 from components.objectives.base import whole_batch_loss
 from composer.protocol import Trace
 from composer.trajectory import assemble
@@ -254,22 +254,23 @@ terms:
 def test_terms_sharing_a_rollout_keep_their_own_weights_and_share_one_forward(tiny, monkeypatch):
     """The SDPO term's zero weights (no sibling success) must not silence the reward term on the same
     rollout; the two terms still cost one policy forward."""
-    from composer.runtime import step
+    from composer import step
+    from composer.plan.plan import spec_at
     from composer.runtime.engine import make_engine
 
     ctx = make_ctx(tiny, SDPO_PLUS_AR)
     ctx.models.engine = make_engine("hf", ctx.policy, ctx.tokenizer, ctx.spec.rollout)
     examples = [toy.make_example("6-2+9+4-1"), toy.make_example("1+8-3+2-7")]
-    distill, reward = step.sample(ctx, examples)
+    distill, reward = step.sample(ctx, spec_at(ctx.spec), examples)
     assert distill.tokens is reward.tokens  # one rollout
     assert distill.rewards is None and reward.teacher_logprobs is None  # each term's signal wrote its own view
     assert distill.seq_weight.tolist() == [0.0] * 4  # random model: nothing succeeds, no sibling, no signal
     assert reward.seq_weight is None
     nudge(ctx.policy)  # so that the regression term is not zero at the initial weights
     forwards = []
-    real_view = step.policy_view
-    monkeypatch.setattr(step, "policy_view", lambda *a, **kw: forwards.append(1) or real_view(*a, **kw))
-    total, m = step.loss(ctx, ctx.policy, [distill, reward])
+    real_view = policy_view
+    total, m = step.loss(spec_at(ctx.spec), [distill, reward],
+                         lambda b, want, read: forwards.append(1) or real_view(ctx.policy, b, want, read))
     assert len(forwards) == 1
     assert m["distill/loss"] == 0.0 and m["reward/loss"] > 0.0
     alone, _ = whole_batch_loss(ctx.spec.terms[1].objective, reward, real_view(ctx.policy, reward, False))
@@ -278,16 +279,17 @@ def test_terms_sharing_a_rollout_keep_their_own_weights_and_share_one_forward(ti
 
 
 def test_initial_policy_log_probs_are_computed_once_per_shared_rollout(tiny, monkeypatch):
-    from composer.runtime import step
+    from composer import step
+    from composer.plan.plan import spec_at
     from composer.runtime.engine import make_engine
 
     two_kl = SDPO_PLUS_AR.replace("objective: {kind: advantage_regression, beta1: 1.0}", "objective: {kind: grpo, kl_coef: 0.1}")
     ctx = make_ctx(tiny, two_kl + "  - {name: pg, signal: {kind: reward, source: verifier}, objective: {kind: grpo, kl_coef: 0.1}}\n")
     ctx.models.engine = make_engine("hf", ctx.policy, ctx.tokenizer, ctx.spec.rollout)
     calls = []
-    real = step.initial_logprobs
-    monkeypatch.setattr(step, "initial_logprobs", lambda c, b: calls.append(1) or real(c, b))
-    _distill, reward, pg = step.sample(ctx, [toy.make_example("6-2+9+4-1")])
+    real = ctx.initial_logprobs
+    monkeypatch.setattr(ctx, "initial_logprobs", lambda b: calls.append(1) or real(b))
+    _distill, reward, pg = step.sample(ctx, spec_at(ctx.spec), [toy.make_example("6-2+9+4-1")])
     assert len(calls) == 1 and reward.initial_logprobs is pg.initial_logprobs is not None
 
 

@@ -204,9 +204,9 @@ def test_listed_explained_and_refused_on_openrlhf():
     from composer.backends.openrlhf import flags
 
     with pytest.raises(Unsupported) as e:
-        flags._check_token_selection(validate_file(ROOT / "specs" / "methods" / "kl-cov.yaml").segments[0].spec, ())
+        flags.check_capabilities(validate_file(ROOT / "specs" / "methods" / "kl-cov.yaml").segments[0].spec, ())
     assert e.value.path == ("objective", "token_selection") and "whole step" in e.value.reason
-    assert build_runs  # the compile path that calls _check_token_selection for every segment
+    assert build_runs  # the compile path that calls check_capabilities for every segment
 
 
 @pytest.mark.slow

@@ -212,7 +212,7 @@ def split_steps(ctx, ids: list[int], sep: str, final: bool) -> list[tuple[str, i
     that token (exact for the toy's character tokenizer). With `final` (EOS or cap) the rest after the
     last separator is a step too (an empty rest, e.g. a lone EOS, joins the step before it).
     """
-    memo = ctx.cache.setdefault(("guide", "token-text"), {})  # token id -> its text alone
+    memo = ctx.memo.token_texts  # token id -> its text alone
     for t in set(ids) - memo.keys():
         memo[t] = ctx.decode([t])
     parts = [memo[t] for t in ids]

@@ -166,15 +166,16 @@ class ModelJudge:
 def make_judge(ctx, name: str, guide):
     """The judge of source `name` for `guide`, built once per run and configuration."""
     cfg = ctx.spec.sources[name]
-    key = ("judge", name, cfg.model_dump_json(), guide.model_dump_json())
-    if key not in ctx.cache:
+    key = (name, cfg.model_dump_json(), guide.model_dump_json())
+    judges = ctx.memo.judges
+    if key not in judges:
         if cfg.kind == "oracle":
             if ctx.task.step_checker is None:
                 raise ValueError(f"judge '{name}' is an oracle, but the task '{ctx.task.name}' has no step checker")
-            ctx.cache[key] = OracleJudge(ctx.task.step_checker)
+            judges[key] = OracleJudge(ctx.task.step_checker)
         else:
-            ctx.cache[key] = ModelJudge(ctx, name, guide)
-    return ctx.cache[key]
+            judges[key] = ModelJudge(ctx, name, guide)
+    return judges[key]
 
 
 def check_judge_placement(ctx, name: str, guide) -> None:

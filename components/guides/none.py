@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from composer.contract import Guide
+from composer.protocol import plain_row
 from composer.registry import register
 
 
@@ -24,13 +25,3 @@ class NoGuide(Guide):
     def row(self, ctx, example, index: int, n: int):
         """One sample of the policy to the end of its budget."""
         return plain_row(ctx, example)
-
-
-def plain_row(ctx, example):
-    """The program of one unguided rollout: the policy continues the prompt up to max_new_tokens."""
-    from composer.protocol import Sample, Trace
-
-    trace = Trace(ctx.prompt_ids(example))
-    [gen] = yield Sample(trace.prompt, ctx.max_new_tokens)
-    trace.add(gen.tokens, "policy", gen.logprobs)
-    return trace

@@ -129,7 +129,7 @@ class PrefixGuide(Guide):
 
     def traces(self, ctx) -> dict:
         """prompt -> accepted trace text of a policy_model reference (kept in checkpoints with the searches)."""
-        return ctx.cache.setdefault(("guide", "prefix-search", "traces", self.model_dump_json()), {})
+        return ctx.memo.prefix_traces.setdefault(self.model_dump_json(), {})
 
     def trace_programs(self, ctx, examples) -> list:
         """For a policy_model reference: per problem without a trace yet, `trace_samples` generations of that
@@ -187,7 +187,7 @@ class PrefixGuide(Guide):
 
     def cache(self, ctx) -> dict:
         """prompt -> k found by the minimal search (kept in checkpoints with the run's caches)."""
-        return ctx.cache.setdefault(("guide", "prefix-search", self.model_dump_json()), {})
+        return ctx.memo.prefixes.setdefault(self.model_dump_json(), {})
 
     def steps_for(self, ctx, example) -> int:
         n = len(self.ref_units(ctx, example))

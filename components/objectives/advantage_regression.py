@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal, Union
 from pydantic import Field
 
 from components.objectives.base import Objective, group_index
+from composer.capabilities import Capabilities
 from composer.lazy import torch
 from composer.origins import CODE
 from composer.registry import register
@@ -98,6 +99,10 @@ class AdvantageRegression(Objective):
     needs: ClassVar = ("reward",)
     uses_group_baseline: ClassVar = True
     several_updates: ClassVar = "a regression anchored at fixed log-probs (behaviour or initial), off-policy by design"
+
+    def capabilities(self) -> Capabilities:
+        """Not on-policy only: the regression is anchored at fixed log-probs, off-policy by design (OAPL's lag)."""
+        return Capabilities(on_policy_only=False)
 
     @property
     def wants_initial(self) -> bool:

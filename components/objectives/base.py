@@ -7,10 +7,11 @@ the lazy proxy so that importing this module (spec validation) never loads torch
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple, final
 
 from pydantic import Field
 
+from composer.capabilities import Capabilities
 from composer.lazy import torch
 from composer.origins import Origin
 from composer.registry import Component
@@ -50,12 +51,13 @@ class Objective(Component):
       loss(batch, view, adv) -> (loss, metrics) per micro-batch, where gradients are; `adv` holds the
                                                 rows' advantages from `advantages` (None if it has none)
     A backend calls both, never looks at the kind, and never calls `loss` without the advantages of
-    whole groups. Class-level flags and hooks below are read by validation rules and the backends.
+    whole groups. Class-level flags and hooks below are read by validation rules and the backends; what the
+    objective can run with (on-policy only, exact origins, backend features) is its `capabilities()` record
+    (composer/capabilities.py), on-policy only unless it says otherwise.
     """
 
     loss_tokens: list[Origin] = Field(default_factory=lambda: ["policy"], description="Token origins that get loss: prompt, policy, guide_prefix, guide_intervention, demonstration.")
 
-    on_policy_only: ClassVar[bool] = False  # assumes rollouts come from the current weights, no correction
     policy_gradient: ClassVar[bool] = False  # importance-ratio policy gradient: off-policy tokens must be masked
     uses_group_baseline: ClassVar[bool] = False
     # Why several optimizer steps on one rollout batch (train.epochs x train.mini_batches) stay sound for this
@@ -86,15 +88,10 @@ class Objective(Component):
     def behavior_origins(self) -> set[str]:
         """Token origins whose behaviour log-probs `loss` reads (the rollout weights score guide tokens of
         these origins). Default: the loss tokens of a policy-gradient objective, less those it trains exactly
-        or with a declared weight form."""
+        (its capabilities' exact_origins) or with a declared weight form."""
         if not type(self).policy_gradient:
             return set()
-        return set(self.loss_tokens) - self.exact_origins() - self.weighted_origins()
-
-    def exact_origins(self) -> set[str]:
-        """Origins this objective trains on exactly, with no importance ratio to a behaviour log-prob, so tokens
-        the policy did not write are fine there (an exact divergence over the vocabulary). None by default."""
-        return set()
+        return set(self.loss_tokens) - self.capabilities().exact_origins - self.weighted_origins()
 
     def weighted_origins(self) -> set[str]:
         """Origins the policy did not write that this objective trains with a declared importance-weight form of the
@@ -166,6 +163,7 @@ class Objective(Component):
         (composer/runtime/varlen.py). Default: `loss_mask`; an objective that reads more overrides this."""
         return self.loss_mask(batch)
 
+    @final
     def loss_mask(self, batch) -> Tensor:
         """[B, T] bool: tokens of `loss_tokens` origins that are not padding, in the rows the term's gate took
         (batch.row_mask, composer/gates.py): a gated-out row gets no loss and no share of the normaliser."""

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 from pydantic import Field
 
 from components.objectives.base import Aggregation, Objective, Reduction, aggregate
+from composer.capabilities import Capabilities
 from composer.origins import Origin
 from composer.registry import register
 
@@ -35,6 +36,10 @@ class CrossEntropy(Objective):
 
     needs: ClassVar = ("sft_target",)
     several_updates: ClassVar = "maximum likelihood of fixed targets (SFT epochs)"
+
+    def capabilities(self) -> Capabilities:
+        """Not on-policy only: maximum likelihood of fixed targets holds whatever weights sampled them."""
+        return Capabilities(on_policy_only=False)
 
     def anchors(self) -> dict[str, str]:
         return {o: "target token (teacher-forced)" for o in self.loss_tokens}

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 from pydantic import Field
 
 from components.objectives.base import Aggregation, InertSetting, Objective, Reduction, aggregate, masked_mean
+from composer.capabilities import Capabilities
 from composer.lazy import F, torch
 from composer.registry import register
 
@@ -102,7 +103,6 @@ class Divergence(Objective):
     aggregation: Aggregation = Field("token-mean", description="How per-token losses become one number.")
 
     needs: ClassVar = ("teacher_logprobs",)
-    on_policy_only: ClassVar = True
     policy_gradient: ClassVar = True
 
     @property
@@ -136,10 +136,12 @@ class Divergence(Objective):
                                     "estimator: full or top_k"))
         return [x for x in out if x.field in self.model_fields_set]  # a default nobody chose is not worth a word
 
-    def exact_origins(self) -> set[str]:
-        """full / top_k compare whole distributions at each position: no sample of the policy is needed, so they
-        train on tokens the policy did not write (GKD's dataset or teacher sequences) with weight 1."""
-        return set() if self.estimator == "sampled" else {"demonstration", "guide_prefix", "guide_intervention"}
+    def capabilities(self) -> Capabilities:
+        """On-policy only; full / top_k compare whole distributions at each position: no sample of the policy is
+        needed, so they train on tokens the policy did not write (GKD's dataset or teacher sequences) exactly, with
+        weight 1."""
+        exact = () if self.estimator == "sampled" else ("demonstration", "guide_prefix", "guide_intervention")
+        return Capabilities(on_policy_only=True, exact_origins=frozenset(exact))
 
     def loss(self, batch: TrajectoryBatch, cur: PolicyView, adv=None) -> tuple[Tensor, dict[str, float]]:
         """Per-token divergence, weighted by SDPO's s_i (and w_t for full/top_k), aggregated:

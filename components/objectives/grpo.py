@@ -190,7 +190,6 @@ class Grpo(Objective):
     off_policy_weight: AnyOffPolicyWeight = Field(default_factory=NoOffPolicyWeight, description="The importance weight w of loss tokens the policy did not write (demonstration: a trace of the `traces` guide; guide_prefix, guide_intervention), a function of the current policy's probability alone (the trace's own probability taken as 1): their loss is -A w(pi), no ratio, no clip. none (default: such tokens are refused in loss_tokens); shaped (LUFFY, Yan et al. 2025, arXiv 2504.14945: pi / (pi + gamma), gamma 0.1); prob (pi); pow (pi^alpha); log (log pi).")
 
     needs: ClassVar = ("reward",)
-    on_policy_only: ClassVar = True
     policy_gradient: ClassVar = True
     uses_group_baseline: ClassVar = True
     several_updates: ClassVar = "importance ratio to the old log-prob (the policy at the start of the step's first pass)"

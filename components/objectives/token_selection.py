@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, model_validator
 
+from composer.capabilities import Capabilities, Need
 from composer.lazy import torch
 from composer.registry import Component, register
 
@@ -77,6 +78,10 @@ class TokenSelection(Component):
     step's loss tokens; `select` gathers them (every rank), computes Cov_t and keeps this rank's part."""
 
     acts: ClassVar[bool] = True  # False: no selection (the objective's loss as without it)
+
+    def capabilities(self) -> Capabilities:
+        """A selection that acts is a per-token mask over the whole step's tokens, read by every micro-batch."""
+        return Capabilities(needs=(Need("step_token_mask"),) if type(self).acts else ())
 
     def count(self, n: int) -> int:
         raise NotImplementedError

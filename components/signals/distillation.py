@@ -6,6 +6,7 @@ from typing import ClassVar, Literal, Optional
 
 from pydantic import ConfigDict, Field, model_validator
 
+from composer.capabilities import Capabilities, Need
 from composer.contract import Signal
 from composer.lazy import torch
 from composer.registry import register
@@ -46,6 +47,11 @@ class DistillationSignal(Signal):
     @property
     def teacher_source(self) -> str | None:
         return self.teacher
+
+    def capabilities(self) -> Capabilities:
+        """Sequences the policy did not write (off_policy: GKD's dataset or teacher branch) need a backend that
+        trains on sequences other than its sampler's."""
+        return Capabilities(needs=(Need("sequences_not_sampled", ("off_policy",)),) if self.off_policy != "none" else ())
 
     @property
     def makes_batch(self) -> bool:

@@ -62,6 +62,13 @@ class SftSignal(Signal):
         if self.builds_ahead:
             offline_targets(ctx, self, build=True)
 
+    def rollouts_ahead(self, spec, steps: int) -> int:
+        """Offline targets: rollout.samples_per_prompt attempts at each of `problems` problems (default: the
+        segment's steps x prompts_per_step). The proposals and continuations depend on how many attempts fail."""
+        if not self.builds_ahead:
+            return 0
+        return (self.problems or steps * spec.train.prompts_per_step) * spec.rollout.samples_per_prompt
+
     def origins(self, guide) -> set[str]:
         if self.target != "guided":
             return {"prompt", "demonstration"}
@@ -100,6 +107,12 @@ class SftSignal(Signal):
             return guided_targets(ctx, batch, self.filter_samples, self.leak_filter, self.temperature)
         return batch
 
+    def ahead_program(self, ctx, example, index: int, n: int):
+        return attempt_program(ctx, self, example, index, n)
+
+    def ahead_targets(self, examples: list, results: list, n: int) -> tuple[dict, dict]:
+        return collect_targets(examples, results, n)
+
     @property
     def targets_rows(self) -> bool:
         return self.target == "guided" and not self.builds_ahead
@@ -125,8 +138,10 @@ def cut_after_intervention(trace):
     return out
 
 
-def keep_program(ctx, example, trace, filter_samples: int):
-    """Program: whether one of `filter_samples` continuations of `trace` (no reference shown) succeeds."""
+def keep_program(ctx, example, trace, filter_samples: int, facts: dict | None = None):
+    """Program: whether one of `filter_samples` continuations of `trace` (no reference shown) succeeds. With
+    `facts`, adds the continuations sampled and those that succeeded (`continuations`, `successes`) and notes
+    this test's successes (`last_successes`)."""
     from components.guides.intervention import successes
     from composer.protocol import Sample
 
@@ -134,7 +149,12 @@ def keep_program(ctx, example, trace, filter_samples: int):
         return True
     gens = yield Sample(trace.tokens, ctx.max_new_tokens - len(trace.response), n=filter_samples, purpose="filter")
     texts = [ctx.decode(trace.response + g.tokens) for g in gens]
-    return any(successes(ctx, [example] * len(texts), texts))
+    ok = sum(successes(ctx, [example] * len(texts), texts))
+    if facts is not None:
+        facts["continuations"] = facts.get("continuations", 0) + len(texts)
+        facts["successes"] = facts.get("successes", 0) + ok
+        facts["last_successes"] = ok
+    return ok > 0
 
 
 def contains_answer(text: str, answer: str | None) -> bool:
@@ -175,20 +195,28 @@ def target_cuts(ctx, trace) -> list:
     return out
 
 
-def target_program(ctx, example, trace, filter_samples: int, leak_filter: bool = True):
+def target_program(ctx, example, trace, filter_samples: int, leak_filter: bool = True, facts: dict | None = None):
     """Program: InT's target of a finished rollout -> (status, cut): `none` (no intervention), `leak` (every
     intervention contains the gold answer), `filtered` (no continuation from any of the others succeeds) or
     `kept`: the first candidate (`target_cuts`: one per proposal, in order) that passes both filters. Every
-    InT path uses it (online and offline, on both backends)."""
+    InT path uses it (online and offline, on both backends). With `facts`, it also counts what each filter
+    saw: candidates dropped as leaks (`leaked`), candidates tested by continuations (`tested`, and
+    keep_program's counts) and, when one is kept, how many of its continuations succeeded (`kept_successes`
+    of `kept_continuations`)."""
     cuts = target_cuts(ctx, trace)
     if not cuts:
         return "none", None
+    facts = {} if facts is None else facts
     status = "leak"
     for cut in cuts:
         if leak_filter and leaks(ctx, example, cut):
+            facts["leaked"] = facts.get("leaked", 0) + 1
             continue
         status = "filtered"
-        if (yield from keep_program(ctx, example, cut, filter_samples)):
+        facts["tested"] = facts.get("tested", 0) + 1
+        if (yield from keep_program(ctx, example, cut, filter_samples, facts)):
+            facts["kept_successes"] = facts.get("last_successes", 0)
+            facts["kept_continuations"] = max(filter_samples, 0)
             return "kept", cut
     return status, None
 
@@ -267,33 +295,56 @@ def kept_targets(ctx, batch, cands: list, filter_samples: int, leak_filter: bool
 
 def attempt_program(ctx, sig: SftSignal, example, index: int, n: int):
     """Program: attempt `index` of n at `example` with the segment's guide, then InT's target of it:
-    -> (status, trace); status is `none` (no intervention), `leak`, `filtered` or `kept` (trace: the
-    attempt cut right after its intervention). Both backends build offline targets with it."""
+    -> (status, trace, facts); status is `none` (no intervention), `leak`, `filtered` or `kept` (trace: the
+    attempt cut right after its intervention); facts: whether the attempt failed, its readable proposals and
+    what the filters saw (`target_program`). Both backends build offline targets with it."""
+    from components.guides.intervention import success
+
     trace = yield from ctx.spec.rollout.guide.row(ctx, example, index, n)
-    return (yield from target_program(ctx, example, trace, sig.filter_samples, sig.leak_filter))
+    # a reviewed attempt failed (the guide proposes only for failed ones); an unreviewed one failed if it is wrong
+    failed = bool(trace.notes.get("reviews")) or not success(ctx, example, ctx.decode(trace.response))
+    facts = {"failed": int(failed), "proposals": len(trace.notes.get("proposals") or [])}
+    status, cut = yield from target_program(ctx, example, trace, sig.filter_samples, sig.leak_filter, facts)
+    return status, cut, facts
+
+
+# what collect_targets sums from attempt_program's facts (int_offline/<name> in metrics.csv)
+FACTS = {"failed": "failed", "proposals": "proposals", "leaked_proposals": "leaked", "tested_proposals": "tested",
+         "continuations": "continuations", "continuation_successes": "successes",
+         "kept_continuations": "kept_continuations", "kept_continuation_successes": "kept_successes"}
 
 
 def collect_targets(examples: list, statuses: list, n: int) -> tuple[dict, dict]:
-    """{prompt: [kept traces]} and the counts, from attempt_program's results (n per example, in order)."""
+    """{prompt: [kept traces]} and the counts, from attempt_program's results (n per example, in order):
+    attempts, failed attempts, and of the failed ones those with an intervention, those whose every
+    intervention stated the answer (`leaks`), those where no continuation succeeded (`filtered`) and `kept`;
+    the readable proposals, those the leak filter dropped and those tested by continuations; the continuations
+    and those that succeeded, over all tests and for the kept targets alone; and the kept targets' tokens
+    (`target_tokens`, the response tokens SFT trains on) and their intervention tokens."""
     targets: dict[str, list] = {}
-    counts = {"problems": len(examples), "attempts": len(statuses), "interventions": 0, "leaks": 0, "filtered": 0,
-              "kept": 0}
-    for k, (status, trace) in enumerate(statuses):
+    counts = {"problems": len(examples), "attempts": len(statuses), "failed": 0, "interventions": 0, "leaks": 0,
+              "filtered": 0, "kept": 0, **{k: 0 for k in FACTS if k != "failed"}, "target_tokens": 0,
+              "intervention_tokens": 0}
+    for k, (status, trace, facts) in enumerate(statuses):
         counts["interventions"] += status != "none"
         counts["leaks"] += status == "leak"
         counts["filtered"] += status == "filtered"
         counts["kept"] += status == "kept"
+        for name, fact in FACTS.items():
+            counts[name] += facts.get(fact, 0)
         if status == "kept":
             targets.setdefault(examples[k // n].prompt, []).append(trace)
+            counts["target_tokens"] += len(trace.response)
+            counts["intervention_tokens"] += sum(len(p.tokens) for p in trace.pieces if p.origin == "guide_intervention")
     if not counts["kept"]:
         import logging
 
         logging.getLogger("composer").warning(
-            "InT: the SFT stage has no target and will train on nothing: %d problems, %d attempts, %d with an "
-            "intervention, %d whose every intervention contains the answer (leak filter), %d where no continuation "
-            "succeeded (filter_samples); more attempts (problems, samples_per_prompt), more proposals or a "
-            "larger filter_samples may find some", counts["problems"], counts["attempts"], counts["interventions"],
-            counts["leaks"], counts["filtered"])
+            "InT: the SFT stage has no target and will train on nothing: %d problems, %d attempts, %d failed, %d "
+            "with an intervention, %d whose every intervention contains the answer (leak filter), %d where no "
+            "continuation succeeded (filter_samples); more attempts (problems, samples_per_prompt), more proposals "
+            "or a larger filter_samples may find some", counts["problems"], counts["attempts"], counts["failed"],
+            counts["interventions"], counts["leaks"], counts["filtered"])
     return targets, counts
 
 
@@ -312,9 +363,9 @@ def offline_targets(ctx, sig: SftSignal, build: bool = False) -> dict:
     <run>/int_targets/<segment>.jsonl and are read back from there after a resume; the attempts' tokens
     count in the run's cost columns. -> {prompt: [target traces]}.
     """
-    key = ("int_targets", ctx.segment, sig.model_dump_json())
-    if key in ctx.cache:
-        return ctx.cache[key]
+    key = (ctx.segment, sig.model_dump_json())
+    if key in ctx.memo.targets:
+        return ctx.memo.targets[key]
     path = _cache_file(ctx)
     if path is not None and (path.exists() or path.is_symlink()):
         targets = _load(path, ctx, sig)
@@ -325,7 +376,7 @@ def offline_targets(ctx, sig: SftSignal, build: bool = False) -> dict:
 
         raise DataError(f"InT's offline targets of segment '{ctx.segment}' were never built and are not in "
                            f"{path}: resume from a checkpoint taken after the segment started")
-    ctx.cache[key] = targets
+    ctx.memo.targets[key] = targets
     return targets
 
 
@@ -335,6 +386,7 @@ def _build(ctx, sig: SftSignal, path) -> dict:
     n = ctx.spec.rollout.samples_per_prompt
     problems = ctx.peek_prompts(sig.problems or (ctx.segment_end - ctx.segment_start) * ctx.spec.train.prompts_per_step)
     ctx.run(list(ctx.spec.rollout.guide.prepare(ctx, problems)))
+    ctx.costs["policy_samples"] += len(problems) * n  # the attempts (proposals and continuations count as served)
     statuses = ctx.run([attempt_program(ctx, sig, ex, i, n) for ex in problems for i in range(n)])
     targets, counts = collect_targets(problems, statuses, n)
     ctx.log(**{f"int_offline/{k}": v for k, v in counts.items()})

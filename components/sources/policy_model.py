@@ -95,6 +95,16 @@ class PolicyModel(Source):
                 "A distillation teacher scores the student's token ids, so both must use one vocabulary; "
                 "use a teacher of the same model family or tokenizer.")
 
+    def teacher_prompts(self, ctx, name: str, batch) -> list:
+        """(prompt ids or None, weight) per row of `batch`: see `teacher_prompts` below (both backends)."""
+        return teacher_prompts(ctx, self, {c: ctx.spec.sources[c].kind for c in self.context}, name, batch)
+
+    def score_tokens(self, forward_logits, tokens, attention_mask, prompt_len: list[int], prompts: list,
+                     pad_id: int, want_logits: bool):
+        """Teacher log-probs (and logits) at this source's temperature: `score_responses` (both backends)."""
+        return score_responses(forward_logits, tokens, attention_mask, prompt_len, prompts, self.temperature, pad_id,
+                               want_logits)
+
     def build(self, ctx, name: str) -> "ModelSource":
         return ModelSource(self, ctx, name)
 
@@ -201,8 +211,8 @@ class ModelSource(Runtime):
             return model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
 
         n_prompt = (batch.origin == CODE["prompt"]).sum(1).tolist()
-        lp, logits = score_responses(forward, batch.tokens, batch.attention_mask, n_prompt, [p for p, _ in prompts],
-                                     self.cfg.temperature, ctx.pad_id, want_logits)
+        lp, logits = self.cfg.score_tokens(forward, batch.tokens, batch.attention_mask, n_prompt,
+                                           [p for p, _ in prompts], ctx.pad_id, want_logits)
         ctx.costs["teacher_tokens"] += sum(len(p) if p is not None else n for (p, _), n in zip(prompts, n_prompt)) \
             + int(batch.response_mask.sum())
         w = torch.tensor([w for _, w in prompts], dtype=torch.float32, device=batch.tokens.device)

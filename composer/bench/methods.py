@@ -80,6 +80,14 @@ SUITE = {  # study -> list of (label, spec, overrides)
 # `--study claims` alone runs just these (the held-out variant).
 SUITE["claims"] = [_M["grpo"], _M["mintrl"], _MINTRL_OFF, *SUITE["intensity"], *SUITE["lag"],
                    _M["sft"], _M["opd"], _M["opsd"]]
+# InT against GRPO alone (issue 41): GRPO from InT's own start (toy:instruct) on InT's training tiers, i.e. InT's
+# stage 2 without its stage 1 (tests/test_bench_int.py holds the two to that). Not one of the four seed claims.
+INT_GRPO = ("grpo from toy:instruct", "specs/grpo.yaml", ["policy.model=toy:instruct", "data.train_tiers=[4,6]"])
+SUITE["int"] = [_M["int"], INT_GRPO]
+# study -> the arm whose measured policy samples every other arm of the study is given, seed by seed: InT's
+# proposals and filter continuations depend on how many attempts fail, so its spend is known only once it ran
+# (`policy_samples_used`, cost/policy_samples); GRPO seed s then runs for what InT seed s used.
+MATCHED = {"int": "int"}
 
 # The pre-registered claims: the arms, the primary metric, and the comparisons the verdict rests on.
 # A difference is established when its 95% interval (Welch, Student t) excludes 0.
@@ -116,6 +124,16 @@ CLAIMS = {
                 "GRPO's (all three established), contradicted if any of them is established below SFT's",
         "arms": {m: m for m in ("sft", "opd", "opsd", "grpo")},
     },
+    "int": {
+        "claim": "InT (SFT on self-proposed interventions, then RL) beats RL alone from the same start at an equal "
+                 "budget of policy samples (paper: InT then RL over RL on the 4B instruct base; interventions about "
+                 "2% of the tokens)",
+        "metric": f"pass@1/{BOTH}",
+        "rule": "InT - GRPO, GRPO from InT's start (toy:instruct) on InT's tiers with InT's measured policy samples "
+                "(attempts, proposals, filter continuations, RL rollouts) seed by seed; reproduced if > 0 is "
+                "established, contradicted if < 0 is",
+        "arms": {"int": "int", "grpo": INT_GRPO[0]},
+    },
 }
 
 
@@ -143,18 +161,30 @@ def variants_from(specs: list[str], sweep: str | None, overrides: list[str] = ()
 
 
 def samples_per_step(seg) -> int:
-    """Policy samples a step of this segment consumes (demonstrations for a no-rollout SFT step)."""
+    """Policy samples a step of this segment consumes: its rollouts, or the demonstrations of a no-rollout SFT
+    step; none for a step that trains on targets its signal built ahead (their attempts: `samples_ahead`)."""
     spec = seg.spec
     from composer.checks.terms import terms
 
-    if all(getattr(sig, "makes_batch", False) for _n, sig, _o, _w in terms(spec)):
-        return spec.train.prompts_per_step
+    sigs = [sig for _n, sig, _o, _w in terms(spec)]
+    if all(sig is not None and sig.makes_batch for sig in sigs):
+        return 0 if any(sig.builds_ahead for sig in sigs) else spec.train.prompts_per_step
     return spec.train.prompts_per_step * spec.rollout.samples_per_prompt
 
 
+def samples_ahead(seg) -> int:
+    """Rollouts a segment's signals sample once at its start (InT's offline attempts: problems x samples per
+    prompt). Their proposals and filter continuations depend on how many attempts fail: not known before the
+    run, they are counted as they are sampled (cost/policy_samples: the result's `policy_samples_used`)."""
+    from composer.checks.terms import terms
+
+    return sum(sig.rollouts_ahead(seg.spec, seg.end - seg.start) for _n, sig, _o, _w in terms(seg.spec)
+               if sig is not None)
+
+
 def policy_samples(validated) -> int:
-    """Policy samples a whole run of this validated spec consumes."""
-    return sum((s.end - s.start) * samples_per_step(s) for s in validated.segments)
+    """Policy samples a whole run of this validated spec is known to consume before it runs."""
+    return sum((s.end - s.start) * samples_per_step(s) + samples_ahead(s) for s in validated.segments)
 
 
 def budget_overrides(variant: Variant, budget: int) -> list[str]:
@@ -232,10 +262,45 @@ def run_one(variant: Variant, seed: int, out: Path, cfg: dict) -> dict:
               "offpolicy_token_frac": mean("offpolicy_token_frac"),
               "offpolicy_guided": guided_offpolicy(out / "samples.jsonl"),
               "entropy_first": float(rows[0].get("entropy") or "nan") if rows else float("nan"),
-              "entropy_last": float(last.get("entropy") or "nan"), "run": str(out)}
+              "entropy_last": float(last.get("entropy") or "nan"), "run": str(out),
+              "policy_samples_used": float(last.get("cost/policy_samples") or "nan"),
+              "offpolicy_share_trained": token_share(rows)}
+    result.update(int_facts(last))
     result.update(final)
     result.update(extra)
     return result
+
+
+def token_share(rows: list[dict]) -> float:
+    """The share of off-policy tokens (a guide's, demonstrations) among the response tokens of every step, each
+    step weighted by its tokens (`response_tokens`; NaN for a log without it)."""
+    num = den = 0.0
+    for r in rows:
+        if r.get("response_tokens") not in (None, "") and r.get("offpolicy_token_frac") not in (None, ""):
+            num += float(r["offpolicy_token_frac"]) * float(r["response_tokens"])
+            den += float(r["response_tokens"])
+    return num / den if den else float("nan")
+
+
+INT_PREFIX = "int_offline/"
+
+
+def int_facts(last: dict) -> dict:
+    """InT's offline build (components/signals/sft.py collect_targets) from a run's metrics: its counts, the
+    share of intervention tokens in the targets stage 1 trains on (`intervention_share_sft`), the share of
+    continuations that succeeded over every filter test (`continuation_success`; the paper: 4.27%) and over
+    the kept targets' own tests (`kept_continuation_success`). Empty for a run without one."""
+    c = {k.removeprefix(INT_PREFIX): float(v) for k, v in last.items() if k.startswith(INT_PREFIX)}
+    if not c:
+        return {}
+
+    def ratio(a, b):
+        return c[a] / c[b] if c.get(b) else float("nan")
+
+    return {**{INT_PREFIX + k: v for k, v in c.items()},
+            "intervention_share_sft": ratio("intervention_tokens", "target_tokens"),
+            "continuation_success": ratio("continuation_successes", "continuations"),
+            "kept_continuation_success": ratio("kept_continuation_successes", "kept_continuations")}
 
 
 def guided_offpolicy(samples: Path) -> float:
@@ -379,15 +444,35 @@ STUDY_COLS = {
     "lag": [f"pass@1/{BOTH}", f"pass@1/{MIDDLE}", f"pass@1/{HARD}", f"pass@32/{BOTH}", "reward_last", "entropy_last",
             "wall_s"],
 }
-COUNTS = ("judge_tokens", "teacher_tokens", "wall_s")
+STUDY_COLS["int"] = [f"pass@1/{BOTH}", f"pass@1/{MIDDLE}", f"pass@1/{HARD}", f"pass@32/{BOTH}", f"pass@32/{MIDDLE}",
+                     f"pass@32/{HARD}", "policy_samples_used", "steps", "offpolicy_share_trained",
+                     "intervention_share_sft", "reward_last", "entropy_heldout", "judge_tokens", "wall_s"]
+# InT's stage 1, per run: attempts, failed ones, and what each filter did with them (second table of the study)
+INT_FILTER_COLS = [INT_PREFIX + k for k in ("attempts", "failed", "interventions", "leaks", "filtered", "kept",
+                                            "proposals", "leaked_proposals", "tested_proposals", "continuations")] + [
+    "continuation_success", "kept_continuation_success", "intervention_share_sft"]
+INT_FILTER_NOTE = ("InT's stage 1 per run (offline targets: attempts, the failed ones, those with a readable "
+                   "intervention, those whose every intervention stated the answer (leaks), those no continuation "
+                   "completed (filtered), kept; proposals readable, dropped as leaks, tested; continuations sampled "
+                   "and the share that succeeded, over all tests and over the kept targets' own; intervention tokens "
+                   "among the tokens stage 1 trains on):")
+COUNTS = ("judge_tokens", "teacher_tokens", "wall_s", "policy_samples_used", "steps")
 
 
 def study_table(rs: list[dict], study: str = "") -> list[str]:
-    """Markdown table, one line per variant: seeds, then mean ± 95% interval over its seeds."""
+    """Markdown table, one line per variant: seeds, then mean ± 95% interval over its seeds (the InT study: a
+    second table of InT's stage-1 counts)."""
     k = max((k for r in rs for k in sampled_ks(r, HARD)), default=1)
     cols = STUDY_COLS.get(study) or [
         f"pass@1/{MIDDLE}", f"pass@1/{HARD}", sampled_key(k, MIDDLE), sampled_key(k, HARD), "zero_advantage_frac",
         "offpolicy_token_frac", "entropy_last", "entropy_heldout", "judge_tokens", "teacher_tokens", "wall_s"]
+    lines = _table(rs, cols)
+    if study == "int" and any(INT_FILTER_COLS[0] in r for r in rs):
+        lines += ["", INT_FILTER_NOTE, "", *_table([r for r in rs if INT_FILTER_COLS[0] in r], INT_FILTER_COLS)]
+    return lines
+
+
+def _table(rs: list[dict], cols: list[str]) -> list[str]:
     lines = ["| variant | n | " + " | ".join(cols) + " |", "| --- | --- |" + " --- |" * len(cols)]
     for label in dict.fromkeys(r["label"] for r in rs):
         mine = [r for r in rs if r["label"] == label]
@@ -396,8 +481,14 @@ def study_table(rs: list[dict], study: str = "") -> list[str]:
             m, h = ci95([value(r, c) for r in mine])
             if math.isnan(m):
                 cells.append("n/a")  # not measured by this method (no reward: no zero-advantage groups)
+            elif c in ("policy_samples_used", "steps"):
+                cells.append(f"{m:.0f} ± {h:.0f}")
+            elif c in COUNTS:
+                cells.append(f"{m:.0f}")
+            elif c.startswith(INT_PREFIX):
+                cells.append(f"{m:.1f} ± {h:.1f}")
             else:
-                cells.append(f"{m:.0f}" if c in COUNTS else f"{m:.3f} ± {h:.3f}")
+                cells.append(f"{m:.3f} ± {h:.3f}")
         lines.append(f"| {label} | {len(mine)} | " + " | ".join(cells) + " |")
     return lines
 
@@ -414,12 +505,13 @@ def arm(results: list[dict], label: str, metric: str) -> list[float]:
 def _fmt(c: dict) -> str:
     if math.isnan(c["d"]):
         return "n/a"
-    return f"{c['d']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
+    p = c.get("places", 3)
+    return f"{c['d']:+.{p}f} [{c['lo']:+.{p}f}, {c['hi']:+.{p}f}]"
 
 
-def _mean(xs: list[float]) -> str:
+def _mean(xs: list[float], places: int = 3) -> str:
     m, h = ci95(xs)
-    return "n/a" if math.isnan(m) else f"{m:.3f} ± {h:.3f}"
+    return "n/a" if math.isnan(m) else f"{m:.{places}f} ± {h:.{places}f}"
 
 
 def claim_verdicts(results: list[dict]) -> list[dict]:
@@ -494,6 +586,19 @@ def claim_verdicts(results: list[dict]) -> list[dict]:
             verdict = ("reproduced" if eg == -1 and ei == 1 else "contradicted" if eo == -1 or ei == -1 else "undecided")
             decisive = [dg, inter]
             arms_used = list(A)
+        elif name == "int":
+            main = diff_ci((1, x("int")), (-1, x("grpo")))
+            comps = [("InT - GRPO", main, f"{_mean(x('int'))} vs {_mean(x('grpo'))}")]
+            for sec in (f"pass@32/{BOTH}", f"pass@1/{MIDDLE}", f"pass@1/{HARD}", "policy_samples_used"):
+                p = 0 if sec in COUNTS else 3  # samples are whole numbers
+                comps.append((f"InT - GRPO, {sec}", {**diff_ci((1, x("int", sec)), (-1, x("grpo", sec))), "places": p},
+                              f"{_mean(x('int', sec), p)} vs {_mean(x('grpo', sec), p)}"))
+            for what in ("intervention_share_sft", "offpolicy_share_trained", "continuation_success",
+                         "kept_continuation_success"):
+                notes.append(f"InT's {what}: {_mean(x('int', what))}")
+            verdict = {1: "reproduced", -1: "contradicted", 0: "undecided"}[established(main)]
+            decisive = [main]
+            arms_used = ["int", "grpo"]
         else:  # off_policyness
             cs = [(f"{m.upper()} - SFT", diff_ci((1, x(m)), (-1, x("sft"))), f"{_mean(x(m))} vs {_mean(x('sft'))}")
                   for m in ("opd", "opsd", "grpo")]
@@ -547,6 +652,15 @@ def claims_table(verdicts: list[dict]) -> list[str]:
 
 
 BEGIN, END = "<!-- bench results: begin (composer bench --readme) -->", "<!-- bench results: end -->"
+
+
+def markers(study: str) -> tuple[str, str]:
+    """The markers of `study`'s section: the methods study keeps BEGIN / END; another study has its own pair,
+    so that writing it leaves the methods section alone."""
+    if study == "methods":
+        return BEGIN, END
+    return (f"<!-- bench results {study}: begin (composer bench --readme DIR --study {study}) -->",
+            f"<!-- bench results {study}: end -->")
 PREVIOUS = "previous-methods.md"  # docs/bench/: the methods table before the fixes, to say what moved
 
 
@@ -623,15 +737,18 @@ def heldout_folders(out: Path) -> list[Path]:
 
 
 def readme_section(out: Path, readme: Path, images: Path, study: str = "methods") -> str:
-    """Write `study`'s table and plot from the bench folder `out` into `readme` between the bench markers
-    (the plots are copied into `images`): then, when present, what moved against the previous table
-    (images/previous-methods.md), the claims' verdicts and those of every held-out variant's bench folder
-    inside `out`. Returns the section."""
+    """Write `study`'s table and plot from the bench folder `out` into `readme` between the study's markers
+    (`markers`; the plots are copied into `images`, another study's into images/<study>): then, when present,
+    what moved against the previous table (images/previous-methods.md), the claims' verdicts and those of every
+    held-out variant's bench folder inside `out`. Returns the section."""
     f = _folder(out)
     results = f["results"]
     rs = [r for r in results if r["study"] == study]
     if not rs:
         raise ValueError(f"{out}: no results for study {study!r}")
+    BEGIN, END = markers(study)
+    prev = images / PREVIOUS
+    images = images if study == "methods" else images / study
     images.mkdir(parents=True, exist_ok=True)
     base = readme.resolve().parent
 
@@ -642,7 +759,6 @@ def readme_section(out: Path, readme: Path, images: Path, study: str = "methods"
     parts = [BEGIN, f"Generated on {f['date']} by `{f['command']}`. {f['settings']}", "",
              *study_table(rs, study), "",
              f"![{study}: pass@1 against policy samples, pass@k, entropy]({image(out / f'{study}.png', f'{study}.png')})"]
-    prev = images / PREVIOUS
     if study == "methods" and prev.exists():
         text = prev.read_text()
         m = re.search(r"seeds=(\d+)", text)
@@ -652,13 +768,13 @@ def readme_section(out: Path, readme: Path, images: Path, study: str = "methods"
                        "other than the added seed moved it: the code, or the toy checkpoints (runs are deterministic "
                        "per seed and checkpoint, but the checkpoints are bootstrapped on each machine)."), "",
                   *moved_table(results, parse_table(text), int(m.group(1)) if m else 2)]
-    verdicts = claim_verdicts(results)
+    verdicts = [v for v in claim_verdicts(results) if study == "methods" or v["name"] == study]
     if verdicts:
         parts += ["", "Claims (verdict rules in docs/bench/settings.md, fixed before the first comparison):", "",
                   *claims_table(verdicts)]
         if (out / "verdicts.png").exists():
-            parts += ["", f"![claims: the arms of the four verdicts]({image(out / 'verdicts.png', 'verdicts.png')})"]
-    for h in heldout_folders(out):
+            parts += ["", f"![claims: the arms of the verdicts]({image(out / 'verdicts.png', 'verdicts.png')})"]
+    for h in (heldout_folders(out) if study == "methods" else []):
         hf = _folder(h)
         hv = claim_verdicts(hf["results"])
         if not hv:
@@ -734,7 +850,9 @@ def plots(results: list[dict], out: Path) -> list[Path]:
                 from composer.runtime.report import metric_name
 
                 xs, ys = _curve(logs, metric_name(f"pass@1/{tier}"))  # metrics.csv's name of pass@1/<tier>
-                ax.plot([x * per_step for x in xs], ys, marker=".", label=label)
+                used = [samples_before(rows) for rows in logs]  # what each seed had sampled when it evaluated
+                ax.plot([statistics.fmean(u.get(x, x * per_step) for u in used) for x in xs], ys, marker=".",
+                        label=label)
             ks = sampled_ks(r0, HARD)
             axes[2].plot(ks, [statistics.fmean(float(r[sampled_key(k, HARD)]) for r in runs) for k in ks],
                          marker="o", label=label)
@@ -767,6 +885,21 @@ def plots(results: list[dict], out: Path) -> list[Path]:
             plt.close(fig)
             made.append(path)
     return made
+
+
+def samples_before(rows: list[dict]) -> dict[int, float]:
+    """{step: policy samples the run had drawn before that step's update} from its metrics rows
+    (cost/policy_samples is cumulative and logged after the step's rollout, while an evaluation in a step's row
+    is of the weights before it): InT's stage 1 spends its attempts, proposals and continuations at its first
+    step. Empty for a log without the column."""
+    out, before = {}, 0.0
+    if not any(r.get("cost/policy_samples") not in (None, "") for r in rows):
+        return out
+    for r in sorted(rows, key=lambda r: int(r["step"])):
+        out[int(r["step"])] = before
+        if r.get("cost/policy_samples") not in (None, ""):
+            before = float(r["cost/policy_samples"])
+    return out
 
 
 def _curve(runs: list[list[dict]], key: str) -> tuple[list[float], list[float]]:
@@ -833,22 +966,31 @@ def finished_runs(out: Path) -> dict[str, dict]:
     return found
 
 
-def run_or_reuse(v: Variant, seed: int, out: Path, cfg: dict, done: dict, log=print) -> dict:
+def run_or_reuse(v: Variant, seed: int, out: Path, cfg: dict, done: dict, log=print, matched: dict | None = None) -> dict:
     """One run of the bench folder `out`: the finished one with the same key (in `done`), else run it into
-    out/runs/<study-label>/seed<N> and keep its result.json there."""
+    out/runs/<study-label>/seed<N> and keep its result.json there. `matched`: the result of the same seed of the
+    arm this one is matched to (MATCHED): the run's budget is what that run used (`policy_samples_used`)."""
     from components.tasks.toy import variant as toy_variant
 
     cfg = {**cfg, "toy": cfg.get("toy") or toy_variant()}
+    settings = {k: cfg[k] for k in cfg if k not in ("seeds", "toy")}  # the bench's, the same for matched arms
+    if matched is not None:
+        used = matched.get("policy_samples_used", float("nan"))
+        if not isinstance(used, (int, float)) or math.isnan(used) or used <= 0:
+            raise ValueError(f"{v.label} seed {seed} is matched to {matched['label']}, whose run counted no policy "
+                             "samples (cost/policy_samples): rerun it with this version")
+        cfg = {**cfg, "budget_samples": round(used), "matched_to": matched["label"]}
     key = json.dumps(run_key(v, seed, cfg), sort_keys=True)
     if key in done:
         log(f"[bench] {v.label} seed {seed}: same run as {done[key]['label']} ({done[key]['study']})")
         return {**done[key], "label": v.label, "study": v.study}
-    log(f"[bench] {v.label} seed {seed} ...")
+    log(f"[bench] {v.label} seed {seed} ..." + (f" ({cfg['budget_samples']} policy samples: what {matched['label']} "
+                                                f"seed {seed} used)" if matched is not None else ""))
     folder = out / "runs" / _run_name(v) / f"seed{seed}"
     if folder.exists():  # an unfinished run (killed): start it again
         shutil.rmtree(folder)
-    settings = {k: cfg[k] for k in cfg if k not in ("seeds", "toy")}
-    r = {**run_one(v, seed, folder, cfg), "settings": settings, "key": key}
+    r = {**run_one(v, seed, folder, cfg), "settings": settings, "key": key, "budget_samples": cfg["budget_samples"],
+         "matched_to": cfg.get("matched_to", "")}
     (folder / "result.json").write_text(json.dumps(r, indent=1, default=str))
     done[key] = r
     log(f"[bench] {v.label} seed {seed}: pass@1 {MIDDLE} {r.get('pass@1/' + MIDDLE, float('nan')):.3f}, "
@@ -875,10 +1017,17 @@ def bench(variants: list[Variant], out: Path, cfg: dict, command: str, log=print
     command = command if not kept else _commands(out, command)
     results = []
     done = finished_runs(out)  # key -> result: the same spec, overrides, seed and settings run once
-    pairs = [(v, seed) for v in variants for seed in seeds]
+    # the arms others are matched to (MATCHED) run first: the others' budgets are what they used
+    pairs = sorted(((v, seed) for v in variants for seed in seeds), key=lambda p: MATCHED.get(p[0].study) != p[0].label)
     for i, (v, seed) in enumerate(pairs):
         ran = len(done)
-        results.append(run_or_reuse(v, seed, out, cfg, done, log))
+        src = MATCHED.get(v.study)
+        matched = None
+        if src and v.label != src:
+            matched = next((r for r in results if (r["study"], r["label"], r["seed"]) == (v.study, src, seed)), None)
+            if matched is None:
+                raise ValueError(f"study {v.study!r}: {v.label} is matched to {src!r}, which is not among the arms run")
+        results.append(run_or_reuse(v, seed, out, cfg, done, log, matched))
         if len(done) > ran or i == len(pairs) - 1:  # after every new run, and at the end
             merged = _ordered(kept + results)
             write_outputs(merged, out, cfg, command)

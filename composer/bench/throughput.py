@@ -124,7 +124,7 @@ class Ours:
 
         from composer.backends.lightning.module import ComposerModule
         from composer.plan.compile import compile_plan
-        from composer.runtime import step as run_step
+        from composer import step as run_step
         from composer.runtime.binding import bind_task
         from composer.runtime.models import load_model, load_tokenizer, prepare_policy
         from composer.checks.validate import validate_file
@@ -174,9 +174,9 @@ class Ours:
         self._wrap("generate", engine)
         self._wrap("score", engine)
         self._orig = {}
-        for name, label in (("initial_logprobs", "initial_logprobs"), ("collect", "collect"),
-                            ("loss", "loss (policy forward + objective)")):
-            self._time(name, label)
+        for holder, name, label in ((self.ctx, "initial_logprobs", "initial_logprobs"), (run_step, "collect", "collect"),
+                                    (run_step, "loss", "loss (policy forward + objective)")):
+            self._time(holder, name, label)
         if self.loop is not None:  # rows and tokens of each Lightning step, off the module's own step_loss
             real = self.module.step_loss
 
@@ -218,21 +218,26 @@ class Ours:
                 self.step()
         return float(box.get("flops", 0))
 
-    def _time(self, name: str, label: str) -> None:
-        """Time `composer.runtime.step.<name>` (what the module's step calls) as phase `label`."""
-        orig = self._orig[name] = getattr(self.run_step, name)
+    def _time(self, holder, name: str, label: str) -> None:
+        """Time `holder.<name>` (what the module's step calls: composer.step's parts, the run context's initial
+        log-probs) as phase `label`."""
+        orig = getattr(holder, name)
+        self._orig[(holder, name)] = orig if holder is self.run_step else None  # an instance's: delete to restore
 
         def timed(*a, **kw):
             with self._phase(label):
                 return orig(*a, **kw)
 
-        setattr(self.run_step, name, timed)
+        setattr(holder, name, timed)
 
     def close(self):
         if self.loop is not None:
             self.loop.close()
-        for name, fn in self._orig.items():
-            setattr(self.run_step, name, fn)
+        for (holder, name), fn in self._orig.items():
+            if fn is None:
+                vars(holder).pop(name, None)
+            else:
+                setattr(holder, name, fn)
 
     def _phase(self, name):
         return self.phases.timed(name) if self.measuring else contextlib.nullcontext()

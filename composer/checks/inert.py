@@ -77,7 +77,7 @@ def sync_settings(spec, seg) -> Iterable[Finding]:
                       "once on fresh rollouts, exactly as without reuse",
                       "remove sync.reuse, or set sync.every > 1 (e.g. 10) to train several steps on one sampled buffer")
     if s.off_policy_ok and "off_policy_ok" in s.model_fields_set:
-        lag = s.every > 1 and any(type(o).on_policy_only for o in objs)
+        lag = s.every > 1 and any(o.capabilities().on_policy_only for o in objs)
         repeats = t.epochs * t.mini_batches > 1 and any(type(o).several_updates is None for o in objs)
         if s.every == 1 and t.epochs * t.mini_batches == 1:
             why = ("with a sync every step and one update per step, every rollout is trained on by the weights "

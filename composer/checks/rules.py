@@ -72,10 +72,11 @@ def policy_gradient_on_guide_tokens(spec, segment):
     for base, sig, obj in _pairs_with_paths(spec):
         if obj is None or not type(obj).policy_gradient:
             continue
-        fine = obj.exact_origins() | obj.weighted_origins()
+        fine = obj.capabilities().exact_origins | obj.weighted_origins()
         bad = [o for o in obj.loss_tokens if o in OFF_POLICY_ORIGINS and o not in fine]
         if bad and "estimator" in type(obj).model_fields:  # an estimator choice: say which one is exact
-            exact = [e for e in ("full", "top_k") if bad[0] in obj.model_copy(update={"estimator": e}).exact_origins()]
+            exact = [e for e in ("full", "top_k")
+                     if bad[0] in obj.model_copy(update={"estimator": e}).capabilities().exact_origins]
             if exact:
                 out.append(_d("policy_gradient_on_guide_tokens",
                               f"{obj.kind_name()} with estimator '{obj.estimator}' is a single-sample estimate from "
@@ -102,7 +103,7 @@ def lag_needs_correction(spec, segment):
         return []
     out = []
     for base, sig, obj in _pairs_with_paths(spec):
-        if obj is not None and type(obj).on_policy_only:
+        if obj is not None and obj.capabilities().on_policy_only:
             out.append(_d("lag_needs_correction",
                           f"sync.every is {spec.sync.every}, but {obj.kind_name()} assumes on-policy data: its "
                           "ratio correction only holds near the sampling weights", ("sync", "every"),

@@ -24,15 +24,6 @@ def own_loss_temperature(spec) -> float | None:
     return temps.pop() if temps else None
 
 
-def terms_at(spec, step: int) -> list[tuple[str, object, object, float]]:
-    """terms(spec) with every scheduled number (a term's weight, an objective's coefficient) resolved at global
-    optimizer step `step` (composer.lang.curves): what the losses of that step use, on both backends."""
-    from composer.lang.curves import resolve, value_at
-
-    return [(n, sig, resolve(obj, step) if obj is not None else obj, value_at(w, step))
-            for n, sig, obj, w in terms(spec)]
-
-
 def rolls_out(spec) -> bool:
     """Whether this spec samples rollouts (some term's signal does not build its own batch)."""
     return any(sig is not None and not sig.makes_batch for _n, sig, _o, _w in terms(spec))

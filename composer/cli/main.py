@@ -149,10 +149,11 @@ def explain(spec, overrides, fmt):
     """Explain SPEC: sources and readers, token origins with loss and anchor, models, taxonomy."""
     from composer.plan import explain as ex
     from composer.plan.compile import compile_plan
+    from composer.runtime.example_prompts import machine_notes
 
     try:
         v = _validate(spec, list(overrides))
-        plan = compile_plan(v)
+        plan = {**compile_plan(v), **machine_notes(v)}
         out = {"text": ex.text, "mermaid": ex.mermaid, "dot": ex.dot, "json": ex.as_json}[fmt](plan)
     except SpecError as e:
         _fail(str(e))

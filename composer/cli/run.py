@@ -149,7 +149,7 @@ def _expected_errors() -> tuple:
     """Failures that are the input's or the machine's, each with its own message."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    from composer.backends.lightning.checkpoint import CheckpointError
+    from composer.runtime.checkpoint import CheckpointError
     from composer.backends.lightning.module import NonFiniteError
     from composer.backends.lightning.run import RunError
     from composer.runtime.export import ExportError

@@ -411,6 +411,13 @@ def apply_overrides(spec: LoadedSpec, overrides: list[str]) -> LoadedSpec:
             raise SpecError([Diagnostic("yaml", f"cannot parse override: {why}", (), loc,
                                         "write path.to.field=value as in a YAML file; quote values with brackets, "
                                         "colons or spaces, e.g. 'summary=\"a: b\"'")]) from None
+        glued = _glued_key(parsed)
+        if glued is not None:  # `{kind:linear}`: YAML reads `kind:linear` as one key with no value
+            raise SpecError([Diagnostic("yaml", f"cannot parse override: `{glued}` is read as one key with no value "
+                                        "(YAML needs a space after the colon in `key: value`)",
+                                        tuple(int(p) if p.isdigit() else p for p in parts), loc,
+                                        f"write `{glued.replace(':', ': ', 1)}`, e.g. "
+                                        f"'{path}={{kind: linear, start: 0.01, end: 0, steps: 10}}' (quoted for the shell)")])
         conf = parsed
         for part in reversed(parts):
             conf = {part: conf}
@@ -420,6 +427,20 @@ def apply_overrides(spec: LoadedSpec, overrides: list[str]) -> LoadedSpec:
             if n == len(key) or key[:n] not in positions:
                 positions[key[:n]] = loc
     return LoadedSpec(data, positions, spec.file)
+
+
+def _glued_key(value) -> str | None:
+    """The first mapping key written `a:b` without a space (so YAML made it one key with a null value)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if v is None and isinstance(k, str) and re.fullmatch(r"[^\s:]+:[^\s]+", k):
+                return k
+            found = _glued_key(v)
+            if found:
+                return found
+    if isinstance(value, list):
+        return next((g for g in map(_glued_key, value) if g), None)
+    return None
 
 
 def _set_path(data: dict, key: tuple, conf: dict):

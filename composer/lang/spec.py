@@ -11,9 +11,10 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from composer import registry
+from composer.capabilities import Capabilities, Capable, Need
 from composer.filters import RolloutFilter
 from composer.gates import Gate
-from composer.lang.curves import ScheduledNumber
+from composer.lang.curves import ScheduledNumber, is_scheduled
 
 # Bounds: far beyond any real run, but inside what the runtime can count and allocate (int64 step
 # counters, one batch in memory). A value past them is a typo or an attack, refused before anything runs.
@@ -37,7 +38,7 @@ def _check_name(value: str) -> str:
 Name = Annotated[str, AfterValidator(_check_name), WithJsonSchema({"type": "string", "pattern": NAME_PATTERN})]
 
 
-class Strict(registry.NumbersNotBooleans, BaseModel):
+class Strict(Capable, registry.NumbersNotBooleans, BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
@@ -57,6 +58,10 @@ class Policy(Strict):
     trust_remote_code: bool = Field(False, description="Run the Python code a model folder ships (transformers `trust_remote_code`); off: such a folder is refused instead of asking mid-run. Only for folders you trust.")
     lora: Optional[Lora] = Field(None, description="Train LoRA adapters instead of every weight (peft). The frozen initial policy (KL reference, `weights: initial` teachers and judges) is then the base model with the adapter off, not a copy; the exported model has the adapter merged.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass instead of keeping them (transformers gradient checkpointing): less memory, more compute.")
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(needs=(Need("separate_tokenizer", ("tokenizer",)),)
+                            if self.tokenizer and self.tokenizer != self.model else ())
 
 
 class Data(Strict):
@@ -131,6 +136,9 @@ class Sync(Strict):
     reuse: bool = Field(False, description="Sample once per sync interval and train on the stored rollouts at every step until the next sync (offline rounds), instead of sampling fresh from the lagged weights each step.")
     off_policy_ok: bool = Field(False, description="Allow every > 1 with an objective that assumes on-policy data (to study the lag on purpose).")
 
+    def capabilities(self) -> Capabilities:
+        return Capabilities(needs=(Need("rollout_reuse", ("reuse",)),) if self.reuse else ())
+
 
 class Train(Strict):
     steps: int = Field(100, ge=1, le=MAX_STEPS, description="Optimiser steps.")
@@ -167,6 +175,12 @@ class Train(Strict):
     reset_every: int = Field(0, ge=0, le=MAX_STEPS, description="Every this many steps of a segment (phase or stage), counted from its start, before the step: the frozen reference becomes the current policy and the optimizer state starts fresh (ProRL's periodic reference reset, Liu et al. 2025, arXiv 2505.24864; `reset_what` chooses which); 0: never. Lightning backend.")
     reset_what: list[Literal["reference", "optimizer"]] = Field(default_factory=lambda: ["reference", "optimizer"], min_length=1, max_length=2, description="What a periodic reset (reset_every) resets: the frozen reference weights (KL terms, `weights: initial`) and/or the optimizer state.")
     reference: Literal["stage_start", "run_start"] = Field("stage_start", description="The frozen reference weights (`initial`: KL terms, A*PO's anchor, `weights: initial` teachers and judges): the policy at the start of each stage (as OpenRLHF starts a stage from the previous stage's checkpoint), or at the start of the run. Without stages both are the start of the run.")
+
+    def capabilities(self) -> Capabilities:
+        needs = [Need("periodic_reset", ("reset_every",))] if self.reset_every else []
+        needs += [Need("sampled_eval", ("eval_k",))] if self.eval_k > 1 else []
+        needs += [Need("scheduled_entropy", ("entropy_coef",))] if is_scheduled(self.entropy_coef) else []
+        return Capabilities(needs=tuple(needs))
 
     @field_validator("eval_verifier")
     @classmethod

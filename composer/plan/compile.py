@@ -1,9 +1,11 @@
 """Compile a validated spec into the Plan: the one intermediate form both backends read (DESIGN.md section 4).
 
-The Plan is plain JSON-able data: which models load, the per-step dataflow, the segments (phases and
-stages resolved to step ranges), the schedule both backends execute (composer/plan/schedule.py: syncs, LR,
-the weights each model call reads, each term's advantage groups and normaliser), for every token origin whether it gets loss and against which
-anchor, and one rendered example of the prompts (`prompts`: the policy's, each teacher's and judge's).
+The Plan is plain JSON-able data, a function of the spec alone: which models load, the per-step dataflow, the
+segments (phases and stages resolved to step ranges), the schedule both backends execute
+(composer/plan/schedule.py: syncs, LR, the weights each model call reads, each term's advantage groups and
+normaliser), for every token origin whether it gets loss and against which anchor. What this machine adds to it
+(one rendered example of the prompts with the real tokenizer, the rollout engine's log-prob note) comes from the
+runtime (composer/runtime/example_prompts.py `machine_notes`), added by the commands that show or write the Plan.
 `composer explain` prints it; `composer run` writes it as plan.json.
 """
 
@@ -11,8 +13,6 @@ from __future__ import annotations
 
 from composer.checks import graph
 from composer.origins import ORIGINS
-from composer.runtime.example_prompts import example_prompts
-from composer.runtime.vllm_engine import engine_note
 from composer.gates import gate_source
 from composer.plan.schedule import compile_schedule
 from composer.lang.curves import describe, is_scheduled, schedule_json
@@ -201,7 +201,7 @@ def _edges(spec) -> list[dict]:
 def _segment(seg: Segment) -> dict:
     spec = seg.spec
     return {
-        "name": seg.name, "start": seg.start, "end": seg.end, "stage": seg.stage,
+        "name": seg.name, "start": seg.start, "end": seg.end, "stage": seg.stage, "origin": list(seg.origin),
         "guide": _component(spec.rollout.guide) if rolls_out(spec) else None,
         "terms": [{"name": n, "weight": schedule_json(w), "signal": _component(s) if s else None,
                    "objective": _component(o) if o else None,
@@ -251,9 +251,7 @@ def compile_plan(v: Validated, backend: str | None = None) -> dict:
         "edges": edges,
         "train": train,
         "rollout": {k: v for k, v in spec.rollout.model_dump(mode="json").items() if k != "guide"},
-        "rollout_engine": engine_note(spec.rollout),
         "data": spec.data.model_dump(mode="json"),
         "policy_config": spec.policy.model_dump(mode="json"),
         "source_configs": {n: _component(s) for n, s in spec.sources.items()},
-        "prompts": example_prompts(spec, [s.spec for s in v.segments]),
     }

@@ -38,19 +38,17 @@ def _load(m: dict) -> str:
 
 
 def data_lines(plan: dict) -> list[str]:
-    """Which file and split a run trains and evaluates on (composer/runtime/datafiles.py), and how it evaluates."""
-    d = plan.get("data") or {}
-    if plan.get("testbed") == "toy" or not d.get("train"):
+    """Which file and split a run trains and evaluates on (plan["data_files"], what this machine found:
+    composer/runtime/example_prompts.py `machine_notes`), and how it evaluates."""
+    d, found = plan.get("data") or {}, plan.get("data_files") or {}
+    if plan.get("testbed") == "toy" or not found.get("train"):
         return []
-    from composer.runtime.datafiles import describe
-
-    lines = [f"train data: {describe(d['train'], d.get('split'), 'train')}"]
-    source = d.get("eval") or (d["train"] if d.get("eval_split") else None)
+    lines = [f"train data: {found['train']}"]
     t = plan.get("train") or {}
-    if source:
+    if found.get("eval"):
         k = t.get("eval_k") or 0
         how = f"greedy pass@1 on the first {t.get('eval_samples', '?')} rows" + (f", pass@k for k up to {k}" if k > 1 else "")
-        lines.append(f"eval data: {describe(source, d.get('eval_split'), 'eval')}; {how}"
+        lines.append(f"eval data: {found['eval']}; {how}"
                      + (f", verifier {t['eval_verifier']}" if t.get("eval_verifier") else ", the reward's verifier"))
     else:
         lines.append("eval data: none (data.eval or data.eval_split): no evaluation")

@@ -124,8 +124,38 @@ class MetricsSink:
     and the recorder of events (tests, conformance checks: recorder(kind, **data))."""
 
     metrics: dict = field(default_factory=dict)
-    costs: dict = field(default_factory=lambda: {"policy_tokens": 0, "judge_tokens": 0, "teacher_tokens": 0})
+    # policy_samples: every sequence the policy network wrote (composer/runtime/rollout.py `count_samples`)
+    costs: dict = field(default_factory=lambda: {"policy_tokens": 0, "judge_tokens": 0, "teacher_tokens": 0,
+                                                 "policy_samples": 0})
     recorder: Any = None
+
+
+@dataclass
+class Memo:
+    """What components keep for the whole run, one named table each (`ctx.memo`). A component's table is keyed by
+    its configuration's JSON, so segments with one configuration share it. The prefix searches (`prefixes`,
+    `prefix_traces`) are kept in checkpoints: a resumed run does not search again."""
+
+    prompt_formats: dict = field(default_factory=dict)  # (id(tokenizer), data settings JSON) -> PromptFormat
+    servers: dict = field(default_factory=dict)  # id(frozen initial weights) -> the LocalModel serving them
+    judges: dict = field(default_factory=dict)  # (source name, source JSON, guide JSON) -> its judge
+    token_texts: dict = field(default_factory=dict)  # token id -> its text alone (splitting steps)
+    prefixes: dict = field(default_factory=dict)  # prefix guide JSON -> {problem prompt: k of the minimal search}
+    prefix_traces: dict = field(default_factory=dict)  # prefix guide JSON -> {problem prompt: accepted trace text}
+    targets: dict = field(default_factory=dict)  # (segment, signal JSON) -> {problem prompt: [target traces]}
+
+    def checkpointed(self) -> dict:
+        """The tables a checkpoint keeps, as {repr(key): value} with the keys of earlier checkpoints."""
+        out = {repr(("guide", "prefix-search", k)): v for k, v in self.prefixes.items()}
+        out.update({repr(("guide", "prefix-search", "traces", k)): v for k, v in self.prefix_traces.items()})
+        return out
+
+    def restore(self, key: tuple, value) -> None:
+        """One entry of `checkpointed` back (its key read back as a tuple)."""
+        if key[:3] == ("guide", "prefix-search", "traces"):
+            self.prefix_traces[key[3]] = value
+        elif key[:2] == ("guide", "prefix-search"):
+            self.prefixes[key[2]] = value
 
 
 @dataclass
@@ -135,7 +165,7 @@ class RunState:
     resume, the checkpointed runtime states waiting for their runtime to be built."""
 
     runtimes: dict = field(default_factory=dict)  # (kind, name, config) -> built runtime of a component
-    cache: dict = field(default_factory=dict)  # per-run memo of components
+    memo: Memo = field(default_factory=Memo)  # per-run tables of components
     buffer: list | None = None  # stored batches of the current sync interval
     buffer_version: int = -1  # the sync step the buffer was sampled after
     pending_runtime_state: dict = field(default_factory=dict)  # resumed run: runtime states by key
@@ -144,7 +174,7 @@ class RunState:
 class RunContext:
     """What component implementations may use at run time (shared by both backends): the segment in force
     and four parts, `data` (DataCursor), `models` (ModelServer), `sink` (MetricsSink) and `state` (RunState).
-    Components read the names below (task, tokenizer, policy, engine, costs, metrics, cache, spec, step,
+    Components read the names below (task, tokenizer, policy, engine, costs, metrics, memo, spec, step,
     segment) and call its methods; they import nothing from composer.runtime."""
 
     def __init__(self, task: Task, tokenizer: Any, policy: torch.nn.Module | None, engine: RolloutEngine | None,
@@ -192,8 +222,9 @@ class RunContext:
         self.sink.metrics = value
 
     @property
-    def cache(self) -> dict:
-        return self.state.cache
+    def memo(self) -> Memo:
+        """The run's tables of what components keep (prefix searches, judges, token texts, built targets)."""
+        return self.state.memo
 
     # ---- text ----
     def prompt_ids(self, example: Example) -> list[int]:
@@ -208,11 +239,11 @@ class RunContext:
 
         tok = self.tokenizer if tokenizer is None else tokenizer
         data = getattr(self.spec, "data", None)
-        key = ("prompt_format", id(tok), None if data is None else data.model_dump_json())
-        if key not in self.cache:
+        key = (id(tok), None if data is None else data.model_dump_json())
+        if key not in self.memo.prompt_formats:
             name = getattr(tok, "name_or_path", "") or ""
-            self.cache[key] = prompt_format(data, tok, name)
-        return self.cache[key]
+            self.memo.prompt_formats[key] = prompt_format(data, tok, name)
+        return self.memo.prompt_formats[key]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a rendered prompt or of response text: no special tokens added (a chat template
@@ -273,6 +304,12 @@ class RunContext:
             self.state.runtimes[key] = rt
         return self.state.runtimes[key]
 
+    def critic_values(self, term: str, objective, batch) -> torch.Tensor:
+        """[B, T] the values of term `term`'s critic on `batch` before the step's update (no gradient)."""
+        from composer.runtime.critic import critic_values
+
+        return critic_values(self, term, objective, batch)
+
     def verifier(self, name: str):
         from composer.registry import VERIFIERS
 
@@ -283,6 +320,12 @@ class RunContext:
 
     def initial_policy(self) -> torch.nn.Module:
         return self.models.initial_policy()
+
+    def initial_logprobs(self, batch) -> torch.Tensor:
+        """[B, T] log-probs of the batch under the frozen initial weights (a KL term, A*PO's anchor)."""
+        from composer.runtime.models import batch_logprobs
+
+        return batch_logprobs(self.forward_model(self.initial_policy()), batch)
 
     def forward_model(self, model: torch.nn.Module):
         """`model` for log-prob forward passes: compiled once when train.compile is set."""
@@ -297,10 +340,10 @@ class RunContext:
         if model == POLICY:
             return self.engine
         if model == INITIAL:
-            key = ("server", INITIAL, id(self.initial_policy()))
-            if key not in self.cache:
-                self.cache[key] = LocalModel(self.initial_policy(), self.tokenizer)
-            return self.cache[key]
+            key = id(self.initial_policy())
+            if key not in self.memo.servers:
+                self.memo.servers[key] = LocalModel(self.initial_policy(), self.tokenizer)
+            return self.memo.servers[key]
         return self.source(model).server(self)
 
     # ---- services: what components call in the runtime (components import nothing from composer.runtime) ----

@@ -26,15 +26,12 @@ def _critic_terms(ctx):
             if obj is not None and obj.value_model() is not None]
 
 
-def critic_values(ctx, name: str, obj, batch: TrajectoryBatch) -> None:
-    """batch.values [B, T] from term `name`'s critic before the step's update (a rollout shared by terms that read
-    the same critic is scored once: the tensor is shared)."""
-    cfg = obj.value_model()
-    if cfg is None or batch.values is not None:
-        return
-    rt = ctx.critic(name, cfg)
-    batch.values = rt.values(ctx, batch).detach()
-    ctx.record("critic_values", term=name, batch=batch, critic=rt)
+def critic_values(ctx, name: str, obj, batch: TrajectoryBatch) -> torch.Tensor:
+    """[B, T] the values of term `name`'s critic on `batch` before the step's update (no gradient), recorded."""
+    rt = ctx.critic(name, obj.value_model())
+    values = rt.values(ctx, batch).detach()
+    ctx.record("critic_values", term=name, batch=batch, critic=rt, values=values)
+    return values
 
 
 def _share(ctx, obj, b: TrajectoryBatch) -> float:
@@ -53,7 +50,7 @@ def train_critics(ctx, batches: list[TrajectoryBatch]) -> dict[str, float]:
     """The step's value updates of every critic with its own network: train.epochs x train.mini_batches AdamW steps
     on its value loss, mini-batch k the policy's (run_step.mini_batches). Returns the last update's metrics (and the
     first's loss as critic/first_loss), per term when several terms have critics."""
-    from composer.runtime.step import mini_batches
+    from composer.step import mini_batches
 
     todo = [(i, name, obj) for i, name, obj in _critic_terms(ctx) if obj.value_model().separate]
     if not todo:

@@ -276,7 +276,7 @@ def _spec(run: Path | None, ckpt: Path | None, model_dir: Path | None, data: str
     if run is not None:
         return validate_file(run / "spec.yaml", overrides)
     if ckpt is not None:
-        from composer.backends.lightning import checkpoint as ckpt_format
+        from composer.runtime import checkpoint as ckpt_format
 
         composer = ckpt_format.load(ckpt, mmap=True).get("composer")
         record = composer.get("spec") if isinstance(composer, dict) else None
@@ -356,7 +356,7 @@ def evaluate_target(target, data: str | None = None, k: int | None = None, out=N
     import time
 
     from composer import files
-    from composer.backends.lightning import checkpoint as ckpt_format
+    from composer.runtime import checkpoint as ckpt_format
     from composer.runtime.binding import bind_task
     from composer.runtime.context import RunContext
     from composer.runtime.models import load_model, load_tokenizer, prepare_policy

@@ -1,5 +1,7 @@
-"""One rendered example of what a run's models are prompted with (explain and plan.json): reads the first
-usable training row through the data binding, then renders it with the prompt templates (composer/prompts.py)."""
+"""What this machine adds to the Plan (explain and plan.json): one rendered example of what a run's models are
+prompted with (the first usable training row read through the data binding, rendered with the prompt templates,
+composer/prompts.py, and the real tokenizer's chat template) and the rollout engine's note on its behaviour
+log-probs. `machine_notes(v)` is added to `compile_plan(v)` by the commands that show or write the Plan."""
 
 from __future__ import annotations
 
@@ -11,6 +13,27 @@ PLACEHOLDER = {
     "feedback": "\u27e8the verifier's feedback on this rollout\u27e9",
     "reference_solution": "\u27e8no reference solution in this row\u27e9",
 }
+
+
+def machine_notes(v) -> dict:
+    """What this machine adds to the Plan of validated spec `v`: the rollout engine's exact-log-prob note, the data
+    files found and their splits (data_files: train, eval), and one rendered example of the prompts."""
+    from composer.runtime.vllm_engine import engine_note
+
+    return {"rollout_engine": engine_note(v.spec.rollout), "data_files": data_files(v.spec.data),
+            "prompts": example_prompts(v.spec, [s.spec for s in v.segments])}
+
+
+def data_files(d) -> dict:
+    """{"train": what data.train is and the split a run reads, "eval": the same of the evaluation source} in words
+    (composer/runtime/datafiles.py `describe`); {} on the toy testbed."""
+    if d.train is None:
+        return {}
+    from composer.runtime.datafiles import describe
+
+    source = d.eval or (d.train if d.eval_split else None)
+    return {"train": describe(d.train, d.split, "train"),
+            **({"eval": describe(source, d.eval_split, "eval")} if source else {})}
 
 
 def first_example(spec):

@@ -191,7 +191,7 @@ def export_checkpoint(src: Path | str, dest: Path | str, base: str | None = None
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from composer.backends.lightning import checkpoint as ckpt_format
+    from composer.runtime import checkpoint as ckpt_format
     from composer.runtime.paths import model_problem, tokenizer_problem
     from composer.registry import remote_code_allowed
     from composer.runtime.models import load_tokenizer, resolve

@@ -584,3 +584,24 @@ def load_scorer(name: str, dtype: str = "float32", trust_remote_code: bool = Fal
     from composer.runtime.onednn import use_onednn
 
     return use_onednn(net)
+
+
+def policy_view(policy, batch, want_logits: bool = False, read: torch.Tensor | None = None):
+    """The PolicyView of `batch` under `policy` (one forward at the batch's temperature): log-probs, entropies, and
+    logits if wanted; with `read` [B, T] bool, promised at those positions only (`token_logprobs`). The Lightning
+    backend's `forward` of the step's loss (composer/step.py)."""
+    from composer.batch import PolicyView
+
+    lp, logits, ent = token_logprobs(policy, batch.tokens, batch.attention_mask, batch.info.get("temperature", 1.0),
+                                     want_logits, prefix_len=batch.prompt_len, read=read)
+    return PolicyView(lp, logits, ent)
+
+
+@torch.no_grad()
+def batch_logprobs(model, batch) -> torch.Tensor:
+    """[B, T] log-probs of the batch's tokens under `model` (frozen weights: the initial policy), on the batch's
+    device."""
+    device = next(model.parameters()).device
+    lp, _, _ = token_logprobs(model, batch.tokens.to(device), batch.attention_mask.to(device),
+                              batch.info.get("temperature", 1.0), prefix_len=batch.prompt_len.to(device))
+    return lp.to(batch.tokens.device)

@@ -12,7 +12,7 @@ import contextlib
 import time
 
 from composer.runtime.engine import Sampling
-from composer.protocol import POLICY, Generation, Sample, Score, Trace, drive
+from composer.protocol import INITIAL, POLICY, Generation, Sample, Score, Trace, drive, fill_scores
 from composer.trajectory import assemble
 from composer.checks.terms import scored_origins
 
@@ -40,6 +40,8 @@ def serve(ctx, key: tuple, requests: list, scope: contextlib.ExitStack | None = 
     for (i, _r), g in zip(flat, gens):
         answers[i].append(g)
     generated = sum(len(g.tokens) for g in gens)
+    if model in (POLICY, INITIAL) and purpose != "rollout":  # the policy writing whole sequences of its own: a
+        ctx.costs["policy_samples"] += len(flat)  # self-judge's proposals, filter continuations, prefix search
     if purpose == "judge":
         ctx.costs["judge_tokens"] += generated + sum(len(r.tokens) for _, r in flat)
     elif purpose == "teacher":  # a teacher writing sequences (GKD's off-policy branch)
@@ -65,6 +67,7 @@ def rollout(ctx, guide, examples, n: int):
     t0 = time.perf_counter()
     before = ctx.costs["policy_tokens"]
     run(ctx, list(guide.prepare(ctx, examples)))
+    ctx.costs["policy_samples"] += len(examples) * n  # one per row, however many requests a guide splits it into
     programs = [guide.row(ctx, ex, j, n) for ex in examples for j in range(n)]
     traces: list[Trace] = run(ctx, programs)
     score_guide_pieces(ctx, traces, scored_origins(ctx.spec))
@@ -86,15 +89,6 @@ def score_guide_pieces(ctx, traces: list[Trace], origins: set[str]) -> None:
         return
     for t, lps in zip(todo, run(ctx, [_score_program(t) for t in todo])):
         fill_scores(t, lps, origins)
-
-
-def fill_scores(trace: Trace, lps: list[float], origins: set[str]) -> None:
-    """Give the unscored pieces of `origins` their log-probs from `lps`, the response's scores."""
-    pos = 0
-    for p in trace.pieces:
-        if p.logprobs is None and p.origin in origins:
-            p.logprobs = lps[pos: pos + len(p.tokens)]
-        pos += len(p.tokens)
 
 
 def _score_program(trace: Trace):

@@ -11,7 +11,7 @@
                   loss and exits 0
   5 loss_step0    OAPL's and OPD's step-0 loss as the plugin returned it to OpenRLHF (summed over the step's
                   micro-batches, recorded in the training actor by smoke_capture.py) against the Lightning
-                  backend's loss (composer.runtime.step.loss, its fp32 forward of the initial policy and of the
+                  backend's loss (composer.step.loss, its fp32 forward of the initial policy and of the
                   teacher) on the same tokens, within LOSS_ABS + LOSS_REL * |loss|
   6 opd_teacher   specs/opd.yaml: the reference slot's log-probs of the step-0 tokens (base_action_log_probs)
                   are the teacher's (Lightning forward of the teacher checkpoint), not the student's; and the
@@ -332,13 +332,15 @@ def lightning_loss(plan: dict, recs: list[dict]) -> tuple[float | None, str]:
 
     import torch
 
-    from composer.runtime import step as run_step
-    from composer.plan.segments import segments_of
-    from composer.checks.terms import terms
+    from composer import step as run_step
+    from composer.plan.plan import Plan
+    from composer.runtime.models import policy_view
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     run = plan["openrlhf"]["runs"][0]
-    spec = segments_of(plan, run["segments"])[0].spec
+    steps = Plan(plan, run["segments"])
+    at = steps.at(steps.offset)
+    spec = at.spec
     if spec.train.entropy_coef:
         return None, "the spec has an entropy bonus, which OpenRLHF adds outside the composer's loss"
     policy = _model(plan["openrlhf"]["policy_path"], spec.policy.dtype, device)
@@ -347,7 +349,8 @@ def lightning_loss(plan: dict, recs: list[dict]) -> tuple[float | None, str]:
     tok = load_tokenizer(plan["openrlhf"]["policy_path"])
     batch, seqs, att = step0_batch(recs, tok.pad_token_id, device)
     batches = []
-    for _name, sig, obj, _w in terms(spec):
+    for term in at.terms:
+        sig, obj = term.signal, term.declared
         b = dataclasses.replace(batch)
         name = sig.teacher_source
         if name is not None:
@@ -361,9 +364,8 @@ def lightning_loss(plan: dict, recs: list[dict]) -> tuple[float | None, str]:
         adv = obj.advantages(b)
         b.advantages = None if adv is None else adv.detach()
         batches.append(b)
-    ctx = type("Ctx", (), {"spec": spec, "step": 0, "record": staticmethod(lambda *a, **k: None)})()
     with torch.no_grad():
-        loss, _ = run_step.loss(ctx, policy, batches)
+        loss, _ = run_step.loss(at, batches, lambda b, want, read: policy_view(policy, b, want, read))
     return float(loss), f"{batch.size} rows of step 0, {len(recs)} micro-batch(es)"
 
 

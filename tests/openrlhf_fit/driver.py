@@ -18,7 +18,7 @@ The report (JSON, --out) holds what crossed the Ray boundary and what the traine
                  and per sample the label's provenance (control, guided, weight, origins) and reward
   fits           every PolicyModelActor.fit: the steps its experiences were sampled at, the actor's weights
                  before / after, the loss DeepSpeed back-propagated (sum over micro-batches of loss / gas),
-                 and the Lightning backend's loss of the same step (composer/runtime/step.py `loss` over one
+                 and the Lightning backend's loss of the same step (composer/step.py `loss` over one
                  batch of the whole step, rebuilt with loss.step_batch, the objective's advantages over its
                  groups, the same pre-update module)
   broadcasts     every weight sync that reached the engine: after which fit, parameters delivered, the
@@ -174,13 +174,14 @@ class Recorder:
 
         from composer.backends.openrlhf import hooks
         from composer.backends.openrlhf.batch import shift
+        from composer import step as lightning_step
         from composer.backends.openrlhf.loss import _pad_cat, step_batch, step_of, term_batches
-        from composer.runtime import step as lightning_step
-        from composer.checks.terms import terms
+        from composer.runtime.models import policy_view
 
-        segments = hooks._segments()
+        plan = hooks._plan()
         labels = [x for e in experiences for x in e.labels]
-        spec = segments.at(step_of(labels))
+        at = plan.at(plan.offset + step_of(labels))
+        spec = at.spec
         tok_pad = self.pad_id
         full = step_batch(experiences, tok_pad, trainable_only=True)
         whole = step_batch(experiences, tok_pad)
@@ -195,17 +196,14 @@ class Recorder:
             base = [e.base_action_log_probs for e in experiences]
             if all(b is not None for b in base):
                 full.initial_logprobs = shift(_pad_cat(base).float())
-        term_list = terms(spec)
-        batches = term_batches(term_list, full, metas)
-        for (_n, _s, obj, _w), b in zip(term_list, batches):
-            b.advantages = obj.advantages(whole) if whole.rewards is not None or not obj.needs else None
-        step = min((int(m.get("step", 0)) for m in metas), default=0)  # the global step (scheduled numbers)
-        ctx = SimpleNamespace(spec=spec, step=max(step, 0), record=lambda *a, **k: None)
+        batches = term_batches(at, full, metas)
+        for t, b in zip(at.terms, batches):
+            b.advantages = t.declared.advantages(whole) if whole.rewards is not None or not t.declared.needs else None
         was = module.training
-        with torch.no_grad():
-            total, metrics = lightning_step.loss(ctx, module, batches)
+        with torch.no_grad():  # the Lightning backend's loss: its policy forward, the Plan at the step
+            total, metrics = lightning_step.loss(at, batches, lambda b, want, read: policy_view(module, b, want, read))
         module.train(was)
-        return {"lightning_loss": float(total), "segment": segments.segment(step_of(labels)).name,
+        return {"lightning_loss": float(total), "segment": at.segment.name,
                 "lightning_metrics": {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}}
 
     def report(self) -> dict:
@@ -232,7 +230,7 @@ def record_losses(rec: Recorder) -> None:
         exp = self.ctx["experience"]
         step = closs.step_of(exp.labels)
         out = call(self, log_probs, *a, **k)
-        rec.loss_calls.append({"kind": "composer", "step": step, "segment": self.segments.segment(step).name,
+        rec.loss_calls.append({"kind": "composer", "step": step, "segment": self.at(exp).segment.name,
                                "rows": int(log_probs.shape[0]), "loss": float(out[0].detach()),
                                "dp_size": k.get("dp_size")})
         return out
@@ -265,7 +263,7 @@ def shim_task_lookup(rec: Recorder) -> None:
             if "not subscriptable" not in str(e):
                 raise
             rec.product_bugs.setdefault("hooks._task", f"TypeError: {e}")
-            return hooks.task_of(hooks._STATE["plan"], hooks._STATE["run"], hooks._segments().items[0].spec)
+            return hooks.task_of(hooks._STATE["plan"], hooks._STATE["run"], hooks._plan().segments[0].spec)
 
     hooks._task = _task
 

@@ -25,7 +25,9 @@ The patches (nothing else of OpenRLHF, Ray, DeepSpeed or transformers is changed
                     DeepSpeed then uses torch.distributed's gloo collectives, as where the kernel is unavailable
 The recorder (only with COMPOSER_REAL_OUT set) writes fits.jsonl: per PolicyModelActor fit (PPO runs) and per
 SFTTrainer optimizer step (train_sft runs), the loss the real DeepSpeed engine back-propagated, the Lightning
-backend's loss of the same batch and weights, the weights before and after, and what each row holds.
+backend's loss of the same batch and weights, the weights before and after, and what each row holds. A fit of
+several optimizer steps (train.epochs passes) records each step's loss and a Lightning figure on the weights
+that step started from (`update_losses`, `lightning_losses`).
 The preemption switch (test-only, COMPOSER_REAL_KILL names a file holding a checkpoint tag, e.g.
 `global_step1`): the training actor's process that has just written that checkpoint deletes the file and
 SIGKILLs itself, as a preempted node would die; the job fails and a resubmitted one resumes from the checkpoint.
@@ -195,22 +197,48 @@ def record_fits(mod) -> None:
         from hf_vllm import fingerprint
 
         module = self.actor.model.module
+        gas = int(self.strategy.accumulated_gradient)
         rec = {"pid": os.getpid(), "weights_before": fingerprint(module.named_parameters()),
-               "gas": int(self.strategy.accumulated_gradient), "rows": len(self.replay_buffer.items),
-               "samples": samples(self)}
-        try:
-            rec.update(lightning(self, module, make_experience_batch(list(self.replay_buffer.items), False),
-                                 self.tokenizer.pad_token_id))
-        except Exception as e:  # noqa: BLE001 - reported; the test names it
-            import traceback
+               "gas": gas, "rows": len(self.replay_buffer.items), "samples": samples(self)}
+        exp = make_experience_batch(list(self.replay_buffer.items), False)
+        # optimizer steps of one pass over the step's rows: more than one (mini-batches of shuffled rows) has no
+        # Lightning figure (Lightning's mini-batches are whole groups in order)
+        per_pass = len(self.replay_buffer) // self.replay_buffer.sample_batch_size // max(1, gas)
+        figures, old = [], {}  # the Lightning loss at every optimizer step; the pre-update log-probs (passes > 1)
 
-            rec["lightning_error"] = traceback.format_exc()
+        def lightning_figure():
+            if per_pass > 1:
+                raise RuntimeError(f"{per_pass} optimizer steps per pass over the step's rows: no Lightning figure")
+            fig = lightning(self, module, exp, self.tokenizer.pad_token_id, old)
+            figures.append(fig.pop("lightning_loss"))
+            rec.update(fig)
+
+        training_step = self.training_step
+
+        def training_step_(experience, kl_ctl, step, *args, **kw):  # an optimizer step starts at every gas-th call
+            if step % gas == 0 and "lightning_error" not in rec:
+                try:
+                    lightning_figure()
+                except Exception:  # noqa: BLE001 - reported; the test names it
+                    import traceback
+
+                    rec["lightning_error"] = traceback.format_exc()
+            return training_step(experience, kl_ctl, step, *args, **kw)
+
+        self.training_step = training_step_  # this call's passes only
         start = len(BACKWARDS)
-        status = ppo_train(self, kl_ctl)
+        try:
+            status = ppo_train(self, kl_ctl)
+        finally:
+            del self.training_step
         losses = BACKWARDS[start:]
-        rec.update(micro_batches=len(losses), openrlhf_loss=sum(losses) / rec["gas"],
-                   logged_policy_loss=(status or {}).get("policy_loss"),
+        updates = [sum(losses[i:i + gas]) / gas for i in range(0, len(losses), gas)]  # each optimizer step's loss
+        rec.update(micro_batches=len(losses), update_losses=updates, lightning_losses=figures,
+                   openrlhf_loss=sum(updates) / max(1, len(updates)),  # the step's loss: the mean over its updates,
+                   logged_policy_loss=(status or {}).get("policy_loss"),  # as both backends log it
                    weights_after=fingerprint(module.named_parameters()))
+        if figures and "lightning_error" not in rec:
+            rec["lightning_loss"] = sum(figures) / len(figures)
         with open(os.path.join(os.environ["COMPOSER_REAL_OUT"], "fits.jsonl"), "a") as f:
             f.write(json.dumps(rec, default=float) + "\n")
         return status
@@ -252,12 +280,14 @@ def teacher_forward(trainer, info: dict):
     return lambda ids, mask: hf(input_ids=ids, attention_mask=mask).logits
 
 
-def lightning(trainer, module, exp, pad_id: int) -> dict:
-    """The Lightning backend's loss of this step (composer/runtime/step.py `loss`) on the same batch and the
-    same pre-update module: the batch rebuilt with loss.step_batch, each objective's own advantages, teacher
-    log-probs scored by the composer's score_responses (both backends' scorer) with teacher_forward."""
+def lightning(trainer, module, exp, pad_id: int, old: dict) -> dict:
+    """The Lightning backend's loss of this step (composer/step.py `loss`) on the same batch and the
+    module as it is now (before the step's first update, or before a later pass's update): the batch rebuilt with
+    loss.step_batch, each term's own batch with its objective's own advantages (Lightning's term views), teacher
+    log-probs scored by the composer's score_responses (both backends' scorer) with teacher_forward. With several
+    updates per step, the ratio's denominator is the policy's log-probs before the first one (Lightning's
+    set_old_logprobs), computed at the first call and kept in `old`."""
     import dataclasses
-    from types import SimpleNamespace
 
     from components.sources.policy_model import score_responses
     from composer.backends.openrlhf.batch import to_batch
@@ -269,14 +299,16 @@ def lightning(trainer, module, exp, pad_id: int) -> dict:
 
     from composer.backends.openrlhf import hooks
     from composer.backends.openrlhf.batch import decode_label, shift
+    from composer import step as lightning_step
     from composer.backends.openrlhf.loss import _pad_cat, step_batch, step_of, term_batches
-    from composer.runtime import step as lightning_step
-    from composer.checks.terms import own_loss_temperature, terms
+    from composer.checks.terms import own_loss_temperature
+    from composer.runtime.models import policy_view
 
-    segments, run = hooks._segments(), hooks._STATE["run"]
+    plan, run = hooks._plan(), hooks._STATE["run"]
     labels = [x for e in experiences for x in e.labels]
     metas = [decode_label(x) for x in labels]
-    spec = segments.at(step_of(labels))
+    at = plan.at(plan.offset + step_of(labels))
+    spec = at.spec
     full = step_batch(experiences, pad_id, trainable_only=True)
     whole = step_batch(experiences, pad_id)
     # what the Lightning backend's batch records: a signal's own loss temperature (SFT, InT's guided targets:
@@ -292,13 +324,13 @@ def lightning(trainer, module, exp, pad_id: int) -> dict:
         base = [e.base_action_log_probs for e in experiences]
         if all(b is not None for b in base):
             full.initial_logprobs = shift(_pad_cat(base).float())
-    term_list = terms(spec)
-    batches = term_batches(term_list, full, metas)
-    for (_n, _s, obj, _w), b in zip(term_list, batches):
-        b.advantages = obj.advantages(whole) if whole.rewards is not None or not obj.needs else None
+    batches = term_batches(at, full, metas)
+    for k, (t, b) in enumerate(zip(at.terms, batches)):  # terms may share one view: a copy each
+        batches[k] = dataclasses.replace(b, advantages=t.declared.advantages(whole) if whole.rewards is not None
+                                         or not t.declared.needs else None)
     plugin = run["plugin"]
-    for k, ((_n, sig, obj, _w), b) in enumerate(zip(term_list, batches)):
-        name = sig.teacher_source
+    for k, (t, b) in enumerate(zip(at.terms, batches)):
+        obj, name = t.objective, t.signal.teacher_source
         if name is None:
             continue
         info = plugin["teachers"][name]
@@ -307,15 +339,21 @@ def lightning(trainer, module, exp, pad_id: int) -> dict:
         lp, lg = score_responses(teacher_forward(trainer, info), exp.sequences, exp.attention_mask,
                                  prompt_lengths(whole_rows), prompts, info["temperature"], pad_id, obj.wants_logits)
         batches[k] = dataclasses.replace(b, teacher_logprobs=lp, teacher_logits=lg)
-    step = min((int(m.get("step", 0)) for m in metas), default=0)  # the global step (scheduled numbers)
-    ctx = SimpleNamespace(spec=spec, step=max(step, 0), record=lambda *a, **k: None)
+    if spec.train.epochs * spec.train.mini_batches > 1:  # Lightning's set_old_logprobs, before the first update
+        if not old:
+            for b in batches:
+                if id(b.tokens) not in old:
+                    with torch.no_grad():
+                        old[id(b.tokens)] = policy_view(module, b, False).logprobs.detach()
+            old["first"] = [old[id(b.tokens)] for b in batches]
+        batches = [dataclasses.replace(b, old_logprobs=o) for b, o in zip(batches, old["first"])]
     was = module.training
-    with torch.no_grad():
-        total, _metrics = lightning_step.loss(ctx, module, batches)
+    with torch.no_grad():  # the Lightning backend's loss: its policy forward, the Plan at the step
+        total, _metrics = lightning_step.loss(at, batches, lambda b, want, read: policy_view(module, b, want, read))
     module.train(was)
     import inspect
 
-    objs = [obj for _n, _s, obj, _w in term_list]
+    objs = [t.objective for t in at.terms]
     return {"lightning_loss": float(total), "label_steps": sorted({int(m.get("step", -1)) for m in metas}),
             "objectives": [f"{type(o).__module__}.{type(o).__name__}" for o in objs],
             "objective_files": [inspect.getfile(type(o)) for o in objs]}
@@ -368,22 +406,24 @@ def sft_run(plan: dict) -> dict:
 
 
 def lightning_sft(trainer, module, window: list, step: int) -> dict:
-    """The Lightning backend's loss (composer/runtime/step.py `loss`) of the window's tokens: OpenRLHF's
+    """The Lightning backend's loss (composer/step.py `loss`) of the window's tokens: OpenRLHF's
     loss mask (the target tokens, shifted: mask[t-1] marks token t) as origin `demonstration`, every term of
     the run's spec at this step, the signal's loss temperature."""
-    from types import SimpleNamespace
-
     import torch
 
+    from composer import step as lightning_step
     from composer.backends.openrlhf.batch import shift, to_batch
-    from composer.backends.openrlhf.loss import Segments, _pad_cat
+    from composer.backends.openrlhf.loss import _pad_cat
+    from composer.checks.terms import own_loss_temperature
     from composer.origins import CODE
-    from composer.runtime import step as lightning_step
-    from composer.checks.terms import own_loss_temperature, terms
+    from composer.plan.plan import Plan
+    from composer.runtime.models import policy_view
 
     plan = json.load(open(os.environ.get("COMPOSER_PLAN", "plan.json")))
     run = sft_run(plan)
-    spec = Segments(plan, run["segments"]).at(step)
+    steps = Plan(plan, run["segments"])
+    at = steps.at(steps.offset + step)
+    spec = at.spec
     pad = trainer.tokenizer.pad_token_id
     ids = _pad_cat([b[0].squeeze(1) for b in window], pad)  # [B, T]
     att = _pad_cat([b[1].squeeze(1) for b in window])  # [B, T]
@@ -393,13 +433,12 @@ def lightning_sft(trainer, module, window: list, step: int) -> dict:
     batch.origin = torch.where(demo, torch.tensor(CODE["demonstration"], dtype=torch.uint8),
                                torch.where(att.bool(), torch.tensor(CODE["prompt"], dtype=torch.uint8),
                                            torch.tensor(CODE["pad"], dtype=torch.uint8)))
-    term_list = terms(spec)
     own = own_loss_temperature(spec)
     batch.info["temperature"] = own if own is not None else 1.0
-    ctx = SimpleNamespace(spec=spec, step=step, record=lambda *a, **k: None)
     was = module.training
     with torch.no_grad():
-        total, _metrics = lightning_step.loss(ctx, module, [batch] * len(term_list))
+        total, _metrics = lightning_step.loss(at, [batch] * len(at.terms),
+                                              lambda b, want, read: policy_view(module, b, want, read))
     module.train(was)
     return {"lightning_loss": float(total), "run": run["name"], "demo_tokens": int(demo.sum()),
             "sequences": [x[a.bool()].tolist() for x, a in zip(ids, att)], "demo_masks": demo.tolist()}

@@ -69,7 +69,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """
 
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
-        from composer.backends.lightning.checkpoint import CheckpointError, first_non_finite
+        from composer.runtime.checkpoint import CheckpointError, first_non_finite
         from composer.backends.lightning.module import NonFiniteError
 
         bad = first_non_finite(checkpoint.get("state_dict", {}))
@@ -95,7 +95,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise
 
     def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
-        from composer.backends.lightning.checkpoint import load
+        from composer.runtime.checkpoint import load
 
         return load(path, map_location=map_location if map_location is not None else "cpu")
 

@@ -14,14 +14,14 @@ import lightning as L
 import torch
 from torch.utils.data import Dataset
 
+from composer import step as run_step
 from composer.batch import to_device
-from composer.runtime import step as run_step
-from composer.plan.schedule import Schedule
-from composer.plan.segments import segment_at, segments_of
+from composer.plan.plan import Plan
 from composer.contract import Runtime
 from composer.runtime.context import RunContext
-from composer.runtime.critic import step_heads, train_critics
+from composer.runtime.critic import step_heads, train_critics, with_critic_values
 from composer.runtime.engine import make_engine
+from composer.runtime import models  # by module: a patched policy_view (tests/mutations.py) is the one that runs
 from composer.runtime.report import metric_row
 from composer.runtime import vacuous
 from composer.runtime.reward_watch import RewardWatch
@@ -30,17 +30,6 @@ from composer.runtime.evaluate import evaluate, write_records
 
 class NonFiniteError(RuntimeError):
     pass
-
-
-@torch.no_grad()
-def set_old_logprobs(model, batches) -> None:
-    """batch.old_logprobs [B, T] of every batch: the policy's log-probs before the step's first update (one forward
-    per distinct rollout; terms that share a rollout share the tensor)."""
-    done: dict[int, torch.Tensor] = {}
-    for b in batches:
-        if id(b.tokens) not in done:
-            done[id(b.tokens)] = run_step.policy_view(model, b, False).logprobs.detach()
-        b.old_logprobs = done[id(b.tokens)]
 
 
 class _Steps(Dataset):
@@ -61,10 +50,9 @@ class ComposerModule(L.LightningModule):
 
     def __init__(self, plan: dict, task, tokenizer, policy, recorder=None, validated=None):
         super().__init__()
-        self.plan = plan
         self.validated = validated  # recorded in checkpoints, so --resume can refuse another spec
-        self.segments = segments_of(plan)
-        self.schedule = Schedule(plan)  # syncs, LR, weights: computed by compile_plan, read here
+        self.plan = Plan(plan)  # `plan.at(step)`: the segment, every number resolved at the step, syncs, LR, weights
+        self.segments = self.plan.segments
         self.recorder = recorder
         self.task = task
         self.tokenizer = tokenizer
@@ -87,7 +75,7 @@ class ComposerModule(L.LightningModule):
 
     # ---- setup ----
     def segment_at(self, step: int):
-        return segment_at(self.segments, step)
+        return self.plan.segment_at(step)
 
     def setup(self, stage: str) -> None:
         if self.ctx is not None:
@@ -108,8 +96,8 @@ class ComposerModule(L.LightningModule):
             for name, cfg in s.spec.sources.items():
                 cfg.preflight(self.ctx, name)
             s.spec.rollout.guide.preflight(self.ctx)
-            for _n, sig, _o, _w in run_step.terms(s.spec):
-                sig.preflight(self.ctx)
+            for term in self.plan.at(s.start).terms:
+                term.signal.preflight(self.ctx)
         self.ctx.spec = spec
 
     def train_dataloader(self):
@@ -127,8 +115,8 @@ class ComposerModule(L.LightningModule):
         fused = (precision in ("32-true", "32", "64-true", "64")
                  and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)) or None
         opt = torch.optim.AdamW(params, lr=1.0, betas=tuple(t.betas), weight_decay=t.weight_decay, fused=fused)
-        schedule = self.schedule
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule.lr(step))  # a function: not pickled
+        plan = self.plan
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: plan.at(step).lr)  # a function: not pickled
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
@@ -138,12 +126,14 @@ class ComposerModule(L.LightningModule):
             self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
 
     # ---- the step ----
-    def _enter(self, step: int, optimizer) -> None:
+    def _enter(self, step: int, optimizer):
         """Make the segment of `step` the one in force: its spec, its optimiser settings from this step on
         (the LR is the scheduler's, from the Plan), where the Plan moves the frozen initial weights (a
         stage's start with train.reference: stage_start, a periodic reset) a fresh copy of them, and where it
-        resets the optimizer state (train.optimizer_at_stage: reset, train.reset_every) fresh AdamW moments."""
-        seg = self.segment_at(step)
+        resets the optimizer state (train.optimizer_at_stage: reset, train.reset_every) fresh AdamW moments.
+        Returns the Plan at `step`."""
+        at = self.plan.at(step)
+        seg = at.segment
         ctx = self.ctx
         ctx.step = step
         ctx.segment_start, ctx.segment_end = seg.start, seg.end
@@ -151,26 +141,27 @@ class ComposerModule(L.LightningModule):
         if seg.name != ctx.segment:
             ctx.segment, ctx.spec = seg.name, seg.spec
             ctx.record("segment", name=seg.name, start=seg.start, end=seg.end)
-            for _n, sig, _o, _w in run_step.terms(seg.spec):
-                sig.start(ctx)
+            for term in at.terms:
+                term.signal.start(ctx)
         # a stage's start (train.reference: stage_start) or a periodic reset (train.reset_every): the Plan's
         # versions, so a run resumed at such a step does the same as an uninterrupted one
-        if not first and self.schedule.initial_version(step) != self.schedule.initial_version(step - 1):
+        if not first and at.reference_moved:
             ctx.models.refresh_initial()
             ctx.record("reference_reset")
-        if self.schedule.optimizer_reset(step):  # train.optimizer_at_stage: reset, or train.reset_every
+        if at.optimizer_reset:  # train.optimizer_at_stage: reset, or train.reset_every
             getattr(optimizer, "optimizer", optimizer).state.clear()  # AdamW re-creates moments and step count
             ctx.record("optimizer_reset")
         t = ctx.spec.train
         for group in optimizer.param_groups:
             group.update(betas=tuple(t.betas), weight_decay=t.weight_decay)
+        return at
 
     def step_loss(self, step: int, optimizer) -> tuple[torch.Tensor, dict]:
         """The loss of global step `step` and its metrics: the segment in force, evaluation when due, the
-        prompts, rollouts and signals (`step.collect`), the terms' loss. Everything of a step but the
-        optimiser's part, which the Trainer does (and `composer bench --throughput` without one)."""
+        prompts, rollouts and signals (`composer.step.collect`), the terms' loss (`composer.step.loss`). Everything
+        of a step but the optimiser's part, which the Trainer does (and `composer bench --throughput` without one)."""
         self.ctx.metrics = {}  # before _enter: a segment's start logs into its first step's row
-        self._enter(step, optimizer)
+        at = self._enter(step, optimizer)
         ctx = self.ctx
         every = ctx.spec.train.eval_every
         if every and step % every == 0:  # pass@1 of the policy after `step` updates, in this step's row
@@ -179,14 +170,14 @@ class ComposerModule(L.LightningModule):
         else:
             metrics_eval = {}
         examples = ctx.next_prompts(ctx.spec.train.prompts_per_step)
-        batches = run_step.collect(ctx, [e for e in examples])
+        batches = run_step.collect(ctx, at, [e for e in examples])
         batches = to_device(batches, self.device)
         lr = optimizer.param_groups[0]["lr"]  # this step's (the manual path steps the scheduler inside _updates)
         if self.automatic_optimization:
-            loss, metrics = run_step.loss(ctx, ctx.forward_model(self.policy), batches, self._shares(batches))
+            loss, metrics = self._loss(at, ctx.forward_model(self.policy), batches)
             self._check_finite(loss, step)
         else:
-            loss, metrics = self._updates(batches, step)
+            loss, metrics = self._updates(at, batches, step)
         metrics.update(train_critics(ctx, batches))  # a critic with its own network: its value updates (ppo)
         metrics.update(ctx.metrics)
         metrics.update(self.start_metrics)
@@ -225,7 +216,22 @@ class ComposerModule(L.LightningModule):
         if not torch.isfinite(loss):
             raise NonFiniteError(f"the loss is not finite at step {step} ({float(loss.detach())})")
 
-    def _updates(self, batches, step: int):
+    def _loss(self, at, model, batches):
+        """The step's loss (composer.step.loss) with this backend's policy forward, the ranks' shares of each term's
+        normaliser, and the run's recorder."""
+
+        def forward(b, want_logits, read):
+            return models.policy_view(model, b, want_logits, read)
+
+        def record(kind, **data):
+            self.ctx.record(kind, policy=model, **data)
+
+        def values(term, b, view):  # a critic head on the policy's network (ppo): its values with gradient
+            return with_critic_values(self.ctx, term.name, term.declared, model, b, view)
+
+        return run_step.loss(at, batches, forward, self._shares(at, batches), record, values=values)
+
+    def _updates(self, at, batches, step: int):
         """train.epochs passes over the step's rollouts, each split into train.mini_batches mini-batches of whole
         groups (in order, the same split every pass), one optimizer step each (DESIGN.md section 9).
 
@@ -241,13 +247,13 @@ class ComposerModule(L.LightningModule):
         model = ctx.forward_model(self.policy)
         n = t.epochs * t.mini_batches
         if n > 1:  # a segment with one update keeps the behaviour log-prob as the denominator, as it always did
-            set_old_logprobs(model, batches)
+            run_step.old_logprobs(batches, lambda b, want, read: models.policy_view(model, b, want, read))
         parts = run_step.mini_batches(batches, t.mini_batches)
         opt = self.optimizers()
         losses, metrics = [], {}
         for k in range(n):
             mb = parts[k % len(parts)]
-            loss, metrics = run_step.loss(ctx, model, mb, self._shares(mb))
+            loss, metrics = self._loss(at, model, mb)
             self._check_finite(loss, step)
             self.manual_backward(loss)
             if k < n - 1:
@@ -266,24 +272,22 @@ class ComposerModule(L.LightningModule):
                                  if key.split("/")[-1] in ("loss", "pg_loss", "clip_frac", "ratio_mean")}
         metrics.update(metrics_first)
         if len(parts) > 1:  # the data's facts (reward, zero-advantage groups, lengths) are the step's, not the last part's
-            metrics.update(run_step.batch_metrics(next((b for b in batches if b.rewards is not None), batches[0])))
-            metrics.update(run_step.source_rewards(ctx, batches))
+            metrics.update(run_step.step_facts(at, batches))
         metrics["updates"] = float(n)
         return torch.tensor(sum(losses) / n), metrics
 
     # ---- several ranks (DDP) ----
-    def _shares(self, batches) -> dict | None:
+    def _shares(self, at, batches) -> dict | None:
         """Each term's share of its step-wide normaliser on this rank, times the number of ranks: DDP averages
         gradients over ranks, so the ranks' scaled losses add up to the loss of the whole step as one batch
-        (the objectives' `normalizer`, as on OpenRLHF). None with one process."""
+        (composer.step.shares, as on OpenRLHF). None with one process."""
         world = self.ctx.data.world
         if world <= 1:
             return None
-        local = torch.stack([obj.normalizer(b).detach().float().cpu().reshape(())
-                             for (_n, _s, obj, _w), b in zip(run_step.terms(self.ctx.spec), batches)])
-        total = local.clone()
+        local = run_step.normalisers(at, batches)
+        total = torch.tensor([local[k] for k in sorted(local)], dtype=torch.float32)
         torch.distributed.all_reduce(total)
-        return {k: float(local[k]) * world / max(float(total[k]), 1e-12) for k in range(len(local))}
+        return run_step.shares(local, dict(zip(sorted(local), total.tolist())), world)
 
     def _reduced(self, row: dict) -> dict:
         """The step's metrics over every rank: costs and token throughput summed, everything else averaged
@@ -325,7 +329,7 @@ class ComposerModule(L.LightningModule):
                 rt.after_optimizer_step(ctx)
         if self.tally is not None and done >= self.tally.end:
             self._segment_done()
-        if self.schedule.sync_after(done):
+        if self.plan.sync_after(done):
             ctx.engine.sync(self.policy, done)
             ctx.record("sync", after=done)
 
@@ -369,7 +373,7 @@ class ComposerModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Tensors and plain data only (the file is read back with weights_only=True); the rollout buffer's
         batches become tagged dicts, and the resolved spec is recorded so --resume can refuse another one."""
-        from composer.backends.lightning.checkpoint import spec_record, to_plain
+        from composer.runtime.checkpoint import spec_record, to_plain
 
         ctx = self.ctx
         state = {
@@ -378,7 +382,7 @@ class ComposerModule(L.LightningModule):
             "rng": ctx.data.rng.getstate(), "torch_rng": torch.get_rng_state(), "data_pos": ctx.data.pos,
             "segment": ctx.segment, "initial": ctx.models.initial.state_dict() if ctx.models.initial is not None else None,
             "runtimes": {repr(k): rt.state_dict() for k, rt in ctx.state.runtimes.items() if isinstance(rt, Runtime)},
-            "memo": {repr(k): v for k, v in ctx.cache.items() if k[:2] == ("guide", "prefix-search")},
+            "memo": ctx.memo.checkpointed(),
             "costs": dict(ctx.costs),
             "buffer": to_device(ctx.state.buffer, "cpu") if ctx.state.buffer else None,
             "buffer_version": ctx.state.buffer_version,
@@ -388,7 +392,7 @@ class ComposerModule(L.LightningModule):
         checkpoint["composer"]["spec"] = spec_record(self.validated)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        from composer.backends.lightning.checkpoint import from_plain
+        from composer.runtime.checkpoint import from_plain
 
         self._pending = from_plain(checkpoint.get("composer"))
 
@@ -410,7 +414,7 @@ class ComposerModule(L.LightningModule):
             if type(state["data_pos"]) is not int or state["data_pos"] < 0:
                 raise TypeError(f"data_pos {state['data_pos']!r:.40}")
         except (TypeError, ValueError, IndexError, KeyError, RuntimeError) as e:
-            from composer.backends.lightning.checkpoint import CheckpointError
+            from composer.runtime.checkpoint import CheckpointError
 
             raise CheckpointError(f"the checkpoint's training state is damaged (random state or data position: "
                                   f"{type(e).__name__}: {str(e)[:200]}); it cannot be resumed bit for bit\n"
@@ -426,7 +430,7 @@ class ComposerModule(L.LightningModule):
             self._fingerprint = list(state["vacuous"]["fingerprint"])
         ctx.state.pending_runtime_state = state.get("runtimes", {})
         for k, v in state.get("memo", {}).items():  # searched prefixes (POPE): the same k after a resume
-            ctx.cache[eval_key(k)] = v
+            ctx.memo.restore(eval_key(k), v)
         self._pending = None
 
 
@@ -445,6 +449,8 @@ def eval_key(text: str) -> tuple:
 
 
 def _needs_initial(spec) -> bool:
-    if any(obj.wants_initial for _n, _s, obj, _w in run_step.terms(spec)):
+    from composer.checks.terms import terms
+
+    if any(obj.wants_initial for _n, _s, obj, _w in terms(spec)):
         return True
     return any(s.wants_initial for s in spec.sources.values())

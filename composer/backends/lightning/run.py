@@ -20,15 +20,16 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from composer import files
 from composer.runtime import samples as sample_files
-from composer.backends.lightning import checkpoint as ckpt_format
+from composer.runtime import checkpoint as ckpt_format
 from composer.backends.lightning.callbacks import (AfterStep, AtomicCheckpointIO, GracefulStop, RunCSVLogger, StrictStop,
                                                    SampleWriter, StepLog, StopRequested, keep_logged_steps,
                                                    last_logged_step)
-from composer.backends.lightning.checkpoint import CheckpointError
+from composer.runtime.checkpoint import CheckpointError
 from composer.backends.lightning.module import ComposerModule, NonFiniteError
 from composer.runtime.export import MODEL_DIR, save_policy
 from composer.runtime.paths import check_run_inputs
 from composer.plan.compile import compile_plan
+from composer.runtime.example_prompts import machine_notes
 from composer.runtime.evaluate import prepare_records
 from composer.runtime.binding import bind_task, check_task_lengths, context_length
 from composer.runtime.models import load_model, load_tokenizer, merged, prepare_policy
@@ -360,7 +361,7 @@ def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop:
         (out / "checkpoints" / "last.ckpt.tmp").unlink(missing_ok=True)  # a write a kill cut short: garbage
         os.environ[RUN_ENV], os.environ[RUN_ENV + "_RESUME"] = str(out), "1" if resume else "0"
     state = check_resume(validated, out)[0] if resume else None
-    plan = compile_plan(validated, "lightning")
+    plan = {**compile_plan(validated, "lightning"), **machine_notes(validated)}
     if not child:
         files.write_text(out / "plan.json", json.dumps(plan, indent=2, default=str))
     task = bind_task(spec)

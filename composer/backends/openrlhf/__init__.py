@@ -7,8 +7,8 @@
               composer's hooks and starts OpenRLHF's trainer
   hooks.py    the patches, installed in every Ray worker (worker_process_setup_hook)
   batch.py    Experience <-> TrajectoryBatch, the label side channel
-  loss.py     step advantages, privileged-context teacher scores, the loss that replaces PolicyLoss
-  agent.py    the AgentExecutor of prefix / intervention guides
+  loss.py     where composer/step.py runs: the experience maker's whole step, the loss that replaces PolicyLoss
+  agent.py    the AgentExecutor: composer/step.py's per-row program (guides, row targets)
   reward.py   reward_func over the composer's verifiers
 
 Importing this package imports nothing heavy (no torch, no OpenRLHF).

@@ -23,11 +23,11 @@ import json
 import os
 from typing import Optional
 
+from composer import step as the_step
 from composer.backends.openrlhf.batch import (action_ranges, decode_label, encode_label, example_of, next_draw,
                                               request_seeds)
-from composer.backends.openrlhf.loss import Segments
+from composer.plan.plan import Plan
 from composer.protocol import INITIAL, POLICY, Generation, Score, Trace, run_async
-from composer.plan.schedule import Schedule
 
 
 class ComposerAgent:
@@ -35,18 +35,18 @@ class ComposerAgent:
 
     def __init__(self, plan="plan.json", run: Optional[str] = None):
         from composer.checks.terms import terms
+        from composer.runtime.context import Memo
 
         self.plan = json.load(open(plan)) if isinstance(plan, str) else plan
         runs = self.plan["openrlhf"]["runs"]
         name = run or os.environ.get("COMPOSER_RUN")
         self.run = next((r for r in runs if r["name"] == name), None) or next(r for r in runs if r["plugin"].get("agent"))
-        self.segments = Segments(self.plan, self.run["segments"])
-        self.schedule = Schedule(self.plan)  # which weights the engine holds at a step (composer/plan/schedule.py)
-        specs = [s.spec for s in self.segments.items]
+        self.steps = Plan(self.plan, self.run["segments"])  # `steps.at(step)`: the Plan at a global step
+        specs = [s.spec for s in self.steps.segments]
         self.trainable = {"policy"} | {o for s in specs for _, _, obj, _ in terms(s) for o in obj.loss_tokens}
         self.counts: dict = {}
         self.contexts: dict = {}
-        self.cache: dict = {}  # the run's memo, shared by every segment's context
+        self.memo = Memo()  # the run's tables, shared by every segment's context
         self.prepared: set = set()
         self.built: dict = {}  # targets a signal builds once per segment (InT offline)
         self.lock: asyncio.Lock | None = None
@@ -61,7 +61,7 @@ class ComposerAgent:
             # one memo for the run, as on Lightning: a phase's context finds what another prepared (prefixes)
             ctx = RunContext(task=task_of(self.plan, self.run, spec), tokenizer=tok, policy=None, engine=None,
                              spec=spec)
-            ctx.state.cache = self.cache
+            ctx.state.memo = self.memo
             self.contexts[key] = ctx
         return self.contexts[key]
 
@@ -126,39 +126,30 @@ class ComposerAgent:
 
     # ---- one sample ----
     async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None):
-        from components.guides.none import NoGuide
-        from composer.runtime.rollout import fill_scores
-        from composer.checks.terms import scored_origins, terms
-
+        """One sample: composer/step.py's part 1 (`row_program`: the guide's row, the terms' row targets, the scores of
+        guide tokens) for the Plan at the label's step, answered by this actor's engines."""
         meta = decode_label(label)
         example = example_of(prompt, meta)
-        step = int(meta.get("step", 0))
-        seg = self.segments.segment(step)
-        spec = seg.spec
-        guide = NoGuide() if meta.get("eval") else spec.rollout.guide
+        at = self.steps.at(self.steps.offset + int(meta.get("step", 0)))
+        spec = at.spec
         draw = next_draw(self.counts, prompt, label)  # modulo samples_per_prompt: which of the prompt's samples
         idx = draw % spec.rollout.samples_per_prompt
         ctx = copy.copy(self.context(spec, hf_tokenizer))  # shares caches; this call's step and room
-        ctx.step = self.segments.offset + step
+        ctx.step = at.step
         seeds = request_seeds(spec.train.seed, ctx.step, prompt, draw)  # as hooks.sample_seeds
         # the engine serves "initial" calls only while the Plan says it holds the frozen initial weights
-        initial_ok = self.schedule.sampler_is_initial(ctx.step)
+        initial_ok = at.sampler_is_initial
         engines = (llm_engine, sampling_params, max_length, hf_tokenizer)
         serve = self._serve_for(ctx, example, engines, initial_ok, seeds)
-        ahead = [sig for _n, sig, _o, _w in terms(spec) if sig.builds_ahead]
+        ahead = [t.signal for t in at.terms if t.signal.builds_ahead]
         if ahead:  # targets built once at the segment's start (InT offline): this sample is one of them
-            trace, weight = await self._built_ahead(ctx, ahead[0], example, idx, seg, engines)
+            trace, weight = await self._built_ahead(ctx, ahead[0], example, idx, at.segment, engines)
+            await run_async(the_step.scored_program(at, trace), serve)
         else:
-            await self._prepare(ctx, guide, example, serve, engines, initial_ok)
-            trace = await run_async(guide.row(ctx, example, idx, spec.rollout.samples_per_prompt), serve)
-            weight = trace.weight
-            for _n, sig, _o, _w in terms(spec):  # a term that trains on part of the row (InT's online targets)
-                target = sig.row_target(ctx, example, trace)
-                if target is not None:
-                    trace, weight = await run_async(target, serve)
-        todo = [p for p in trace.pieces if p.logprobs is None and p.origin in scored_origins(spec)]
-        if todo:
-            fill_scores(trace, await serve(Score(trace.tokens, len(trace.prompt), POLICY)), scored_origins(spec))
+            if not meta.get("eval"):  # an evaluation row is plain sampling: no guide, nothing to prepare
+                await self._prepare(ctx, spec.rollout.guide, example, serve, engines, initial_ok)
+            trace, weight = await run_async(the_step.row_program(ctx, at, example, idx, plain=bool(meta.get("eval"))),
+                                            serve)
         reward = self._reward(ctx, example, hf_tokenizer.decode(trace.response, skip_special_tokens=True))
         return self._result(ctx, prompt, meta, trace, weight, reward)
 
@@ -175,34 +166,32 @@ class ComposerAgent:
 
     async def _built_ahead(self, ctx, sig, example, idx: int, seg, engines):
         """(trace, weight) of sample `idx` of `example` from the targets `sig` builds once (InT offline,
-        components/signals/sft.py `attempt_program`): on the first call of the segment, before the first
-        weight broadcast, for every training problem of this run (OpenRLHF draws the prompts); then the
-        idx-th kept target of this problem, or its prompt at weight 0 when it has fewer. Every vLLM engine
-        builds the targets of all the run's problems itself (its agent serves any prompt)."""
-        from components.signals.sft import attempt_program, collect_targets
-
+        the signal's `ahead_program`): on the first call of the segment, before the first weight broadcast, for every
+        training problem of this run (OpenRLHF draws the prompts); then the idx-th kept target of this problem, or
+        its prompt at weight 0 when it has fewer. Every vLLM engine builds the targets of all the run's problems
+        itself (its agent serves any prompt)."""
         if self.lock is None:
             self.lock = asyncio.Lock()
         key = ("built_ahead", seg.name, sig.model_dump_json())
         async with self.lock:
             if key not in self.built:
-                held, wanted = self.schedule.sampler_version(ctx.step), self.schedule.sampler_version(seg.start)
+                held, wanted = self.steps.at(ctx.step).sampler_version, self.steps.at(seg.start).sampler_version
                 if held != wanted:  # the Plan: the targets come from the sampler's weights at the segment's start
                     raise RuntimeError(f"InT's offline targets are built from the sampler's weights at the segment's "
                                        f"start (after step {wanted}); at step {ctx.step} this engine holds those "
                                        f"after step {held}")
                 n = ctx.spec.rollout.samples_per_prompt
-                initial_ok = self.schedule.sampler_is_initial(seg.start)
+                initial_ok = self.steps.at(seg.start).sampler_is_initial
                 problems = self._run_problems(ctx, sig)
                 if example.prompt not in {ex.prompt for ex in problems}:
                     problems.append(example)
-                statuses = await asyncio.gather(*(run_async(attempt_program(ctx, sig, ex, i, n),
+                statuses = await asyncio.gather(*(run_async(sig.ahead_program(ctx, ex, i, n),
                                                             self._serve_for(ctx, ex, engines, initial_ok,
                                                                             request_seeds(ctx.spec.train.seed,
                                                                                           seg.start, ex.prompt,
                                                                                           "built", i)))
                                                   for ex in problems for i in range(n)))
-                self.built[key] = collect_targets(problems, statuses, n)
+                self.built[key] = sig.ahead_targets(problems, statuses, n)
         targets, _counts = self.built[key]
         mine = targets.get(example.prompt, [])
         if idx < len(mine):
@@ -239,7 +228,9 @@ class ComposerAgent:
         weights (the Plan's schedule: before the first broadcast): every training problem of the run (the
         bundle's train rows) at every step of the run where this guide is in force, since what it prepares
         may depend on the step (POPE draws the guided prompts per step); a later call finds it done. Any
-        other guide prepares the training set once, then each new problem when first seen."""
+        other guide prepares the run's training problems once (`_run_problems`: the bundle's train rows, not the
+        task's whole set: PrefixRL's teacher writes its traces for those only), then each new problem when first
+        seen."""
         if self.lock is None:
             self.lock = asyncio.Lock()
         async with self.lock:
@@ -249,7 +240,7 @@ class ComposerAgent:
                 if engines is not None and self._reads_initial(guide, ctx.spec):
                     await self._prepare_run(ctx, guide, example, engines, initial_ok)
                 else:
-                    programs = list(guide.prepare(ctx, list(ctx.task.train) or [example]))
+                    programs = list(guide.prepare(ctx, self._run_problems(ctx) or [example]))
                     await asyncio.gather(*(run_async(p, serve) for p in programs))
             for p in list(guide.prepare(ctx, [example])):
                 await run_async(p, serve)
@@ -261,7 +252,7 @@ class ComposerAgent:
         if example.prompt not in {ex.prompt for ex in problems}:
             problems.append(example)
         key = guide.model_dump_json()
-        for seg in self.segments.items:
+        for seg in self.steps.segments:
             if seg.spec.rollout.guide.model_dump_json() != key:
                 continue
             base = self.context(seg.spec, ctx.tokenizer)

@@ -215,9 +215,10 @@ def trust_remote_code(v) -> bool:
 def compile_bundle(v, out: Path, layout: Layout) -> dict:
     """Write the bundle for validated spec `v` into `out`. Raises Unsupported, parser.ArgsError, BundleError."""
     from composer.plan.compile import compile_plan
+    from composer.runtime.example_prompts import machine_notes
 
     parser.require()
-    plan = compile_plan(v, backend="openrlhf")
+    plan = {**compile_plan(v, backend="openrlhf"), **machine_notes(v)}
     plan["file"] = spec_name(v.loaded.file)
     out.mkdir(parents=True, exist_ok=True)
     policy, sources = _models(v)

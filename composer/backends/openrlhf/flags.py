@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from composer.capabilities import needs
 from composer.gates import gate_source
 from composer.checks.graph import signal_objective_pairs
 from composer.checks.terms import gates
@@ -26,6 +27,37 @@ class Unsupported(Exception):
     def __init__(self, path: tuple, reason: str, hint: str = ""):
         super().__init__(reason)
         self.path, self.reason, self.hint = tuple(path), reason, hint
+
+
+# What OpenRLHF 0.11.2 cannot run, per backend feature a spec's parts may declare they need (composer/capabilities.py):
+# (why, the fix). `check_capabilities` derives the refusals from the parts' own records.
+LACKS = {
+    "sequences_not_sampled": ("OpenRLHF trains on the samples its vLLM engines draw from the policy; sequences from a "
+                              "dataset or another model (GKD's off-policy branch) are not samples of the step",
+                              "train it on the Lightning backend"),
+    "step_token_mask": ("the token selection is a statistic of the whole step's tokens (Cov_t over every micro-batch and "
+                        "rank), and the bundle's plugin carries the advantage step's results to the loss only as "
+                        "per-sample values in Experience.info, which OpenRLHF splits and re-pads by row; a per-token "
+                        "mask has no carrier there, and computing it per micro-batch (as verl does) would change the "
+                        "method", "train it on the lightning backend, or set token_selection: {kind: none}"),
+    "rollout_reuse": ("OpenRLHF samples new rollouts every step; it cannot train between syncs on the rollouts of the "
+                      "last sync", "set sync.reuse: false"),
+    "capped_refill": ("OpenRLHF's dynamic filtering replaces a dropped prompt until the data runs out: it has no cap "
+                      "on extra sampling rounds", "set rollout.filter.max_rounds: null to accept the uncapped refill"),
+    "row_drop": ("OpenRLHF trains on every sample of a step (the composer's loss can mask a row, not remove it before "
+                 "advantages)", "use truncated: mask"),
+    "separate_tokenizer": ("OpenRLHF loads the tokenizer from the model directory",
+                           "drop policy.tokenizer, or save the tokenizer into the model directory"),
+    "periodic_reset": ("OpenRLHF's trainer has no point inside a run where the reference model's weights and the "
+                       "DeepSpeed optimizer state can be replaced, so a periodic reset cannot be expressed",
+                       "write one stage per reset (each stage starts a fresh optimizer and, with train.reference: "
+                       "stage_start, a fresh reference), or use the lightning backend"),
+    "sampled_eval": ("the bundle's evaluation is OpenRLHF's greedy pass@1 with the reward function; pass@k from "
+                     "sampled answers runs on the Lightning backend",
+                     "set train.eval_k: 0, and evaluate the exported model with `composer eval MODEL --k N`"),
+    "scheduled_entropy": ("OpenRLHF's entropy bonus is its own flag (--actor.entropy_coef), one number for the run; it "
+                          "has no schedule", "use a number on the openrlhf backend, or train on lightning"),
+}
 
 
 @dataclass
@@ -111,11 +143,6 @@ def _shaping_and_filter_flags(a: _Args, run: Run, spec, terms, where: tuple, inp
     p = run.plugin
     max_new = spec.rollout.max_new_tokens if not inputs.toy else min(spec.rollout.max_new_tokens, _toy_cap(spec))
     for i, (_n, sig, _o, _w) in enumerate(terms):
-        if "off_policy" in type(sig).model_fields and sig.off_policy != "none":
-            raise Unsupported(where + (("terms", i) if spec.terms else ()) + ("signal", "off_policy"),
-                              "OpenRLHF trains on the samples its vLLM engines draw from the policy; sequences from a "
-                              "dataset or another model (GKD's off-policy branch) are not samples of the step",
-                              "train it on the Lightning backend")
         plus = getattr(sig, "plus", None) or {}
         base = where + (("terms", i) if spec.terms else ()) + ("signal", "plus")
         for name, w in plus.items():
@@ -139,10 +166,6 @@ def _shaping_and_filter_flags(a: _Args, run: Run, spec, terms, where: tuple, inp
         from composer.filters import filter_source
 
         path = where + ("rollout", "filter")
-        if flt.max_rounds is not None:
-            raise Unsupported(path + ("max_rounds",), "OpenRLHF's dynamic filtering replaces a dropped prompt until "
-                              "the data runs out: it has no cap on extra sampling rounds",
-                              "set rollout.filter.max_rounds: null to accept the uncapped refill")
         if filter_source(flt, spec) != p["reward_source"] or p["verifier"] not in BINARY_VERIFIERS:
             raise Unsupported(path + ("equal_groups",), "OpenRLHF's dynamic filtering keeps a prompt whose mean score "
                               "lies strictly inside (0, 1), which is 'not all equal' only for 0/1 rewards of the "
@@ -154,10 +177,6 @@ def _shaping_and_filter_flags(a: _Args, run: Run, spec, terms, where: tuple, inp
                           f"the prompt pool holds {pool_factor([spec])} x steps x prompts_per_step rows for the "
                           "refills, the run stops at its declared steps and fails naming rollout.filter if the pool "
                           "runs out")
-    if flt.truncated == "drop":
-        raise Unsupported(where + ("rollout", "filter", "truncated"), "OpenRLHF trains on every sample of a step "
-                          "(the composer's loss can mask a row, not remove it before advantages)",
-                          "use truncated: mask")
     if flt.truncated == "mask":
         p["mask_truncated"] = True  # _native_grpo is False: the composer's loss reads the row masks
 
@@ -240,53 +259,30 @@ def build_runs(v, layout: Layout, inputs: Inputs) -> list[Run]:
     return runs
 
 
-def _check_spec(spec, where: tuple) -> None:
-    if spec.policy.tokenizer and spec.policy.tokenizer != spec.policy.model:
-        raise Unsupported(where + ("policy", "tokenizer"), "OpenRLHF loads the tokenizer from the model directory",
-                          "drop policy.tokenizer, or save the tokenizer into the model directory")
-    if spec.sync.reuse:
-        raise Unsupported(where + ("sync", "reuse"), "OpenRLHF samples new rollouts every step; it cannot train "
-                          "between syncs on the rollouts of the last sync", "set sync.reuse: false")
-    _check_token_selection(spec, where)
-
-
-def _check_token_selection(spec, where: tuple) -> None:
-    """grpo's token_selection (KL-Cov, Clip-Cov) is refused: the selection is a per-token mask over the whole step,
-    and the plugin carries the advantage step's results to the loss as per-sample values in Experience.info, which
-    OpenRLHF splits, shuffles and re-pads by row (packing); a [B, T] mask aligned to the step's padded rows has no
-    carrier there, and per micro-batch the statistic would change the method (ALGORITHMS.md section 14)."""
-    for b, _sig, obj, _w in _terms(spec):
-        sel = getattr(obj, "token_selection", None)
-        if sel is not None and sel.acts:
-            raise Unsupported(where + b + ("objective", "token_selection"), f"token_selection {sel.kind}: the selection "
-                              "is a statistic of the whole step's tokens (Cov_t over every micro-batch and rank), and "
-                              "the bundle's plugin carries the advantage step's results to the loss only as per-sample "
-                              "values in Experience.info, which OpenRLHF splits and re-pads by row; a per-token mask "
-                              "has no carrier there, and computing it per micro-batch (as verl does) would change the "
-                              "method", "train it on the lightning backend, or set token_selection: {kind: none}")
+def check_capabilities(spec, where: tuple) -> None:
+    """Refuse the first part of a resolved spec whose capabilities need a feature OpenRLHF lacks (`LACKS`): what a
+    component or a spec section declares it relies on (composer/capabilities.py), never a kind listed here."""
+    for path, need in needs(spec):
+        if need.feature in LACKS:
+            reason, hint = LACKS[need.feature]
+            raise Unsupported(where + path, reason, hint)
 
 
 def _check_optimizer(spec, where: tuple, later_stage: bool) -> None:
     """The optimizer state a stage starts with must mean the same on both backends (issue 46)."""
-    t = spec.train
-    if later_stage and t.optimizer_at_stage == "keep":
+    if later_stage and spec.train.optimizer_at_stage == "keep":
         raise Unsupported(where + ("train", "optimizer_at_stage"), "OpenRLHF launches each stage as a new run that "
                           "loads the previous stage's final model, not its DeepSpeed optimizer state, so the AdamW "
                           "moments cannot be kept across the stage boundary",
                           "use train.optimizer_at_stage: reset (the default, the same on both backends), or the "
                           "lightning backend")
-    if t.reset_every:
-        raise Unsupported(where + ("train", "reset_every"), "OpenRLHF's trainer has no point inside a run where the "
-                          "reference model's weights and the DeepSpeed optimizer state can be replaced, so a periodic "
-                          "reset cannot be expressed", "write one stage per reset (each stage starts a fresh optimizer "
-                          "and, with train.reference: stage_start, a fresh reference), or use the lightning backend")
 
 
 def _run(name, group, segs, layout: Layout, inputs: Inputs, model: str) -> Run:
     specs = [s.spec for s in segs]
     where = [tuple(s.origin) for s in segs]
     for spec, w in zip(specs, where):
-        _check_spec(spec, w)
+        check_capabilities(spec, w)
         _check_optimizer(spec, w, later_stage=model != inputs.policy_path)
     run = Run(name, "ppo", group, output_dir=f"{layout.cluster_dir.rstrip('/')}/{name}")
     pairs = [(w, t) for spec, w in zip(specs, where) for t in _terms(spec)]
@@ -575,10 +571,6 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
         a.add("eval.temperature", 0.0)
         a.add("eval.n_samples_per_prompt", 1)
         run.native.append(f"greedy pass@1 evaluation every {t.eval_every or 'no'} steps on {inputs.eval_file}")
-    if t.eval_k > 1:
-        raise Unsupported(("train", "eval_k"), "the bundle's evaluation is OpenRLHF's greedy pass@1 with the reward "
-                          "function; pass@k from sampled answers runs on the Lightning backend",
-                          "set train.eval_k: 0, and evaluate the exported model with `composer eval MODEL --k N`")
     own = "toy" if spec.data.train is None else "math"  # what `auto` means
     reward_verifiers = {own if getattr(s, "verifier", None) == "auto" else getattr(s, "verifier", None)
                         for s in spec.sources.values() if "sequence_reward" in type(s).provides}
@@ -586,10 +578,6 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
         raise Unsupported(("train", "eval_verifier"), "OpenRLHF evaluates with the reward function, which runs the "
                           "outcome_reward source's verifier", "drop train.eval_verifier, or evaluate the exported "
                           "model with `composer eval MODEL train.eval_verifier=...`")
-    if is_scheduled(t.entropy_coef):
-        raise Unsupported(where + ("train", "entropy_coef"), "OpenRLHF's entropy bonus is its own flag "
-                          "(--actor.entropy_coef), one number for the run; it has no schedule",
-                          "use a number on the openrlhf backend, or train on lightning")
     if t.entropy_coef:
         a.add("actor.entropy_coef", t.entropy_coef)
     _common(a, run, spec, layout, "actor.")

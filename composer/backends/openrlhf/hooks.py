@@ -128,17 +128,17 @@ def install(plan: dict, run: dict, driver: bool = False) -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def _segments():
-    from composer.backends.openrlhf.loss import Segments
+def _plan():
+    """The Plan of this run's segments (composer/plan/plan.py): `_plan().at(step)` at a global step."""
+    from composer.plan.plan import Plan
 
-    return Segments(_STATE["plan"], _STATE["run"]["segments"])
+    return Plan(_STATE["plan"], _STATE["run"]["segments"])
 
 
-@functools.lru_cache(maxsize=1)
-def _schedule():
-    from composer.plan.schedule import Schedule
-
-    return Schedule(_STATE["plan"])
+def _at(step: int):
+    """The Plan at this run's step `step` (OpenRLHF counts a run's steps from its first segment's start)."""
+    plan = _plan()
+    return plan.at(plan.offset + step)
 
 
 def task_of(plan: dict, run: dict, spec):
@@ -155,7 +155,7 @@ def task_of(plan: dict, run: dict, spec):
 
 @functools.lru_cache(maxsize=1)
 def _task():
-    return task_of(_STATE["plan"], _STATE["run"], _segments().items[0].spec)
+    return task_of(_STATE["plan"], _STATE["run"], _plan().segments[0].spec)
 
 
 # ------------------------------------------------------------------------------------------- patches
@@ -205,7 +205,7 @@ def _patch_dispatch(mod) -> None:
 
 def run_steps() -> int:
     """The steps this run declares (its Plan segments)."""
-    items = _segments().items
+    items = _plan().segments
     return items[-1].end - items[0].start
 
 
@@ -237,7 +237,7 @@ def _seeded_prepare_datasets(mod) -> None:
     factor = int(_STATE["run"]["plugin"].get("pool_factor") or 1)
 
     def prepare_datasets(strategy, tokenizer):
-        torch.manual_seed(request_seeds(_segments().items[0].spec.train.seed, "prompts")())
+        torch.manual_seed(request_seeds(_plan().segments[0].spec.train.seed, "prompts")())
         prompts, evals, max_steps = prepare(strategy, tokenizer)
         return prompts, evals, max(max_steps // factor, 1)
 
@@ -274,8 +274,8 @@ def sample_seeds(prompt: str, label, counts: dict):
 
     step = int(decode_label(label).get("step", 0))
     draw = next_draw(counts, prompt, label)
-    seed = _segments().at(step).train.seed
-    return request_seeds(seed, _segments().offset + step, prompt, draw), draw
+    at = _at(step)
+    return request_seeds(at.spec.train.seed, at.step, prompt, draw), draw
 
 
 def _patch_single_turn(mod) -> None:
@@ -309,8 +309,8 @@ def _patch_step_seed(mod) -> None:
         if items:
             labels = [x for it in items[:1] for x in (it.labels if isinstance(it.labels, (list, tuple)) else [it.labels])]
             step = step_of(labels)
-            seed = _segments().at(step).train.seed
-            torch.manual_seed(request_seeds(seed, _segments().offset + step, "update")())
+            at = _at(step)
+            torch.manual_seed(request_seeds(at.spec.train.seed, at.step, "update")())
         losses, backward = [], self.strategy.backward
 
         def recorded(loss, *args, **kwargs):  # what DeepSpeed back-propagates, micro-batch by micro-batch
@@ -347,7 +347,7 @@ def _patch_trainer(mod) -> None:
 
     def train_step_(self, rollout_samples, global_step):
         # the Plan's sync rule (composer/plan/schedule.py), at the global count of steps done after this one
-        sync = _schedule().sync_after(_segments().offset + global_step + 1)
+        sync = _plan().sync_after(_plan().offset + global_step + 1)
         self._composer_sync = sync
         try:
             status, step = train_step(self, rollout_samples, global_step)
@@ -425,8 +425,9 @@ def wrap_fit(mod, base: type) -> list[str]:
 def resumable(step: int) -> bool:
     """Whether a checkpoint after `step` finished steps (of this run) can be resumed from keeping the sync
     schedule (resume_sync does not refuse it)."""
-    sched, done = _schedule(), _segments().offset + step
-    return step <= 0 or sched.sync_after(done) or sched.sampler_version(done) <= _segments().offset
+    plan = _plan()
+    done = plan.offset + step
+    return step <= 0 or plan.sync_after(done) or plan.schedule.sampler_version(done) <= plan.offset
 
 
 def resume_sync(step: int) -> bool:
@@ -437,11 +438,12 @@ def resume_sync(step: int) -> bool:
     newer weights."""
     if step <= 0:
         return True
-    sched, done = _schedule(), _segments().offset + step
+    plan = _plan()
+    sched, done = plan.schedule, plan.offset + step
     if sched.sync_after(done):
         return True
     last = sched.sampler_version(done)
-    if last <= _segments().offset:
+    if last <= plan.offset:
         return False
     raise RuntimeError(f"resume after step {done}: the lagged rollout engine should hold the weights of the sync "
                        f"after step {last}, which the checkpoint does not keep; resume from a checkpoint at a "
@@ -492,7 +494,7 @@ def _patch_experience_maker(mod) -> None:
 
     def make_experience_batch(self, rollout_samples):
         experiences = orig(self, rollout_samples)
-        prepare_step(experiences, _segments(), _STATE["run"]["plugin"], self.tokenizer, _task())
+        prepare_step(experiences, _plan(), _STATE["run"]["plugin"], self.tokenizer, _task())
         return experiences
 
     cls.make_experience_batch = make_experience_batch
@@ -515,8 +517,7 @@ def _capture_logits(actor, sink: dict):
 
 def _patch_actor(mod) -> None:
     from composer.backends.openrlhf.batch import decode_label, to_batch
-    from components.sources.policy_model import score_responses
-    from composer.backends.openrlhf.loss import ComposerLoss, prompt_lengths, step_inputs, step_of, terms
+    from composer.backends.openrlhf.loss import ComposerLoss, prompt_lengths, step_inputs
     from composer.checks.terms import own_loss_temperature
 
     cls = mod.ActorPPOTrainer
@@ -526,13 +527,15 @@ def _patch_actor(mod) -> None:
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
         if plugin.get("loss"):
-            self.actor_loss_fn = ComposerLoss(_segments(), plugin)
+            self.actor_loss_fn = ComposerLoss(_plan(), plugin)
         if plugin.get("ema_beta") is not None:  # the EMA copy is a teacher: the saved model stays the policy
             self.args.train.enable_ema = False
 
-    def teacher_scores(self, exp, spec) -> dict:
+    def teacher_scores(self, exp, at) -> dict:
+        """Each self-teacher's log-probs (and logits when its term wants them) of this micro-batch: the source's
+        own scoring (`score_tokens`, as on Lightning) with the actor's or its EMA copy's forward."""
         out = {}
-        wanted = {sig.teacher_source: obj.wants_logits for _, sig, obj, _ in terms(spec) if sig.teacher_source}
+        wanted = {t.signal.teacher_source: t.objective.wants_logits for t in at.terms if t.signal.teacher_source}
         for name, want in wanted.items():
             info = plugin["teachers"].get(name)
             if not info or not info["self"]:
@@ -550,22 +553,22 @@ def _patch_actor(mod) -> None:
                 model.train(was)
                 return logits * getattr(model, "temperature", 1.0)
 
-            out[name] = score_responses(forward, exp.sequences, exp.attention_mask, prompt_lengths(full), prompts,
-                                       info["temperature"], pad, want)
+            out[name] = at.spec.sources[name].score_tokens(forward, exp.sequences, exp.attention_mask,
+                                                           prompt_lengths(full), prompts, pad, want)
         return out
 
     def training_step_(self, experience, kl_ctl, step, loss_batch_info=None):
         loss_fn = self.actor_loss_fn
         if not isinstance(loss_fn, ComposerLoss):
             return training_step(self, experience, kl_ctl, step, loss_batch_info)
-        spec = loss_fn.segments.at(step_of(experience.labels))
+        at = loss_fn.at(experience)
         advs, norms = step_inputs(experience)  # the same in every pass (--train.max_epochs)
         loss_fn.ctx = {"experience": experience, "advantages": advs, "norms": norms,
                        "gas": max(int(getattr(self.strategy, "accumulated_gradient", 1) or 1), 1),
-                       "teachers": teacher_scores(self, experience, spec)}
-        undo = _capture_logits(self.actor, loss_fn.ctx) if any(o.wants_logits for _, _, o, _ in terms(spec)) else None
+                       "teachers": teacher_scores(self, experience, at)}
+        undo = _capture_logits(self.actor, loss_fn.ctx) if any(t.objective.wants_logits for t in at.terms) else None
         # a signal's own loss temperature (SFT: 1) for this step's forward; the sampler's otherwise
-        own = own_loss_temperature(spec)
+        own = own_loss_temperature(at.spec)
         sampling = getattr(self.actor, "temperature", 1.0)
         if own is not None:
             self.actor.temperature = own
