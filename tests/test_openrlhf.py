@@ -705,7 +705,7 @@ def test_agent_prepares_the_run_problems_not_the_whole_task(tmp_path, monkeypatc
     from components.tasks.tokenizer import char_tokenizer
 
     agent = agent_for("specs/methods/prefixrl.yaml")
-    spec = agent.segments.at(0)
+    spec = agent.steps.at(0).spec
     guide = spec.rollout.guide
     run_rows = [toy.make_example(p) for p in ("7+3-5+9", "2+2-1+4")]
     rows = tmp_path / "train.jsonl"
