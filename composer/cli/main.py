@@ -83,6 +83,9 @@ def split_args(args) -> tuple[list[str], list[str]]:
     return [a for a in args if "=" not in a], [a for a in args if "=" in a]
 
 
+SIGNALLED: dict = {}  # the name of a stop signal `composer run` received before training (see cli/run.py)
+
+
 def validated_or_exit(path: str, overrides: list[str]):
     """The validated spec, its warnings printed; on a spec error the message and exit 2."""
     try:
@@ -90,6 +93,8 @@ def validated_or_exit(path: str, overrides: list[str]):
     except SpecError as e:
         _fail(str(e))
     except Exception as e:  # never a traceback for an input file
+        if SIGNALLED:  # a signal inside pydantic's schema build comes back wrapped in a SchemaError
+            raise KeyboardInterrupt from e
         _fail(f"{path}:1:1: error: internal error while validating: {type(e).__name__}: {e}")
     for w in v.warnings:
         click.echo(w.format(), err=True)

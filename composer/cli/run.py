@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from composer.cli.main import EXIT_INVALID, allow_plugins_option, main, split_args, trust_remote_code_option, validated_or_exit
+from composer.cli.main import EXIT_INVALID, SIGNALLED, allow_plugins_option, main, split_args, trust_remote_code_option, validated_or_exit
 from composer.errors import SpecError
 
 
@@ -35,25 +35,22 @@ def run(spec, overrides, out, resume, no_progress, strict):
         raise click.UsageError("give a SPEC, or --resume DIR")
     # a run started as a background job (`composer run ... &` in a script) inherits SIGINT ignored; training's
     # own handler (callbacks.StopOnSignal) honours a SIGINT anyway, so setup honours it too: one behaviour
-    old_int = signal.getsignal(signal.SIGINT)
-    if old_int == signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    old_int = signal.signal(signal.SIGINT, _interrupt)  # recorded: a library may wrap the KeyboardInterrupt it raises
     old_term = signal.signal(signal.SIGTERM, _interrupt)  # before training, SIGTERM stops like SIGINT: exit 130
     try:
         _run(spec, overrides, out, resume, no_progress, strict)
     except KeyboardInterrupt:
-        click.echo(f"{_SIGNALLED.get('name', 'SIGINT')}: stopped before training; nothing was trained", err=True)
+        old_int = old_term = signal.SIG_IGN  # a second Ctrl-C while stopping changes nothing: still exit 130
+        signal.signal(signal.SIGINT, old_int)
+        click.echo(f"{SIGNALLED.get('name', 'SIGINT')}: stopped before training; nothing was trained", err=True)
         sys.exit(130)
     finally:
         signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGINT, old_int)
 
 
-_SIGNALLED: dict = {}
-
-
 def _interrupt(signum, frame):
-    _SIGNALLED["name"] = signal.Signals(signum).name
+    SIGNALLED["name"] = signal.Signals(signum).name
     raise KeyboardInterrupt
 
 
@@ -68,7 +65,7 @@ class _deferred_signals:
         for s, h in self.old.items():
             signal.signal(s, h)
         if self.got and exc[0] is None:
-            _SIGNALLED["name"] = signal.Signals(self.got[0]).name
+            SIGNALLED["name"] = signal.Signals(self.got[0]).name
             raise KeyboardInterrupt
         return False
 
