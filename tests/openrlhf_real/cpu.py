@@ -325,6 +325,22 @@ def lightning(trainer, module, exp, pad_id: int, old: dict) -> dict:
         if all(b is not None for b in base):
             full.initial_logprobs = shift(_pad_cat(base).float())
     batches = term_batches(at, full, metas)
+    if any(t.declared.value_model() is not None for t in at.terms):  # ppo: OpenRLHF's critic's old values, and the
+        # reward's KL on the actor's make-experience log-probs as OpenRLHF reads them (docs/openrlhf.md): the
+        # composer's GAE and loss on the same values and rewards
+        whole.values = shift(_pad_cat([e.values for e in experiences]).float())
+        whole.behavior_logprobs = shift(_pad_cat([e.action_log_probs for e in experiences]).float())
+        # OpenRLHF drops the reference's log-probs and the reward's KL once it has the advantages: the reference
+        # (the run's starting checkpoint, which OpenRLHF's reference actor loads) scored here again
+        from transformers import AutoModelForCausalLM
+
+        from composer.runtime.models import token_logprobs
+
+        dtype = next(module.parameters()).dtype
+        ref = AutoModelForCausalLM.from_pretrained(trainer.strategy.args.actor.model_name_or_path, dtype=dtype).eval()
+        with torch.no_grad():
+            whole.initial_logprobs = token_logprobs(ref, whole.tokens, whole.attention_mask, full.info["temperature"],
+                                                    prefix_len=whole.prompt_len)[0].float()
     for k, (t, b) in enumerate(zip(at.terms, batches)):  # terms may share one view: a copy each
         batches[k] = dataclasses.replace(b, advantages=t.declared.advantages(whole) if whole.rewards is not None
                                          or not t.declared.needs else None)
