@@ -25,9 +25,10 @@ validate: $(STAMP)
 run: validate
 	$(BIN)/composer run specs/mintrl.yaml
 
-# two calls: the suite, then the real-job tier (tests/test_openrlhf_real.py, marked cluster: Ray, DeepSpeed, OpenRLHF)
+# two calls: the suite on two workers (pytest-xdist, one torch thread each: tests/conftest.py), then the real-job
+# tier (tests/test_openrlhf_real.py, marked cluster: Ray, DeepSpeed, OpenRLHF) in one process, its jobs one at a time
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2
 	$(BIN)/python -m pytest -m cluster tests/test_openrlhf_real.py
 
 clean:

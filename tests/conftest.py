@@ -1,7 +1,13 @@
 # --- spec validation fixtures (tests/test_validate.py, test_cli.py, test_schema.py, test_plugins.py) ---
 # Other fixtures may be appended below this block.
 
+import os
+
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs the suite on two workers: one torch thread each, so
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # two workers on two cores do not oversubscribe them
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
 @pytest.fixture
