@@ -25,11 +25,12 @@ validate: $(STAMP)
 run: validate
 	$(BIN)/composer run specs/mintrl.yaml
 
-# two calls: the suite on two workers (pytest-xdist, one torch thread each: tests/conftest.py), then the real-job
-# tier (tests/test_openrlhf_real.py, marked cluster: Ray, DeepSpeed, OpenRLHF) in one process, its jobs one at a time
+# two calls, each on two pytest-xdist workers (one torch thread each: tests/conftest.py): the suite, then the
+# real-job tier (tests/test_openrlhf_real.py, marked cluster: Ray, DeepSpeed, OpenRLHF; a private Ray head per
+# worker, the tests that share one job in one xdist group)
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2
-	$(BIN)/python -m pytest -m cluster tests/test_openrlhf_real.py
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -m cluster tests/test_openrlhf_real.py
 
 clean:
 	rm -rf $(VENV) runs

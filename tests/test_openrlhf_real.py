@@ -257,6 +257,7 @@ def oapl(head, tmp_path_factory):
     return bundle, job(head, bundle)
 
 
+@pytest.mark.xdist_group("oapl")  # one worker builds the OAPL job these share
 def test_oapl_losses_equal_lightning(oapl):
     _bundle, out = oapl
     print(f"oapl: largest |openrlhf - lightning| = {check_losses(out, 4):.3g}")
@@ -270,6 +271,7 @@ def logged_steps(stdout: str) -> list[dict]:
             for line in stdout.splitlines() if re.search(r"Global step \d+: \{", line)]
 
 
+@pytest.mark.xdist_group("oapl")  # one worker builds the OAPL job these share
 def test_oapl_logged_loss_is_the_objective_under_gradient_accumulation(oapl):
     """Two micro-batches per optimizer step: the logged policy_loss is what DeepSpeed back-propagated (the
     composer objective), not OpenRLHF's token-weighted mean of the micro-batch values."""
@@ -280,6 +282,7 @@ def test_oapl_logged_loss_is_the_objective_under_gradient_accumulation(oapl):
         assert logged["policy_loss"] == pytest.approx(f["openrlhf_loss"], rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.xdist_group("oapl")  # one worker builds the OAPL job these share
 def test_oapl_syncs_only_at_declared_steps(oapl):
     """sync.every 2 over 4 steps: the engine receives weights after steps 2 and 4 only (OpenRLHF alone
     would broadcast after every step), each time the trainer's weights after that step, and every rollout is
@@ -321,6 +324,7 @@ def _rows(fit: dict) -> list:
     return [(r["prompt"], r["tokens"]) for r in fit["samples"]]
 
 
+@pytest.mark.xdist_group("oapl")  # one worker builds the OAPL job these share
 def test_oapl_resume_is_exact(oapl, oapl_resumed):
     """A real OAPL job (sync every 2) preempted after step 1 and resumed from its checkpoint by launch.sh does
     what the uninterrupted job did: the same prompts in the same steps, the same sampled tokens (each rollout
