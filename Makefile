@@ -25,12 +25,11 @@ validate: $(STAMP)
 run: validate
 	$(BIN)/composer run specs/mintrl.yaml
 
-# two calls, each on two pytest-xdist workers (one torch thread each: tests/conftest.py): the suite, then the
-# real-job tier (tests/test_openrlhf_real.py, marked cluster: Ray, DeepSpeed, OpenRLHF; a private Ray head per
-# worker, the tests that share one job in one xdist group)
+# one pytest call on two pytest-xdist workers (one torch thread each: tests/conftest.py): the suite and the real-job
+# tier (tests/test_openrlhf_real.py, marked cluster: Ray, DeepSpeed, OpenRLHF), every Ray test on one worker
+# (xdist group "ray") while the other runs the rest
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -m cluster tests/test_openrlhf_real.py
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not slow and not benchmark"
 
 clean:
 	rm -rf $(VENV) runs

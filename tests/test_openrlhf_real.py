@@ -47,7 +47,9 @@ ROOT = Path(__file__).resolve().parent.parent
 HERE = ROOT / "tests" / "openrlhf_real"
 STUBS = ROOT / "tests" / "openrlhf_cpu_stubs"
 HAVE = all(importlib.util.find_spec(m) is not None for m in ("openrlhf", "ray", "deepspeed"))
-pytestmark = [pytest.mark.cluster,
+# `make test` runs this tier beside the suite on two pytest-xdist workers: every Ray test in one group (one worker),
+# since two Ray clusters on one machine lose each other's runtime-env packages (RuntimeEnvSetupError)
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("ray"),
               pytest.mark.skipif(not HAVE, reason="needs openrlhf==0.11.2 (--no-deps), ray and deepspeed "
                                  "(the project's openrlhf-cpu extra, installed by make setup)")]
 # overrides added to every spec, e.g. other checkpoints than the toy testbed's:
@@ -257,7 +259,6 @@ def oapl(head, tmp_path_factory):
     return bundle, job(head, bundle)
 
 
-@pytest.mark.xdist_group("oapl")  # one worker builds the OAPL job these share
 def test_oapl_losses_equal_lightning(oapl):
     _bundle, out = oapl
     print(f"oapl: largest |openrlhf - lightning| = {check_losses(out, 4):.3g}")
@@ -271,7 +272,6 @@ def logged_steps(stdout: str) -> list[dict]:
             for line in stdout.splitlines() if re.search(r"Global step \d+: \{", line)]
 
 
-@pytest.mark.xdist_group("oapl")  # one worker builds the OAPL job these share
 def test_oapl_logged_loss_is_the_objective_under_gradient_accumulation(oapl):
     """Two micro-batches per optimizer step: the logged policy_loss is what DeepSpeed back-propagated (the
     composer objective), not OpenRLHF's token-weighted mean of the micro-batch values."""
@@ -282,7 +282,6 @@ def test_oapl_logged_loss_is_the_objective_under_gradient_accumulation(oapl):
         assert logged["policy_loss"] == pytest.approx(f["openrlhf_loss"], rel=1e-5, abs=1e-7)
 
 
-@pytest.mark.xdist_group("oapl")  # one worker builds the OAPL job these share
 def test_oapl_syncs_only_at_declared_steps(oapl):
     """sync.every 2 over 4 steps: the engine receives weights after steps 2 and 4 only (OpenRLHF alone
     would broadcast after every step), each time the trainer's weights after that step, and every rollout is
@@ -324,7 +323,6 @@ def _rows(fit: dict) -> list:
     return [(r["prompt"], r["tokens"]) for r in fit["samples"]]
 
 
-@pytest.mark.xdist_group("oapl")  # one worker builds the OAPL job these share
 def test_oapl_resume_is_exact(oapl, oapl_resumed):
     """A real OAPL job (sync every 2) preempted after step 1 and resumed from its checkpoint by launch.sh does
     what the uninterrupted job did: the same prompts in the same steps, the same sampled tokens (each rollout
