@@ -29,7 +29,6 @@ from composer.checks.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 STUBS = ROOT / "tests" / "openrlhf_cpu_stubs"
-pytestmark = pytest.mark.xdist_group("ray")  # with the real-job tier on one worker (tests/test_openrlhf_real.py)
 HELPERS = ROOT / "tests" / "openrlhf_ray"
 HAVE_OPENRLHF = importlib.util.find_spec("openrlhf") is not None
 HAVE_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("deepspeed") is not None

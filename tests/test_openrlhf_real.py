@@ -47,9 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HERE = ROOT / "tests" / "openrlhf_real"
 STUBS = ROOT / "tests" / "openrlhf_cpu_stubs"
 HAVE = all(importlib.util.find_spec(m) is not None for m in ("openrlhf", "ray", "deepspeed"))
-# `make test` runs this tier beside the suite on two pytest-xdist workers: every Ray test in one group (one worker),
-# since two Ray clusters on one machine lose each other's runtime-env packages (RuntimeEnvSetupError)
-pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("ray"),
+pytestmark = [pytest.mark.cluster,
               pytest.mark.skipif(not HAVE, reason="needs openrlhf==0.11.2 (--no-deps), ray and deepspeed "
                                  "(the project's openrlhf-cpu extra, installed by make setup)")]
 # overrides added to every spec, e.g. other checkpoints than the toy testbed's:
