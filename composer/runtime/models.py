@@ -508,11 +508,12 @@ def value_model_from(policy, seed: int) -> torch.nn.Module:
     return use_onednn(net)
 
 
-def load_value_model(name: str, dtype: str = "float32", trust_remote_code: bool = False,
-                     seed: int = 0) -> torch.nn.Module:
-    """A sequence-regression model with one output from `name` (resolved): a *ForSequenceClassification checkpoint
-    keeps its head; a causal LM's gets a fresh `score` head (`seeded_head`). ModelLoadError when it does not load."""
+def _load_regression(name: str, what: str, dtype: str, trust_remote_code: bool, **kwargs):
+    """(model, loading info) of a *ForSequenceClassification checkpoint at `name` (resolved), loaded under a forked
+    RNG with transformers' load report silenced (a missing `score` head is the caller's to judge); ModelLoadError
+    naming `what` when it does not load."""
     from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
 
     path = resolve(name)
     if not Path(path).exists():
@@ -521,21 +522,30 @@ def load_value_model(name: str, dtype: str = "float32", trust_remote_code: bool 
         why = model_problem(path, tokenizer_too=False)
         if why:
             raise ModelLoadError(why)
-    from transformers.utils import logging as hf_logging
-
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # a causal LM's missing `score` is expected: no load report for it
+    hf_logging.set_verbosity_error()
     try:
         with torch.random.fork_rng(devices=[]):
-            net, info = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=1, dtype=getattr(torch, dtype), trust_remote_code=_trusted(trust_remote_code),
-                output_loading_info=True)
+            return AutoModelForSequenceClassification.from_pretrained(
+                path, dtype=getattr(torch, dtype), trust_remote_code=_trusted(trust_remote_code),
+                output_loading_info=True, **kwargs)
     except Exception as e:
-        raise _load_error("value model", path, e) from None
+        raise _load_error(what, path, e) from None
     finally:
         hf_logging.set_verbosity(verbosity)
+
+
+def _missing_head(info: dict) -> bool:
+    return any(k.split(".")[0] == "score" for k in info.get("missing_keys", ()))
+
+
+def load_value_model(name: str, dtype: str = "float32", trust_remote_code: bool = False,
+                     seed: int = 0) -> torch.nn.Module:
+    """A sequence-regression model with one output from `name` (resolved): a *ForSequenceClassification checkpoint
+    keeps its head; a causal LM's gets a fresh `score` head (`seeded_head`). ModelLoadError when it does not load."""
+    net, info = _load_regression(name, "value model", dtype, trust_remote_code, num_labels=1)
     head = score_head(net)
-    if any(k.split(".")[0] == "score" for k in info.get("missing_keys", ())):  # a causal LM: a fresh head
+    if _missing_head(info):  # a causal LM: a fresh head
         net.score = seeded_head(head.in_features, _init_std(net.config), seed, head.weight.dtype)
     from composer.runtime.onednn import use_onednn
 
@@ -553,32 +563,13 @@ def load_scorer(name: str, dtype: str = "float32", trust_remote_code: bool = Fal
     """A trained sequence-regression model (a reward model) from `name`: a *ForSequenceClassification checkpoint
     with one output and its `score` head; ModelLoadError when it does not load, has another number of outputs, or
     has no trained head (a causal LM would score with random weights)."""
-    from transformers import AutoModelForSequenceClassification
-    from transformers.utils import logging as hf_logging
-
     path = resolve(name)
-    if not Path(path).exists():
-        from composer.runtime.paths import model_problem
-
-        why = model_problem(path, tokenizer_too=False)
-        if why:
-            raise ModelLoadError(why)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the missing head is reported below, as an error
-    try:
-        with torch.random.fork_rng(devices=[]):
-            net, info = AutoModelForSequenceClassification.from_pretrained(
-                path, dtype=getattr(torch, dtype), trust_remote_code=_trusted(trust_remote_code),
-                output_loading_info=True)
-    except Exception as e:
-        raise _load_error("reward model", path, e) from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
+    net, info = _load_regression(name, "reward model", dtype, trust_remote_code)
     if getattr(net.config, "num_labels", 1) != 1:
         raise ModelLoadError(f"reward model at {path}: {net.config.num_labels} outputs (num_labels); a reward model "
                              "scores with one")
     score_head(net)
-    if any(k.split(".")[0] == "score" for k in info.get("missing_keys", ())):
+    if _missing_head(info):
         raise ModelLoadError(f"reward model at {path}: the checkpoint has no trained `score` head (a causal LM?); "
                              "a reward model is a *ForSequenceClassification with one output")
     from composer.runtime.onednn import use_onednn
