@@ -313,7 +313,7 @@ def test_a_non_finite_gradient_stops_the_step_and_an_overflowing_norm_does_not()
     from composer.backends.lightning.module import ComposerModule, NonFiniteError
 
     policy = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2, bias=False))
-    host = SimpleNamespace(policy=policy, global_step=7)
+    host = SimpleNamespace(policy=policy, global_step=7, ctx=None)  # ctx None: no critic head to step
     check = ComposerModule.on_before_optimizer_step
     check(host, None)  # no gradients yet
     for p in policy.parameters():

@@ -312,7 +312,7 @@ class ComposerModule(L.LightningModule):
         if grads and not torch.isfinite(torch.nn.utils.get_total_norm(grads)) and not all(
                 torch.isfinite(g).all() for g in grads):
             raise NonFiniteError(f"a gradient is not finite at step {self.global_step}")
-        step_heads(getattr(self, "ctx", None))  # a critic head on the policy's network: its step on this backward
+        step_heads(self.ctx)  # a critic head on the policy's network: its step on this backward
 
     def after_step(self, done: int | None = None) -> None:
         """After every optimiser step: EMA teachers, the sync schedule (the Plan's), evaluation.
