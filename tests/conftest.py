@@ -24,3 +24,26 @@ def cli():
 
     return invoke
 
+
+
+# the real-job tier (marked cluster): `make test` runs it in the same xdist call as the suite
+TIER = {"tests/test_openrlhf_real.py"}
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist (the dev extra): absent, pytest runs without it
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's `load` scheduling, but the tier's tests are one unit that goes out first: they run in order on
+    one worker, with one Ray head, and each module-scoped job runs once, while the other worker takes the
+    suite's tests one by one (the jobs' own processes leave part of a core idle, which the suite fills).
+    xdist's own `--dist loadgroup` would do this with marks, but xdist 3.8 renames the test ids through an
+    attribute pytest 9 no longer reads, so its groups are silently ignored."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TierFirst(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:  # a unit: the tier's file, or one test of the suite
+            path = nodeid.split("::", 1)[0]
+            return path if path in TIER else nodeid
+
+    return TierFirst(config, log)

@@ -14,16 +14,18 @@ resubmitted by launch.sh after a preemption resuming from OpenRLHF's checkpoint.
 
 What is replaced: vLLM's engine (tests/openrlhf_real/hf_vllm.py, an HF-transformers model with vLLM's
 interface, also as the judge actor's offline vllm.LLM; its assumptions are pinned by test_engine_interface and checked against real vLLM on a GPU by
-examples/cluster/vllm_interface_check.py). CPU patches (tests/openrlhf_real/cpu.py, P1-P9, each with why): torch.cuda
+examples/cluster/vllm_interface_check.py). CPU patches (tests/openrlhf_real/cpu.py, P1-P10, each with why): torch.cuda
 no-ops, a CPU device mesh, DeepSpeed's own `torch_adam` optimizer option (DeepSpeed still builds the
 optimizer from OpenRLHF's config), file-system tensor sharing, sleep-mode state offload as no-ops, the EMA
-copy on the CPU, no shared-memory all-reduce kernel; import stubs for vLLM and flash-attn
+copy on the CPU, no shared-memory all-reduce kernel, mlflow hidden (DeepSpeed imports it when present); import stubs for vLLM and flash-attn
 (tests/openrlhf_cpu_stubs: neither installs without CUDA). torchdata 0.11 (StatefulDataLoader) and pylatexenc
 are the real packages; the test-only preemption switch (the training actor SIGKILLs
 itself right after writing a named checkpoint). Two argv changes in the copied plan.json: sdpa attention (no
 flash-attn) and the test's folders.
 
-Marked `cluster` (pytest -m cluster): `make test` runs this tier as its own pytest call.
+Marked `cluster` (`pytest -m cluster tests/test_openrlhf_real.py` alone): `make test` runs this tier in its one
+xdist call, its tests in order on one worker (tests/conftest.py). The head writes its address where Ray's job
+supervisor looks for it (head.py): with another Ray running on the machine, jobs would otherwise connect to it.
 """
 
 from __future__ import annotations
@@ -106,6 +108,10 @@ class Head:
         return r
 
     def stop(self) -> None:
+        keep = os.environ.get("COMPOSER_REAL_KEEP_LOGS")  # a folder: the head's Ray logs are copied there
+        if keep:
+            shutil.copytree(self.tmp / "session_latest" / "logs", Path(keep) / self.tmp.name, dirs_exist_ok=True,
+                            ignore_dangling_symlinks=True)
         try:
             self.proc.stdin.close()
             self.proc.wait(timeout=120)

@@ -23,6 +23,11 @@ The patches (nothing else of OpenRLHF, Ray, DeepSpeed or transformers is changed
   P9 EMA copy       DeepspeedStrategy.moving_average on "cpu" (OpenRLHF's actor asks for "cuda")
   P8 shm all-reduce DeepSpeed's optional CPU shared-memory all-reduce kernel (a JIT compile) is not built:
                     DeepSpeed then uses torch.distributed's gloo collectives, as where the kernel is unavailable
+  P10 no mlflow     `mlflow` reads as not installed in these processes (None in sys.modules: its import fails,
+                    importlib.util.find_spec answers None), as on a cluster without it. DeepSpeed's autotuner
+                    imports it at `import deepspeed` whenever it is installed (the project's `loggers` extra
+                    puts it in the same venv), 2.3 s of CPU in each of a job's ~5 processes that import
+                    DeepSpeed; no job of the tier logs to MLflow
 The recorder (only with COMPOSER_REAL_OUT set) writes fits.jsonl: per PolicyModelActor fit (PPO runs) and per
 SFTTrainer optimizer step (train_sft runs), the loss the real DeepSpeed engine back-propagated, the Lightning
 backend's loss of the same batch and weights, the weights before and after, and what each row holds. A fit of
@@ -474,6 +479,7 @@ HOOKS = {
 
 
 def install() -> None:
+    sys.modules.setdefault("mlflow", None)  # P10
     pending = {}
     for name, hook in HOOKS.items():
         if name in sys.modules:

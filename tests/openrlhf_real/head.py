@@ -47,6 +47,11 @@ def main() -> None:
     port, gpus = int(sys.argv[1]), int(sys.argv[2])
     ray.init(num_cpus=8, num_gpus=gpus, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
              _temp_dir=os.environ["RAY_TMP"], log_to_driver=False)
+    # what `ray start` does and ray.init does not: the job supervisor gives each job's driver the address in
+    # TEMP/ray_current_cluster; without it, it takes any GCS running on the machine (another head's)
+    from ray._private.utils import write_ray_address
+
+    write_ray_address(ray.get_runtime_context().gcs_address, os.environ["RAY_TMP"])
     address = f"http://127.0.0.1:{port}"
     for _ in range(240):  # the dashboard's job module starts after ray.init returns
         try:
