@@ -9,10 +9,9 @@ STAMP := $(VENV)/.installed
 setup: $(STAMP)
 
 # torch is installed explicitly first: a bare requirement would pull a multi-GB CUDA build,
-# while `torch==2.13.0` takes the CPU build these machines keep on disk. --no-compile: Python compiles a
-# module's bytecode when it is first imported (the venv is writable), so the many modules never imported are
-# never compiled (setup in a fresh clone: 130 s -> about 60 s)
-PIP := $(BIN)/python -m pip install -q --no-compile
+# while `torch==2.13.0` takes the CPU build these machines keep on disk. (Not --no-compile: where
+# PYTHONDONTWRITEBYTECODE is set, as on these machines, every process would then compile what it imports.)
+PIP := $(BIN)/python -m pip install -q
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
