@@ -78,10 +78,7 @@ class Head:
         env.update(PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
                    PYTHONPATH=f"{HERE / 'site'}{os.pathsep}{STUBS}", RAY_TMP=str(self.tmp), RAY_TMPDIR=str(self.tmp),
                    COMPOSER_REAL_OUT=str(self.out), COMPOSER_REAL_KILL=str(self.tmp / "kill_after"), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-                   RAY_DEDUP_LOGS="0",
-                   # Ray starts its workers (every actor of a job) at niceness 15 by default: beside the suite's
-                   # tests (make test runs both) the jobs' actors then got almost no CPU and the tier took 21 min
-                   RAY_worker_niceness="0")
+                   RAY_DEDUP_LOGS="0")
         self.env = env
         self.proc = subprocess.Popen([sys.executable, str(HERE / "head.py"), str(_free_port()), str(gpus)], env=env,
                                      cwd=self.tmp, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
