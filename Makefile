@@ -11,13 +11,12 @@ setup: $(STAMP)
 # torch is installed explicitly first: a bare requirement would pull a multi-GB CUDA build,
 # while `torch==2.13.0` takes the CPU build these machines keep on disk. (Not --no-compile: where
 # PYTHONDONTWRITEBYTECODE is set, as on these machines, every process would then compile what it imports.)
-PIP := $(BIN)/python -m pip install -q
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(PIP) torch==2.13.0
-	$(PIP) -e '.[dev,bench,openrlhf-cpu,loggers]'
-	$(PIP) --no-deps openrlhf==0.11.2
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev,bench,openrlhf-cpu,loggers]'
+	$(BIN)/python -m pip install -q --no-deps openrlhf==0.11.2
 	touch $(STAMP)
 
 validate: $(STAMP)

@@ -25,7 +25,6 @@ def cli():
     return invoke
 
 
-
 # the real-job tier (marked cluster): `make test` runs it in the same xdist call as the suite
 TIER = {"tests/test_openrlhf_real.py"}
 
@@ -34,7 +33,7 @@ TIER = {"tests/test_openrlhf_real.py"}
 def pytest_xdist_make_scheduler(config, log):
     """xdist's `load` scheduling, but the tier's tests are one unit that goes out first: they run in order on
     one worker, with one Ray head, and each module-scoped job runs once, while the other worker takes the
-    suite's tests one by one (the jobs' own processes leave part of a core idle, which the suite fills).
+    suite's tests one by one.
     xdist's own `--dist loadgroup` would do this with marks, but xdist 3.8 renames the test ids through an
     attribute pytest 9 no longer reads, so its groups are silently ignored."""
     if config.getvalue("dist") != "load":
