@@ -25,15 +25,15 @@ def cli():
     return invoke
 
 
-# the real-job tier (marked cluster): `make test` runs it in the same xdist call as the suite
+# the real-job tier (marked cluster): `make test` runs it after the suite, in a call of its own (Makefile)
 TIER = {"tests/test_openrlhf_real.py"}
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist (the dev extra): absent, pytest runs without it
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's `load` scheduling, but the tier's tests are one unit that goes out first: they run in order on
-    one worker, with one Ray head, and each module-scoped job runs once, while the other worker takes the
-    suite's tests one by one.
+    """xdist's `load` scheduling, but the tier's tests are one unit that goes out first, where an xdist call
+    selects them (`pytest -n 2 -m cluster`): they run in order on one worker, with one Ray head, and each
+    module-scoped job runs once, while the other worker takes any other test one by one.
     xdist's own `--dist loadgroup` would do this with marks, but xdist 3.8 renames the test ids through an
     attribute pytest 9 no longer reads, so its groups are silently ignored."""
     if config.getvalue("dist") != "load":

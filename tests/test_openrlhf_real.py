@@ -23,8 +23,8 @@ are the real packages; the test-only preemption switch (the training actor SIGKI
 itself right after writing a named checkpoint). Two argv changes in the copied plan.json: sdpa attention (no
 flash-attn) and the test's folders.
 
-Marked `cluster` (`pytest -m cluster tests/test_openrlhf_real.py` alone): `make test` runs this tier in its one
-xdist call, its tests in order on one worker (tests/conftest.py). The head writes its address where Ray's job
+Marked `cluster` (`pytest -m cluster tests/test_openrlhf_real.py` alone): `make test` runs this tier after the
+suite, in a pytest call of its own (side by side with the suite the two took far longer than in turn). The head writes its address where Ray's job
 supervisor looks for it (head.py): with another Ray running on the machine, jobs would otherwise connect to it.
 """
 
@@ -381,11 +381,6 @@ def _method(name: str, spec: str, overrides: list[str], steps: int, gpus: int = 
     return fixture, test
 
 
-# native route (OpenRLHF's PolicyLoss, group_norm advantages, KL loss against the reference actor), two
-# micro-batches per optimizer step
-grpo_job, test_grpo_losses_equal_lightning = _method("grpo", "specs/grpo.yaml", [*SMALL, "train.micro_batch_size=4"], 2)
-# the teacher in the reference slot (a separate Ray actor loading the teacher checkpoint)
-opd_job, test_opd_losses_equal_lightning = _method("opd", "specs/opd.yaml", SMALL, 2)
 # a self-teacher (the policy's initial weights with the reference solution in its prompt), scored in the
 # training actor
 opsd_job, test_opsd_losses_equal_lightning = _method("opsd", "specs/opsd.yaml", SMALL, 2)
@@ -436,39 +431,6 @@ def test_sdpo_teacher_context_reached_the_loss(sdpo_job):
     _bundle, out = sdpo_job
     weights = [(r["teacher_weight"] or {}).get("teacher") for f in out["fits"] for r in f["samples"]]
     assert any(w not in (None, 0, 0.0) for w in weights), weights
-
-
-# SFT through OpenRLHF's native route: the entry point execs `torchrun -m openrlhf.cli.train_sft` in the job
-# driver's node; two micro-batches per optimizer step (OpenRLHF normalises by the window's token count)
-sft_job, test_sft_losses_equal_lightning = _method("sft", "specs/sft.yaml", ["train.prompts_per_step=4",
-                                                                            "train.micro_batch_size=2"], 2)
-
-
-def test_sft_trained_the_lightning_demonstrations(sft_job):
-    """The tokens OpenRLHF's SFT dataset built are the Lightning backend's SFT rows (components/signals/sft.py
-    make_batch: the prompt's ids, then the reference solution's ids and EOS as `demonstration`): each trained
-    sequence is one of them, its loss tokens exactly the demonstration; the final model was written."""
-    from transformers import AutoTokenizer
-
-    bundle, out = sft_job
-    plan = json.loads((bundle / "plan.json").read_text())
-    tok = AutoTokenizer.from_pretrained(str(bundle / plan["openrlhf"]["policy_path"]))
-    rows = [json.loads(x) for x in (bundle / "data" / "train.jsonl").read_text().splitlines()]
-    lightning = {}
-    for r in rows:
-        p = tok.encode(r["prompt"], add_special_tokens=False)
-        d = tok.encode(json.loads(r["label"])["solution"], add_special_tokens=False) + [tok.eos_token_id]
-        lightning[tuple(p + d)] = [False] * len(p) + [True] * len(d)
-    seen = 0
-    assert out["fits"][1]["weights_before"] == out["fits"][0]["weights_after"] != out["fits"][0]["weights_before"]
-    for f in out["fits"]:
-        assert f["gas"] == 2 and f["micro_batches"] == 2 and f["demo_tokens"] > 0
-        for seq, mask in zip(f["sequences"], f["demo_masks"]):
-            assert tuple(seq) in lightning, tok.decode(seq)
-            assert mask[:len(seq)] == lightning[tuple(seq)]
-            seen += 1
-    assert seen == 2 * 4
-    assert (bundle.parent / "cluster" / "main" / "model" / "config.json").exists()
 
 
 # hybrids. OPD plus outcome reward: two terms in the composer's loss, the teacher in the reference slot and
@@ -535,65 +497,56 @@ def test_judge_proxy_half_external_judge_served_the_reviews(judge_proxy_half_job
     assert (bundle / "models" / "teacher" / "config.json").exists()
 
 
-# a plugin objective (examples/custom_component: `length_penalized_grpo` from the spec's `plugins:`), shipped
-# in the bundle and imported by the composer in the job driver and every Ray worker
+# plugins: one job for a plugin objective (examples/custom_component: `length_penalized_grpo`) and a plugin guide
+# (tests/openrlhf_real/plugin_src/first_step_hint.py), both named by the spec's `plugins:`, shipped in the bundle
+# and imported by the composer in the job driver and every Ray worker (tests/openrlhf_real/plugins.yaml)
 PLUGIN_SRC = ROOT / "examples" / "custom_component" / "src"
 
 
-def compile_with_plugins(spec: str, src: Path, overrides: list[str], out: Path) -> Path:
-    """compile_for_cpu for a spec whose `plugins:` live in folder `src` (allowed, as --allow-plugins does);
-    the bundle carries its own copy, and the Ray workers' path never holds `src`."""
+def compile_with_plugins(spec: str, srcs: list[Path], overrides: list[str], out: Path) -> Path:
+    """compile_for_cpu for a spec whose `plugins:` live in the folders `srcs` (allowed, as --allow-plugins does);
+    the bundle carries its own copy, and the Ray workers' path never holds them."""
     from composer import registry
 
-    sys.path.insert(0, str(src))
+    sys.path[:0] = [str(s) for s in srcs]
     registry.allow_spec_plugins(True)
     try:
         return compile_for_cpu(spec, overrides, out)
     finally:
         registry.allow_spec_plugins(None)
-        sys.path.remove(str(src))
+        for s in srcs:
+            sys.path.remove(str(s))
 
 
 @pytest.fixture(scope="module")
-def plugin_job(head, tmp_path_factory):
-    bundle = compile_with_plugins("examples/custom_component/spec.yaml", PLUGIN_SRC, ["train.steps=2", *SMALL],
-                                  tmp_path_factory.mktemp("plugin"))
+def plugins_job(head, tmp_path_factory):
+    bundle = compile_with_plugins("tests/openrlhf_real/plugins.yaml", [PLUGIN_SRC, HERE / "plugin_src"],
+                                  ["rollout.temperature=1.5"], tmp_path_factory.mktemp("plugins"))
     return bundle, job(head, bundle)
 
 
-def test_plugin_objective_runs_in_the_workers(plugin_job):
+def test_plugin_objective_runs_in_the_workers(plugins_job):
     """The bundle's copy of the plugin module is what the training actor's loss used: the recorder (in that
     actor's process) found `length_penalized_grpo` from the bundle's `length_penalty/`, and OpenRLHF's loss
-    equals the Lightning loss of that objective on the same batch. The length penalty makes every group's
-    rewards differ, so the loss is not 0 even where no answer is right."""
-    bundle, out = plugin_job
+    equals the Lightning loss of that objective on the same batch."""
+    bundle, out = plugins_job
     assert (bundle / "length_penalty" / "__init__.py").exists()
-    print(f"plugin: largest |openrlhf - lightning| = {check_losses(out, 2):.3g}")
+    print(f"plugins: largest |openrlhf - lightning| = {check_losses(out, 2):.3g}")
     for f in out["fits"]:
         assert f["objectives"] == ["length_penalty.LengthPenalizedGrpo"], f["objectives"]
         assert f["objective_files"][0].endswith("length_penalty/__init__.py")
         assert str(PLUGIN_SRC) not in f["objective_files"][0]  # the bundle's copy, not the source tree
 
 
-# a plugin guide (tests/openrlhf_real/plugin_src/first_step_hint.py): run by the agent in the rollout engine's
-# Ray worker, from the bundle's copy; OPD on its rollouts (the teacher in the reference slot)
-@pytest.fixture(scope="module")
-def plugin_guide_job(head, tmp_path_factory):
-    bundle = compile_with_plugins("tests/openrlhf_real/plugin_guide.yaml", HERE / "plugin_src",
-                                  ["rollout.temperature=1.5"], tmp_path_factory.mktemp("plugin_guide"))
-    return bundle, job(head, bundle)
-
-
-def test_plugin_guide_runs_in_the_rollout_workers(plugin_guide_job):
-    """Every step's loss equals Lightning's; the rows of the trained batches are what the plugin guide wrote:
-    even rollouts carry the reference's first line as guide_prefix tokens after the prompt (no loss: they
-    come before the first action token) and are tagged as their own group, odd ones are plain."""
-    bundle, out = plugin_guide_job
+def test_plugin_guide_runs_in_the_rollout_workers(plugins_job):
+    """The rows of the trained batches are what the plugin guide (the bundle's copy) wrote: even rollouts carry
+    the reference's first line as guide_prefix tokens after the prompt (no loss: they come before the first
+    action token) and are tagged as their own group, odd ones are plain."""
+    bundle, out = plugins_job
     assert (bundle / "first_step_hint.py").exists()
-    print(f"plugin_guide: largest |openrlhf - lightning| = {check_losses(out, 2):.3g}")
     rows = [r for f in out["fits"] for r in f["samples"]]
     hinted = [r for r in rows if r["guided"]]
-    assert len(hinted) == len(rows) // 2
+    assert rows and len(hinted) == len(rows) // 2
     for r in rows:
         if r["guided"]:
             assert r["tag"] == "hint" and r["sampled_prompt"] == r["prompt"] + r["solution"].split("\n")[0] + "\n"
@@ -604,8 +557,9 @@ def test_plugin_guide_runs_in_the_rollout_workers(plugin_guide_job):
 # InT: stage 1 (SFT on the agent's guided targets, built once by the engine's agent from the initial weights)
 # and stage 2 (GRPO) as two OpenRLHF runs chained in one job, stage 2 starting from stage 1's saved model
 # The spec's own policy (toy:instruct) and tiers (4 and 6), where its failed attempts get interventions and some
-# targets are kept; the test fails if stage 1's loss is 0 or any run moves no weight
-INT = ["stages[0].train.steps=3", "stages[1].train.steps=2",
+# targets are kept (stage 1: 3 steps of 4 problems, whose targets are built before its first step); the test
+# fails if stage 1's loss is 0 or any run moves no weight
+INT = ["stages[0].train.steps=3", "stages[0].train.prompts_per_step=4", "stages[1].train.steps=2",
        "stages[1].train.prompts_per_step=2", "stages[1].rollout.samples_per_prompt=4",
        "stages[1].rollout.temperature=1.5"]
 
@@ -637,10 +591,16 @@ def test_int_stages_chain_and_losses_equal_lightning(int_job):
 
 
 # the shipped curriculum: SFT (train_sft, torchrun), then OPD, then GRPO: three OpenRLHF runs of two trainers
-# in one job, each from the model the previous one saved
+# in one job, each from the model the previous one saved. Its three runs are also the tier's SFT, OPD and GRPO
+# jobs (the stages hold exactly specs/sft.yaml's, specs/opd.yaml's and specs/grpo.yaml's components, which the
+# every-spec tier runs as shipped): SFT through OpenRLHF's native route (the entry point execs `torchrun -m
+# openrlhf.cli.train_sft` in the job driver's node), OpenRLHF normalising by the window's token count; OPD
+# with the teacher in the reference slot (a separate Ray actor loading the teacher checkpoint); GRPO on the
+# native route (OpenRLHF's PolicyLoss, group_norm advantages, KL loss against the reference actor); every run
+# two micro-batches per optimizer step (SFT 8 prompts, OPD and GRPO 2 x 4 rollouts; micro-batches of 4)
 CURRICULUM = ["train.prompts_per_step=2", "stages[0].train.steps=2", "stages[1].train.steps=2",
               "stages[2].train.steps=2", "rollout.samples_per_prompt=4", "stages[2].rollout.samples_per_prompt=4",
-              "rollout.temperature=1.5"]
+              "rollout.temperature=1.5", "train.micro_batch_size=4", "stages[0].train.prompts_per_step=8"]
 
 
 @pytest.fixture(scope="module")
@@ -651,7 +611,7 @@ def curriculum_job(head, tmp_path_factory):
 
 def test_sft_opd_grpo_stages_chain_across_trainers(curriculum_job):
     """Every step of the three runs equals Lightning's loss; the OPD run starts from the weights train_sft
-    saved and the GRPO run from those the OPD run saved."""
+    saved and the GRPO run from those the OPD run saved; SFT's and GRPO's steps each took two micro-batches."""
     bundle, out = curriculum_job
     plan = json.loads((bundle / "plan.json").read_text())
     assert [(r["name"], r["trainer"]) for r in plan["openrlhf"]["runs"]] == [("sft", "sft"), ("opd", "ppo"),
@@ -662,6 +622,38 @@ def test_sft_opd_grpo_stages_chain_across_trainers(curriculum_job):
     for before, after in ((2, 1), (4, 3)):
         assert fits[before]["weights_before"] == fits[after]["weights_after"], (before, after)
     assert fits[1]["weights_after"] != fits[0]["weights_before"]
+    assert [(f["gas"], f["micro_batches"]) for f in fits] == [(2, 2)] * 6, fits
+    grpo = plan["openrlhf"]["runs"][2]["argv"]  # GRPO's KL loss against the reference actor (kl_coef 0.001)
+    assert "--algo.kl.use_loss" in grpo and float(grpo[grpo.index("--algo.kl.init_coef") + 1]) > 0, grpo
+
+
+def test_sft_trained_the_lightning_demonstrations(curriculum_job):
+    """The tokens OpenRLHF's SFT dataset built (the curriculum's SFT run) are the Lightning backend's SFT rows
+    (components/signals/sft.py make_batch: the prompt's ids, then the reference solution's ids and EOS as
+    `demonstration`): each trained sequence is one of them, its loss tokens exactly the demonstration; the run's
+    final model was written."""
+    from transformers import AutoTokenizer
+
+    bundle, out = curriculum_job
+    plan = json.loads((bundle / "plan.json").read_text())
+    tok = AutoTokenizer.from_pretrained(str(bundle / plan["openrlhf"]["policy_path"]))
+    rows = [json.loads(x) for x in (bundle / "data" / "train.jsonl").read_text().splitlines()]
+    lightning = {}
+    for r in rows:
+        p = tok.encode(r["prompt"], add_special_tokens=False)
+        d = tok.encode(json.loads(r["label"])["solution"], add_special_tokens=False) + [tok.eos_token_id]
+        lightning[tuple(p + d)] = [False] * len(p) + [True] * len(d)
+    sft = [f for f in out["fits"] if f.get("trainer") == "sft"]
+    assert sft[1]["weights_before"] == sft[0]["weights_after"] != sft[0]["weights_before"]
+    seen = 0
+    for f in sft:
+        assert f["gas"] == 2 and f["micro_batches"] == 2 and f["demo_tokens"] > 0
+        for seq, mask in zip(f["sequences"], f["demo_masks"]):
+            assert tuple(seq) in lightning, tok.decode(seq)
+            assert mask[:len(seq)] == lightning[tuple(seq)]
+            seen += 1
+    assert seen == 2 * 8
+    assert (bundle.parent / "cluster" / "sft" / "model" / "config.json").exists()
 
 
 # DAPO (dynamic sampling): the prompt pool holds the refills; the job trains exactly its declared steps, each
