@@ -25,8 +25,16 @@ def cli():
     return invoke
 
 
-# the real-job tier (marked cluster): `make test` runs it after the suite, in a call of its own (Makefile)
+# the real-job tier (marked cluster): `make test` runs it beside the suite, on one of the two xdist workers
 TIER = {"tests/test_openrlhf_real.py"}
+
+
+def pytest_runtest_setup(item):
+    """On an xdist worker, the suite's tests run at the lowest CPU priority (nice 19, inherited by the
+    processes they start): beside the real-job tier, the longest chain of the call, they take the CPU its jobs
+    leave idle instead of stalling them (Ray starts its workers at nice 15)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and item.nodeid.split("::", 1)[0] not in TIER:
+        os.nice(max(0, 19 - os.nice(0)))
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist (the dev extra): absent, pytest runs without it
