@@ -23,8 +23,8 @@ are the real packages; the test-only preemption switch (the training actor SIGKI
 itself right after writing a named checkpoint). Two argv changes in the copied plan.json: sdpa attention (no
 flash-attn) and the test's folders.
 
-Marked `cluster` (`pytest -m cluster tests/test_openrlhf_real.py` alone): `make test` runs this tier after the
-suite, in a pytest call of its own (side by side with the suite the two took far longer than in turn). The head writes its address where Ray's job
+Marked `cluster` (`pytest -m cluster tests/test_openrlhf_real.py` alone): `make test` runs this tier in its one
+xdist call, its tests in order on one worker, the suite's tests beside it at nice 19 (tests/conftest.py). The head writes its address where Ray's job
 supervisor looks for it (head.py): with another Ray running on the machine, jobs would otherwise connect to it.
 """
 
