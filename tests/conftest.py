@@ -39,9 +39,9 @@ def pytest_runtest_setup(item):
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist (the dev extra): absent, pytest runs without it
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's `load` scheduling, but the tier's tests are one unit that goes out first, where an xdist call
-    selects them (`pytest -n 2 -m cluster`): they run in order on one worker, with one Ray head, and each
-    module-scoped job runs once, while the other worker takes any other test one by one.
+    """xdist's `load` scheduling, but the tier's tests are one unit that goes out first: they run in order on
+    one worker, with one Ray head, and each module-scoped job runs once, while the other worker takes the
+    suite's tests one by one (at nice 19: pytest_runtest_setup).
     xdist's own `--dist loadgroup` would do this with marks, but xdist 3.8 renames the test ids through an
     attribute pytest 9 no longer reads, so its groups are silently ignored."""
     if config.getvalue("dist") != "load":
