@@ -29,11 +29,15 @@ def cli():
 TIER = {"tests/test_openrlhf_real.py"}
 
 
+def _file(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
 def pytest_runtest_setup(item):
     """On an xdist worker, the suite's tests run at the lowest CPU priority (nice 19, inherited by the
     processes they start): beside the real-job tier, the longest chain of the call, they take the CPU its jobs
     leave idle instead of stalling them (Ray starts its workers at nice 15)."""
-    if os.environ.get("PYTEST_XDIST_WORKER") and item.nodeid.split("::", 1)[0] not in TIER:
+    if os.environ.get("PYTEST_XDIST_WORKER") and _file(item.nodeid) not in TIER:
         os.nice(max(0, 19 - os.nice(0)))
 
 
@@ -50,7 +54,6 @@ def pytest_xdist_make_scheduler(config, log):
 
     class TierFirst(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:  # a unit: the tier's file, or one test of the suite
-            path = nodeid.split("::", 1)[0]
-            return path if path in TIER else nodeid
+            return _file(nodeid) if _file(nodeid) in TIER else nodeid
 
     return TierFirst(config, log)

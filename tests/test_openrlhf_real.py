@@ -24,8 +24,9 @@ itself right after writing a named checkpoint). Two argv changes in the copied p
 flash-attn) and the test's folders.
 
 Marked `cluster` (`pytest -m cluster tests/test_openrlhf_real.py` alone): `make test` runs this tier in its one
-xdist call, its tests in order on one worker, the suite's tests beside it at nice 19 (tests/conftest.py). The head writes its address where Ray's job
-supervisor looks for it (head.py): with another Ray running on the machine, jobs would otherwise connect to it.
+xdist call, its tests in order on one worker, the suite's tests beside it at nice 19 (tests/conftest.py). The head
+writes its address where Ray's job supervisor looks for it (head.py): with another Ray running on the machine,
+jobs would otherwise connect to it.
 """
 
 from __future__ import annotations
@@ -611,7 +612,8 @@ def curriculum_job(head, tmp_path_factory):
 
 def test_sft_opd_grpo_stages_chain_across_trainers(curriculum_job):
     """Every step of the three runs equals Lightning's loss; the OPD run starts from the weights train_sft
-    saved and the GRPO run from those the OPD run saved; SFT's and GRPO's steps each took two micro-batches."""
+    saved and the GRPO run from those the OPD run saved; every step of the three runs took two micro-batches;
+    the GRPO run has OpenRLHF's KL loss against the reference actor."""
     bundle, out = curriculum_job
     plan = json.loads((bundle / "plan.json").read_text())
     assert [(r["name"], r["trainer"]) for r in plan["openrlhf"]["runs"]] == [("sft", "sft"), ("opd", "ppo"),
@@ -644,6 +646,7 @@ def test_sft_trained_the_lightning_demonstrations(curriculum_job):
         d = tok.encode(json.loads(r["label"])["solution"], add_special_tokens=False) + [tok.eos_token_id]
         lightning[tuple(p + d)] = [False] * len(p) + [True] * len(d)
     sft = [f for f in out["fits"] if f.get("trainer") == "sft"]
+    assert len(sft) == 2, [f.get("trainer", "ppo") for f in out["fits"]]
     assert sft[1]["weights_before"] == sft[0]["weights_after"] != sft[0]["weights_before"]
     seen = 0
     for f in sft:
