@@ -73,3 +73,24 @@ def test_composer_samples_prints_what_the_verifier_read():
     row = {"verifier": {"parsed": True, "detail": "the final answer is wrong (read '3' from the last \\boxed{})",
                         "answer": "3"}}
     assert "verifier read: 3" in guide_lines(row)
+
+
+@pytest.mark.parametrize("response, answer, reward, read", [
+    ("#### 18.", "18", 1.0, "18"),  # before: unparsed (a sentence's period after the number)
+    ("So she has 18 left.\n#### 18.", "18", 1.0, "18"),
+    ("#### 1,000.", "1000", 1.0, "1000"),
+    ("#### 18, done", "18", 1.0, "18"),
+    ("#### 17.", "18", 0.0, "17"),
+    ("#### 18.5", "18.5", 1.0, "18.5"),  # a decimal is still one number
+    ("#### 3/4.", "0.75", 1.0, "3/4"),
+])
+def test_a_gsm8k_answer_line_may_end_with_a_period(response, answer, reward, read):
+    """Issue 56: `#### 18.` was read as no answer at all (parsed False), so a correct response scored 0."""
+    v = math_verifier(response, Example(prompt="p", answer=answer))
+    assert (v.reward, v.parsed, v.answer) == (reward, True, read), v
+
+
+def test_a_dotted_run_of_numbers_is_no_gsm8k_answer():
+    from components.tasks.verifiers import gsm8k_answer
+
+    assert gsm8k_answer("#### 1.2.3") is None and gsm8k_answer("#### 18.") == "18"

@@ -35,7 +35,9 @@ def answer_line(text: str) -> str | None:
     return m.group(1).strip() if m else None
 
 
-GSM8K_LINE = re.compile(r"^[ \t]*####[ \t]*\$?[ \t]*([-+]?\d[\d,]*(?:\.\d+)?(?:/\d+)?)(?![\d,./])", re.M)
+# the number may end a sentence (`#### 18.`): a period, comma or slash after it ends the answer unless a digit
+# follows (`#### 1.2.3` is no number)
+GSM8K_LINE = re.compile(r"^[ \t]*####[ \t]*\$?[ \t]*([-+]?\d(?:,?\d)*(?:\.\d+)?(?:/\d+)?)(?!\d|[,./]\d)", re.MULTILINE)
 
 
 def gsm8k_answer(text: str) -> str | None:
