@@ -521,7 +521,7 @@ def test_code_rows_with_a_bad_timeout_are_refused():
     from composer.data import Example
     from composer.runtime.binding import DataError, validate_answers
 
-    rows = [Example(prompt="p", answer="assert True", row=i + 1, meta={"timeout": t})
+    rows = [Example(prompt="p", answer="assert f(1) == 2", row=i + 1, meta={"timeout": t})
             for i, t in enumerate([5, "soon", -1, 1e9])]
     with pytest.raises(DataError, match="row 2: field 'timeout'"):
         validate_answers(rows, "code")

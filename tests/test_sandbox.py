@@ -61,7 +61,8 @@ def clean_machine():
     assert subprocess.run([sys.executable, "-c", "pass"], timeout=30).returncode == 0  # can still fork
 
 
-def score(program: str, tests: str = "pass", timeout: float = 2.0, **meta):
+def score(program: str, tests: str = "assert f() is None", timeout: float = 2.0, **meta):
+    """The verifier's reward for `program` (hostile programs: their attack runs when imported, before `tests`)."""
     ex = Example(prompt="write code", answer=tests, meta={"timeout": timeout, **meta})
     return cv.code_verifier(f"Here is my solution.\n```python\n{program}\n```\n", ex)
 
@@ -507,3 +508,169 @@ def test_the_programs_own_generators_still_end_iterations(clean_machine):
     v = cv.code_verifier("```python\ndef f(n):\n    yield from range(n)\n```",
                          Example(prompt="p", answer=tests, meta={"timeout": 10}))
     assert v.reward == 1.0, v.detail
+
+
+# ------------------------------------------------------------------------------ issue 57: site's builtins
+# The harness runs with -S, so `site` never added exit, quit, help, copyright, credits, license to its builtins,
+# and a program's own `exit = lambda *a: None` was bound into the tests' namespace: a wrong program scored 1.0
+# against tests that call `exit(1)` on failure.
+
+EXITS_ON_FAILURE = "if f(1) != 2:\n    exit(1)\nif f(5) != 6:\n    quit(1)\n"
+
+
+@needs_sandbox
+def test_a_program_cannot_forge_a_pass_by_shadowing_exit(clean_machine):
+    ex = Example(prompt="p", answer=EXITS_ON_FAILURE, meta={"timeout": 10})
+    forged = cv.code_verifier("```python\nexit = quit = lambda *a: None\ndef f(x):\n    return 0\n```", ex)
+    assert forged.reward == 0.0 and "SystemExit: 1" in forged.detail, forged.detail  # before: 1.0
+    right = cv.code_verifier("```python\nexit = quit = lambda *a: None\ndef f(x):\n    return x + 1\n```", ex)
+    assert right.reward == 1.0, right.detail  # the same tests pass a right program, shadowing or not
+
+
+@needs_sandbox
+@pytest.mark.parametrize("name", cv.SITE_BUILTINS)
+def test_sites_builtins_stay_builtins_in_the_tests(clean_machine, name):
+    """Each name `site` adds is the interpreter's own object in the tests, whatever the program binds to it."""
+    program = f"{name} = lambda *a: None\ndef f(x):\n    return x + 1\n"
+    tests = f"assert f(1) == 2\nassert type({name}).__module__ == '_sitebuiltins', type({name})\n"
+    r = cv.run_sandboxed(program, SURE, tests=tests)
+    assert r.passed, r.detail + r.stderr
+
+
+# ------------------------------------------------------------------------------ issue 57: tests that cannot fail
+# Tests that can never fail rewarded every program with a code block 1.0. They are refused when the data loads
+# (file, row, field and reason named), and the verifier gives them no reward either.
+
+CANNOT_FAIL = {
+    "constant": "42",
+    "pass": "pass",
+    "assert_a_constant": "assert True, f(1)",
+    "check_never_called": "def check(candidate):\n    assert candidate(1) == 2\n",
+    "under_main": "def check(candidate):\n    assert candidate(1) == 2\nif __name__ == '__main__':\n    check(f)\n",
+    "lambda_never_called": "g = lambda: f(1) == 2\n",
+    "reads_nothing_of_the_program": "import math\nx = 2\nassert math.sqrt(x * x) == x\nprint('ok')\n",
+}
+CAN_FAIL = {
+    "assert": "assert f(1) == 2\n",
+    "check_called": "def check(candidate):\n    assert candidate(1) == 2\ncheck(f)\n",
+    "parameter_named_like_the_program": "def check(f):\n    assert f(1) == 2\ncheck(f)\n",
+    "exit_on_failure": EXITS_ON_FAILURE,
+    "else_of_main": "if __name__ == '__main__':\n    pass\nelse:\n    assert f(1) == 2\n",
+    "raise": "if f(1) != 2:\n    raise ValueError('f(1)')\n",
+}
+
+
+def _bind_code_rows(tmp_path, rows, **data):
+    """Load `rows` as a code dataset, as a run does (composer.runtime.binding.bind_task)."""
+    import json
+    from types import SimpleNamespace
+
+    from components.sources.outcome_reward import OutcomeReward
+    from composer.lang.spec import Data
+    from composer.runtime.binding import bind_task
+
+    path = tmp_path / "code.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = SimpleNamespace(data=Data(train=str(path), prompt_field="prompt", answer_field="tests", **data),
+                           sources={"verifier": OutcomeReward(verifier="code")}, phases=[], stages=[],
+                           train=SimpleNamespace(eval_samples=8, seed=0))
+    return path, bind_task(spec)
+
+
+@pytest.mark.parametrize("name", sorted(CANNOT_FAIL))
+def test_tests_that_cannot_fail_are_refused_when_the_data_loads(tmp_path, name):
+    from composer.runtime.binding import DataError
+
+    rows = [{"prompt": "write f", "tests": "assert f(1) == 2"}, {"prompt": "write f", "tests": CANNOT_FAIL[name]}]
+    with pytest.raises(DataError) as e:
+        _bind_code_rows(tmp_path, rows)
+    msg = str(e.value)
+    assert f"{tmp_path / 'code.jsonl'}: row 2: field 'tests'" in msg, msg
+    assert "cannot fail" in msg or "never read a name the program could define" in msg, msg
+    _, task = _bind_code_rows(tmp_path, rows, on_bad_row="skip")
+    assert [ex.row for ex in task.train] == [1] and task.skipped_rows == 1
+    # and an example built otherwise (not loaded from a file) is never rewarded: no program runs at all
+    v = cv.code_verifier("```python\ndef f(x):\n    return x + 1\n```", Example(prompt="p", answer=CANNOT_FAIL[name]))
+    assert v.reward == 0 and not v.parsed and "check nothing" in v.detail
+
+
+def test_the_rule_keeps_tests_that_can_fail(tmp_path):
+    rows = [{"prompt": "write f", "tests": t} for t in CAN_FAIL.values()]
+    rows.append({"prompt": "write add", "tests": "def check(candidate):\n    assert candidate(2, 3) == 5\n",
+                 "entry_point": "add"})  # HumanEval: check(add) appended
+    rows.append({"prompt": "write sum", "tests": "assert sum([1, 2]) == 4\n", "entry_point": "sum"})  # named as a builtin
+    _, task = _bind_code_rows(tmp_path, rows)
+    assert len(task.train) == len(rows) and task.skipped_rows == 0
+    assert "never read" in cv.tests_problem("assert sum([1, 2]) == 4\n")  # without the entry point: the builtin
+
+
+@needs_sandbox
+@pytest.mark.parametrize("name", sorted(CAN_FAIL))
+def test_tests_that_can_fail_do_fail_a_wrong_program(clean_machine, name):
+    ex = Example(prompt="p", answer=CAN_FAIL[name], meta={"timeout": 10})
+    assert cv.code_verifier("```python\ndef f(x):\n    return x + 1\n```", ex).reward == 1.0
+    assert cv.code_verifier("```python\ndef f(x):\n    return 0\n```", ex).reward == 0.0
+
+
+# ------------------------------------------------------------------------------ issue 57: memory past RLIMIT_AS
+# memfd_create let a program hold 1600 MiB under a 1 GiB RLIMIT_AS (100 files of 16 MiB, RLIMIT_FSIZE each), and
+# SysV shared memory outlives a detach (1.5 GiB). Each program tries to hold twice its address-space limit and says
+# how much it got; files are bounded by the sandbox's tmpfs.
+
+HOLD = 512  # MiB, twice the limit below
+MEMORY_HOLDERS = {
+    "memfd": f"""
+import os
+held = 0
+try:
+    while held < {HOLD}:
+        fd = os.memfd_create("x")
+        os.write(fd, b"x" * (16 << 20))
+        held += 16
+except OSError as e:
+    print(e)
+print("held", held)
+""",
+    "sysv_shm": f"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+held = 0
+while held < {HOLD}:
+    sid = libc.shmget(0, 128 << 20, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+    if sid < 0:
+        print("shmget:", ctypes.get_errno())
+        break
+    addr = libc.shmat(sid, None, 0)
+    ctypes.memset(addr, 1, 128 << 20)
+    libc.shmdt(ctypes.c_void_p(addr))  # the segment stays, outside the address space
+    held += 128
+print("held", held)
+""",
+    "tmpfs_files": f"""
+held = 0
+try:
+    while held < {HOLD}:
+        with open("/tmp/f%d" % held, "wb") as f:
+            for _ in range(15):
+                f.write(b"x" * (1 << 20))
+                held += 1
+except OSError as e:
+    print(e)
+print("held", held)
+""",
+}
+
+
+@needs_sandbox
+@pytest.mark.parametrize("how", sorted(MEMORY_HOLDERS))
+def test_memory_outside_the_address_space_is_bounded(clean_machine, how):
+    limits = replace(SURE, memory=256 << 20, tmpfs=32 << 20, timeout=30.0)
+    r = cv.run_sandboxed(MEMORY_HOLDERS[how], limits)
+    assert r.ok and "held" in r.stdout, r.stdout + r.stderr
+    held = int(r.stdout.split("held")[-1])
+    bound = {"memfd": 0, "sysv_shm": 0, "tmpfs_files": limits.tmpfs >> 20}[how]
+    assert held <= bound, f"{how}: held {held} MiB outside a {limits.memory >> 20} MiB address space"
+    # memory inside the address space is still there to use
+    r = cv.run_sandboxed("x = bytearray(128 << 20)\nx[::4096] = b'y' * (32 << 10)\nprint(len(x) >> 20)", limits)
+    assert r.ok and r.stdout.strip() == "128", r.stderr

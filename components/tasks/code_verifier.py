@@ -8,7 +8,11 @@ Convention for the data
     present, else `example.answer`. Tests are Python source (asserts, or a `def check(candidate)`;
     with `example.meta["entry_point"]` set and a `check` defined, `check(<entry_point>)` is
     appended, as in HumanEval). An example without tests gives `Verdict(0, parsed=False)`: a
-    program with nothing to check is never rewarded.
+    program with nothing to check is never rewarded. Nor are tests that cannot fail: they must run,
+    at their top level, an `assert` of a non-constant, a `raise` or a call, and read a name the
+    program could define (not only their own names, builtins and standard-library modules); code
+    under `if __name__ == "__main__":` and a function never called count as absent. Such rows are
+    refused when the data loads (`code_answer_problem`, `tests_problem`).
   * `example.meta["timeout"]` (seconds, a number in (0, MAX_CODE_TIMEOUT]) overrides the wall-clock
     limit for one example; anything else is refused when the data loads.
 
@@ -18,7 +22,8 @@ A pass is something the program cannot produce. The program and the tests run in
     iterate this object;
   * the test harness (the sandbox's PID 1) runs the tests in its own interpreter, with every
     top-level name of the program bound to a proxy of it, except names the tests would otherwise
-    resolve elsewhere: a builtin (`abs`, `len`, `sorted`, `isinstance`...) stays the builtin and a
+    resolve elsewhere: a builtin (`abs`, `len`, `sorted`, `isinstance`..., and `site`'s `exit`, `quit`,
+    `help`, `copyright`, `credits`, `license`, added to the harness's -S interpreter) stays the builtin and a
     standard-library module name is the harness's own import (a program defining `def abs(x): return 0`
     cannot change what the tests compute; only `meta["entry_point"]` may take such a name). Values cross between the two as plain
     data (numbers, strings, bytes, lists, tuples, dicts, sets, None) rebuilt by the harness, or as
@@ -44,6 +49,8 @@ Isolation (Linux): inside `unshare --user --map-root-user --net --pid --fork --k
     full, random and urandom, a fresh /proc, and a size-limited tmpfs /tmp holding the working
     directory. The host's /etc, /home, /root, /work, the project checkout and datasets are not in it;
   * rlimits: CPU seconds, address space, file size, processes, open files, no core dumps;
+  * a seccomp filter on the program's processes: the syscalls that hold memory outside an address
+    space (memfd_create, memfd_secret, SysV shmget / msgget / semget, mq_open) fail with EPERM;
   * an empty environment, stdin /dev/null, its own session; on timeout the session and the
     namespace's init are SIGKILLed.
 Fail closed: when `unshare`, user/net/pid/mount namespaces, the new root, or the in-sandbox checks
@@ -51,14 +58,21 @@ Fail closed: when `unshare`, user/net/pid/mount namespaces, the new root, or the
 program's process) are not available, the verifier raises `SandboxUnavailable` rather than run code.
 
 Host side: a fresh temporary directory holds the program and tests and the captured output (bounded
-by RLIMIT_FSIZE); it is removed afterwards. Not bounded: total memory across the sandbox's
-processes is at most nproc x memory (no cgroup is used).
+by RLIMIT_FSIZE); it is removed afterwards.
+
+Memory (no cgroup is used): each process's address space is at most `memory` (RLIMIT_AS), at most
+`nproc` processes, and files live on the two tmpfs (`tmpfs` bytes for /tmp, 1 MiB for the root), so the
+sandbox holds at most nproc x memory + tmpfs + 1 MiB, plus kernel buffers of its pipes and sockets (bounded
+by its open files). What would escape this (a memfd is bounded only by RLIMIT_FSIZE, per file; SysV shared
+memory outlives a detach) is refused by the seccomp filter: tests/test_sandbox.py tries both.
 
 Imports are light: the registration is read during validation; nothing runs until called.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import json
 import math
 import os
@@ -253,6 +267,34 @@ def drop_capabilities():
     caps = {l.split(":")[0]: int(l.split()[1], 16) for l in open("/proc/self/status") if l.startswith("Cap")}
     if any(caps.get(k, 1) for k in ("CapEff", "CapPrm", "CapBnd", "CapAmb")):
         fail("capabilities left after dropping them: %r" % caps)
+# Memory a process can hold outside its address space (so past RLIMIT_AS): memfd files, SysV shared memory,
+# message queues and semaphores (they outlive a detach), POSIX message queues. Syscall numbers per architecture:
+# memfd_create, memfd_secret, shmget, msgget, semget, mq_open.
+GENERIC = (279, 447, 194, 186, 190, 180)
+SECCOMP_ARCH = {"x86_64": (0xC000003E, (319, 447, 29, 68, 64, 240)), "aarch64": (0xC00000B7, GENERIC),
+                "riscv64": (0xC00000F3, GENERIC)}
+def deny_memory_outside_the_address_space():
+    # A seccomp filter (needs no_new_privs, set by drop_capabilities): those syscalls fail with EPERM, any
+    # syscall of another ABI (x32, 32-bit) kills the process. Inherited by every child, kept across exec.
+    arch = SECCOMP_ARCH.get(platform.machine())
+    if arch is None:
+        fail("seccomp: unknown architecture %s" % platform.machine())
+    audit, nrs = arch
+    LD, JEQ, JGE, RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    ALLOW, EPERM, KILL = 0x7FFF0000, 0x00050001, 0x80000000
+    n = len(nrs)
+    code = [(LD, 0, 0, 4), (JEQ, 1, 0, audit), (RET, 0, 0, KILL), (LD, 0, 0, 0), (JGE, n + 1, 0, 0x40000000)]
+    code += [(JEQ, n - i, 0, nr) for i, nr in enumerate(nrs)] + [(RET, 0, 0, ALLOW), (RET, 0, 0, EPERM)]
+    class Insn(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Insn))]
+    insns = (Insn * len(code))(*[Insn(*c) for c in code])
+    prog = Prog(len(code), insns)
+    if libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        fail("cannot install the seccomp filter (errno %d)" % ctypes.get_errno())
+    if "Seccomp:\t2" not in open("/proc/self/status").read():
+        fail("the seccomp filter is not in force")
 try:
     if os.getpid() != 1:
         fail("not PID 1 of a new PID namespace")
@@ -344,6 +386,7 @@ try:
                 os.close(fd)
             os.setsid()
             drop_capabilities()
+            deny_memory_outside_the_address_space()
             os.chdir(work)
             if job["tests"] is None:
                 argv = [sys.executable, "-I", work + "/main.py"]
@@ -527,11 +570,16 @@ try:
         # What the tests call without defining it is never the program's: a builtin name (`abs`, `len`,
         # `sorted`, `isinstance`, `AssertionError`...) stays the builtin, a standard-library module name
         # (`math`, `re`) is the harness's own import. Only the declared entry point may take such a name.
+        # A normal interpreter's builtins include what `site` adds (exit, quit, help...): this one runs with
+        # -S, so they are added here, and they stay builtins even where `site` cannot set them up.
+        SITE_BUILTINS = tuple(job["site_builtins"])
+        import site
+        site.setquit(), site.setcopyright(), site.sethelper()
         entry = job.get("entry")
         for k in list(names):
             if k == entry:
                 continue
-            if hasattr(builtins, k) or k in ("True", "False", "None"):
+            if hasattr(builtins, k) or k in SITE_BUILTINS or k in ("True", "False", "None"):
                 del names[k]
             elif k in sys.stdlib_module_names:
                 try:
@@ -640,7 +688,8 @@ def run_sandboxed(source: str, limits: SandboxLimits = DEFAULT_LIMITS, python: O
     try:
         job_path = os.path.join(host, "job.json")
         with open(job_path, "w", encoding="utf-8", errors="surrogatepass") as f:
-            json.dump({"program": source, "tests": tests, "nonce": nonce, "entry": entry}, f)
+            json.dump({"program": source, "tests": tests, "nonce": nonce, "entry": entry,
+                       "site_builtins": SITE_BUILTINS}, f)
         status_r, status_w = os.pipe()
         src_fd = os.open(job_path, os.O_RDONLY)
         out = open(os.path.join(host, "stdout"), "wb")
@@ -821,8 +870,123 @@ def _tail(text: str, n: int = 800) -> str:
     return text if len(text) <= n else "..." + text[-n:]
 
 
+# ------------------------------------------------------------------ tests that cannot tell programs apart
+# A static rule, read when the data loads (and again before a program runs): the tests must (1) run at their top
+# level something that can fail, an `assert` of a non-constant, a `raise`, or a call, and (2) read a name the
+# program could define. Code under `if __name__ == "__main__":` counts as absent (the harness runs the tests as
+# `__tests__`), and so does a function's body: a `check()` defined but never called checks nothing. The rule is
+# conservative: it refuses only tests that give every program the same result, never a test that might not.
+
+SITE_BUILTINS = ("exit", "quit", "help", "copyright", "credits", "license")  # added by `site` (the harness: -S)
+
+
+def _main_guard(test: ast.expr) -> str | None:
+    """'==' for `__name__ == "__main__"` (either way round), '!=' for its negation, else None."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.NotEq))):
+        return None
+    sides = {type(x).__name__ + ":" + str(getattr(x, "id", getattr(x, "value", ""))) for x in (test.left, *test.comparators)}
+    if sides != {"Name:__name__", "Constant:__main__"}:
+        return None
+    return "==" if isinstance(test.ops[0], ast.Eq) else "!="
+
+
+class _DropMainBlocks(ast.NodeTransformer):
+    """Removes the branch of an `if __name__ == "__main__":` that only runs as `__main__` (never in the harness)."""
+
+    def visit_If(self, node: ast.If):
+        self.generic_visit(node)
+        guard = _main_guard(node.test)
+        if guard is None:
+            return node
+        return (node.orelse if guard == "==" else node.body) or ast.Pass()
+
+
+def _blocks(stmt: ast.stmt) -> list[list[ast.stmt]]:
+    """The statement lists a statement runs itself (a class body does, a function body only when called)."""
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return []
+    out = [getattr(stmt, f) for f in ("body", "orelse", "finalbody") if isinstance(getattr(stmt, f, None), list)]
+    return out + [h.body for h in getattr(stmt, "handlers", [])] + [c.body for c in getattr(stmt, "cases", [])]
+
+
+def _calls(stmt: ast.stmt) -> bool:
+    """Does the statement itself (not its nested statements or lambdas) call something?"""
+    todo = list(ast.iter_child_nodes(stmt))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Call):
+            return True
+        if not isinstance(node, (ast.stmt, ast.Lambda, ast.excepthandler)):
+            todo.extend(ast.iter_child_nodes(node))
+    return False
+
+
+def _can_fail(stmts: list[ast.stmt]) -> bool:
+    """Does one of these statements, or one in a block they run, assert a non-constant, raise, or call?"""
+    for s in stmts:
+        if isinstance(s, ast.Assert):
+            if not isinstance(s.test, ast.Constant):
+                return True
+        elif isinstance(s, ast.Raise) or _calls(s):
+            return True
+        if any(_can_fail(b) for b in _blocks(s)):
+            return True
+    return False
+
+
+def _module_bindings(tree: ast.Module) -> set[str]:
+    """Names the tests bind at module level (not inside functions, classes, lambdas or comprehensions)."""
+    out, todo = set(), list(tree.body)
+    scopes = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+            continue
+        if isinstance(node, scopes):
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif isinstance(node, ast.alias):
+            out.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            out.add(node.name)
+        todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def _program_names(tree: ast.Module, entry: str | None) -> set[str]:
+    """Names the tests read that the harness would take from the program (as it filters them: not a builtin,
+    not a standard-library module, not True/False/None or a dunder; the entry point always)."""
+    import builtins
+
+    read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    theirs = _module_bindings(tree)
+    return {k for k in read - theirs if k == entry or not (
+        hasattr(builtins, k) or k in SITE_BUILTINS or k in sys.stdlib_module_names or k.startswith("__"))}
+
+
+@functools.lru_cache(maxsize=256)
+def tests_problem(tests: str, entry: str | None = None) -> str | None:
+    """Why these tests would give every program the same result (the rule above), or None when they can fail."""
+    try:
+        tree = _DropMainBlocks().visit(ast.parse(tests))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return "the tests are not valid Python"
+    if not _can_fail(tree.body):
+        return ("the tests cannot fail: nothing at their top level asserts, raises or calls (a function defined "
+                "but never called, or code under `if __name__ == \"__main__\":`, which the tests never run as, "
+                "checks nothing); call the check at top level, e.g. `check(candidate)`, or set meta['entry_point']")
+    if not _program_names(tree, entry):
+        return ("the tests never read a name the program could define (only their own names, builtins and "
+                "standard-library modules), so every program would get the same result; test the program's "
+                "function, e.g. `assert f(1) == 2`")
+    return None
+
+
 def code_answer_problem(ex: Example) -> Optional[str]:
-    """Why a row cannot be verified as code (its timeout, no tests, tests that do not compile), or None."""
+    """Why a row cannot be verified as code (its timeout, no tests, tests that do not compile or cannot tell
+    programs apart), or None."""
     why = timeout_problem((ex.meta or {}).get("timeout"))
     if why:
         return why
@@ -831,7 +995,13 @@ def code_answer_problem(ex: Example) -> Optional[str]:
         return "no tests (the answer or meta['tests'] holds the test code)"
     if not _compiles(tests):
         return "the tests are not valid Python"
-    return None
+    return tests_problem(tests, _entry(ex))
+
+
+def _entry(example: Example) -> str | None:
+    """The row's declared entry point (meta['entry_point']), as the harness gets it."""
+    entry = example.meta.get("entry_point") if example.meta else None
+    return str(entry) if entry else None
 
 
 STOPPED = {"SIGXCPU": "CPU time limit", "SIGKILL": "killed (CPU or time limit)", "SIGXFSZ": "file size limit"}
@@ -850,12 +1020,14 @@ def code_verifier(response: str, example: Example) -> Verdict:
     tests = example_tests(example)
     if not tests.strip():
         return Verdict(0.0, parsed=False, detail="the example has no tests (answer or meta['tests'])")
+    why = tests_problem(tests, _entry(example))
+    if why:  # refused when the data loads; here for examples built otherwise: nothing to check, no reward
+        return Verdict(0.0, parsed=False, detail=f"the example's tests check nothing: {why}")
     try:
         limits = _limits_for(example)
     except ValueError as e:
         return Verdict(0.0, parsed=False, detail=f"the example's {e}")
-    entry = example.meta.get("entry_point") if example.meta else None
-    r = run_sandboxed(program, limits, tests=tests, entry=str(entry) if entry else None)
+    r = run_sandboxed(program, limits, tests=tests, entry=_entry(example))
     if r.passed:
         return Verdict(1.0)
     if r.timed_out:
