@@ -55,7 +55,8 @@ Isolation (Linux): inside `unshare --user --map-root-user --net --pid --fork --k
     namespace's init are SIGKILLed.
 Fail closed: when `unshare`, user/net/pid/mount namespaces, the new root, or the in-sandbox checks
 (outer uid not 0, no network interface but `lo`, PID 1 in a new namespace, no capability left in the
-program's process) are not available, the verifier raises `SandboxUnavailable` rather than run code.
+program's process, its seccomp filter in force) are not available, the verifier raises
+`SandboxUnavailable` rather than run code.
 
 Host side: a fresh temporary directory holds the program and tests and the captured output (bounded
 by RLIMIT_FSIZE); it is removed afterwards.
