@@ -355,6 +355,7 @@ def test_the_program_has_no_capabilities_and_cannot_read_the_harness(clean_machi
     caps = {line.split(":")[0]: line.split()[1] for line in r.stdout.splitlines() if line.startswith("Cap")}
     assert caps and set(caps.values()) == {"0000000000000000"}, r.stdout
     assert "NoNewPrivs:\t1" in r.stdout and "READ" not in r.stdout
+    assert "Seccomp:\t2" in r.stdout  # the filter that keeps memory inside the address space (issue 57)
 
 
 @needs_sandbox
