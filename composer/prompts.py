@@ -66,12 +66,17 @@ class PromptFormatError(ValueError):
 class PromptFormat:
     """How a problem becomes the text a model is prompted with (see the module docstring).
 
-    mode: `task` (the toy testbed: the task's own prompt, nothing added), `plain` or `chat`."""
+    mode: `task` (the toy testbed: the task's own prompt, nothing added), `plain` or `chat`. bos: the BOS
+    token's text, put first in every prompt that does not start with it, when the tokenizer adds one on its own
+    (prompts are tokenised with no special tokens added). controls: the tokenizer's control-token strings,
+    which a row's text may not hold (composer/checks/data.py `screen_task`)."""
 
     def __init__(self, mode: str = "task", tokenizer=None, system: str | None = None, template: str = "{prompt}",
-                 kwargs: dict | None = None, asked: str = "auto", tokenizer_name: str = ""):
+                 kwargs: dict | None = None, asked: str = "auto", tokenizer_name: str = "", bos: str = "",
+                 controls: tuple[str, ...] = ()):
         self.mode, self.tokenizer, self.system, self.template = mode, tokenizer, system, template
         self.kwargs, self.asked, self.tokenizer_name = dict(kwargs or {}), asked, tokenizer_name
+        self.bos, self.controls = bos, tuple(controls)
 
     def user(self, example) -> str:
         """The policy's user message for `example`: the prompt template filled with its problem text (task
@@ -85,7 +90,7 @@ class PromptFormat:
         if self.mode == "task":
             return user
         if self.mode == "plain":
-            return (f"{self.system}\n\n" if self.system is not None else "") + user
+            return self._with_bos((f"{self.system}\n\n" if self.system is not None else "") + user)
         messages = ([{"role": "system", "content": self.system}] if self.system is not None else []) + \
             [{"role": "user", "content": user}]
         from composer.template_limits import TemplateLimitError, render
@@ -98,7 +103,11 @@ class PromptFormat:
         if not isinstance(text, str):
             raise PromptFormatError(f"the chat template of {self.tokenizer_name or 'the tokenizer'} did not render "
                                     f"text (apply_chat_template returned {type(text).__name__})")
-        return text
+        return self._with_bos(text)
+
+    def _with_bos(self, text: str) -> str:
+        """`text` with the BOS first, as the tokenizer would add it (a chat template that writes it keeps one)."""
+        return text if not self.bos or text.startswith(self.bos) else self.bos + text
 
     def prompt(self, example) -> str:
         """The policy's prompt text for `example`."""
@@ -140,11 +149,12 @@ class PromptFormat:
             "plain: the text as it is, no chat template"
         asked = f"data.prompt_format {self.asked} -> " if self.asked == "auto" else "data.prompt_format "
         sys_ = "none" if self.system is None else repr(self.system)
-        return f"{asked}{how}; system prompt: {sys_}; user message: {self.template!r}"
+        bos = f"; BOS {self.bos!r} first, as the tokenizer adds it" if self.bos else ""
+        return f"{asked}{how}; system prompt: {sys_}; user message: {self.template!r}{bos}"
 
     def to_json(self) -> dict:
         return {"mode": self.mode, "asked": self.asked, "tokenizer": self.tokenizer_name, "system_prompt": self.system,
-                "prompt_template": self.template, "chat_template_kwargs": self.kwargs}
+                "prompt_template": self.template, "chat_template_kwargs": self.kwargs, "bos": self.bos}
 
 
 TASK_FORMAT = PromptFormat("task")
@@ -164,8 +174,36 @@ def prompt_format(data, tokenizer, tokenizer_name: str = "") -> PromptFormat:
                                 "chat template; use prompt_format: plain (or auto), or give policy.tokenizer a "
                                 "tokenizer that has one")
     fmt = PromptFormat(mode, tokenizer if mode == "chat" else None, data.system_prompt, data.prompt_template,
-                       data.chat_template_kwargs, data.prompt_format, tokenizer_name)
+                       data.chat_template_kwargs, data.prompt_format, tokenizer_name, added_bos(tokenizer),
+                       control_tokens(tokenizer))
     return fmt.check() if mode == "chat" else fmt
+
+
+def added_bos(tokenizer) -> str:
+    """The BOS token's text when `tokenizer` puts a BOS first on its own (`add_special_tokens=True`) and that
+    text encodes to it; "" otherwise (no tokenizer, no BOS, or one the tokenizer does not add)."""
+    bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
+    if not bos or bos_id is None or not hasattr(tokenizer, "encode"):
+        return ""
+    try:
+        with_, without = (tokenizer.encode("x", add_special_tokens=on)[:1] for on in (True, False))
+        adds = with_ == [bos_id] and without != [bos_id]
+        return bos if adds and tokenizer.encode(bos, add_special_tokens=False) == [bos_id] else ""
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot encode a probe: nothing added
+        return ""
+
+
+def control_tokens(tokenizer) -> tuple[str, ...]:
+    """The strings `tokenizer` reads as one control token inside text: its special tokens, and its added
+    tokens written as markup (`<think>`, `[INST]`); () without a tokenizer."""
+    if tokenizer is None:
+        return ()
+    found = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        text = getattr(tok, "content", "")
+        if getattr(tok, "special", False) or (text[:1] in "<[" and text[-1:] in ">]"):
+            found.add(text)
+    return tuple(sorted(t for t in found if isinstance(t, str) and len(t.strip()) > 1))
 
 
 def render_task(task, fmt: PromptFormat) -> None:

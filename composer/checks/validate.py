@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from composer import registry
 from composer.checks import graph
+from composer.checks import data as data_checks
 from composer.checks import inert
 from composer.checks import rules
 from composer.errors import Diagnostic, Location, SpecError
@@ -401,6 +402,7 @@ def _rules_layer(spec, segments: list[Segment], loaded: LoadedSpec, warnings: li
                 x.message = f"in {_label(seg)}: {x.message}"
         diags += _locate(d, loaded, seg.origin)
     diags += inert.check(loaded, segments)  # settings that can never act where they stand
+    diags += data_checks.check(loaded, spec)  # data files, their columns and rows against the context
     errors = [d for d in _dedupe(diags) if d.severity == "error"]
     found = [d for d in _dedupe(diags) if d.severity == "warning"]
     if errors:

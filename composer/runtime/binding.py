@@ -73,6 +73,8 @@ def data_hint(e: DataError, d=None) -> str:
         return f"remove the rows with an empty '{field}', {SKIP_HINT}"
     if reason == TOO_LONG:
         return f"shorten those prompts, or use a policy with a longer context; {SKIP_HINT}"
+    if reason == "control_token":
+        return f"rewrite the text so it does not spell the token (e.g. '< |im_end| >'), {SKIP_HINT}"
     if reason == UNPARSABLE_ANSWER:
         return ("the answer field must be what the verifier reads (its forms: `composer list verifiers`); choose "
                 f"the verifier that matches the answers (sources.<name>.verifier), {SKIP_HINT}")
@@ -131,6 +133,14 @@ def bind_task(spec) -> Task:
         evals["eval"], c = load_examples_counted(eval_source, d, d.eval_split, "eval")
         counts += c
     task = Task(name=Path(d.train).stem, train=train, eval=evals, verifier="math")
+    from composer.checks.data import screen_task
+    from composer.prompts import PromptFormatError, render_task
+
+    try:
+        fmt = policy_format(spec)
+    except PromptFormatError as e:
+        raise DataError(str(e), file=str(d.train), field="prompt_format") from None
+    counts += screen_task(task, spec, fmt)  # too long for the context, or a control token: before any is tokenised
     for name in spec_verifiers(spec, task):
         task.train, n = validate_answers(task.train, name, d.on_bad_row, file=d.train, field=d.answer_field)
         counts[UNPARSABLE_ANSWER] += n
@@ -138,10 +148,8 @@ def bind_task(spec) -> Task:
             task.eval[k], n = validate_answers(task.eval[k], name, d.on_bad_row, file=eval_file(d), field=d.answer_field)
             counts[UNPARSABLE_ANSWER] += n
     _set_counts(task, counts)
-    from composer.prompts import PromptFormatError, render_task
-
     try:  # each prompt rendered once, here: chat template / system prompt / prompt template (data.prompt_format)
-        render_task(task, policy_format(spec))
+        render_task(task, fmt)
     except PromptFormatError as e:
         raise DataError(str(e), file=str(d.train), field="prompt_format") from None
     return task
@@ -427,8 +435,6 @@ def policy_format(spec):
         return TASK_FORMAT
     policy = getattr(spec, "policy", None)  # a spec without one: the toy student
     name = getattr(policy, "tokenizer", None) or getattr(policy, "model", None) or "toy:student"
-    if d.prompt_format == "plain":
-        return prompt_format(d, None, name)
     if name.startswith("toy:"):  # the toy tokenizer (character level) has no chat template: no need to load it
         return prompt_format(d, None, name)
     from composer.runtime.models import load_tokenizer

@@ -26,6 +26,10 @@ from typing import Any, Iterator
 
 FILE_BUILDERS = {".json": "json", ".csv": "csv", ".parquet": "parquet", ".tsv": "csv"}
 DATA_SUFFIXES = (".jsonl", ".ndjson", *FILE_BUILDERS)
+# The format `datasets` reads each data file of a folder with; it reads only the most common one of a folder.
+FOLDER_FORMATS = {".jsonl": "json", ".ndjson": "json", ".json": "json", ".csv": "csv", ".tsv": "csv",
+                  ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
+METADATA_FILES = {"dataset_infos.json", "dataset_info.json", "dataset_dict.json", "state.json"}
 EVAL_SPLITS = ("test", "validation", "valid", "eval", "dev")
 HUB_HINT = ("download it where there is network (`hf download {name} --repo-type dataset`, or `hf download {name} "
             "--repo-type dataset --local-dir DIR` and give DIR); a run never downloads data")
@@ -96,8 +100,43 @@ def kind_of(path: Path) -> str:
     return "jsonl"  # no or another extension: read as JSON lines, each bad line named
 
 
+def folder_files(path: Path) -> dict[str, list[Path]]:
+    """The data files of a folder (hidden files and `datasets` metadata left out), by the format `datasets` reads
+    them with: {"json": [...], "csv": [...], ...}."""
+    found: dict[str, list[Path]] = {}
+    for f in sorted(path.rglob("*")):
+        rel = f.relative_to(path).parts
+        if any(p.startswith((".", "_")) for p in rel) or f.name in METADATA_FILES or not f.is_file():
+            continue
+        fmt = FOLDER_FORMATS.get(f.suffix.lower())
+        if fmt:
+            found.setdefault(fmt, []).append(f)
+    return found
+
+
+def mixed_formats(path: Path) -> str | None:
+    """Why a folder of data files cannot be read as one source (None: one format): `datasets.load_dataset` reads
+    the files of its most common format only and would drop the others' rows without a word."""
+    found = folder_files(path)
+    if len(found) < 2:
+        return None
+
+    def names(files: list[Path]) -> str:
+        shown = ", ".join(str(f.relative_to(path)) for f in files[:3])
+        return shown + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+
+    listed = "; ".join(f"{fmt}: {names(files)}" for fmt, files in found.items())
+    return (f"{path}: a folder of data files in {len(found)} formats ({listed}); a folder is read as one format, "
+            "so the rows of the others would be dropped\n    hint: keep the files of one format in the folder "
+            "(convert the others), or give data.train one file")
+
+
 def _load(path: Path, kind: str):
-    """The source as a `datasets` Dataset or DatasetDict (never downloads)."""
+    """The source as a `datasets` Dataset or DatasetDict (never downloads); a folder of mixed formats refused."""
+    if kind == "folder":
+        why = mixed_formats(path)
+        if why:
+            raise SourceError(why)
     ds = _datasets()
     try:
         if kind == "disk":

@@ -1,0 +1,359 @@
+"""Data input, checked early and bounded (issues 56 and 57).
+
+Two parts, neither imports torch:
+
+  `check` (validation, `composer validate`): what can be told about the data from the files alone, without
+    loading a model or a tokenizer: data.train / data.eval exist and are readable, a folder holds one format,
+    the columns the spec names (prompt_field, answer_field, solution_field when set) are in the file's header or
+    first row, and the first rows fit the policy's declared context (max_position_embeddings of the model
+    folder's config.json; the toy testbed's known context). Each problem is located at its spec line.
+  `screen_task` (a run binding its data, before any row is rendered or tokenised): a row whose text is longer
+    than the context can hold at CHARS_PER_TOKEN characters a token is refused (or skipped and counted) by its
+    length in characters, so a 30 MiB row costs no tokenisation; a row whose text holds one of the policy
+    tokenizer's control tokens (`<|im_end|>`, `<|im_start|>`) is refused, since prompts are carried as text and
+    tokenised with special tokens parsed: in a prompt it would become that token (a forged turn), not text.
+
+The bound is a ceiling, not an estimate: no tokenizer's token covers more than CHARS_PER_TOKEN characters of
+text in practice, so a row over it can never fit; rows under it are counted exactly by the tokenizer later
+(runtime/binding.py `check_lengths`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+from composer.errors import Diagnostic, Location
+
+CHARS_PER_TOKEN = 64  # a generous ceiling on the characters of text one token covers
+TOY_CONTEXT = 512  # the toy testbed's max_position_embeddings (components/tasks/bootstrap.py `qwen3`)
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "seq_length", "n_ctx")
+HEAD_ROWS = 64  # rows validation reads from the top of a data file
+JSON_WHOLE_MAX = 8 << 20  # a .json file (one array) validation parses whole only up to this size
+CONTROL_TOKEN = "control_token"  # skip reason (task.skipped_by_reason)
+FIELD_SETTINGS = ("prompt_field", "answer_field", "solution_field")
+
+
+# ------------------------------------------------------------------------------------------ context
+
+
+def declared_context(model: str | None) -> tuple[int | None, str]:
+    """(context in tokens, where it was read) of a policy model, from its config.json without loading it: a
+    local folder or a hub id in the local Hugging Face cache; the toy testbed's known context; (None, "") when
+    it cannot be read here."""
+    name = model or "toy:student"
+    if name.startswith("toy:"):
+        return TOY_CONTEXT, "the toy testbed"
+    path = Path(name) / "config.json"
+    if not path.is_file():
+        path = _cached_config(name)
+        if path is None:
+            return None, ""
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None, ""
+    for part in (cfg, cfg.get("text_config") if isinstance(cfg, dict) else None):
+        for key in CONTEXT_KEYS:
+            value = part.get(key) if isinstance(part, dict) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value, f"{key} in {path}"
+    return None, ""
+
+
+def _cached_config(name: str) -> Path | None:
+    """config.json of a hub model id in the local Hugging Face cache (never downloaded)."""
+    from composer.runtime.paths import HUB_ID
+
+    if not HUB_ID.fullmatch(name) or "/" not in name or name.startswith((".", "/")):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(name, "config.json")
+    except Exception:  # noqa: BLE001 - not an id the hub library accepts
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def row_limit(context: int) -> int:
+    """The most characters a row's text may have and still fit `context` tokens."""
+    return context * CHARS_PER_TOKEN
+
+
+# ------------------------------------------------------------------------------------------ run-time screen
+
+
+def control_pattern(controls) -> re.Pattern | None:
+    """One regex matching any of the control-token strings (longest first), None when there are none."""
+    controls = sorted(set(controls), key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, controls))) if controls else None
+
+
+def screen_task(task, spec, fmt) -> Counter:
+    """Refuse, or skip and count (data.on_bad_row), the rows of `task` (train and eval, in place) that must not
+    be rendered or tokenised: text longer than the policy's declared context holds (by characters), and text
+    holding a control token of the policy tokenizer (`fmt.controls`). Returns the skipped counts by reason."""
+    from composer.runtime.binding import _Skips
+
+    d = spec.data
+    context, where = declared_context(getattr(getattr(spec, "policy", None), "model", None))
+    pattern = control_pattern(getattr(fmt, "controls", ()))
+    fields = ((d.prompt_field, "problem"), (d.solution_field, "solution"), (d.answer_field, "answer"))
+    counts: Counter = Counter()
+    parts = [("train", task.train)] + [(k, v) for k, v in task.eval.items()]
+    for name, examples in parts:
+        skips, kept = _Skips(d.on_bad_row), []
+        for ex in examples:
+            err = _row_problem(ex, fields, context, where, pattern, getattr(fmt, "tokenizer_name", ""))
+            if err is None:
+                kept.append(ex)
+            else:
+                skips.bad(err)
+        skips.report(f"{name} rows")
+        counts += skips.counts
+        if name == "train":
+            task.train = kept
+        else:
+            task.eval[name] = kept
+    if not task.train:
+        from composer.errors import DataError
+
+        raise DataError(f"{d.train}: no usable rows (every row refused: {dict(counts)})", file=str(d.train))
+    return counts
+
+
+def _row_problem(ex, fields, context, where, pattern, tokenizer_name):
+    """The DataError for one example's first refused field, or None."""
+    from composer.runtime.binding import TOO_LONG, _error
+
+    src = (ex.meta or {}).get("file", "<data>")
+    for field, attr in fields:
+        text = getattr(ex, attr, None)
+        if not isinstance(text, str):
+            continue
+        if context is not None and len(text) > row_limit(context):
+            return _error(src, ex.row, field, f"{len(text)} characters, more than the policy's context ({context} "
+                          f"tokens, {where}) can hold at {CHARS_PER_TOKEN} characters a token ({row_limit(context)} "
+                          "characters); refused before it is tokenised", TOO_LONG)
+        hit = pattern.search(text) if pattern is not None else None
+        if hit:
+            return _error(src, ex.row, field, f"holds {hit.group(0)!r}, a control token of the policy tokenizer "
+                          f"{tokenizer_name}: in a prompt it would be read as that token (e.g. a forged turn), "
+                          "not as text", CONTROL_TOKEN)
+    return None
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+
+def check(loaded, spec) -> list[Diagnostic]:
+    """Validation's data checks (see the module docstring): errors and warnings, located in the spec."""
+    d = spec.data
+    if d.train is None:
+        return []
+    context, where = declared_context(spec.policy.model if spec.policy else None)
+    out = _max_new_tokens(loaded, spec, context, where)
+    for key in ("train", "eval"):
+        name = getattr(d, key)
+        if name:
+            out += _source(loaded, spec, key, name, context, where)
+    return out
+
+
+def _at(loaded, *paths) -> Location:
+    """Where the first of `paths` the spec wrote stands (else the nearest enclosing key; else line 1)."""
+    for path in paths:
+        if path in loaded.positions:
+            return loaded.positions[path]
+    return loaded.locate(paths[-1]) or Location(loaded.file, 1, 1)
+
+
+def _diag(loaded, message: str, path: tuple, hint: str, severity: str = "error", at: tuple = ()) -> Diagnostic:
+    return Diagnostic("semantics", message, path, _at(loaded, *(at or (path,))), hint, severity, rule="data_input")
+
+
+def _max_new_tokens(loaded, spec, context, where) -> list[Diagnostic]:
+    """A response budget that leaves no room for a prompt in the declared context (a warning: the run does
+    not stop on it, but every response can run past the positions the model was trained on)."""
+    n = spec.rollout.max_new_tokens
+    if context is None or n < context:
+        return []
+    path = ("rollout", "max_new_tokens")
+    return [_diag(loaded, f"{n} new tokens leave no room for a prompt in the policy's context ({context} tokens, "
+                  f"{where}): every response can run past it", path, "set rollout.max_new_tokens below the "
+                  "context, less the longest prompt", "warning", at=(path, ("policy", "model")))]
+
+
+def _source(loaded, spec, key: str, name: str, context, where) -> list[Diagnostic]:
+    """The checks of one data source (data.train or data.eval)."""
+    from composer.runtime.datafiles import SourceError, kind_of, locate, mixed_formats
+    from composer.runtime.paths import data_path_problem
+
+    path = ("data", key)
+    why = data_path_problem(name)
+    if why:
+        message, _, hint = why.partition("\n    hint: ")
+        return [_diag(loaded, message, path, hint or "give a local file (jsonl, json, csv, parquet) or a `datasets` "
+                      "folder; paths are relative to the folder the command runs in")]
+    try:
+        real = locate(name)
+    except SourceError as e:
+        return [_diag(loaded, str(e).split("\n")[0], path, "give a local data file or folder")]
+    kind = kind_of(real)
+    if kind == "folder":
+        mixed = mixed_formats(real)
+        if mixed:
+            message, _, hint = mixed.partition("\n    hint: ")
+            return [_diag(loaded, message, path, hint)]
+    columns, rows = head(real, kind, spec.data.split if key == "train" else spec.data.eval_split)
+    if columns is None:
+        return []
+    out = _columns(loaded, spec, key, name, columns)
+    if not out and context is not None:
+        out += _row_sizes(loaded, spec, key, name, rows, context, where)
+    return out
+
+
+def _columns(loaded, spec, key: str, name: str, columns: list[str]) -> list[Diagnostic]:
+    """The fields the spec names that the source's rows do not have."""
+    d = spec.data
+    data = loaded.data.get("data") if isinstance(loaded.data.get("data"), dict) else {}
+    out = []
+    for setting in FIELD_SETTINGS:
+        field = getattr(d, setting)
+        if setting == "solution_field" and setting not in data:
+            continue  # optional unless the spec names it: a row without one has no reference solution
+        if field in columns:
+            continue
+        shown = ", ".join(columns[:20]) + (", ..." if len(columns) > 20 else "") or "none"
+        out.append(_diag(loaded, f"{name} has no column '{field}' (data.{setting}); its columns: {shown}",
+                         ("data", setting), f"set data.{setting} to the column that holds it",
+                         at=(("data", setting), ("data", key))))
+    return out
+
+
+def _row_sizes(loaded, spec, key: str, name: str, rows: list[tuple[int, dict]], context: int,
+               where: str) -> list[Diagnostic]:
+    """First rows whose prompt cannot fit the context (an error, as the run refuses them; a warning with
+    on_bad_row skip), or cannot fit it with max_new_tokens after it (a warning)."""
+    d, budget = spec.data, spec.rollout.max_new_tokens
+    out = []
+    for row, fields in rows:
+        text = fields.get(d.prompt_field)
+        if not isinstance(text, str):
+            continue
+        at_least = -(-len(text) // CHARS_PER_TOKEN)  # tokens, at the fewest
+        if len(text) > row_limit(context):
+            severity = "warning" if d.on_bad_row == "skip" else "error"
+            out.append(_diag(loaded, f"{name}: row {row}: field '{d.prompt_field}' is {len(text)} characters, more "
+                             f"than the policy's context ({context} tokens, {where}) can hold at {CHARS_PER_TOKEN} "
+                             "characters a token", ("data", key), "shorten or remove the row, use a policy with a "
+                             "longer context, or set data.on_bad_row: skip (the row is then skipped and counted)",
+                             severity))
+        elif budget < context and at_least + budget > context:
+            out.append(_diag(loaded, f"{name}: row {row}: field '{d.prompt_field}' is at least {at_least} tokens; "
+                             f"with rollout.max_new_tokens {budget} it cannot fit the policy's context ({context} "
+                             f"tokens, {where})", ("data", key), "shorten the row, or lower rollout.max_new_tokens",
+                             "warning"))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ reading the head
+
+
+def head(path: Path, kind: str, split: str | None = None) -> tuple[list[str] | None, list[tuple[int, dict]]]:
+    """(the columns, the first HEAD_ROWS rows as (row number, dict)) of a data source, read cheaply: a file's
+    header or first lines, a parquet file's schema, a `datasets` folder's features; (None, []) when they cannot
+    be told this way (the run then reads and reports)."""
+    try:
+        if kind == "folder":
+            return _folder_head(path, split)
+        if kind == "disk":
+            return _disk_columns(path, split), []
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            return list(pq.ParquetFile(str(path)).schema_arrow.names), []
+        if kind == "csv":
+            return _csv_head(path)
+        if kind == "json":
+            return _json_head(path)
+        return _jsonl_head(path)
+    except Exception:  # noqa: BLE001 - a damaged file: the run names what is wrong with it, row by row
+        return None, []
+
+
+def _folder_head(path: Path, split: str | None):
+    """The head of the folder's first data file (of the split's files, when their names say the split)."""
+    from composer.runtime.datafiles import folder_files, kind_of
+
+    files = [f for group in folder_files(path).values() for f in group]
+    want = split or "train"
+    named = [f for f in files if want in f.name or want in f.parent.name]
+    for f in named or files:
+        return head(f, kind_of(f))
+    return None, []
+
+
+def _disk_columns(path: Path, split: str | None) -> list[str] | None:
+    """The features of a save_to_disk folder (a Dataset, or one split of a DatasetDict)."""
+    info = path / "dataset_info.json"
+    if not info.is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits") or []
+        chosen = split if split in splits else ("train" if "train" in splits else (splits or [None])[0])
+        if chosen is None:
+            return None
+        info = path / chosen / "dataset_info.json"
+    features = json.loads(info.read_text()).get("features")
+    return list(features) if isinstance(features, dict) else None
+
+
+def _csv_head(path: Path):
+    delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
+    rows = []
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f, delimiter=delimiter)
+        columns = list(reader.fieldnames or [])
+        try:
+            for i, row in enumerate(reader, start=1):
+                if i > HEAD_ROWS:
+                    break
+                rows.append((i, row))
+        except csv.Error:  # a field past csv's size limit: the columns are known, the rows are the run's to read
+            pass
+    return columns, rows
+
+
+def _jsonl_head(path: Path):
+    rows = []
+    with path.open("rb") as f:
+        for i, raw in enumerate(f, start=1):
+            if len(rows) >= HEAD_ROWS:
+                break
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw.decode("utf-8").lstrip("\ufeff"))
+            except ValueError:  # a bad line: the run names it; the rows above it still tell the columns
+                break
+            if not isinstance(row, dict):
+                break
+            rows.append((i, row))
+    return (list(rows[0][1]) if rows else None), rows
+
+
+def _json_head(path: Path):
+    """A .json file: JSON lines (the `datasets` json builder reads both), or one array of objects."""
+    with path.open("rb") as f:
+        start = f.read(1 << 10).lstrip()
+    if start.startswith(b"{"):
+        return _jsonl_head(path)
+    if start.startswith(b"[") and path.stat().st_size <= JSON_WHOLE_MAX:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        rows = [(i, r) for i, r in enumerate(data[:HEAD_ROWS], start=1) if isinstance(r, dict)]
+        return (list(rows[0][1]) if rows else None), rows
+    return None, []
