@@ -66,9 +66,10 @@ class PromptFormatError(ValueError):
 class PromptFormat:
     """How a problem becomes the text a model is prompted with (see the module docstring).
 
-    mode: `task` (the toy testbed: the task's own prompt, nothing added), `plain` or `chat`. bos: the BOS
-    token's text, put first in every prompt that does not start with it, when the tokenizer adds one on its own
-    (prompts are tokenised with no special tokens added). controls: the tokenizer's control-token strings,
+    mode: `task` (the toy testbed: the task's own prompt, nothing added), `plain` or `chat`. bos (plain only):
+    the BOS token's text, put first in every prompt, when the tokenizer adds one on its own (prompts are
+    tokenised with no special tokens added; a chat template writes its own BOS, as `apply_chat_template` has
+    it). controls: the tokenizer's control-token strings,
     which a row's text may not hold (composer/checks/data.py `screen_task`)."""
 
     def __init__(self, mode: str = "task", tokenizer=None, system: str | None = None, template: str = "{prompt}",
@@ -103,10 +104,10 @@ class PromptFormat:
         if not isinstance(text, str):
             raise PromptFormatError(f"the chat template of {self.tokenizer_name or 'the tokenizer'} did not render "
                                     f"text (apply_chat_template returned {type(text).__name__})")
-        return self._with_bos(text)
+        return text
 
     def _with_bos(self, text: str) -> str:
-        """`text` with the BOS first, as the tokenizer would add it (a chat template that writes it keeps one)."""
+        """`text` with the BOS first, as the tokenizer would add it (once)."""
         return text if not self.bos or text.startswith(self.bos) else self.bos + text
 
     def prompt(self, example) -> str:
@@ -174,8 +175,8 @@ def prompt_format(data, tokenizer, tokenizer_name: str = "") -> PromptFormat:
                                 "chat template; use prompt_format: plain (or auto), or give policy.tokenizer a "
                                 "tokenizer that has one")
     fmt = PromptFormat(mode, tokenizer if mode == "chat" else None, data.system_prompt, data.prompt_template,
-                       data.chat_template_kwargs, data.prompt_format, tokenizer_name, added_bos(tokenizer),
-                       control_tokens(tokenizer))
+                       data.chat_template_kwargs, data.prompt_format, tokenizer_name,
+                       added_bos(tokenizer) if mode == "plain" else "", control_tokens(tokenizer))
     return fmt.check() if mode == "chat" else fmt
 
 

@@ -98,6 +98,8 @@ def make_ctx(real, text: str):
 
 
 def test_prompt_settings_validate_without_torch(tmp_path):
+    for name in ("train.jsonl", "eval.jsonl"):  # validate checks the files and their columns (issue 56)
+        (tmp_path / name).write_text(json.dumps(realmodel.problem_row(1, 2)) + "\n")
     spec = tmp_path / "s.yaml"
     spec.write_text("name: t\npolicy: {model: /no/such/model}\n"
                     + data_block({"train": str(tmp_path / "train.jsonl"), "eval": str(tmp_path / "eval.jsonl")},
@@ -392,7 +394,7 @@ def test_cluster_side_teacher_and_judge_prompts_match_the_lightning_ones(real, t
     assert correction({}) == rows[0]["prompt"] + "a\n"
 
 
-def test_the_readme_section_spec_lines_validate_and_render_as_shown(real):
+def test_the_readme_section_spec_lines_validate_and_render_as_shown(real, tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from composer.runtime.models import load_tokenizer
@@ -402,6 +404,10 @@ def test_the_readme_section_spec_lines_validate_and_render_as_shown(real):
     start = page.index("# Your own model and data")
     section = page[start:page.index("\n## ", start + 1)]
     block = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)  # the block's data files, there: validate checks they exist (issue 56)
+    (tmp_path / "data").mkdir()
+    for name in ("train.jsonl", "eval.jsonl"):
+        (tmp_path / "data" / name).write_text(json.dumps(realmodel.problem_row(1, 2)) + "\n")
     spec = validated("name: mine\n" + block + GRPO).spec
     assert spec.data.system_prompt == SYSTEM and spec.data.prompt_template == TEMPLATE
     shown = section.split("For a ChatML template:\n\n```\n", 1)[1].split("```", 1)[0]

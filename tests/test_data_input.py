@@ -302,3 +302,26 @@ def test_a_tokenizer_without_bos_gets_none(real, tmp_path):
     task = bind(spec)
     assert all(not ex.prompt.startswith("<|endoftext|>") for ex in task.train)
     assert task.prompt_format.bos == "" and "BOS" not in task.prompt_format.describe()
+
+
+CHAT_NO_BOS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_chat_template_decides_the_bos_as_apply_chat_template_does(real, tmp_path):
+    """Under a chat template the BOS is the template's to write: the prompt's ids are those of transformers'
+    `apply_chat_template(tokenize=True)`, here with a BOS-adding tokenizer whose template writes none."""
+    from transformers import AutoTokenizer
+
+    tok_dir = bos_tokenizer(real, tmp_path)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    tok.chat_template = CHAT_NO_BOS
+    tok.save_pretrained(tok_dir)
+    task = bind(spec_file(tmp_path, {"train": real["train"], "prompt_field": "problem"},
+                          {"model": real["model"], "tokenizer": str(tok_dir)}))
+    ex = task.train[0]
+    want = tok.apply_chat_template([{"role": "user", "content": ex.problem}], tokenize=True,
+                                   add_generation_prompt=True)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    assert task.prompt_format.mode == "chat" and task.prompt_format.bos == ""
+    assert tok.encode(ex.prompt, add_special_tokens=False) == list(want)

@@ -452,11 +452,13 @@ objective: {{kind: divergence, measure: reverse_kl, estimator: sampled}}
 
 
 def test_explain_with_a_data_field_the_rows_lack_fails_like_the_run(real, tmp_path, cli):
-    """Before: explain printed "prompts: not rendered here" and exited 0."""
+    """Before: explain printed "prompts: not rendered here" and exited 0; now validation refuses it at the spec
+    line of data.prompt_field (issue 56: it reads the file's first row)."""
     spec = write_spec(tmp_path / "s.yaml", real, real["train"], data={"prompt_field": "question"})
     r = cli("explain", spec)
     assert r.exit_code == 2
-    assert "row 1: field 'question': missing (the row has fields: problem, answer, solution)" in r.stderr
+    assert f"{spec}:3:" in r.stderr and "data.prompt_field" in r.stderr, r.stderr
+    assert "has no column 'question' (data.prompt_field); its columns: problem, answer, solution" in r.stderr
     ok = cli("explain", spec, "data.prompt_field=problem")
     assert ok.exit_code == 0 and f"train data: {real['train']}: JSON lines" in ok.stdout
     assert "eval data: " in ok.stdout and "greedy pass@1 on the first 2 rows" in ok.stdout

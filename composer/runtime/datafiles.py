@@ -8,7 +8,8 @@ What `data.train` / `data.eval` may name, and how it is read:
   x.parquet
   a save_to_disk folder    `datasets.load_from_disk` (a Dataset, or a DatasetDict and its splits);
   a folder of data files   `datasets.load_dataset(folder)`: shards (train-00000-of-00002.parquet, ...), a hub
-                           snapshot's layout (README.md configs, data/), splits named by the files;
+                           snapshot's layout (README.md configs, data/), splits named by the files; files of
+                           one format only (`datasets` would read one and drop the others: `mixed_formats`);
   org/name                 a hub dataset id, only when its snapshot is in the local Hugging Face cache
                            (`huggingface_hub.snapshot_download(..., local_files_only=True)`); never downloaded.
 
@@ -27,8 +28,9 @@ from typing import Any, Iterator
 FILE_BUILDERS = {".json": "json", ".csv": "csv", ".parquet": "parquet", ".tsv": "csv"}
 DATA_SUFFIXES = (".jsonl", ".ndjson", *FILE_BUILDERS)
 # The format `datasets` reads each data file of a folder with; it reads only the most common one of a folder.
+# (.txt left out: a text file's rows have no fields, so a notes.txt beside the data is no data lost.)
 FOLDER_FORMATS = {".jsonl": "json", ".ndjson": "json", ".json": "json", ".csv": "csv", ".tsv": "csv",
-                  ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
+                  ".parquet": "parquet", ".arrow": "arrow"}
 METADATA_FILES = {"dataset_infos.json", "dataset_info.json", "dataset_dict.json", "state.json"}
 EVAL_SPLITS = ("test", "validation", "valid", "eval", "dev")
 HUB_HINT = ("download it where there is network (`hf download {name} --repo-type dataset`, or `hf download {name} "
