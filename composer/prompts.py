@@ -176,7 +176,7 @@ def prompt_format(data, tokenizer, tokenizer_name: str = "") -> PromptFormat:
                                 "tokenizer that has one")
     fmt = PromptFormat(mode, tokenizer if mode == "chat" else None, data.system_prompt, data.prompt_template,
                        data.chat_template_kwargs, data.prompt_format, tokenizer_name,
-                       added_bos(tokenizer) if mode == "plain" else "", control_tokens(tokenizer))
+                       added_bos(tokenizer) if mode == "plain" else "", control_tokens(tokenizer, tokenizer_name))
     return fmt.check() if mode == "chat" else fmt
 
 
@@ -194,9 +194,14 @@ def added_bos(tokenizer) -> str:
         return ""
 
 
-def control_tokens(tokenizer) -> tuple[str, ...]:
+def control_tokens(tokenizer, name: str = "") -> tuple[str, ...]:
     """The strings `tokenizer` reads as one control token inside text: its special tokens, and its added
-    tokens written as markup (`<think>`, `[INST]`); () without a tokenizer."""
+    tokens written as markup (`<think>`, `[INST]`); the toy tokenizer's (`name` toy:..., never loaded for
+    prompts); () without a tokenizer."""
+    if tokenizer is None and name.startswith("toy:"):
+        from components.tasks.tokenizer import SPECIALS
+
+        return SPECIALS
     if tokenizer is None:
         return ()
     found = set(getattr(tokenizer, "all_special_tokens", None) or ())

@@ -78,6 +78,17 @@ def test_a_row_too_long_for_the_context_is_refused_by_its_size(real, tmp_path):
     assert e.value.reason == "too_long"
 
 
+def test_run_refuses_a_too_long_row_with_exit_2(real, tmp_path):
+    """The command line: exit 2, the file, row, field and limit, a hint, no traceback."""
+    huge = dict(ROW, problem="x" * (1024 * 64 + 1))
+    train = write_jsonl(tmp_path / "train.jsonl", [ROW] * 70 + [huge])
+    spec = spec_file(tmp_path, {"train": str(train), "prompt_field": "problem"}, {"model": real["model"]})
+    r = cli("run", spec, "--no-progress", "--out", tmp_path / "run", "train.steps=1")
+    assert r.exit_code == 2, r.output
+    assert f"{train}: row 71: field 'problem': 65537 characters" in r.output and "(65536 characters)" in r.output
+    assert "hint:" in r.output and "Traceback" not in r.output
+
+
 def test_with_skip_a_too_long_row_is_counted_and_the_rest_trains(real, tmp_path):
     huge = dict(ROW, problem="x" * (1024 * 64 + 1))
     train = write_jsonl(tmp_path / "train.jsonl", [ROW] * 70 + [huge])
@@ -139,6 +150,17 @@ def test_with_skip_the_template_control_tokens_stay_real(real, tmp_path):
     for ex in task.train:
         ids = tok.encode(ex.prompt, add_special_tokens=False)
         assert ids.count(im_start) == 2  # the template's user and assistant turns, as control tokens
+
+
+def test_the_toy_tokenizer_control_tokens_are_refused_too(tmp_path):
+    """The toy student's tokenizer is not loaded to render prompts; its specials are known all the same."""
+    from composer.errors import DataError
+
+    train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "1+1=<eos>", "answer": "2"}])
+    with pytest.raises(DataError, match=r"row 1: field 'prompt': holds '<eos>', a control token"):
+        bind(spec_file(tmp_path, {"train": str(train)}))
+    write_jsonl(train, [{"prompt": "1+1=", "answer": "2"}])
+    assert len(bind(spec_file(tmp_path, {"train": str(train)})).train) == 1
 
 
 # ------------------------------------------------------------------------------------------ folders
