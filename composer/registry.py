@@ -89,7 +89,15 @@ def refuse_bool_numbers(value: Any, annotation) -> Any:
 
 
 class NumbersNotBooleans:
-    """Mixin for spec models: every field that takes numbers refuses booleans (YAML `true`, `false`)."""
+    """Mixin for spec models: every field that takes numbers refuses booleans (YAML `true`, `false`), and every
+    float field refuses infinity and nan (`.inf`, `.nan`, the strings "inf", "nan", "-inf"), which mean nothing as
+    a setting. A field where infinity is a documented value opts in with `Field(allow_inf_nan=True)` (the allow-list
+    is tests/test_spec_numbers.py's INFINITY_ALLOWED); its bounds (ge=0) still refuse nan and -inf.
+
+    The config is inherited by every model built on the mixin: the spec's sections, every registered component
+    (plugins' too), schedules."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod

@@ -175,9 +175,11 @@ def test_a_success_with_a_successful_sibling_needs_two_rollouts(cli, tmp_path):
 # ------------------------------------------------------------------------------------------- rewards
 
 def test_reward_part_of_infinite_weight(cli, tmp_path):
+    """Refused by the schema now (no float field takes .inf unless it documents it: tests/test_spec_numbers.py)."""
     text = HEAD + "  overlong: {kind: overlong_penalty, buffer: 4}\n" \
         "signal: {kind: reward, source: verifier, plus: {overlong: .inf}}\nobjective: {kind: grpo}\n"
-    _refused(cli, tmp_path, text, [], "signal.plus.overlong", "weight inf", "reward_parts")
+    _spec, r = _validate(cli, tmp_path, text)
+    assert r.exit_code == 2 and "signal.plus.overlong: inf is not a finite number" in r.stderr, r.stderr
     _ok(cli, tmp_path, text.replace(".inf", "1.0"))
 
 
@@ -242,6 +244,122 @@ def test_schedule_that_stays_in_one_stage_and_moves_in_another(cli, tmp_path):
 def test_phase_that_never_starts(cli, tmp_path):
     spec, r = _validate(cli, tmp_path, GRPO + "phases:\n  - {until: 10}\n  - {until: 20}\n")
     assert r.exit_code == 2 and "phases[1]: phase 1 starts at step 10" in r.stderr and "never runs" in r.stderr
+
+
+# ---------------------------------------------- issue 57 item 6: settings that can never act, 13 cases
+# (1-2) vLLM-only settings with engine: hf; (3) rollout settings on an SFT spec; (4-5) optimizer_at_stage and
+# reference without stages; (6) reset_every beyond the run; (7) resetting a reference nothing reads; (8-9) toy-only
+# settings with a data file; (10) data-file settings on the toy; (11) chat-template variables with plain prompts;
+# (12) a phase override equal to the base; (13) a spec whose only term has weight 0.
+
+SFT = "name: t\nsources:\n  reference: {kind: reference_solution}\nsignal: {kind: sft, target: reference}\n" \
+    "objective: {kind: cross_entropy, loss_tokens: [demonstration]}\ntrain: {steps: 10}\n"
+STAGED = HEAD + "signal: {kind: reward, source: verifier}\nobjective: {kind: grpo}\n" \
+    "stages:\n  - {name: one, train: {steps: 5}}\n  - {name: two, train: {steps: 5}}\n"
+
+
+@pytest.mark.parametrize("field,value", [("gpu_memory_utilization", 0.9), ("tensor_parallel_size", 2)])
+def test_vllm_setting_with_the_hf_engine(cli, tmp_path, field, value):
+    _refused(cli, tmp_path, GRPO, ["rollout.engine=hf", f"rollout.{field}={value}"], f"rollout.{field}",
+             "rollout.engine: hf samples with transformers' generate", "rollout_settings")
+    _ok(cli, tmp_path, GRPO, "rollout.engine=vllm", f"rollout.{field}={value}")
+    _ok(cli, tmp_path, GRPO, f"rollout.{field}={value}")  # auto: vLLM where it is installed
+
+
+@pytest.mark.parametrize("item", ["rollout.temperature=0.7", "rollout.samples_per_prompt=4", "rollout.top_k=20",
+                                  "rollout.engine=hf", "rollout.filter.equal_groups=drop"])
+def test_rollout_setting_on_a_spec_that_samples_no_rollouts(cli, tmp_path, item):
+    path = item.split("=")[0]
+    _refused(cli, tmp_path, SFT, [item], path, "this spec samples no rollouts", "rollout_settings")
+
+
+def test_rollout_settings_that_act_without_rollouts(cli, tmp_path):
+    """Evaluation generates with max_new_tokens, and samples at the rollout's temperature for pass@k."""
+    _ok(cli, tmp_path, SFT, "rollout.max_new_tokens=64")
+    _ok(cli, tmp_path, SFT, "rollout.temperature=0.7", "train.eval_k=4")
+    _ok(cli, tmp_path, GRPO, "rollout.temperature=0.7")
+    text = STAGED.replace("  - {name: one, train: {steps: 5}}", "  - {name: one, train: {steps: 5}, signal: {kind: "
+                          "sft, target: ref}, objective: {kind: cross_entropy, loss_tokens: [demonstration]}}") \
+        .replace("  verifier: {kind: outcome_reward}\n", "  verifier: {kind: outcome_reward}\n  ref: {kind: reference_solution}\n")
+    _ok(cli, tmp_path, text, "rollout.temperature=0.7")  # the second stage samples at it
+
+
+@pytest.mark.parametrize("item", ["train.optimizer_at_stage=keep", "train.reference=run_start"])
+def test_stage_setting_without_stages(cli, tmp_path, item):
+    path = item.split("=")[0]
+    _refused(cli, tmp_path, GRPO, [item], path, "this spec has no stages", "train_settings")
+    _refused(cli, tmp_path, STAGED, [f"stages.0.{item}"], f"stages[0].{path}", "the first stage is the start of the run",
+             "train_settings")
+    _ok(cli, tmp_path, STAGED, f"stages.1.{item}")
+    _ok(cli, tmp_path, STAGED, item)  # written once: it acts at the second stage
+
+
+def test_reference_of_stages_that_nothing_reads(cli, tmp_path):
+    _refused(cli, tmp_path, STAGED, ["train.reference=run_start", "objective.kl_coef=0"], "train.reference",
+             "nothing here reads them", "train_settings")
+
+
+def test_reset_every_beyond_the_run(cli, tmp_path):
+    text = GRPO.replace("{steps: 10}", "{steps: 10, reset_every: 20}")
+    _refused(cli, tmp_path, text, [], "train.reset_every", "no reset happens", "train_settings")
+    _ok(cli, tmp_path, text.replace("reset_every: 20", "reset_every: 5"))
+
+
+def test_resetting_a_reference_nothing_reads(cli, tmp_path):
+    text = GRPO.replace("{kind: grpo}", "{kind: grpo, kl_coef: 0}").replace(
+        "{steps: 10}", "{steps: 10, reset_every: 5, reset_what: [reference]}")
+    _refused(cli, tmp_path, text, [], "train.reset_what", "nothing here reads it", "train_settings")
+    _ok(cli, tmp_path, text.replace("kl_coef: 0", "kl_coef: 0.01"))  # the KL term reads the reference
+    _ok(cli, tmp_path, text.replace("reset_what: [reference]", "reset_what: [optimizer]"))
+    _refused(cli, tmp_path, GRPO, ["train.reset_what=[optimizer]"], "train.reset_what", "no periodic reset",
+             "train_settings")
+
+
+@pytest.fixture
+def rows(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?", "answer": "4"}\n')
+    return [f"data.train={path}", "rollout.max_new_tokens=64"]
+
+
+@pytest.mark.parametrize("field", ["tiers", "train_tiers"])
+def test_toy_setting_with_a_data_file(cli, tmp_path, rows, field):
+    _refused(cli, tmp_path, GRPO, [*rows, f"data.{field}=[2]"], f"data.{field}", "data.train names a data file",
+             "data_settings")
+    _ok(cli, tmp_path, GRPO, f"data.{field}=[2]")
+
+
+@pytest.mark.parametrize("item", ["data.prompt_field=problem", "data.answer_field=gold", "data.on_bad_row=skip",
+                                  "data.prompt_format=plain"])
+def test_data_file_setting_on_the_toy(cli, tmp_path, rows, item):
+    _refused(cli, tmp_path, GRPO, [item], item.split("=")[0], "there is no data.train", "data_settings")
+    _ok(cli, tmp_path, GRPO, *rows, item.replace("problem", "prompt").replace("gold", "answer"))
+
+
+def test_chat_template_variables_with_plain_prompts(cli, tmp_path, rows):
+    kwargs = "data.chat_template_kwargs={enable_thinking: false}"
+    _refused(cli, tmp_path, GRPO, [*rows, "data.prompt_format=plain", kwargs], "data.chat_template_kwargs",
+             "prompt_format: plain renders no template", "data_settings")
+    _ok(cli, tmp_path, GRPO, *rows, kwargs)  # auto: the template where the tokenizer has one
+
+
+def test_phase_override_equal_to_the_base(cli, tmp_path):
+    text = GRPO.replace("{kind: grpo}", "{kind: grpo, kl_coef: 0.01}") + \
+        "phases:\n  - {until: 5}\n  - {until: 10, objective: {kl_coef: 0.01}}\n"
+    _refused(cli, tmp_path, text, [], "phases[1].objective.kl_coef", "the override changes nothing", "phase_changes")
+    _refused(cli, tmp_path, GRPO + "phases:\n  - {until: 5}\n  - {until: 10, rollout: {guide: {kind: none}}}\n", [],
+             "phases[1].rollout.guide.kind", "none, the base spec's value too", "phase_changes")
+    _ok(cli, tmp_path, text.replace("objective: {kl_coef: 0.01}", "objective: {kl_coef: 0.02}"))
+
+
+def test_the_only_term_of_weight_zero(cli, tmp_path):
+    """Was a warning: with every term at weight 0 nothing trains. One term of several at 0 stays a warning."""
+    term = "  - {signal: {kind: reward, source: verifier}, objective: {kind: grpo}, weight: W}\n"
+    text = HEAD + "terms:\n" + term.replace("W", "0")
+    _refused(cli, tmp_path, text, [], "terms[0].weight", "the only term: nothing trains", "term_weight_positive")
+    _ok(cli, tmp_path, HEAD + "terms:\n" + term.replace("W", "1"))
+    _refused(cli, tmp_path, text + term.replace("W", "1"), [], "terms[0].weight", "its loss is ignored",
+             "term_weight_positive", severity="warning")
 
 
 # ------------------------------------------------------------------------------------------ overrides

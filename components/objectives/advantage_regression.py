@@ -90,7 +90,7 @@ class AdvantageRegression(Objective):
     """
 
     kind: Literal["advantage_regression"] = Field("advantage_regression", description="Component kind.")
-    beta1: float = Field(1.0, ge=0, description="Temperature of the soft-max baseline V_hat = beta1 ln mean exp(r/beta1); .inf -> plain mean, 0 -> max (OAPL: 1.0, A*PO: 0.5, MInTRL: .inf).")
+    beta1: float = Field(1.0, ge=0, allow_inf_nan=True, description="Temperature of the soft-max baseline V_hat = beta1 ln mean exp(r/beta1); .inf -> plain mean, 0 -> max (OAPL: 1.0, A*PO: 0.5, MInTRL: .inf).")
     beta2: float = Field(1.0e-3, gt=0, description="Scale of the log-ratio in the regression.")
     baseline: Literal["all", "control"] = Field("all", description="Rollouts V_hat is computed over: the whole group, or its control rollouts only (MInTRL).")
     anchor: dict[str, AnchorValue] = Field(default_factory=dict, description="Per-origin anchor log-prob: a constant kappa per token (MInTRL-Const), `policy` (Proxy: the policy's own log-prob at rollout time), or `behavior`. Policy tokens default to the behaviour log-prob.")

@@ -142,7 +142,7 @@ class SoftValue(Estimator):
     """
 
     kind: Literal["soft_value"] = Field("soft_value", description="Component kind.")
-    beta1: float = Field(1.0, ge=0, description="Temperature of the soft-max baseline (.inf: mean, 0: max).")
+    beta1: float = Field(1.0, ge=0, allow_inf_nan=True, description="Temperature of the soft-max baseline (.inf: mean, 0: max).")
 
     def estimate(self, rewards, group, control=None):
         from components.objectives.advantage_regression import soft_value

@@ -14,7 +14,7 @@ The checks (each names its rule in the diagnostic):
                     on-policy update per step keeps from acting (a warning), fields of another measure/estimator
   gate_selects      a term gate whose conditions no rollout row can meet together (searched exhaustively over the
                     group sizes the run can make)
-  reward_parts      a reward part of weight inf, or one that repeats a reward already in the sum
+  reward_parts      a reward part that repeats a reward already in the sum
   filter_keeps      a rollout filter that provably keeps no row (or only empty answers)
   schedule_acts     a schedule that never changes over the steps it governs (its `begin` at or after the end),
                     a scheduled term weight that is 0 there (the term never trains)
@@ -24,9 +24,8 @@ No torch: validation stays instant.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 from pydantic import BaseModel
 
@@ -194,12 +193,7 @@ def reward_parts(spec, seg) -> Iterable[Finding]:
             continue
         counted = {sig.source: spec.sources.get(sig.source)}
         for name, w in plus.items():
-            path = base + ("signal", "plus", name)
-            if not math.isfinite(w):
-                yield Finding(path, True, f"reward part '{name}' has weight {w}: every reward becomes infinite (and "
-                              "not a number where the part is 0), so advantages and the loss are nan",
-                              "give the part a finite weight (DAPO's overlong penalty: 1.0)")
-                continue
+            path = base + ("signal", "plus", name)  # an infinite weight is refused by the schema
             src = spec.sources.get(name)
             same = next((n for n, s in counted.items() if n == name or (s is not None and src is not None
                                                                          and _same_source(s, src))), None)
@@ -292,6 +286,184 @@ def schedule_acts(spec, seg) -> Iterable[Finding]:
                       scheduled=True)
 
 
+# ---------------------------------------------------------------------------------------------- rollout
+
+VLLM_ONLY = ("gpu_memory_utilization", "tensor_parallel_size")
+SAMPLING = ("temperature", "top_p", "top_k")
+
+
+def _samples_nothing(spec) -> bool:
+    """No rollout is ever sampled for training: every term's signal builds its own batch (SFT on references)
+    and none builds its targets from rollouts ahead of the steps (InT's offline targets)."""
+    from composer.checks.terms import rolls_out, terms
+
+    return not rolls_out(spec) and not any(getattr(sig, "builds_ahead", False) for _n, sig, _o, _w in terms(spec))
+
+
+def _rollout_inert(spec, field: str) -> tuple[str, str] | None:
+    """(why, fix) when rollout.<field> cannot act in this segment, else None."""
+    r, t = spec.rollout, spec.train
+    if field in VLLM_ONLY and r.engine == "hf" and t.backend == "lightning":
+        return (f"rollout.{field} is a vLLM setting, but rollout.engine: hf samples with transformers' generate",
+                f"remove {field}, or set rollout.engine: vllm (or auto) to sample with vLLM")
+    if _samples_nothing(spec) and not (field in SAMPLING and t.eval_k > 1) and field != "max_new_tokens":
+        acts = ("evaluation reads only max_new_tokens (and the sampling settings with train.eval_k > 1), always "
+                "with transformers' generate")
+        why = f"rollout.{field}: this spec samples no rollouts (its signal trains on demonstrations it builds itself)"
+        fix = f"remove rollout.{field}" + (" (or set train.eval_k > 1 to sample at it in evaluation)"
+                                           if field in SAMPLING else "")
+        return f"{why}; {acts}", fix
+    return None
+
+
+@inert_check("rollout_settings")
+def rollout_settings(spec, seg) -> Iterable[Finding]:
+    r = spec.rollout
+    written = [f for f in sorted(r.model_fields_set) if f not in ("guide", "filter")]
+    written += [f"filter.{f}" for f in sorted(r.filter.model_fields_set)] if _samples_nothing(spec) else []
+    for field in written:
+        why = _rollout_inert(spec, field)
+        yield Finding(("rollout", *field.split(".")), why is not None, *(why or ("", "")))
+
+
+# ------------------------------------------------------------------------------------------------ train
+
+def _reads_reference(spec) -> bool:
+    """Something reads the frozen reference weights: a KL term or A*PO's anchor, a `weights: initial` teacher
+    or judge, a guide's calls on the initial policy (POPE's search)."""
+    from composer.checks.terms import terms
+
+    guide = spec.rollout.guide
+    return (any(obj is not None and obj.wants_initial for _n, _s, obj, _w in terms(spec))
+            or any(s.wants_initial for s in spec.sources.values())
+            or "initial" in guide.reads().values() or any(c.weights == "initial" for c in guide.model_calls(spec)))
+
+
+def _stage_index(seg) -> int | None:
+    return seg.origin[1] if seg.origin[:1] == ("stages",) else None
+
+
+@inert_check("train_settings")
+def train_settings(spec, seg) -> Iterable[Finding]:
+    """Settings of stages on a spec without them (or on its first stage), and periodic resets that never
+    happen or reset nothing."""
+    t, k = spec.train, _stage_index(seg)
+    stage_only = {"optimizer_at_stage": "the optimizer state at the start of a stage", "reference": "which weights "
+                  "the frozen reference holds in a later stage"}
+    for field, what in stage_only.items():
+        if field not in t.model_fields_set:
+            continue
+        if k is None:
+            why = f"train.{field} sets {what}, and this spec has no stages: the run starts once, from its first weights"
+        elif field == "reference" and not _reads_reference(spec):
+            why = ("train.reference chooses the frozen reference weights, and nothing here reads them (no KL term, "
+                   "no anchor, no `weights: initial` teacher, judge or guide)")
+        elif k == 0:
+            why = f"train.{field} sets {what}, and the first stage is the start of the run: it has no earlier stage"
+        else:
+            yield Finding(("train", field), False)
+            continue
+        yield Finding(("train", field), True, why, f"remove train.{field} (it acts in a stage after the first"
+                      + (" of a spec that reads the reference)" if field == "reference" else ")"))
+    length = seg.end - seg.start
+    if t.reset_every and "reset_every" in t.model_fields_set:
+        yield Finding(("train", "reset_every"), t.reset_every >= length,
+                      f"train.reset_every {t.reset_every}: steps {seg.start}-{seg.end - 1} ({length} step(s)) end "
+                      f"before the first reset, which falls {t.reset_every} steps after the start: no reset happens",
+                      f"set reset_every below {length}, or remove it", scheduled=True)
+    if "reset_what" in t.model_fields_set:
+        if not t.reset_every:
+            yield Finding(("train", "reset_what"), True, "train.reset_what chooses what a periodic reset resets, "
+                          "and train.reset_every is 0: there is no periodic reset",
+                          "remove reset_what, or set train.reset_every (e.g. 100)")
+        elif "reference" in t.reset_what:
+            yield Finding(("train", "reset_what"), not _reads_reference(spec),
+                          "train.reset_what resets the frozen reference, and nothing here reads it (no KL term, no "
+                          "anchor, no `weights: initial` teacher, judge or guide): that reset does nothing",
+                          "reset_what: [optimizer], or add what reads the reference (e.g. objective.kl_coef > 0)")
+
+
+# ------------------------------------------------------------------------------------------------- data
+
+TOY_ONLY = ("tiers", "train_tiers")
+FILE_ONLY = ("prompt_field", "answer_field", "solution_field", "on_bad_row", "prompt_format")
+
+
+@inert_check("data_settings")
+def data_settings(spec, seg) -> Iterable[Finding]:
+    """The toy testbed's settings with a data file, a data file's settings on the toy testbed (those that change
+    its prompts are refused by the Data model itself), chat-template variables with plain prompts."""
+    d = spec.data
+    for field in sorted(d.model_fields_set):
+        if field in TOY_ONLY:
+            yield Finding(("data", field), d.train is not None,
+                          f"data.{field} sets the toy testbed's chain lengths, and data.train names a data file: "
+                          "the prompts come from the file", f"remove data.{field} (it applies without data.train)")
+        elif field in FILE_ONLY:
+            yield Finding(("data", field), d.train is None,
+                          f"data.{field} applies to a data file's rows, and there is no data.train: the toy testbed "
+                          "builds its own prompts and answers", f"remove data.{field}, or give data.train (e.g. "
+                          "from `composer toy-data --out DIR`)")
+        elif field == "chat_template_kwargs" and d.chat_template_kwargs:
+            yield Finding(("data", field), d.prompt_format == "plain",
+                          "data.chat_template_kwargs are variables of the chat template, and prompt_format: plain "
+                          "renders no template", "remove chat_template_kwargs, or use prompt_format: chat (or auto)")
+
+
+# ------------------------------------------------------------------------------------ phase overrides
+
+_MISSING = object()
+
+
+def _at(value, path: tuple):
+    """The value at `path` of a resolved spec (models, mappings, lists), as plain data; _MISSING if none."""
+    for p in path:
+        if isinstance(value, BaseModel) and isinstance(p, str) and p in type(value).model_fields:
+            value = getattr(value, p)
+        elif (isinstance(value, dict) and p in value) or (isinstance(value, list) and isinstance(p, int)
+                                                         and 0 <= p < len(value)):
+            value = value[p]
+        else:
+            return _MISSING
+    return value.model_dump() if isinstance(value, BaseModel) else value
+
+
+def _unchanged(raw, seg_spec, base_spec, path: tuple):
+    """The paths a phase's or stage's mapping `raw` writes (at `path`) whose resolved value is the base spec's.
+    A component whose `kind` the override changes is replaced whole, so nothing under it repeats the base."""
+    if isinstance(raw, dict) and raw and isinstance(_at(seg_spec, path), dict):
+        if "kind" in raw and _at(base_spec, path + ("kind",)) != _at(seg_spec, path + ("kind",)):
+            return
+        for k, v in raw.items():
+            yield from _unchanged(v, seg_spec, base_spec, path + (k,))
+    elif _at(seg_spec, path) is not _MISSING and _at(seg_spec, path) == _at(base_spec, path):
+        yield path
+
+
+def redundant_overrides(loaded, segments, base_spec) -> list[Diagnostic]:
+    """A phase that sets a value the base spec already has: the override changes nothing (each phase is merged
+    over the base spec, never over the phase before it). Stages are left out: each is a run of its own, and a
+    stage that restates a setting of the base (its lr) says what that run uses."""
+    from composer.errors import dotted
+
+    out = []
+    for seg in segments:
+        if seg.origin[:1] != ("phases",):
+            continue
+        label = f"phase {seg.origin[1]}"
+        for key, value in loaded.data["phases"][seg.origin[1]].items():
+            for path in () if key == "until" else _unchanged(value, seg.spec, base_spec, (key,)):
+                where, v = seg.origin + path, _at(seg.spec, path)
+                shown = f"{_val(v)}, the base spec's value too" if not isinstance(v, (dict, list)) else \
+                    "the base spec's value"
+                out.append(Diagnostic("semantics", f"{label} sets {dotted(path)} to {shown}: the override changes "
+                                      "nothing (every phase is merged over the base spec)", where,
+                                      loaded.locate(where) or Location(loaded.file, 1, 1),
+                                      f"remove {dotted(path)} from the phase (a phase names only what changes), or "
+                                      "give the value it should change to", "error", "phase_changes"))
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ check
 
 def _writer(loaded, seg, path: tuple) -> tuple:
@@ -328,8 +500,21 @@ def _quick(loaded) -> bool:
     return any(p[-2:] == ("train", "steps") and loc.file.startswith("<override") for p, loc in loaded.positions.items())
 
 
+def _base_spec(loaded):
+    """The base spec (phases left out) as the spec model reads it: what each phase is merged over."""
+    from pydantic import ValidationError
+
+    from composer.lang.spec import spec_model
+
+    try:
+        return spec_model().model_validate({k: v for k, v in loaded.data.items() if k not in ("phases", "stages")})
+    except ValidationError:  # the base alone is incomplete (a phase brings what it lacks): nothing to compare
+        return None
+
+
 def check(loaded, segments) -> list[Diagnostic]:
-    """Every setting the checks found inert in each segment it governs, as located diagnostics."""
+    """Every setting the checks found inert in each segment it governs, as located diagnostics, and what a phase
+    writes that the base spec already has."""
     groups: dict[tuple, list] = {}
     for seg in segments:
         for name, fn in CHECKS.items():
@@ -351,4 +536,5 @@ def check(loaded, segments) -> list[Diagnostic]:
         severity = "warning" if f.scheduled and quick else f.severity
         out.append(Diagnostic("semantics", msg, where, loaded.locate(where) or Location(loaded.file, 1, 1), f.hint,
                               severity, name))
-    return out
+    base = _base_spec(loaded) if any(seg.origin[:1] == ("phases",) for seg in segments) else None
+    return out + (redundant_overrides(loaded, segments, base) if base is not None else [])

@@ -356,9 +356,15 @@ def term_weight_positive(spec, segment):
         return src is not None and getattr(src, "wants_initial", False) and max(values(t.weight)) < 0
 
     out = []
+    whole = segment != "base" or not (spec.phases or spec.stages)  # the base of a phased spec never runs as it is
+    zero = [values(t.weight) == (0, 0) and whole for t in spec.terms or []]
     for i, t in enumerate(spec.terms or []):
         lo, hi = values(t.weight)
-        if (hi <= 0 or lo < 0) and not away_from_initial(t):
+        if all(zero):  # no term trains: every step computes a loss of 0 (issue 57: was a warning)
+            out.append(_d("term_weight_positive", f"term {i} has weight {describe(t.weight)}, as "
+                          + ("every term" if len(zero) > 1 else "the only term") + ": nothing trains (the loss is 0 "
+                          "at every step)", ("terms", i, "weight"), "give the term a positive weight (e.g. 1.0)"))
+        elif (hi <= 0 or lo < 0) and not away_from_initial(t):
             out.append(_d("term_weight_positive", f"term {i} has weight {describe(t.weight)}: its loss is "
                           + ("ignored" if hi == 0 and lo == 0 else "maximised, not minimised"), ("terms", i, "weight"),
                           "use a positive weight, or remove the term", severity="warning"))

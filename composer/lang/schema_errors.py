@@ -158,6 +158,9 @@ def diagnostics_from(err: ValidationError, spec: LoadedSpec, model: type[BaseMod
             if e["type"] in ("literal_error", "enum"):
                 expected = (e.get("ctx") or {}).get("expected", "")
                 msg = f"{value!r} is not allowed; expected {expected}"
+            elif e["type"] == "finite_number":  # registry.NumbersNotBooleans: inf and nan mean nothing as a setting
+                msg = (f"{_short(value)} is not a finite number: infinity and nan are no setting here (only a field "
+                       "that documents `.inf` takes it); write a number")
             else:
                 msg = f"{e['msg']}" + (f", got {_short(value)}" if not isinstance(value, (dict, list)) else "")
         else:
