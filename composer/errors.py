@@ -39,7 +39,14 @@ class Diagnostic:
         text = head + self.message
         if self.hint:
             text += f"\n    hint: {self.hint}"
-        return text
+        return printable(text)
+
+
+def printable(text: str) -> str:
+    """`text` with every control character but newline and tab escaped as Python writes it (`\\r`, `\\x07`,
+    `\\x1b`): spec-provided strings (a summary, a key, a file name) reach the terminal through validate's and
+    explain's output, where a carriage return, a bell or an escape sequence would rewrite a line, ring, recolour."""
+    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 @dataclass

@@ -495,3 +495,63 @@ def test_overrides_index_lists_with_brackets_or_dots():
     for override in ("stages[0].train.steps=1", "stages.0.train.steps=1"):
         v = validate_file(spec, [override])
         assert [(s.name, s.start, s.end) for s in v.segments] == [("sft", 0, 1), ("rl", 1, 61)]
+
+
+# ------------------------------------------------------------------------ the loader's rough edges (issue 57)
+
+def test_a_spec_file_whose_name_holds_an_equals_sign_is_validated(cli, tmp_path):
+    """Was taken as an override: nothing was checked and validate exited 0. An existing file wins."""
+    spec = tmp_path / "lr=1e-4.yaml"
+    spec.write_text(HEAD + GRPO + "sync: {every: 8}\n")  # a lagged GRPO: refused when it is read
+    r = cli("validate", spec)
+    assert r.exit_code == 2 and f"{spec}:" in r.stderr and "sync.every" in r.stderr, r.stderr
+    spec.write_text(HEAD + GRPO)
+    r = cli("validate", spec, "train.steps=3")
+    assert r.exit_code == 0 and f"{spec}: ok" in r.stdout, r.stderr
+
+
+def test_validate_with_no_spec_file_is_refused(cli, tmp_path):
+    r = cli("validate", tmp_path / "missing=1.yaml")
+    assert r.exit_code == 2 and "no spec file given" in r.stderr and "hint: " in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_an_extends_symlink_loop_is_named(cli, tmp_path):
+    """Was "internal error ... RuntimeError: Symlink loop"."""
+    (tmp_path / "a.yaml").symlink_to("b.yaml")
+    (tmp_path / "b.yaml").symlink_to("a.yaml")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: t\nextends: a.yaml\n")
+    r = cli("validate", spec)
+    assert r.exit_code == 2, r.stderr
+    assert f"{spec}:2:1: error: extends: " in r.stderr and "a.yaml -> b.yaml -> a.yaml" in r.stderr, r.stderr
+    assert "internal error" not in r.stderr and "hint: " in r.stderr
+    r = cli("validate", tmp_path / "a.yaml")  # the spec itself a loop
+    assert r.exit_code == 2 and "a loop of symbolic links: a.yaml -> b.yaml -> a.yaml" in r.stderr, r.stderr
+    (tmp_path / "base.yaml").write_text(HEAD + GRPO)
+    (tmp_path / "link.yaml").symlink_to("base.yaml")
+    spec.write_text("name: t\nextends: link.yaml\n")
+    assert cli("validate", spec).exit_code == 0  # a link that leads to a file still works
+
+
+@pytest.mark.parametrize("item", ["sources={}", "train={}", "data.chat_template_kwargs={}"])
+def test_an_empty_mapping_override_is_refused(cli, item):
+    """`sources={}` merged nothing and said nothing; an override cannot empty a mapping, so it is refused."""
+    r = cli("validate", REPO / "specs/grpo.yaml", item)
+    assert r.exit_code == 2, r.stderr
+    assert f"<override '{item}'>:1:1: error: " in r.stderr and "changes nothing" in r.stderr, r.stderr
+    assert cli("validate", REPO / "specs/grpo.yaml", "sources.verifier={kind: outcome_reward}").exit_code == 0
+
+
+def test_control_characters_of_a_spec_are_escaped_in_explain_and_validate(cli, tmp_path):
+    """A carriage return, a bell and an escape sequence in `summary` (or a key) reached the terminal raw."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(HEAD + 'summary: "ok\\rEVIL\\a \\x1b[31mred"\n' + GRPO)
+    for fmt in ("text", "mermaid", "dot", "json"):
+        r = cli("explain", spec, "--format", fmt)
+        assert r.exit_code == 0, r.stderr
+        assert not any(c in r.stdout for c in "\r\x07\x1b"), (fmt, r.stdout[:200])
+    assert "ok\\rEVIL\\x07 \\x1b[31mred" in cli("explain", spec).stdout
+    spec.write_text(HEAD + GRPO + '"bad\\x1b[2Jkey": 1\n')
+    r = cli("validate", spec)
+    assert r.exit_code == 2 and "\x1b" not in r.stderr and "bad\\x1b[2Jkey" in r.stderr, r.stderr

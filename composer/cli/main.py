@@ -79,8 +79,10 @@ def with_override_hints(e: SpecError, overrides) -> SpecError:
 
 
 def split_args(args) -> tuple[list[str], list[str]]:
-    """Command-line arguments as (files, path.to.field=value overrides)."""
-    return [a for a in args if "=" not in a], [a for a in args if "=" in a]
+    """Command-line arguments as (files, path.to.field=value overrides). An argument that names an existing file is
+    a file even with `=` in its name (`lr=1e-4.yaml`): it was taken as an override and nothing was checked."""
+    files = [a for a in args if "=" not in a or Path(a).is_file()]
+    return files, [a for a in args if a not in files]
 
 
 SIGNALLED: dict = {}  # the name of a stop signal `composer run` received before training (see cli/run.py)
@@ -115,6 +117,10 @@ def validate(specs, overrides):
     """Validate SPEC files (schema, graph, method rules). Exit 0 if all are valid, 2 otherwise."""
     files, given = split_args(specs)
     overrides = list(overrides) + given
+    if not files:  # every argument read as an override: nothing would be checked, and exit 0 would say "valid"
+        _fail("error: no spec file given: " + ", ".join(repr(a) for a in given) + " read as override(s) "
+              "(path.to.field=value), and no file of that name exists\n    hint: name a spec file (a file name with "
+              "`=` in it is a file when it exists: check the path)")
     bad = warned = 0
     for f in files:
         try:

@@ -337,8 +337,35 @@ def read_text(path: Path) -> str:
                                     Location(str(path), line, col), "save the file as UTF-8")]) from None
 
 
+def _link_loop(path: Path) -> str | None:
+    """`a.yaml -> b.yaml -> a.yaml` when `path` is a symbolic link that leads back to itself, else None."""
+    seen, cur = [], path
+    for _ in range(40):  # the kernel gives up after 40 links too
+        if not cur.is_symlink():
+            return None
+        if cur in seen:
+            return " -> ".join(p.name for p in seen[seen.index(cur):] + [cur])
+        seen.append(cur)
+        cur = Path(os.path.normpath(cur.parent / os.readlink(cur)))  # `../dir/a.yaml` names the same link
+    return " -> ".join(p.name for p in seen[:3]) + " -> ..."
+
+
+def _resolve(path: Path, where: Location | None = None, key: tuple = ()) -> Path:
+    """path.resolve(), or a SpecError that names the symbolic-link loop it runs into (Python raises
+    RuntimeError there, OSError ELOOP from 3.13): was an "internal error"."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError) as e:
+        loop = _link_loop(path)
+        if loop is None and not isinstance(e, RuntimeError):
+            raise
+        what = f"a loop of symbolic links: {loop}" if loop else f"a symbolic link that cannot be followed ({e})"
+        raise SpecError([Diagnostic("yaml", f"{str(path)!r} is {what}", key, where or Location(str(path), 1, 1),
+                                    "point the link at a spec file (ls -l shows where each link leads)")]) from None
+
+
 def _load_file(path: Path, stack: tuple) -> LoadedSpec:
-    resolved = path.resolve()
+    resolved = _resolve(path)
     file = str(path)
     data, positions = parse_yaml(read_text(path), file)
     if data is None:
@@ -356,9 +383,10 @@ def _load_file(path: Path, stack: tuple) -> LoadedSpec:
     loc = positions.get(("extends",))
     home = resolved.parent  # where the file really is: a spec reached through a link extends its own neighbours
     base_path = home / parent
+    base_resolved = _resolve(base_path, loc, ("extends",)) if base_path.is_symlink() else None
     try:
         exists = base_path.is_file()
-        base_resolved = base_path.resolve()
+        base_resolved = base_resolved or base_path.resolve()
     except (OSError, ValueError):  # a name too long, a NUL byte
         exists = False
     if not exists:
@@ -411,6 +439,12 @@ def apply_overrides(spec: LoadedSpec, overrides: list[str]) -> LoadedSpec:
             raise SpecError([Diagnostic("yaml", f"cannot parse override: {why}", (), loc,
                                         "write path.to.field=value as in a YAML file; quote values with brackets, "
                                         "colons or spaces, e.g. 'summary=\"a: b\"'")]) from None
+        if parsed == {}:  # merged key by key, an empty mapping adds nothing and removes nothing (issue 57)
+            raise SpecError([Diagnostic("yaml", f"the override `{item.strip()}` is an empty mapping, which changes "
+                                        f"nothing: an override is merged into {path} key by key, so it cannot empty it",
+                                        tuple(int(p) if p.isdigit() else p for p in parts), loc,
+                                        f"set the fields you mean ({path}.FIELD=VALUE); to remove entries of {path}, "
+                                        "delete them from the spec file")])
         glued = _glued_key(parsed)
         if glued is not None:  # `{kind:linear}`: YAML reads `kind:linear` as one key with no value
             raise SpecError([Diagnostic("yaml", f"cannot parse override: `{glued}` is read as one key with no value "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from composer.errors import printable  # every renderer's output: spec-provided text never reaches the terminal raw
+
 
 def story(plan: dict) -> list[str]:
     """What will happen, in a few sentences per segment, before the details: who writes which tokens,
@@ -98,7 +100,7 @@ def text(plan: dict) -> str:
         from composer.plan.schedule import lines as schedule_lines
 
         lines += schedule_lines(plan)
-    return "\n".join(lines)
+    return printable("\n".join(lines))
 
 
 def prompt_lines(plan: dict) -> list[str]:
@@ -157,7 +159,7 @@ def mermaid(plan: dict) -> str:
             lines.append(f"{pad}{nid(k, e['from'])}[\"{e['from']}\"] -->{arrow} {nid(k, e['to'])}[\"{e['to']}\"]")
         if label:
             lines.append("  end")
-    return "\n".join(lines)
+    return printable("\n".join(lines))
 
 
 def dot(plan: dict) -> str:
@@ -176,7 +178,7 @@ def dot(plan: dict) -> str:
         if label:
             lines.append("  }")
     lines.append("}")
-    return "\n".join(lines)
+    return printable("\n".join(lines))
 
 
 def as_json(plan: dict) -> str:
