@@ -11,6 +11,9 @@ Checks, in order:
     longer than Python converts, rows nested deeper than the parser's recursion), non-UTF-8 bytes (or
     lone surrogates), a row that is not an object, missing / null fields, a prompt that is not text or
     is empty, an answer that is not text or a finite number;
+  load time (`screen_task` in composer/checks/data.py, called by `bind_task` before anything renders or
+    tokenises a row): text longer than the policy's declared context can hold (by characters: a 30 MiB row
+    is never tokenised), text spelling one of the policy tokenizer's control tokens (`<|im_end|>`);
   load time (`validate_answers`, called by `bind_task` for each verifier the spec names): dataset
     answers the verifier cannot read (math: math_verify finds no expression; exact: empty; code:
     no tests or tests that do not compile);
