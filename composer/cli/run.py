@@ -24,13 +24,18 @@ from composer.errors import SpecError
 @click.option("--strict", is_flag=True, help="A segment that trained on nothing (a gate that selected no row, a "
               "filter that kept nothing, a verifier that parsed nothing, weights that did not move) is an error "
               "that stops the run after that segment, checkpoint kept (without it: a warning).")
+@click.option("--allow-changed-data", is_flag=True, help="With --resume: continue although a data file changed "
+              "since the checkpoint (its size and sha256 are kept in it); without it such a resume is refused.")
 @allow_plugins_option
-def run(spec, overrides, out, resume, no_progress, strict):
+def run(spec, overrides, out, resume, no_progress, strict, allow_changed_data):
     """Train SPEC (the toy testbed when it names no policy/data). OVERRIDES: path.to.field=value."""
     if spec is not None and "=" in spec and not Path(spec).exists():  # `run --resume DIR train.steps=200`
         spec, overrides = None, (spec, *overrides)
+    named = spec  # the SPEC the command gave (None: the run folder's own spec.yaml)
     if resume and spec is None:
         spec = str(Path(resume) / "spec.yaml")
+    if allow_changed_data and not resume:
+        raise click.UsageError("--allow-changed-data only applies to --resume DIR")
     if spec is None:
         raise click.UsageError("give a SPEC, or --resume DIR")
     # a run started as a background job (`composer run ... &` in a script) inherits SIGINT ignored; training's
@@ -38,7 +43,7 @@ def run(spec, overrides, out, resume, no_progress, strict):
     old_int = signal.signal(signal.SIGINT, _interrupt)  # recorded: a library may wrap the KeyboardInterrupt it raises
     old_term = signal.signal(signal.SIGTERM, _interrupt)  # before training, SIGTERM stops like SIGINT: exit 130
     try:
-        _run(spec, overrides, out, resume, no_progress, strict)
+        _run(spec, overrides, out, resume, no_progress, strict, allow_changed_data, named)
     except KeyboardInterrupt:
         old_int = old_term = signal.SIG_IGN  # a second Ctrl-C while stopping changes nothing: still exit 130
         signal.signal(signal.SIGINT, old_int)
@@ -70,7 +75,7 @@ class _deferred_signals:
         return False
 
 
-def _run(spec, overrides, out, resume, no_progress, strict=False):
+def _run(spec, overrides, out, resume, no_progress, strict=False, allow_changed_data=False, named=None):
     v = validated_or_exit(spec, overrides)
     if v.spec.train.backend != "lightning":
         click.echo(f"{spec}: train.backend is {v.spec.train.backend}; use `composer compile --backend "
@@ -84,7 +89,8 @@ def _run(spec, overrides, out, resume, no_progress, strict=False):
         click.echo(f"error: {e}", err=True)
         sys.exit(EXIT_INVALID)
     with _deferred_signals():  # a signal inside torch's C++ import would abort the process, not stop it
-        from composer.backends.lightning.run import Interrupted, claim_folder, check_resume, default_out, train
+        from composer.backends.lightning.run import (Interrupted, changed_data, check_resume, claim_folder, default_out,
+                                                     train)
 
     from composer.backends.lightning.run import launched_child
 
@@ -92,7 +98,7 @@ def _run(spec, overrides, out, resume, no_progress, strict=False):
     if child is not None:  # a process Lightning started for another rank: rank 0 owns the folder
         folder, resume = Path(child["out"]), child["out"] if child["resume"] else None
         try:
-            train(v, folder, resume=bool(resume), progress=False, strict=strict)
+            train(v, folder, resume=bool(resume), progress=False, strict=strict, allow_changed_data=allow_changed_data)
         except Interrupted:
             sys.exit(130)
         except Exception as e:
@@ -103,18 +109,22 @@ def _run(spec, overrides, out, resume, no_progress, strict=False):
     try:
         with claim_folder(folder, resume=bool(resume)):
             if resume:
-                state, changes = check_resume(v, folder)
+                state, changes = check_resume(v, folder, allow_changed_data, named)
+                for line in changed_data(v, state) if allow_changed_data else []:
+                    click.echo(f"resuming on changed data (--allow-changed-data):{line[3:]}", err=True)
                 done = finished_note(v, folder, state)
                 if done:  # nothing to train: the folder stays as it is (no final evaluation rerun)
                     click.echo(done)
                     return
                 for path, old, new in changes:
                     click.echo(f"resuming with {path}: {old} -> {new}", err=True)
-                if changes:
-                    _save_resolved(spec, overrides, folder)
             else:
                 _save_resolved(spec, overrides, folder)
-            final = train(v, folder, resume=bool(resume), progress=not no_progress, strict=strict)
+            # a resume's new settings go into spec.yaml once the checkpoint passed every check (a refused
+            # resume changes nothing in the folder)
+            save = (lambda: _save_resolved(spec, overrides, folder)) if resume and changes else None
+            final = train(v, folder, resume=bool(resume), progress=not no_progress, strict=strict,
+                          allow_changed_data=allow_changed_data, on_checked=save)
     except Interrupted as e:
         click.echo(str(e), err=True)
         sys.exit(130)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import lightning as L
-import torch
+import torch  # noqa: F401 (callbacks.torch: tests reach torch.save through it)
 from lightning.fabric.loggers.csv_logs import _ExperimentWriter
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.loggers import CSVLogger
@@ -69,30 +69,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """
 
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
-        from composer.runtime.checkpoint import CheckpointError, first_non_finite
+        from composer.runtime.checkpoint import first_non_finite, save
         from composer.backends.lightning.module import NonFiniteError
 
         bad = first_non_finite(checkpoint.get("state_dict", {}))
         if bad is not None:
             raise NonFiniteError(f"the weight {bad} is not finite after step {checkpoint.get('global_step')}; "
                                  "no checkpoint was written")
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException as e:
-            tmp.unlink(missing_ok=True)  # a partial file would keep filling the disk
-            # torch's zip writer reports a full disk as RuntimeError ("PytorchStreamWriter failed writing file")
-            if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "PytorchStreamWriter" in str(e)):
-                why = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [""])[0]
-                raise CheckpointError(f"cannot write the checkpoint {path}: {why} (a full disk?); the previous "
-                                      "checkpoint is kept") from None
-            raise
+        save(checkpoint, path)  # a temporary file renamed; a full disk is a CheckpointError, the last one kept
 
     def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
         from composer.runtime.checkpoint import load

@@ -389,6 +389,7 @@ class ComposerModule(L.LightningModule):
         }
         checkpoint["composer"] = to_plain(state, "composer")
         checkpoint["composer"]["spec"] = spec_record(self.validated)
+        checkpoint["composer"]["data_files"] = getattr(self, "data_files", None)  # --resume refuses changed data
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         from composer.runtime.checkpoint import from_plain

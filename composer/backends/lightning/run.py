@@ -127,17 +127,62 @@ def claim_folder(out: Path, resume: bool):
         lock.close()
 
 
-def check_resume(validated, out: Path) -> tuple[dict, list]:
+def changed_data(validated, state: dict) -> list[str]:
+    """A line per data file of the spec whose contents differ from the fingerprint the checkpoint keeps."""
+    composer = state.get("composer") if isinstance(state.get("composer"), dict) else {}
+    return ckpt_format.data_changes(composer.get("data_files"), ckpt_format.data_fingerprints(validated))
+
+
+def _override(path: str, value) -> str:
+    import shlex
+
+    return shlex.quote(f"{path}={value if isinstance(value, str) else json.dumps(value)}")
+
+
+def _asked(changes: list) -> str:
+    """The resumable settings a resume asked to change (train.steps=200, ...) as the overrides that say them,
+    each with a leading space ('' for none)."""
+    return "".join(" " + _override(p, new) for p, _old, new in changes
+                   if p in ckpt_format.RESUMABLE and isinstance(new, (str, int, float, bool)))
+
+
+def resume_hint(out: Path, changes: list, spec_path: str | None = None) -> str:
+    """The exact command that resumes the run in `out` with the resumable settings this command asked for
+    (`changes`: (path, checkpoint's value, asked value)): the run's own spec, which the folder keeps with its
+    overrides (spec.yaml); without that file, SPEC with the overrides that make it the run's spec, when plain
+    `path=value` overrides can say them."""
+    asked = _asked(changes)
+    may = f"only {', '.join(ckpt_format.RESUMABLE)} may change on resume"
+    if (Path(out) / "spec.yaml").is_file() or spec_path is None:
+        return (f"    hint: resume with the run's own spec, which {Path(out) / 'spec.yaml'} keeps with its overrides: "
+                f"`composer run --resume {out}{asked}` ({may}). For another spec, start a "
+                f"new run (`composer run SPEC --out NEW`)")
+    back = [(p, old) for p, old, _new in changes if p not in ckpt_format.RESUMABLE]
+    if all("[" not in p and (old is None or isinstance(old, (str, int, float, bool))) for p, old in back):
+        fixes = " ".join(_override(p, old) for p, old in back)
+        return (f"    hint: {out} has no spec.yaml; resume with {spec_path} set back to the run's values: `composer run "
+                f"{spec_path} --resume {out} {fixes}{asked}` ({may})")
+    return (f"    hint: {spec_path} is not the spec of this run, and {out} has no spec.yaml to resume with; give the "
+            f"run's own spec, or start a new run (`composer run SPEC --out NEW`)")
+
+
+def check_resume(validated, out: Path, allow_changed_data: bool = False,
+                 spec_path: str | None = None) -> tuple[dict, list]:
     """The checkpoint to resume from, read safely, and the resumable settings that change (path, old, new).
 
     Another spec, or an override of anything but `checkpoint.RESUMABLE`, is refused with what differs:
-    resuming would silently continue another experiment from this one's weights.
+    resuming would silently continue another experiment from this one's weights. So is a data file whose
+    contents changed under the same path since the checkpoint (its size and sha256 are kept in it), unless
+    `allow_changed_data` (`--allow-changed-data`). `spec_path`: the SPEC the command named, for the hint.
     """
     ckpt = last_checkpoint(out)
     if ckpt is None:
         raise RunError(f"{out}: no checkpoint to resume from (looked for checkpoints/last.ckpt)")
     state = ckpt_format.load(ckpt, mmap=True)
-    record = (state.get("composer") or {}).get("spec") if isinstance(state.get("composer"), dict) else None
+    if "composer" in state and not isinstance(state["composer"], dict):
+        raise ckpt_format.damaged(ckpt, "composer", "expected a mapping of the run's state, found "
+                                                    f"{type(state['composer']).__name__}")
+    record = (state.get("composer") or {}).get("spec")
     if not isinstance(record, dict) or "json" not in record:
         raise RunError(f"{ckpt}: the checkpoint does not record its spec (written by an older version); it "
                        "cannot be checked against this one, so it is not resumed")
@@ -151,10 +196,15 @@ def check_resume(validated, out: Path) -> tuple[dict, list]:
     if fixed:
         raise RunError(f"{out}: the checkpoint was trained with another spec; resuming it with this one would "
                        f"continue a different experiment. What differs (checkpoint -> now):\n"
-                       f"{ckpt_format.describe_changes(fixed)}\n"
-                       f"    hint: resume with the run's own spec (`composer run --resume {out}`); only "
-                       f"{', '.join(ckpt_format.RESUMABLE)} may change on resume. For another spec, start a new run.")
+                       f"{ckpt_format.describe_changes(fixed)}\n{resume_hint(out, changes, spec_path)}")
     check_counters(state, out, ckpt, record)
+    data = changed_data(validated, state)
+    if data and not allow_changed_data:
+        lines = "\n".join(data)
+        raise RunError(f"{ckpt}: the data changed since this checkpoint was written:\n{lines}\nresuming would train "
+                       f"the remaining steps on other data than the first ones (the same path, other contents)\n"
+                       f"    hint: restore the data as it was; or, to continue on the new contents, add "
+                       f"--allow-changed-data (`composer run --resume {out}{_asked(changes)} --allow-changed-data`)")
     return state, changes
 
 
@@ -249,6 +299,37 @@ def check_counters(state: dict, out: Path, ckpt: Path, record: dict) -> None:
                        f"the {last + 1 - step} later step(s)' rows\n{fix}")
 
 
+def expected_state(module, callbacks) -> ckpt_format.Expected:
+    """What this run restores a checkpoint into (checkpoint.check_state checks every field against it): the
+    policy's weight names and shapes, fresh states of its optimizer, scheduler and callbacks, and the loops of
+    a Trainer that never runs (its progress counters' structure)."""
+    import warnings
+
+    from composer.backends.lightning.module import _needs_initial
+    from composer.runtime.models import has_adapter
+
+    policy = module.policy
+    configured = module.configure_optimizers()
+    with warnings.catch_warnings():  # e.g. "GPU available but not used": this Trainer never runs
+        warnings.simplefilter("ignore")
+        probe = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False)
+    loops = {name: getattr(probe, name).state_dict() for name in ("fit_loop", "validate_loop", "test_loop",
+                                                                   "predict_loop")}
+    return ckpt_format.Expected(
+        weights={k: tuple(v.shape) for k, v in policy.state_dict().items()},
+        params=[tuple(p.shape) for p in policy.parameters()],
+        optimizer=configured["optimizer"].state_dict(),
+        scheduler=configured["lr_scheduler"]["scheduler"].state_dict(),
+        loops=loops, callbacks={cb.state_key: cb.state_dict() for cb in callbacks},
+        segments=[s.name for s in module.segments],
+        vocab=policy.get_input_embeddings().weight.shape[0],
+        trainable=sum(1 for p in policy.parameters() if p.requires_grad),
+        initial=(lambda: {k: tuple(v.shape) for k, v in merged(policy).state_dict().items()})
+        if has_adapter(policy) else None,
+        needs_initial=any(_needs_initial(s.spec) for s in module.segments))
+
+
 def check_launcher(num_nodes: int) -> None:
     """More than one node needs a launcher that starts the other nodes; without one Lightning waits forever."""
     if num_nodes <= 1:
@@ -320,7 +401,7 @@ def _owned_by_parent(out: Path, token: str) -> bool:
 
 
 def train(validated, out: Path, resume: bool = False, progress: bool = True, final_eval=None, recorder=None,
-          strict: bool = False) -> dict:
+          strict: bool = False, allow_changed_data: bool = False, on_checked=None) -> dict:
     """Run a validated spec on the Lightning backend: the compiled Plan's segments. Returns the final metrics.
 
     `final_eval(ctx, policy)`, when given, runs on the trained policy before the report is written;
@@ -329,11 +410,15 @@ def train(validated, out: Path, resume: bool = False, progress: bool = True, fin
     training after the current step and a checkpoint.
     `strict`: a segment that trained on nothing (composer/runtime/vacuous.py; always a warning) is a RunError
     after that segment's last step, whose checkpoint is kept.
+    `allow_changed_data` (`--allow-changed-data`): resume although a data file changed since the checkpoint.
+    `on_checked()`, when given, runs once every check of the spec, data and checkpoint has passed, before
+    anything in the run folder changes (the CLI writes a resumed run's new spec.yaml there).
     """
     stop = GracefulStop(out / "checkpoints" / "last.ckpt")
     stop.install()
     try:
-        return _train(validated, out, resume, progress, final_eval, stop, recorder, strict)
+        return _train(validated, out, resume, progress, final_eval, stop, recorder, strict, allow_changed_data,
+                      on_checked)
     except KeyboardInterrupt:
         where = "during the final evaluation" if stop.finishing else "before training"
         raise Interrupted(f"{stop.requested or 'SIGINT'}: stopped {where}; "
@@ -343,7 +428,7 @@ def train(validated, out: Path, resume: bool = False, progress: bool = True, fin
 
 
 def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop: GracefulStop, recorder,
-           strict: bool = False) -> dict:
+           strict: bool = False, allow_changed_data: bool = False, on_checked=None) -> dict:
     spec = validated.spec
     # the bar only where it draws: on a pipe or a file (CI, nohup, `2> log`) Rich would dump its last frame
     # at the end of the output; there the step lines (StepLog) say the same
@@ -360,10 +445,8 @@ def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop:
     if not child:
         (out / "checkpoints" / "last.ckpt.tmp").unlink(missing_ok=True)  # a write a kill cut short: garbage
         os.environ[RUN_ENV], os.environ[RUN_ENV + "_RESUME"] = str(out), "1" if resume else "0"
-    state = check_resume(validated, out)[0] if resume else None
+    state = check_resume(validated, out, allow_changed_data)[0] if resume else None
     plan = {**compile_plan(validated, "lightning"), **machine_notes(validated)}
-    if not child:
-        files.write_text(out / "plan.json", json.dumps(plan, indent=2, default=str))
     task = bind_task(spec)
     policy_name = spec.policy.model or "toy:student"
     trust = spec.policy.trust_remote_code
@@ -379,20 +462,27 @@ def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop:
     module = ComposerModule(plan, task, tokenizer, policy, samples, validated)
     module.start_metrics = {"skipped_rows": float(getattr(task, "skipped_rows", 0))}
     module.strict = strict
+    module.data_files = ckpt_format.data_fingerprints(validated)  # kept in every checkpoint (--resume compares)
     t = spec.train
     ckpt = last_checkpoint(out) if resume else None
     resumed_at = None
-    if state is not None:
-        ckpt_format.check_fits(state["state_dict"], module, ckpt)
-        resumed_at = int(state["global_step"])
-        del state
-    if _rank_zero():
-        sample_files.prepare(out, resumed_at)  # a resumed run trains its later steps again: drop their rows
-        prepare_records(out, resumed_at)
     callbacks = [AfterStep(), StrictStop(out / "checkpoints" / "last.ckpt"), SampleWriter(samples), stop,
                  ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=t.checkpoint_every,
                                  save_last=True, save_top_k=0, save_on_train_epoch_end=False,
                                  enable_version_counter=False)]
+    if state is not None:  # every field checked before anything is restored or any file of the folder changes
+        ckpt_format.check_fits(state["state_dict"], module, ckpt)
+        if not child:  # rank 0 checks before it starts the other ranks (they read the same file)
+            ckpt_format.check_state(state, ckpt, expected_state(module, callbacks))
+        resumed_at = int(state["global_step"])
+        del state
+    if not child:  # the run folder changes from here on
+        if on_checked is not None:
+            on_checked()
+        files.write_text(out / "plan.json", json.dumps(plan, indent=2, default=str))
+    if _rank_zero():
+        sample_files.prepare(out, resumed_at)  # a resumed run trains its later steps again: drop their rows
+        prepare_records(out, resumed_at)
     if progress:
         callbacks.append(_progress_bar())
     if not child:
@@ -436,8 +526,9 @@ def _fit(validated, out: Path, plan: dict, module, loggers, callbacks, ckpt, sto
                           + (f"continue with --resume {out}" if ckpt else "nothing was trained")) from None
     except (NonFiniteError, CheckpointError) as e:
         last = last_checkpoint(out)
+        fix = "fix the cause above" if isinstance(e, CheckpointError) else "fix the spec"  # a full disk, say
         raise type(e)(f"{e}; the run stopped, the last good checkpoint is "
-                      f"{last if last else '(none yet)'}; fix the spec and continue with --resume {out}") from None
+                      f"{last if last else '(none yet)'}; {fix} and continue with --resume {out}") from None
     if getattr(module, "stopped_by", None):
         if last_checkpoint(out) is None:
             raise Interrupted(f"{stop.requested}: stopped before the first step; nothing was trained")
