@@ -135,11 +135,11 @@ def test_export_never_replaces_a_folder_that_is_not_an_export(finished_run, tmp_
     r = cli("export", finished_run, "--out", base)
     assert r.exit_code == 2 and "not an earlier export" in r.stderr, r.output
     assert sorted(p.name for p in base.iterdir()) == before and (base / "README.md").read_text() == "my notes"
-    # an earlier export is replaced whole
+    # an earlier export's files are replaced, a file the user put beside them is kept (tests/test_output_folders.py)
     assert cli("export", finished_run, "--out", tmp_path / "e").exit_code == 0
     (tmp_path / "e" / "stale.txt").write_text("old")
     assert cli("export", finished_run, "--out", tmp_path / "e").exit_code == 0
-    assert not (tmp_path / "e" / "stale.txt").exists() and (tmp_path / "e" / "config.json").is_file()
+    assert (tmp_path / "e" / "stale.txt").read_text() == "old" and (tmp_path / "e" / "config.json").is_file()
 
 
 def test_a_lock_symlink_never_truncates_its_target(tmp_path):

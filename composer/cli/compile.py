@@ -101,38 +101,52 @@ def local_model_paths(v) -> list[str]:
     return out
 
 
-BUNDLE_MARKS = ("plan.json", "launch.sh", "args.json")
-
-
 def _compile_into(folder: Path, write) -> None:
-    """Write the bundle into a staging folder beside --out and move it into place only when it is whole: a
-    refused or failed compile leaves --out as it was (absent, empty, or the earlier bundle)."""
+    """Write the bundle into a staging folder beside --out, then move it in only when it is whole: a refused or
+    failed compile leaves --out as it was. Into an earlier bundle, only the files that bundle's manifest lists
+    (an older bundle without one: the bundle's own names, `legacy_file`) are replaced or removed; the user's
+    files beside them are kept, and one at a path the new bundle writes refuses it all (OutFolderError)."""
     import os
     import shutil
+
+    from composer import files
+    from composer.backends.openrlhf.bundle import MANIFEST, legacy_file
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".{folder.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         write(tmp)
-        if folder.exists():
-            shutil.rmtree(folder)  # empty, or an earlier bundle (_check_out refused anything else)
-        os.rename(tmp, folder)
+        files.replace_into(tmp, folder, MANIFEST, {"written_by": "composer", "kind": "openrlhf bundle"},
+                           legacy=legacy_file)
+    except files.FolderError as e:
+        raise OutFolderError(str(e)) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _check_out(folder: Path) -> None:
-    """--out is new, empty, or an earlier bundle (which compiling again replaces); never another folder's files."""
+    """--out is new, empty, or an earlier bundle (whose files compiling again replaces, keeping the user's files
+    beside them); a folder of other files, or a link, is refused before anything is written."""
+    from composer import files
+    from composer.backends.openrlhf.bundle import MANIFEST, older_bundle
+
+    if folder.is_symlink():
+        raise OutFolderError("it is a symbolic link; give the real folder")
     if not folder.exists():
         return
     if not folder.is_dir():
         raise NotADirectoryError(20, "not a directory", str(folder))
     names = {p.name for p in folder.iterdir()}
-    if names and not all(m in names for m in BUNDLE_MARKS):
+    try:
+        listed = files.recorded_files(folder, MANIFEST)
+    except files.FolderError as e:
+        raise OutFolderError(str(e)) from None
+    if names and listed is None and not older_bundle(folder):
         shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
-        raise OutFolderError(f"the folder already holds files that are not a bundle ({shown}); compiling would "
-                             "replace them\n    hint: choose a new or empty folder (an earlier bundle is replaced)")
+        raise OutFolderError(f"the folder already holds files and is not a bundle ({shown}); compiling would "
+                             "mix a bundle into them\n    hint: choose a new or empty folder (an earlier bundle's "
+                             "files are replaced, files you added beside them are kept)")
 
 
 class OutFolderError(Exception):

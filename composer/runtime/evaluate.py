@@ -187,8 +187,10 @@ def write_records(folder: Path, step: int, records: list[dict]) -> None:
     """Append one evaluation's generations to eval_samples.jsonl (one JSON object a line, with its step)."""
     if not records:
         return
+    from composer import files
+
     path = Path(folder) / EVAL_SAMPLES
-    with path.open("a", encoding="utf-8") as f:
+    with files.open_append(path, text=True, encoding="utf-8") as f:  # never through a link
         for r in records:
             f.write(json.dumps({"step": step, **r}, ensure_ascii=False) + "\n")
 
@@ -207,9 +209,9 @@ def prepare_records(folder: Path, resumed_at: int | None) -> None:
         step = row.get("step", 0) if isinstance(row, dict) else None
         if isinstance(step, int) and not isinstance(step, bool) and step < resumed_at:
             kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
-    tmp.replace(path)
+    from composer import files
+
+    files.write_text(path, "".join(x + "\n" for x in kept))  # a temporary file renamed, never through a link
 
 
 # ------------------------------------------------------------------------------------------ `composer eval`

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import contextlib
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -47,14 +48,20 @@ def _no_deepspeed_probe():
         other.is_deepspeed_available = old
 
 
-MARK = "composer_export.json"  # written into every export: only a folder holding it is ever replaced
+MARK = "composer_export.json"  # written into every export, with its files: only a folder holding it is written into
+# what save_pretrained writes: the files an older export (one whose MARK lists no files) is known to hold
+EXPORT_NAMES = re.compile(r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|added_tokens|"
+                          r"chat_template|preprocessor_config|vocab|merges)\.(json|jinja|txt)|(model|pytorch_model|"
+                          r"adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?|"
+                          r"(tokenizer|spiece|sentencepiece\.bpe)\.model|adapter_config\.json")
 
 
 def target_problem(dest: Path | str) -> str | None:
-    """Why `dest` may not receive an export (None: it is new, empty, or an earlier export, which is replaced).
+    """Why `dest` may not receive an export (None: it is new, empty, or an earlier export, whose files are
+    replaced while the files the user added beside them are kept).
 
-    A folder holding a `config.json` is not enough: a base model's folder has one, and replacing it would
-    delete its README, extra shards and anything else the user keeps there."""
+    A folder holding a `config.json` is not enough: a base model's folder has one, and writing into it would
+    replace its weights and mix two models."""
     dest = Path(dest)
     if dest.is_symlink():
         return "it is a symbolic link; give the real folder"
@@ -68,6 +75,11 @@ def target_problem(dest: Path | str) -> str | None:
         return None
     return (f"the folder already holds files and is not an earlier export (no {MARK}); choose a new or empty "
             "folder")
+
+
+def old_export_file(rel: str) -> bool:
+    """Whether `rel` is a file an older export (its MARK lists no files) wrote; any other file is the user's."""
+    return "/" not in rel and EXPORT_NAMES.fullmatch(rel) is not None
 
 
 EVAL_DATA_FIELDS = ("prompt_field", "answer_field", "prompt_format", "system_prompt", "prompt_template",
@@ -109,15 +121,18 @@ def eval_settings(resolved: dict) -> dict:
 
 
 def save_policy(model, tokenizer, dest: Path | str, settings: dict | None = None) -> Path:
-    """model + tokenizer via save_pretrained into `dest`, replacing it whole (an earlier export) or not at all.
-    `settings` (eval_settings of the run's spec) go into composer_export.json for `composer eval`."""
+    """model + tokenizer via save_pretrained into `dest` (new, empty, or an earlier export: its files are
+    replaced, the user's files beside them kept; see files.replace_into). Written whole into a staging folder
+    first, so a failure leaves `dest` as it was. `settings` (eval_settings of the run's spec) go into
+    composer_export.json for `composer eval`, with the list of the export's files."""
+    from composer import files
+
     dest = Path(dest)
     why = target_problem(dest)
     if why:
         raise ExportError(f"{dest}: {why}")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.partial-{os.getpid()}"
-    old = dest.parent / f".{dest.name}.old-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         try:
@@ -130,13 +145,12 @@ def save_policy(model, tokenizer, dest: Path | str, settings: dict | None = None
             raise ExportError(f"{dest}: cannot write the model ({type(e).__name__}: {why}; a full disk?); "
                               f"{dest} is as it was") from None
         mark = {"written_by": "composer", "format": "transformers", **({"run": settings} if settings else {})}
-        (tmp / MARK).write_text(json.dumps(mark, indent=1) + "\n")
-        if dest.exists():
-            os.rename(dest, old)
-        os.rename(tmp, dest)
+        try:
+            files.replace_into(tmp, dest, MARK, mark, legacy=old_export_file)
+        except files.FolderError as e:
+            raise ExportError(f"{dest}: {e}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
     return dest
 
 

@@ -241,7 +241,7 @@ def append(path: Path, rows: list[dict]) -> None:
     if not rows:
         return
     data = "".join(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n" for r in rows).encode("utf-8")
-    with open(path, "ab") as f:
+    with files.open_append(path) as f:  # never through a link
         size = f.tell()
         try:
             f.write(data)

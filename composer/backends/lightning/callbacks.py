@@ -20,6 +20,8 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from composer import files
+
 
 class AfterStep(L.Callback):
     """Runs the module's post-step bookkeeping (ahead of ModelCheckpoint, which Lightning runs last)."""
@@ -208,6 +210,7 @@ class _KeepingWriter(_ExperimentWriter):
         self.log_dir = log_dir
         self.metrics_file_path = os.path.join(log_dir, self.NAME_METRICS_FILE)
         self._fs.makedirs(log_dir, exist_ok=True)
+        files.refuse_link(self.metrics_file_path)  # its rows are never read from, nor written to, another file
         if os.path.isfile(self.metrics_file_path):
             rows, keys = [], []
             if keep_before is not None:
@@ -224,17 +227,10 @@ class _KeepingWriter(_ExperimentWriter):
             if os.path.isfile(self.metrics_file_path):
                 os.remove(self.metrics_file_path)
             return
-        tmp = self.metrics_file_path + ".tmp"
-        try:
-            with open(tmp, "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=self.metrics_keys)
-                w.writeheader()
-                w.writerows(rows)
-            os.replace(tmp, self.metrics_file_path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+        with files.atomic_path(self.metrics_file_path) as tmp, open(tmp, "w", newline="") as f:  # a new name: no link
+            w = csv.DictWriter(f, fieldnames=self.metrics_keys)
+            w.writeheader()
+            w.writerows(rows)
 
     def save(self) -> None:
         """Append the new rows; with new columns rewrite the file atomically. A failed append (a full disk)
@@ -252,7 +248,7 @@ class _KeepingWriter(_ExperimentWriter):
             buf = io.StringIO()
             csv.DictWriter(buf, fieldnames=self.metrics_keys).writerows(self.metrics)
             data = buf.getvalue().encode()
-            with open(self.metrics_file_path, "ab") as f:
+            with files.open_append(self.metrics_file_path) as f:  # never through a link
                 size = f.tell()
                 try:
                     f.write(data)

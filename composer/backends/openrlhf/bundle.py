@@ -13,6 +13,7 @@
     reward.py      OpenRLHF reward function over the spec's verifier (runs without a guide)
     agent.py       OpenRLHF AgentExecutor for the spec's guide (runs with one)
     data/          the prompts (and demonstrations) as jsonl with a JSON label per row
+    composer_bundle.json  the files above (`files`): compiling into the folder again replaces only those
 """
 
 from __future__ import annotations
@@ -39,6 +40,31 @@ RESERVED = (*PACKAGES, "data", "reward", "agent")  # bundle entries a plugin mod
 
 class BundleError(Exception):
     """The bundle cannot be written (the spec is fine, but OpenRLHF or the inputs are not)."""
+
+
+MANIFEST = "composer_bundle.json"  # the bundle's own files (`files`): an earlier bundle is replaced by this list
+FIXED_FILES = ("plan.json", "args.json", "command.txt", "launch.sh", "runtime_env.json", "README.md", "reward.py",
+               "agent.py", "data/train.jsonl", "data/eval.jsonl")
+COPIED_TREES = (*PACKAGES, "models", "data/toy")  # copies of the composer's code and the toy testbed
+
+
+def legacy_file(rel: str) -> bool:
+    """Whether `rel` is a file an older bundle (one without MANIFEST) wrote: a name every bundle uses or a file of
+    the trees it copies. Anything else in its folder is taken for the user's and kept."""
+    return rel in FIXED_FILES or any(rel.startswith(tree + "/") for tree in COPIED_TREES)
+
+
+def older_bundle(folder: Path) -> bool:
+    """Whether `folder` holds a bundle of an older version (no MANIFEST): plan.json, launch.sh and args.json, and
+    a plan.json with the `openrlhf` part every bundle's has (a project folder with those names is not one)."""
+    if not all((folder / name).is_file() and not (folder / name).is_symlink()
+               for name in ("plan.json", "launch.sh", "args.json")):
+        return False
+    try:
+        plan = json.loads((folder / "plan.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(plan, dict) and isinstance(plan.get("openrlhf"), dict)
 
 
 def _examples(v):
