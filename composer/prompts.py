@@ -206,10 +206,17 @@ def control_tokens(tokenizer, name: str = "") -> tuple[str, ...]:
         return ()
     found = set(getattr(tokenizer, "all_special_tokens", None) or ())
     for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
-        text = getattr(tok, "content", "")
-        if getattr(tok, "special", False) or (text[:1] in "<[" and text[-1:] in ">]"):
-            found.add(text)
-    return tuple(sorted(t for t in found if isinstance(t, str) and len(t.strip()) > 1))
+        if is_control(getattr(tok, "content", ""), getattr(tok, "special", False)):
+            found.add(tok.content)
+    return tuple(sorted(t for t in found if is_control(t, True)))
+
+
+def is_control(text, special: bool) -> bool:
+    """Whether an added token `text` is a control token: a special one, or one written as markup (`<think>`);
+    a one-character or blank token is never counted (it would refuse ordinary text)."""
+    if not isinstance(text, str) or len(text.strip()) < 2:
+        return False
+    return special or (text[:1] in "<[" and text[-1:] in ">]")
 
 
 def render_task(task, fmt: PromptFormat) -> None:

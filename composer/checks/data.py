@@ -79,6 +79,33 @@ def _cached_config(name: str) -> Path | None:
     return Path(found) if isinstance(found, str) else None
 
 
+def declared_controls(tokenizer: str | None) -> tuple[str, ...]:
+    """The control-token strings of a local tokenizer folder, read from its tokenizer.json (`added_tokens`) and
+    tokenizer_config.json without loading it (as prompts.py `control_tokens` has them); the toy's specials."""
+    from composer.prompts import control_tokens, is_control
+
+    name = tokenizer or "toy:student"
+    if name.startswith("toy:"):
+        return control_tokens(None, name)
+    folder, found = Path(name), set()
+    try:
+        if (folder / "tokenizer.json").is_file():
+            added = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("added_tokens") or []
+            found |= {t.get("content") for t in added if isinstance(t, dict) and is_control(t.get("content"),
+                                                                                         bool(t.get("special")))}
+        if (folder / "tokenizer_config.json").is_file():
+            cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+            for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+                value = cfg.get(key)
+                found.add(value.get("content") if isinstance(value, dict) else value)
+            for t in (cfg.get("added_tokens_decoder") or {}).values():
+                if isinstance(t, dict) and is_control(t.get("content"), bool(t.get("special"))):
+                    found.add(t["content"])
+    except (OSError, ValueError, AttributeError):
+        return ()
+    return tuple(sorted(t for t in found if is_control(t, True)))
+
+
 def row_limit(context: int) -> int:
     """The most characters a row's text may have and still fit `context` tokens."""
     return context * CHARS_PER_TOKEN
@@ -215,6 +242,8 @@ def _source(loaded, spec, key: str, name: str, context, where) -> list[Diagnosti
     out = _columns(loaded, spec, key, name, columns)
     if not out and context is not None:
         out += _row_sizes(loaded, spec, key, name, rows, context, where)
+    if not out:
+        out += _row_controls(loaded, spec, key, name, rows)
     return out
 
 
@@ -260,6 +289,26 @@ def _row_sizes(loaded, spec, key: str, name: str, rows: list[tuple[int, dict]], 
                              f"tokens, {where})", ("data", key), "shorten the row, or lower rollout.max_new_tokens",
                              "warning"))
     return out
+
+
+def _row_controls(loaded, spec, key: str, name: str, rows: list[tuple[int, dict]]) -> list[Diagnostic]:
+    """The first of the first rows whose text spells a control token of the policy tokenizer (read from its
+    folder's files): an error, as the run refuses it (a warning with on_bad_row skip)."""
+    d, policy = spec.data, spec.policy
+    pattern = control_pattern(declared_controls(policy.tokenizer or policy.model))
+    if pattern is None:
+        return []
+    for row, fields in rows:
+        for field in (d.prompt_field, d.solution_field, d.answer_field):
+            text = fields.get(field)
+            hit = pattern.search(text) if isinstance(text, str) else None
+            if hit:
+                severity = "warning" if d.on_bad_row == "skip" else "error"
+                return [_diag(loaded, f"{name}: row {row}: field '{field}' holds {hit.group(0)!r}, a control token of "
+                              "the policy tokenizer: in a prompt it would be read as that token, not as text",
+                              ("data", key), "rewrite the text so it does not spell the token (e.g. '< |im_end| >'), "
+                              "or set data.on_bad_row: skip (such rows are then skipped and counted)", severity)]
+    return []
 
 
 # ------------------------------------------------------------------------------------------ reading the head
