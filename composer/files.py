@@ -84,6 +84,16 @@ def open_append(path: Path | str, text: bool = False, **kw):
     return os.fdopen(fd, "a" if text else "ab", **kw)
 
 
+def open_new(path: Path | str):
+    """`path` made afresh for writing (binary), for a temporary file of the tool's own name (last.ckpt.tmp):
+    whatever is there is removed first (what a killed write left, or a link: the link itself, never what it
+    points to), then the file is created exclusively, so nothing is written through a link."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    return os.fdopen(fd, "wb")
+
+
 def links_in(folder: Path | str) -> list[str]:
     """Every symbolic link in `folder` and its subfolders (not followed), as paths relative to it."""
     found = []

@@ -265,3 +265,19 @@ def test_run_files_are_never_written_through_a_link(tmp_path, writer):
     with pytest.raises(files.LinkError, match="symbolic link"):
         write(path)
     assert victim.read_text() == "keep me"
+
+
+def test_a_checkpoint_is_never_written_through_a_link_at_its_temporary_name(tmp_path):
+    """last.ckpt.tmp is the checkpoint writer's own name: a link there is removed, never written through."""
+    from composer.runtime import checkpoint
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    path.parent.mkdir()
+    (path.parent / "last.ckpt.tmp").symlink_to(victim)
+    checkpoint.save({"global_step": 3}, path)
+    assert victim.read_text() == "keep me" and not (path.parent / "last.ckpt.tmp").exists()
+    import torch
+
+    assert not path.is_symlink() and torch.load(path, weights_only=True) == {"global_step": 3}

@@ -129,7 +129,9 @@ def save(checkpoint: dict, path: Path | str) -> None:
     writes = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
+        from composer import files
+
+        with files.open_new(tmp) as f:  # a link planted at last.ckpt.tmp is removed, never written through
             writes = _Writes(f)
             torch.save(checkpoint, writes)
             f.flush()
