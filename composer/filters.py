@@ -66,15 +66,16 @@ def filter_source(flt: RolloutFilter, spec) -> str | None:
     return names[0] if len(names) == 1 else None
 
 
-def truncated_rows(batch, eos_id: int):
-    """[B] bool: rows whose response does not end in EOS (cut at the length cap), as the OpenRLHF agent
-    reports `truncated`."""
+def truncated_rows(batch, eos_id):
+    """[B] bool: rows whose response does not end in a stop token (cut at the length cap), as the OpenRLHF agent
+    reports `truncated`. `eos_id`: one id or the model's stop tokens (composer/stops.py)."""
     resp = batch.response_mask  # [B, T]
     T = resp.shape[1]
     pos = torch.arange(T, device=resp.device).expand_as(resp)
     last = torch.where(resp, pos, torch.full_like(pos, -1)).max(-1).values  # [B] last response position
     tok = batch.tokens.gather(1, last.clamp(min=0)[:, None]).squeeze(1)  # [B]
-    return (last < 0) | (tok != eos_id)
+    stops = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), dtype=tok.dtype, device=tok.device)
+    return (last < 0) | ~torch.isin(tok, stops)
 
 
 def equal_prompts(rewards, prompt_index) -> dict[int, bool]:
@@ -123,7 +124,7 @@ def filtered_rollout(ctx, examples: list, n: int):
         b.prompt_index = torch.full((b.size,), i, dtype=torch.long)
     out = concat([b for b, _ in parts], ctx.pad_id)
     out.info = {"temperature": batch.info.get("temperature", 1.0)}
-    truncated = truncated_rows(out, ctx.eos_id)  # [B]
+    truncated = truncated_rows(out, ctx.stop_ids)  # [B]
     if flt.truncated == "drop" and truncated.any() and not truncated.all():
         out = _rows(out, (~truncated).nonzero().flatten().tolist())
         truncated = torch.zeros(out.size, dtype=torch.bool)

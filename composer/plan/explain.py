@@ -63,6 +63,8 @@ def text(plan: dict) -> str:
     lines.append(f"policy: {plan['policy']}   data: {'toy testbed' if plan['testbed'] == 'toy' else plan['data']['train']}"
                  f"   backend: {plan['backend']}   steps: {plan['total_steps']}")
     lines.append(f"rollout engine: {plan['rollout']['engine']}; behaviour log-probs {plan.get('rollout_engine', '')}")
+    if plan.get("stop_tokens"):  # composer/stops.py: a response ends at the first of them
+        lines.append(f"stop tokens: {plan['stop_tokens']}")
     lines += data_lines(plan)
     if plan["sources"]:
         lines += ["", "sources (privileged information: what / when / how it is used):"]

@@ -12,6 +12,7 @@ from composer.referee.checks import (ADVANTAGES, GRADIENTS, KL_TOL, NOISE, Repor
                                      gate_select, loss_origins, segment_of, stage_start, surprisal, teacher_logprobs,
                                      teacher_state, truncated, verdict_rewards)
 from composer.origins import CODE
+from composer.stops import of
 from composer.referee.record import GUIDE_ORIGINS, TOL, fresh_logprobs, row_key, run_recorded, segment_spec, short
 
 __all__ = ["referee", "check_recorded", "run_recorded", "short", "Report"]
@@ -149,7 +150,7 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
     # ---- gates, recomputed from the verifier's rewards and the spec's thresholds
     gated_rows: dict = {}
     gate_of: dict[int, list] = {}  # id(term event) -> the referee's rows (None: no gate)
-    eos = rec.tokenizer.eos_token_id if rec.tokenizer is not None else None
+    eos = of(rec.tokenizer).ids if rec.tokenizer is not None else None  # the stop tokens (composer/stops.py)
     for e in term_events:
         spec = segment_spec(v, e["segment"])
         names = [n for n, _s, _o, _w in terms(spec)]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from composer.origins import CODE
 from composer.referee.record import GUIDE_ORIGINS, TOL, fresh_logprobs, row_key, segment_spec
+from composer.stops import of
 
 KL_TOL = 0.05  # the KL term's gradient, per unit of kl_coef x token weight (a check of its own)
 NOISE = 5e-5  # float32 forward passes of the same weights, shapes apart (a teacher prompt with its context)
@@ -226,12 +227,13 @@ def expected_rewards(rec, spec, sig, b, task_cap, step: int | None = None) -> tu
     return out, sum(1 for r, r0 in zip(out, base) if r != r0)
 
 
-def truncated(b, eos_id: int) -> list:
-    """Rows whose response does not end in EOS."""
+def truncated(b, eos_id) -> list:
+    """Rows whose response does not end in a stop token (`eos_id`: one id, or the stop tokens, composer/stops.py)."""
+    stops = {eos_id} if isinstance(eos_id, int) else set(eos_id)
     out = []
     for i in range(b.size):
         pos = b.response_mask[i].nonzero().flatten().tolist()
-        out.append(not pos or int(b.tokens[i, pos[-1]]) != eos_id)
+        out.append(not pos or int(b.tokens[i, pos[-1]]) not in stops)
     return out
 
 
@@ -356,7 +358,7 @@ def check_traces(rep, rec, v, events) -> None:
                     ok = ok and (g.source, tuple(prompt), tuple(got)) in written
                     what = f"a generation of '{g.source}' after the row's prompt"
                 else:
-                    full = tok.encode(want, add_special_tokens=False) + [tok.eos_token_id]
+                    full = tok.encode(want, add_special_tokens=False) + [of(tok).end]  # composer/stops.py
                     room = e.get("room") or len(full)
                     ok = ok and got == full[:room]
                     what = f"the reference text + EOS cut at {room} tokens ({min(room, len(full))} tokens)"

@@ -190,6 +190,10 @@ class RunContext:
         self.models = ModelServer(tokenizer, policy, engine)
         self.sink = MetricsSink(recorder=recorder)
         self.state = RunState()
+        if spec is not None and tokenizer is not None:  # the policy's stop tokens, unless the run bound them
+            from composer.stops import for_spec
+
+            for_spec(tokenizer, spec, again=False)
 
     # ---- what components read ----
     @property
@@ -254,8 +258,23 @@ class RunContext:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     @property
+    def stops(self):
+        """The policy's stop tokens (composer/stops.py StopTokens): every id that ends a response, and the end token."""
+        from composer.stops import of
+
+        return of(self.tokenizer)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Every token id that ends a response (the tokenizer's eos, generation_config's eos_token_id, the chat
+        template's end of turn under chat prompts): a response ending in one of them is finished."""
+        return self.stops.ids
+
+    @property
     def eos_id(self) -> int:
-        return self.tokenizer.eos_token_id
+        """The token a target the run writes ends with (an SFT demonstration, a judge's whole answer): the chat
+        template's end of turn under chat prompts, else the tokenizer's eos (composer/stops.py)."""
+        return self.stops.end
 
     @property
     def pad_id(self) -> int:

@@ -164,9 +164,13 @@ class HFEngine(LocalModel):
 @torch.no_grad()
 def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
                 batch_size: int = 256) -> list[Generation]:
-    """Batched `generate` with KV cache; prompts are left-padded so every row continues at one position."""
+    """Batched `generate` with KV cache; prompts are left-padded so every row continues at one position. A row
+    stops at the first of the model's stop tokens (composer/stops.py) and ends with it."""
+    from composer.stops import of
+
     device = next(model.parameters()).device
-    pad, eos = tok.pad_token_id, tok.eos_token_id
+    stops = of(tok)
+    pad, eos = tok.pad_token_id, list(stops.ids) or None
     kwargs = dict(do_sample=False) if sampling.greedy else dict(
         do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
     gens: list[Generation] = []
@@ -181,8 +185,9 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, sampl
         seqs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
                               pad_token_id=pad, eos_token_id=eos, use_cache=True, **kwargs)
         for row in seqs[:, P:].tolist():
-            if eos in row:
-                gens.append(Generation(row[: row.index(eos) + 1], True))
+            kept, finished = stops.cut(row)
+            if finished:
+                gens.append(Generation(kept, True))
             else:
                 gens.append(Generation([t for t in row if t != pad] if sampling.greedy else row, False))
     return gens

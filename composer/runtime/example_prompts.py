@@ -1,7 +1,8 @@
 """What this machine adds to the Plan (explain and plan.json): one rendered example of what a run's models are
 prompted with (the first usable training row read through the data binding, rendered with the prompt templates,
-composer/prompts.py, and the real tokenizer's chat template) and the rollout engine's note on its behaviour
-log-probs. `machine_notes(v)` is added to `compile_plan(v)` by the commands that show or write the Plan."""
+composer/prompts.py, and the real tokenizer's chat template), the rollout engine's note on its behaviour log-probs
+and the policy's stop tokens. `machine_notes(v)` is added to `compile_plan(v)` by the commands that show or write
+the Plan."""
 
 from __future__ import annotations
 
@@ -21,7 +22,27 @@ def machine_notes(v) -> dict:
     from composer.runtime.vllm_engine import engine_note
 
     return {"rollout_engine": engine_note(v.spec.rollout), "data_files": data_files(v.spec.data),
-            "prompts": example_prompts(v.spec, [s.spec for s in v.segments])}
+            "prompts": example_prompts(v.spec, [s.spec for s in v.segments]), "stop_tokens": stop_note(v.spec)}
+
+
+def stop_note(spec) -> str:
+    """Which tokens end the policy's responses (composer/stops.py), in words; why not, when its tokenizer does not
+    load here (the run loads it and says them in its first lines)."""
+    from composer.stops import for_spec
+
+    name = spec.policy.tokenizer or spec.policy.model or "toy:student"
+    try:
+        if name.startswith("toy:"):  # the toy testbed's tokenizer, built in memory (its checkpoints are not needed)
+            from components.tasks.tokenizer import char_tokenizer
+
+            tok = char_tokenizer()
+        else:
+            from composer.runtime.models import load_tokenizer
+
+            tok = load_tokenizer(name, trust_remote_code=bool(spec.policy.trust_remote_code))
+        return for_spec(tok, spec).describe()
+    except Exception as e:  # noqa: BLE001 - explain shows why; the run stops with the same error
+        return f"not known here ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]})"
 
 
 def data_files(d) -> dict:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from composer.runtime.engine import Generation, Sampling, budgets, cut, hf_generate
 from composer.runtime.onednn import linear
+from composer.stops import of
 
 log = logging.getLogger("composer")
 _TOLD: set[str] = set()  # reasons a compiled decode step could not be used, said once each
@@ -187,8 +188,9 @@ def compiled_step():
     return _COMPILED
 
 
-def _next_token(logits: torch.Tensor, sampling: Sampling, block_eos: bool, eos: int):
-    """transformers' processing order on float32 logits: min_new_tokens, temperature, top-k, top-p."""
+def _next_token(logits: torch.Tensor, sampling: Sampling, block_eos: bool, eos: torch.Tensor):
+    """transformers' processing order on float32 logits: min_new_tokens (every stop token blocked), temperature,
+    top-k, top-p."""
     scores = logits.float()  # [B, V]
     if block_eos:
         scores[:, eos] = float("-inf")
@@ -244,13 +246,15 @@ class PrefixCache:
 
 
 @torch.no_grad()
-def _generate_chunk(W: _Weights, chunk, limits, sampling, pad, eos, min_new, want_logprobs,
+def _generate_chunk(W: _Weights, chunk, limits, sampling, pad, stops, min_new, want_logprobs,
                     prefixes: PrefixCache | None = None, compiled: bool = False):
-    """Sample every prompt of `chunk` up to its own limit (the loop ends when every row has stopped).
+    """Sample every prompt of `chunk` up to its own limit (the loop ends when every row has stopped: at its budget
+    or at the first of `stops`, the model's stop tokens, composer/stops.py)).
     With `prefixes`, prompts extending a row of the previous call are prefilled from its cache (and this
     call's rows are kept for the next). `compiled`: the decode steps run `compiled_step` (same tokens and
     log-probs up to float rounding)."""
     device = W.embed.device
+    eos = torch.tensor(stops.ids, dtype=torch.long, device=device)  # [K] every stop token
     max_new_tokens = max(max(limits), 1)
     limit = torch.tensor(limits, device=device)  # [B] per-row token budget
     B, P = len(chunk), max(len(p) for p in chunk)
@@ -313,7 +317,7 @@ def _generate_chunk(W: _Weights, chunk, limits, sampling, pad, eos, min_new, wan
             temp = 1.0 if sampling.greedy else sampling.temperature
             lp = torch.log_softmax(logits.float() / temp, dim=-1).gather(1, tok[:, None]).squeeze(1)
             lps[:, t] = lp.masked_fill(done, 0.0)
-        done = done | (tok == eos) | (limit <= t + 1)
+        done = done | torch.isin(tok, eos) | (limit <= t + 1)
         n = t + 1
         if t == max_new_tokens - 1 or bool(done.all()):
             break
@@ -330,7 +334,7 @@ def _generate_chunk(W: _Weights, chunk, limits, sampling, pad, eos, min_new, wan
     rows = [r[: max(b, 0)] for r, b in zip(out[:, :n].tolist(), limits)]
     if prefixes is not None:
         # keys and values exist for the prompt and every sampled token but the last (never fed back)
-        real = [r[: r.index(eos) + 1] if eos in r else r for r in rows]
+        real = [stops.cut(r)[0] for r in rows]
         prefixes.store(W, [p + r[: min(len(r), n - 1)] for p, r in zip(chunk, real)], cache_k, cache_v,
                        [P - len(p) for p in chunk])
     return rows, ([lp[: len(r)] for lp, r in zip(lps[:, :n].tolist(), rows)] if want_logprobs else None)
@@ -366,10 +370,11 @@ def _from_cache(prefixes: PrefixCache, W: _Weights, prompts: list[list[int]], P:
     return T
 
 
-def _post(row: list[int], eos: int, pad: int, greedy: bool) -> Generation:
-    """The row as `hf_generate` reports it."""
-    if eos in row:
-        return Generation(row[: row.index(eos) + 1], True)
+def _post(row: list[int], stops, pad: int, greedy: bool) -> Generation:
+    """The row as `hf_generate` reports it: cut at its first stop token (`stops`, composer/stops.py)."""
+    kept, finished = stops.cut(row)
+    if finished:
+        return Generation(kept, True)
     return Generation([t for t in row if t != pad] if greedy else row, False)
 
 
@@ -391,16 +396,16 @@ def fast_generate_with_logprobs(model, tok, prompts: list[list[int]], max_new_to
         gens = hf_generate(model, tok, prompts, max(limits, default=1), sampling, batch_size)
         return [cut(g, b) for g, b in zip(gens, limits)], None
     W = _Weights(model)
-    pad, eos = tok.pad_token_id, tok.eos_token_id
+    pad, stops = tok.pad_token_id, of(tok)
     min_new = model.generation_config.min_new_tokens or 0
     gens: list[Generation] = []
     logprobs: list[list[float]] = []
     for i in range(0, len(prompts), batch_size):
         rows, lps = _generate_chunk(W, prompts[i: i + batch_size], limits[i: i + batch_size], sampling,
-                                    pad, eos, min_new, True, prefixes if len(prompts) <= batch_size else None,
+                                    pad, stops, min_new, True, prefixes if len(prompts) <= batch_size else None,
                                     compiled)
         for row, lp in zip(rows, lps):
-            g = _post(row, eos, pad, sampling.greedy)
+            g = _post(row, stops, pad, sampling.greedy)
             gens.append(g)
             logprobs.append(lp[: len(g.tokens)])
     return gens, logprobs
@@ -414,11 +419,11 @@ def fast_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, sam
     if not ok:
         return hf_generate(model, tok, prompts, max_new_tokens, sampling, batch_size)
     W = _Weights(model)
-    pad, eos = tok.pad_token_id, tok.eos_token_id
+    pad, stops = tok.pad_token_id, of(tok)
     min_new = model.generation_config.min_new_tokens or 0
     gens: list[Generation] = []
     for i in range(0, len(prompts), batch_size):
         rows, _ = _generate_chunk(W, prompts[i: i + batch_size], [max_new_tokens] * len(prompts[i: i + batch_size]),
-                                  sampling, pad, eos, min_new, False)
-        gens += [_post(row, eos, pad, sampling.greedy) for row in rows]
+                                  sampling, pad, stops, min_new, False)
+        gens += [_post(row, stops, pad, sampling.greedy) for row in rows]
     return gens

@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from composer.lazy import torch  # imported on first use: `engine_note` (explain) never loads torch or vLLM
+from composer.stops import of
 
 if TYPE_CHECKING:
     from composer.runtime.engine import Generation, Sampling
@@ -218,7 +219,8 @@ class VLLMEngine:
         self.model_dir = model_dir or _model_dir(policy)
         self.last_sync = 0
         self.generated_tokens = 0
-        self.eos_id = tokenizer.eos_token_id if tokenizer is not None else None
+        self.stops = of(tokenizer)  # the model's stop tokens (composer/stops.py): a response ends at the first
+        self.eos_id = self.stops.end
         self._records = _Records()
         self._asleep: set[str] = set()
         self._loader: str | None = None
@@ -330,8 +332,8 @@ class VLLMEngine:
     def _params(self, max_tokens: int, s: Sampling | None, logprobs: bool, prompt_logprobs: int | None = None,
                 prompt_temperature: float | None = None):
         kw: dict[str, Any] = dict(n=1, max_tokens=max_tokens, detokenize=False)
-        if self.eos_id is not None:
-            kw["stop_token_ids"] = [self.eos_id]
+        if self.stops.ids:
+            kw["stop_token_ids"] = list(self.stops.ids)
         if s is None or s.greedy:
             kw["temperature"] = 0.0
         else:
@@ -343,6 +345,16 @@ class VLLMEngine:
         if prompt_temperature is not None:
             kw["prompt_logprobs_temperature"] = prompt_temperature
         return self._vllm.SamplingParams(**kw)
+
+    def _stopped(self, c, toks: list[int]) -> tuple[list[int], bool]:
+        """(the tokens up to and including the first stop token, finished): a vLLM that drops the stop token from
+        token_ids (finish_reason "stop") gets it back from `stop_reason`, else the end token."""
+        if getattr(c, "finish_reason", None) == "stop" and self.stops.first(toks) is None:
+            reason = getattr(c, "stop_reason", None)
+            back = reason if isinstance(reason, int) and reason in self.stops.ids else self.stops.end
+            if back is not None:
+                toks = toks + [back]
+        return self.stops.cut(toks)
 
     def _run(self, prompts: list[list[int]], params):
         try:
@@ -374,11 +386,8 @@ class VLLMEngine:
             lps: list[float | None] = [None] * len(toks)
             if record and c.logprobs is not None:
                 lps = [_lp_of(c.logprobs[i], t) if i < len(c.logprobs) else None for i, t in enumerate(toks)]
-            if getattr(c, "finish_reason", None) == "stop" and self.eos_id is not None and (
-                    not toks or toks[-1] != self.eos_id):
-                toks.append(self.eos_id)  # a vLLM that drops the stop token from token_ids
-                lps.append(None)
-            finished = bool(toks) and toks[-1] == self.eos_id
+            toks, finished = self._stopped(c, toks)
+            lps = (lps + [None])[: len(toks)]
             self._records.add(list(prompt), toks, lps)
             gens.append(Generation(toks, finished, lps))
         if not sampling.greedy:  # a prefill only for rows with a token the sampler did not report

@@ -30,6 +30,7 @@ from composer.runtime.export import MODEL_DIR, save_policy
 from composer.runtime.paths import check_run_inputs
 from composer.plan.compile import compile_plan
 from composer.runtime.example_prompts import machine_notes
+from composer.stops import for_spec
 from composer.runtime.evaluate import prepare_records
 from composer.runtime.binding import bind_task, check_task_lengths, context_length
 from composer.runtime.models import load_model, load_tokenizer, merged, prepare_policy
@@ -457,6 +458,7 @@ def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop:
     policy_name = spec.policy.model or "toy:student"
     trust = spec.policy.trust_remote_code
     tokenizer = load_tokenizer(spec.policy.tokenizer or policy_name, trust_remote_code=trust)
+    stops = for_spec(tokenizer, spec)  # every engine and target reads these (composer/stops.py)
     policy = prepare_policy(load_model(policy_name, spec.policy.dtype, trust_remote_code=trust), spec.policy)
     check_task_lengths(task, tokenizer, context_length(policy), spec.data.on_bad_row, spec.data.prompt_field)
     from composer.registry import VERIFIERS
@@ -494,6 +496,7 @@ def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop:
     if not child:
         console_log()
         log.info(f"run folder: {out}")
+        log.info(f"stop tokens: {stops.describe()}")
         # a progress bar only draws on a terminal: elsewhere (CI, nohup, --no-progress) one line per log_every steps
         callbacks.append(StepLog(t.log_every, validated.total_steps, show_steps=not (progress and _tty())))
     loggers = build_loggers(validated, out, resumed_at) if not child else []

@@ -57,7 +57,9 @@ class ComposerAgent:
         if key not in self.contexts:
             from composer.backends.openrlhf.hooks import task_of
             from composer.runtime.context import RunContext
+            from composer.stops import for_spec
 
+            for_spec(tok, spec)  # the policy's stop tokens under the bundle's prompt format (composer/stops.py)
             # one memo for the run, as on Lightning: a phase's context finds what another prepared (prefixes)
             ctx = RunContext(task=task_of(self.plan, self.run, spec), tokenizer=tok, policy=None, engine=None,
                              spec=spec)
@@ -112,11 +114,14 @@ class ComposerAgent:
             p.temperature, p.logprobs = 0.0, None
         out = (await engine.generate(list(ids), p)).outputs[0]
         toks = list(out.token_ids)
+        stops = set(getattr(p, "stop_token_ids", None) or ())  # cut at the first (`_with_stops`)
+        first = next((k for k, t in enumerate(toks) if t in stops), None)
+        toks = toks if first is None else toks[: first + 1]
         lps = None
         if not greedy and getattr(p, "logprobs", None) is not None and out.logprobs is not None:
             lps = [d[t].logprob if t in d else None for t, d in zip(toks, out.logprobs)]
             lps = None if None in lps else lps
-        return Generation(toks, out.finish_reason != "length", lps)
+        return Generation(toks, first is not None or out.finish_reason != "length", lps)
 
     async def score(self, engine, ids, sp) -> list[float]:
         """Log-prob of every token of `ids` under the engine's weights (0 for the first)."""
@@ -157,6 +162,7 @@ class ComposerAgent:
         """`serve` for a rollout of `example` (its own prompt length and response room); `seeds` (default: the
         run's seed, the step, the example's prompt and "prepare") seed its sampled requests."""
         llm_engine, sp, max_length, tok = engines
+        sp = _with_stops(sp, ctx.stop_ids)
         n = len(tok.encode(example.prompt, add_special_tokens=False))
         # one position spare: scoring guide tokens (prompt_logprobs) asks vLLM for one more token
         room = min(sp.max_tokens or max_length, ctx.max_new_tokens, max_length - n - 1)
@@ -282,11 +288,22 @@ class ComposerAgent:
         return {
             "prompt": prompt, "label": encode_label(meta), "observation_tokens": trace.tokens,
             "action_ranges": ranges, "rollout_log_probs": lps, "reward": reward, "scores": reward,
-            "truncated": not (trace.response and trace.response[-1] == ctx.eos_id),
+            "truncated": not (trace.response and trace.response[-1] in ctx.stop_ids),
             "extra_logs": {"composer_guided": float(trace.guided), "composer_control": float(trace.control),
                            "composer_offpolicy_frac": off / max(len(trace.response), 1),
                            "composer_reviews": float(trace.notes.get("reviews", 0))},  # the guide's reviews
         }
+
+
+def _with_stops(sp, ids) -> object:
+    """A copy of OpenRLHF's sampling params that also stops at every one of the model's stop tokens `ids`
+    (composer/stops.py: the tokenizer's eos, generation_config's, the chat template's end of turn); OpenRLHF
+    passes none of its own, so vLLM would stop at the eos of the tokenizer and generation_config only."""
+    p = copy.copy(sp)
+    p.stop_token_ids = sorted(set(getattr(sp, "stop_token_ids", None) or ()) | set(ids))
+    if isinstance(getattr(sp, "_all_stop_token_ids", None), set):  # vLLM's set, computed when it was built
+        p._all_stop_token_ids = sp._all_stop_token_ids | set(ids)
+    return p
 
 
 def executor_class(plan="plan.json"):

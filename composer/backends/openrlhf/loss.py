@@ -191,6 +191,7 @@ def prepare_step(experiences, plan, plugin: dict, tokenizer, task) -> None:
     `info['composer/adv<i>']` [b], each term's step-wide normaliser into `info['composer/norm<i>']`, and into each
     label the self-teachers' prompt ids and row weights and each term's row mask (its gate, the rollout filter)."""
     from composer.backends.openrlhf.batch import encode_label
+    from composer.stops import for_spec
 
     labels = [x for e in experiences for x in e.labels]
     batch = step_batch(experiences, tokenizer.pad_token_id)
@@ -206,7 +207,9 @@ def prepare_step(experiences, plan, plugin: dict, tokenizer, task) -> None:
         for meta, (ids, w) in zip(metas, teacher_prompts(spec, name, batch, tokenizer, task)):
             meta.setdefault("teacher", {})[name] = ids
             meta.setdefault("teacher_weight", {})[name] = w  # only this teacher's terms read it
-    eos = plugin.get("eos_id", -1) if getattr(tokenizer, "eos_token_id", None) is None else tokenizer.eos_token_id
+    # a row is finished when it ends in one of the policy's stop tokens (composer/stops.py), as the agent reported
+    eos = plugin.get("eos_id", -1) if getattr(tokenizer, "eos_token_id", None) is None else \
+        for_spec(tokenizer, at.spec, again=False).ids
     for i, rows in enumerate(the_step.row_masks(at, batch, eos)):
         if rows is not None:
             for meta, r in zip(metas, rows.tolist()):
