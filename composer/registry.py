@@ -8,6 +8,7 @@ the `composer.components` entry-point group (each entry point names a module to 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import types
@@ -29,6 +30,12 @@ VERIFIERS: dict[str, "VerifierInfo"] = {}
 _LOADED = {"builtins": False, "entry_points": False}
 PLUGIN_ERRORS: list[str] = []
 SPEC_PLUGIN_ERRORS: list[str] = []  # the subset a spec's `plugins:` caused (reported as that spec's warnings)
+# The trust boundary of names: a plugin adds kinds and verifiers, it never replaces a built-in one (a plugin's
+# `grpo` or `math` would run instead of the one the spec's reader expects, and `composer check` would vouch for
+# it). Each refused registration is kept here under the plugin module being loaded, and is an error (exit 2)
+# wherever that plugin is loaded: every command for an installed entry point, the spec for a `plugins:` module.
+REFUSED: dict[str, list[str]] = {}  # plugin module -> why its registrations were refused
+_LOADING = {"module": "", "label": ""}  # the plugin being imported now (set by `loading_plugin`)
 
 
 def _scalar_types(annotation) -> set:
@@ -147,18 +154,58 @@ class Component(Capable, NumbersNotBooleans, BaseModel):
         return out
 
 
+def _builtin_module(module: str) -> bool:
+    """`module` is part of the built-in component library (the `components` package)."""
+    return module == "components" or module.startswith("components.")
+
+
+def _where(obj) -> tuple[str, str]:
+    """Where a class or function is defined: its module and qualified name (a module reloaded keeps both)."""
+    return obj.__module__, obj.__qualname__
+
+
+def _refuse(module: str, what: str, item: str) -> None:
+    """Record that the plugin being loaded (else `module`) tried to register the built-in name `what`."""
+    key = _LOADING["module"] or module
+    label = _LOADING["label"] or f"plugin module '{module}'"
+    REFUSED.setdefault(key, []).append(
+        f"{label} registers {what}, which is built in; a plugin adds names, choose another "
+        f"{'verifier' if what.startswith('verifier') else 'kind'} name ({item} of {module} was not registered)")
+
+
+@contextlib.contextmanager
+def loading_plugin(module: str, label: str):
+    """While a plugin module is imported: refusals are filed under `module` and name the plugin as `label`."""
+    before = dict(_LOADING)
+    _LOADING.update(module=module, label=label)
+    try:
+        yield
+    finally:
+        _LOADING.update(before)
+
+
+def refusals(module: str) -> list[str]:
+    """Why the plugin module `module` (or a module inside it) could not register what it tried to."""
+    return [msg for key, msgs in REFUSED.items() if key == module or key.startswith(module + ".") for msg in msgs]
+
+
+def entry_point_refusals() -> list[str]:
+    """What installed entry-point plugins tried to replace: an error for every command that loads them."""
+    load_entry_points()
+    return [msg for m in sorted(ENTRY_POINT_MODULES) for msg in refusals(m)]
+
+
 def register(section: str, plugin: str = "") -> Callable[[type[Component]], type[Component]]:
     if section not in SECTIONS:
         raise ValueError(f"unknown section {section!r}; sections are {SECTIONS}")
 
     def deco(cls: type[Component]) -> type[Component]:
         cls.section = section
-        cls.plugin = plugin or ("" if cls.__module__.startswith("components.") else cls.__module__)
+        cls.plugin = plugin or ("" if _builtin_module(cls.__module__) else cls.__module__)
         existing = _REGISTRY[section].get(cls.kind_name())
-        if existing is not None and existing.__qualname__ != cls.__qualname__ and not existing.plugin:
-            # a plugin may add kinds, never silently replace a built-in one
-            PLUGIN_ERRORS.append(f"{cls.plugin or cls.__module__}: kind '{cls.kind_name()}' of {section} is "
-                                 "built in; the plugin's class was not registered (choose another kind name)")
+        if existing is not None and not existing.plugin and _where(existing) != _where(cls):
+            # a plugin may add kinds, never replace a built-in one (a class of the same name included)
+            _refuse(cls.__module__, f"kind '{cls.kind_name()}' of {section}", f"class {cls.__qualname__}")
             return cls
         _REGISTRY[section][cls.kind_name()] = cls
         return cls
@@ -195,6 +242,11 @@ def register_verifier(name: str, description: str, check: str = "", preflight: s
     """
 
     def deco(fn):
+        existing = VERIFIERS.get(name)
+        if existing is not None and _builtin_module(existing.module) and (existing.module, existing.attr) != \
+                (fn.__module__, fn.__name__):  # a plugin adds verifiers, never replaces a built-in one
+            _refuse(fn.__module__, f"verifier '{name}'", f"function {fn.__name__}")
+            return fn
         VERIFIERS[name] = VerifierInfo(name, fn.__module__, fn.__name__, description, check, preflight)
         return fn
 
@@ -229,13 +281,16 @@ def load_builtins() -> None:
 def load_entry_points() -> None:
     if _LOADED["entry_points"]:
         return
+    load_builtins()  # first: a plugin's attempt to replace a built-in name is then seen and refused
     _LOADED["entry_points"] = True
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        ENTRY_POINT_MODULES.add(ep.value.split(":")[0].strip())
+        module = ep.value.split(":")[0].strip()
+        ENTRY_POINT_MODULES.add(module)
         try:
-            ep.load()
+            with loading_plugin(module, f"plugin {ep.name} (entry point {ep.name} = {ep.value})"):
+                ep.load()
         except Exception as e:  # a broken plugin must not break validation of every spec
             PLUGIN_ERRORS.append(f"plugin {ep.name} ({ep.value}) failed to load: {type(e).__name__}: {e}")
 

@@ -87,9 +87,9 @@ def test_allow_plugins_by_environment_and_a_refusal_is_printed(tmp_path):
     spec = tmp_path / "spec.yaml"
     spec.write_text(HEAD + "plugins: [shadow_grpo_mod]\n")
     r = composer("validate", spec, cwd=tmp_path, env={"COMPOSER_ALLOW_PLUGINS": "1"})
-    assert r.returncode == 0, r.stderr
-    assert "warning: plugins[0]: plugin module 'shadow_grpo_mod'" in r.stderr
-    assert "kind 'grpo' of objective is built in; the plugin's class was not registered" in r.stderr
+    assert r.returncode == 2, r.stderr  # imported (the environment allowed it), and refused (tests/test_trust_boundary.py)
+    assert "error: plugins[0]: plugin module 'shadow_grpo_mod' registers kind 'grpo' of objective" in r.stderr
+    assert "which is built in; a plugin adds names, choose another kind name" in r.stderr
 
 
 def test_a_module_name_that_is_not_one_is_refused(tmp_path):

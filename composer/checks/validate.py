@@ -126,13 +126,25 @@ TRUST_HINT = (f"importing a module runs its code: if you trust this spec and the
               f"`{registry.ENTRY_POINT_GROUP}`) loads without it")
 
 
+SHADOW_HINT = ("rename the kind (or verifier) in the plugin's code, and use that name in the spec; the built-in one "
+               "is the one its documentation describes and `composer check` verifies")
+
+
+def entry_point_gate(loaded: LoadedSpec) -> list[Diagnostic]:
+    """An installed plugin that tried to replace a built-in kind or verifier: every spec is refused until it is
+    fixed or uninstalled (the names a spec uses would not mean what their documentation says)."""
+    return [Diagnostic("schema", msg, (), Location(str(loaded.file), 1, 1),
+                       "fix the plugin package (a plugin adds names) or `pip uninstall` it")
+            for msg in registry.entry_point_refusals()]
+
+
 def load_plugins(loaded: LoadedSpec) -> tuple[list[Diagnostic], list[Diagnostic]]:
     """Import the modules the spec names in `plugins:` (and nothing else): (errors, warnings).
 
     A module is imported only when the person running the command allows it (validating a spec someone
     sent must never run code), already imported or not (a bundle would ship it); an installed
-    entry-point plugin's module is accepted; a standard-library module is never a plugin. A plugin's refusal to register a
-    kind (one that would replace a built-in) is a warning at its `plugins:` entry.
+    entry-point plugin's module is accepted; a standard-library module is never a plugin. A plugin that tries to
+    replace a built-in kind or verifier is an error at its `plugins:` entry (the trust boundary of names).
     """
     names = loaded.data.get("plugins") or []
     if not isinstance(names, list):
@@ -159,10 +171,12 @@ def load_plugins(loaded: LoadedSpec) -> tuple[list[Diagnostic], list[Diagnostic]
             continue
         before = len(registry.PLUGIN_ERRORS)
         try:
-            importlib.import_module(name)
+            with registry.loading_plugin(name, f"plugin module '{name}'"):
+                importlib.import_module(name)
         except Exception as e:  # a plugin's own errors must become a diagnostic, not a traceback
             errors.append(Diagnostic("schema", f"plugin module '{name}' cannot be imported: {type(e).__name__}: {e}",
                                      ("plugins", i), where, "install the package that provides it (pip install -e), put the folder that holds it on PYTHONPATH, or fix the module name"))
+        errors += [Diagnostic("schema", msg, ("plugins", i), where, SHADOW_HINT) for msg in registry.refusals(name)]
         registry.SPEC_PLUGIN_ERRORS.extend(registry.PLUGIN_ERRORS[before:])
         warnings += [Diagnostic("schema", f"plugin module '{name}': {msg}", ("plugins", i), where,
                                 "the built-in kind stays in use", severity="warning")
@@ -289,7 +303,7 @@ def validate_loaded(loaded: LoadedSpec) -> Validated:
     """Run layers 2-4 on loaded YAML. Raises SpecError with every diagnostic of the failing layer."""
     registry.load_all()
     diags, plugin_warnings = load_plugins(loaded)
-    diags += remote_code_gate(loaded)
+    diags += entry_point_gate(loaded) + remote_code_gate(loaded)
     if diags:
         raise SpecError(diags + plugin_warnings)
     model = spec_model()

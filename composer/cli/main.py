@@ -201,6 +201,7 @@ def list_(topic, section, markdown, out, with_plugins):
     from composer.lang import reference
 
     registry.load_all()
+    _refuse_shadowing_plugins()
     topic = section or topic
     if out and not markdown:
         _fail("error: --out needs --markdown")
@@ -212,6 +213,16 @@ def list_(topic, section, markdown, out, with_plugins):
         _list_markdown(entries, not with_plugins, out)
     else:
         _list_terminal(entries)
+
+
+def _refuse_shadowing_plugins() -> None:
+    """Exit 2 when an installed plugin tried to replace a built-in kind or verifier (a plugin adds names)."""
+    from composer import registry
+
+    refused = registry.entry_point_refusals()
+    if refused:
+        _fail("\n".join(f"error: {msg}" for msg in refused) +
+              "\n    hint: fix the plugin package (a plugin adds names) or `pip uninstall` it")
 
 
 def _list_markdown(entries, builtins_only: bool, out: str | None) -> None:
@@ -258,6 +269,7 @@ def schema(out, with_plugins):
 
     if with_plugins and not out:
         _fail("error: --with-plugins needs --out (the committed schemas/spec.schema.json covers built-in kinds only)")
+    _refuse_shadowing_plugins()
     try:
         path = write_schema(Path(out) if out else None, builtins_only=not with_plugins)
     except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path

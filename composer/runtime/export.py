@@ -101,10 +101,11 @@ def _verifiers(node) -> list[str]:
     return found
 
 
-def eval_settings(resolved: dict) -> dict:
+def eval_settings(resolved: dict, step: int | None = None) -> dict:
     """What `composer eval EXPORT --data D` needs to evaluate as the run did, from the run's resolved spec: the
     prompt and data fields (system prompt, template, fields, format), the verifier, the evaluation's sizes and
-    the response length. Kept in the export's composer_export.json."""
+    the response length, and `step`, the optimizer steps the exported weights had taken (eval.json's step).
+    Kept in the export's composer_export.json."""
     resolved = resolved if isinstance(resolved, dict) else {}
     data = resolved.get("data") if isinstance(resolved.get("data"), dict) else {}
     train = resolved.get("train") if isinstance(resolved.get("train"), dict) else {}
@@ -117,6 +118,8 @@ def eval_settings(resolved: dict) -> dict:
            "rollout": {k: rollout[k] for k in ("max_new_tokens",) if k in rollout}}
     if verifier:
         out["verifier"] = verifier
+    if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+        out["step"] = step
     return out
 
 
@@ -206,7 +209,7 @@ def export_checkpoint(src: Path | str, dest: Path | str, base: str | None = None
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from composer.runtime import checkpoint as ckpt_format
-    from composer.runtime.paths import model_problem, tokenizer_problem
+    from composer.runtime.paths import custom_code_problem, model_problem, tokenizer_problem, trust_ask
     from composer.registry import remote_code_allowed
     from composer.runtime.models import load_tokenizer, resolve
 
@@ -244,6 +247,9 @@ def export_checkpoint(src: Path | str, dest: Path | str, base: str | None = None
     why = tokenizer_problem(tok_path)
     if why:
         raise ExportError(f"the tokenizer: {why}")
+    why = custom_code_problem(arch, trust, trust_ask(None))  # else a known model_type builds the built-in class
+    if why:
+        raise ExportError(why)
     dtype = next((t.dtype for t in weights.values() if torch.is_tensor(t) and t.is_floating_point()), torch.float32)
     try:  # a config.json transformers cannot build a model from: an unknown model_type, custom code (auto_map)
         config = AutoConfig.from_pretrained(arch, trust_remote_code=trust)
@@ -271,7 +277,8 @@ def export_checkpoint(src: Path | str, dest: Path | str, base: str | None = None
     tokenizer = load_tokenizer(tok_path, trust_remote_code=trust)
     record = (state.get("composer") or {}).get("spec") if isinstance(state.get("composer"), dict) else None
     try:
-        settings = eval_settings(json.loads(record["json"])) if isinstance(record, dict) and "json" in record else None
+        settings = eval_settings(json.loads(record["json"]), state.get("global_step")) \
+            if isinstance(record, dict) and "json" in record else None
     except (TypeError, ValueError):
         settings = None
     return save_policy(merged(model), tokenizer, dest, settings)

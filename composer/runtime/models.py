@@ -30,13 +30,23 @@ REMOTE_CODE_HINT = ("the folder ships its own Python code (config.json `auto_map
                     "COMPOSER_TRUST_REMOTE_CODE=1): only for a folder you trust")
 
 
-def _trusted(requested: bool) -> bool:
-    """Remote code runs only when asked for and allowed by the user (command line or environment)."""
+CUSTOM_CODE_ASK = ("set `trust_remote_code: true` where the spec names this model (policy.trust_remote_code, or the "
+                   "source's or critic's own) and rerun with --trust-remote-code (or COMPOSER_TRUST_REMOTE_CODE=1)")
+
+
+def _trusted(requested: bool, path: str = "", what: str = "model") -> bool:
+    """Remote code runs only when asked for and allowed by the user (command line or environment). A folder at
+    `path` whose config names its own code (`auto_map`) is refused unless it runs: transformers would otherwise
+    build its built-in class for a known model_type and train that instead, silently."""
     from composer.registry import remote_code_allowed
+    from composer.runtime.paths import custom_code_problem
 
     if requested and not remote_code_allowed():
         raise ModelLoadError("a model folder's own Python code was asked for without --trust-remote-code "
                              "(or COMPOSER_TRUST_REMOTE_CODE=1); not run")
+    why = custom_code_problem(path, bool(requested), CUSTOM_CODE_ASK) if path else None
+    if why:
+        raise ModelLoadError(f"{what} at {path} does not load: {why}")
     return bool(requested)
 
 
@@ -56,8 +66,9 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
         why = tokenizer_problem(path)
         if why:
             raise ModelLoadError(why)
+    trust = _trusted(trust_remote_code, path, "tokenizer")
     try:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=_trusted(trust_remote_code))
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
     except Exception as e:
         raise _load_error("tokenizer", path, e) from None
     if tok.pad_token_id is None:
@@ -75,9 +86,9 @@ def load_model(name: str, dtype: str = "float32", trust_remote_code: bool = Fals
         why = model_problem(path, tokenizer_too=False)
         if why:
             raise ModelLoadError(why)
+    trust = _trusted(trust_remote_code, path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
-                                                     trust_remote_code=_trusted(trust_remote_code))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), trust_remote_code=trust)
     except Exception as e:
         raise _load_error("model", path, e) from None
     from composer.runtime.onednn import use_onednn
@@ -522,12 +533,13 @@ def _load_regression(name: str, what: str, dtype: str, trust_remote_code: bool, 
         why = model_problem(path, tokenizer_too=False)
         if why:
             raise ModelLoadError(why)
+    trust = _trusted(trust_remote_code, path, what)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
         with torch.random.fork_rng(devices=[]):
             return AutoModelForSequenceClassification.from_pretrained(
-                path, dtype=getattr(torch, dtype), trust_remote_code=_trusted(trust_remote_code),
+                path, dtype=getattr(torch, dtype), trust_remote_code=trust,
                 output_loading_info=True, **kwargs)
     except Exception as e:
         raise _load_error(what, path, e) from None

@@ -7,6 +7,7 @@ Light on purpose (no torch, no transformers): `composer run` calls it before it 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import stat
@@ -83,6 +84,58 @@ def tokenizer_problem(name: str, what: str = "the tokenizer directory") -> str |
     return None
 
 
+CUSTOM_CODE_FILES = ("config.json", "tokenizer_config.json")  # where a folder's `auto_map` names its own classes
+
+
+def _folder_file(name: str, filename: str) -> Path | None:
+    """`filename` of the model folder `name`: a local directory, or a hub id's copy in the local cache."""
+    if Path(name).is_dir():
+        return Path(name) / filename
+    if _looks_local(name):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, filename)
+    except (ImportError, ValueError):  # no huggingface_hub, not an id the hub accepts
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def custom_code(name: str) -> tuple[Path, dict] | None:
+    """(file, auto_map) of the first config file of the model folder `name` whose `auto_map` names the folder's own
+    Python classes; None when none does."""
+    for filename in CUSTOM_CODE_FILES:
+        path = _folder_file(name, filename)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8")) if path is not None and path.is_file() else None
+        except (OSError, ValueError):  # unreadable or not JSON: the loader says so
+            continue
+        auto_map = data.get("auto_map") if isinstance(data, dict) else None
+        if auto_map:
+            return path, auto_map if isinstance(auto_map, dict) else {"auto_map": auto_map}
+    return None
+
+
+def trust_ask(field: str | None) -> str:
+    """How the user runs a folder's code: the spec `field` set true (if any) and the command's opt-in."""
+    return (f"set `{field}: true` and rerun" if field else "rerun") + \
+        " with --trust-remote-code (or COMPOSER_TRUST_REMOTE_CODE=1)"
+
+
+def custom_code_problem(name: str, trusted: bool, ask: str = trust_ask("policy.trust_remote_code")) -> str | None:
+    """Why the model folder `name` is refused: it ships its own Python (`auto_map`) and the run does not trust it.
+    transformers would otherwise build its built-in class for a known model_type, silently training another
+    model than the folder declares. `ask`: how to opt in (`trust_ask`)."""
+    found = None if trusted else custom_code(name)
+    if found is None:
+        return None
+    path, auto_map = found
+    classes = ", ".join(f"{k} = {v}" for k, v in auto_map.items())
+    return (f"{path} names the folder's own Python code (auto_map: {classes}); it is not run, and no built-in class "
+            f"is used in its place\n    hint: only for a folder you trust: {ask}")
+
+
 SPECIAL_FILESYSTEMS = ("/proc", "/sys", "/dev")  # files there block (/proc/kmsg), never end, or are not data
 
 
@@ -132,9 +185,11 @@ def problems(validated) -> list[str]:
     pol = spec.policy
     model = pol.model or "toy:student"
     if not _skipped(model):
-        add("policy.model", model_problem(model, tokenizer_too=pol.tokenizer is None))
+        add("policy.model", model_problem(model, tokenizer_too=pol.tokenizer is None)
+            or custom_code_problem(model, pol.trust_remote_code))
     if pol.tokenizer and not _skipped(pol.tokenizer):
-        add("policy.tokenizer", tokenizer_problem(pol.tokenizer))
+        add("policy.tokenizer", tokenizer_problem(pol.tokenizer) or custom_code_problem(pol.tokenizer,
+                                                                                         pol.trust_remote_code))
     for field in ("train", "eval"):
         value = getattr(spec.data, field)
         if value is not None:
@@ -144,7 +199,8 @@ def problems(validated) -> list[str]:
             m = getattr(cfg, "model", None)
             if getattr(cfg, "kind", None) != "policy_model" or not isinstance(m, str) or _skipped(m):
                 continue
-            add(f"sources.{name}.model", model_problem(m))
+            add(f"sources.{name}.model", model_problem(m) or custom_code_problem(
+                m, bool(getattr(cfg, "trust_remote_code", False)), trust_ask(f"sources.{name}.trust_remote_code")))
     return out
 
 
