@@ -67,8 +67,9 @@ def check_machine() -> None:
 
 def overrides(method: str, engine: str, args) -> list[str]:
     out = [f"rollout.engine={engine}", f"train.steps={args.steps}", "train.accelerator=gpu", "train.devices=1",
-           f"rollout.gpu_memory_utilization={args.gpu_memory_utilization}", "train.eval_every=0",
-           "train.eval_samples=8", f"train.checkpoint_every={max(args.steps, 1)}"]
+           "train.eval_every=0", "train.eval_samples=8", f"train.checkpoint_every={max(args.steps, 1)}"]
+    if engine == "vllm":  # a vLLM setting: refused with engine: hf, where it cannot act
+        out.append(f"rollout.gpu_memory_utilization={args.gpu_memory_utilization}")
     if args.prompts_per_step:
         out.append(f"train.prompts_per_step={args.prompts_per_step}")
     if args.samples_per_prompt:
