@@ -247,11 +247,18 @@ def test_data_paths_are_regular_files_outside_proc_and_sys(tmp_path, path):
         path = tmp_path / "l.jsonl"
         path.symlink_to("/proc/self/status")
     assert "not a regular file" in data_path_problem(path)
+    from composer.errors import SpecError
+
     spec = tmp_path / "s.yaml"
     spec.write_text(HEAD.replace("{kind: outcome_reward}", "{kind: outcome_reward, verifier: exact}")
                     + f"data: {{train: {json.dumps(str(path))}, prompt_field: q, answer_field: a}}\n")
+    with pytest.raises(SpecError, match="data.train: .*not a regular file"):  # validate refuses it (issue 56)
+        validate_file(spec)
+    good = tmp_path / "good.jsonl"  # and binding on its own, should the path change after validation
+    good.write_text('{"q": "1+1", "a": "2"}\n')
+    v = validate_file(spec, [f"data.train={good}"]).spec
     with pytest.raises(DataError, match="not a regular file"):
-        bind_task(validate_file(spec).spec)
+        bind_task(v.model_copy(update={"data": v.data.model_copy(update={"train": str(path)})}))
     r = composer("run", spec, "--out", tmp_path / "o", "--no-progress", timeout=120)
     assert r.returncode == 2 and "not a regular file" in r.stderr and not (tmp_path / "o").exists()
 
