@@ -395,3 +395,22 @@ def test_another_spec_with_resume_is_a_clear_refusal(sft_run, tmp_path):
     assert r.exit_code == 2 and "trained with another spec" in r.stderr and "objective.kind" in r.stderr
     assert "start a new run" in r.stderr and "internal error" not in r.stderr
     assert snapshot(out) == before
+
+
+# ------------------------------------------------------------------------------ a component's own state
+
+
+def test_a_runtime_state_the_component_cannot_take_names_its_field(tmp_path):
+    """composer.runtimes holds each component's own layout (EMA teacher, critic, reward normaliser): it is loaded
+    when the component is built, mid-run; a state it cannot take was an internal error there."""
+    from components.sources.reward_model import RewardModelScorer
+
+    scorer = RewardModelScorer.__new__(RewardModelScorer)  # the real class; its model is not needed to load moments
+    key = repr(("source", "rm", "{}"))
+    with pytest.raises(ckpt_format.CheckpointError) as e:
+        ckpt_format.restore_runtime(scorer, {"count": "many", "mean": 0.0, "m2": 0.0}, key, tmp_path)
+    text = str(e.value)
+    assert str(tmp_path / "checkpoints" / "last.ckpt") in text and "field composer.runtimes[" in text
+    assert "RewardModelScorer" in text and "ValueError" in text
+    ckpt_format.restore_runtime(scorer, {"count": 3, "mean": 0.5, "m2": 1.0}, key, tmp_path)  # an intact one loads
+    assert (scorer.count, scorer.mean, scorer.m2) == (3, 0.5, 1.0)

@@ -395,6 +395,20 @@ def check_state(state: dict, path: Path, expected: Expected) -> None:
         raise damaged(path, bad.field, bad.why) from None
 
 
+def restore_runtime(runtime, state: dict, key: str, run_dir=None) -> None:
+    """A component's checkpointed state (`composer.runtimes[key]`) back into its freshly built runtime: an EMA
+    teacher's weights, a critic's network and optimizer, a reward normaliser's moments. Their layout is each
+    component's own, so `check_state` checks only that they are mappings; a state the runtime cannot take is a
+    CheckpointError naming the field, never an internal error in the middle of the run."""
+    try:
+        runtime.load_state_dict(state)
+    except (RuntimeError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        path = Path(run_dir) / "checkpoints" / "last.ckpt" if run_dir is not None else Path("the checkpoint")
+        detail = (str(e).strip().splitlines() or [""])[0][:200]
+        raise damaged(path, f"composer.runtimes[{key!r:.100}]", f"the {type(runtime).__name__} of this spec cannot "
+                                                                 f"take it ({type(e).__name__}: {detail})") from None
+
+
 def _kind(value) -> str:
     if value is None:
         return "none"

@@ -307,7 +307,9 @@ class RunContext:
             rt = cfg.build(self, name)
             state = self.state.pending_runtime_state.get(repr(key))
             if state and isinstance(rt, Runtime):  # resumed run: the checkpointed runtime state
-                rt.load_state_dict(state)
+                from composer.runtime.checkpoint import restore_runtime
+
+                restore_runtime(rt, state, repr(key), self.run_dir)
             self.state.runtimes[key] = rt
         return self.state.runtimes[key]
 
@@ -319,7 +321,9 @@ class RunContext:
             rt = cfg.build(self, term)
             state = self.state.pending_runtime_state.get(repr(key))
             if state and isinstance(rt, Runtime):
-                rt.load_state_dict(state)
+                from composer.runtime.checkpoint import restore_runtime
+
+                restore_runtime(rt, state, repr(key), self.run_dir)
             self.state.runtimes[key] = rt
         return self.state.runtimes[key]
 
