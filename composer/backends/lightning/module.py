@@ -371,7 +371,8 @@ class ComposerModule(L.LightningModule):
     # ---- checkpoints hold what continuing exactly needs ----
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Tensors and plain data only (the file is read back with weights_only=True); the rollout buffer's
-        batches become tagged dicts, and the resolved spec is recorded so --resume can refuse another one."""
+        batches become tagged dicts, and the resolved spec is recorded so --resume can refuse another one.
+        A new field here is checked on resume too: name it in checkpoint.COMPOSER_FIELDS or COMPOSER_OPTIONAL."""
         from composer.runtime.checkpoint import spec_record, to_plain
 
         ctx = self.ctx
