@@ -505,9 +505,15 @@ def test_special_data_files_do_not_hang(tmp_path, kind):
         os.mkfifo(train)
     else:
         train = Path("/dev/zero")
-    v = validate_file(_data_spec(tmp_path, train))
+    from composer.errors import SpecError
+
+    with pytest.raises(SpecError, match="data.train: .*not a regular file"):  # validate refuses it (issue 56)
+        validate_file(_data_spec(tmp_path, train))
+    good = tmp_path / "good.jsonl"  # and binding on its own, should the path change after validation
+    good.write_text('{"q": "1+1", "a": "2"}\n')
+    v = validate_file(_data_spec(tmp_path, good)).spec
     with pytest.raises(DataError, match="not a regular file"):
-        bind_task(v.spec)
+        bind_task(v.model_copy(update={"data": v.data.model_copy(update={"train": str(train)})}))
 
 
 def test_a_fifo_spec_file_does_not_hang(tmp_path):
