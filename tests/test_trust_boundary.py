@@ -174,6 +174,21 @@ def test_a_model_folder_with_auto_map_is_refused_before_the_run(tiny, tmp_path):
     assert "AutoModelForCausalLM = custom_code.CustomModel" in r.stderr and "--trust-remote-code" in r.stderr
     assert "policy.trust_remote_code: true" in r.stderr
     assert not out.exists() and not marker.exists()
+    bundle = tmp_path / "bundle"  # OpenRLHF on the cluster would load the built-in class just the same
+    r = composer("compile", "specs/grpo.yaml", f"policy.model={folder}", "--backend", "openrlhf", "--out", bundle)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"policy.model: {folder / 'config.json'} names the folder's own Python code" in r.stderr, r.stderr
+    assert not bundle.exists() and not marker.exists()
+
+
+def test_a_reward_model_folder_with_auto_map_is_refused_before_the_run(tiny, tmp_path):
+    marker = tmp_path / "RAN"
+    folder = known_type_with_code(tiny, tmp_path / "custom", marker)
+    out = tmp_path / "run"
+    r = composer("run", "specs/methods/ppo-rm.yaml", f"sources.rm.model={folder}", *FAST, "--out", out)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"sources.rm.model: {folder / 'config.json'} names the folder's own Python code" in r.stderr, r.stderr
+    assert "sources.rm.trust_remote_code: true" in r.stderr and not out.exists() and not marker.exists()
 
 
 def test_every_model_loader_refuses_auto_map_without_trust(tiny, tmp_path, monkeypatch):

@@ -34,6 +34,12 @@ def compile_(spec, overrides, backend, out, nodes, gpus_per_node, colocate, vllm
     from composer.errors import dotted
 
     v = validated_or_exit(spec, overrides)
+    from composer.runtime.paths import custom_code_problems
+
+    code = custom_code_problems(v)  # a folder here with its own code: OpenRLHF would load the built-in class
+    if code:
+        click.echo("\n".join(f"{spec}: error: {field}: {why}" for field, why in code), err=True)
+        sys.exit(EXIT_INVALID)
     absolute = local_model_paths(v)
     if absolute:  # a relative model folder would resolve against the bundle on the cluster: pinned here
         v = validated_or_exit(spec, list(overrides) + absolute)

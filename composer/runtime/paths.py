@@ -185,11 +185,9 @@ def problems(validated) -> list[str]:
     pol = spec.policy
     model = pol.model or "toy:student"
     if not _skipped(model):
-        add("policy.model", model_problem(model, tokenizer_too=pol.tokenizer is None)
-            or custom_code_problem(model, pol.trust_remote_code))
+        add("policy.model", model_problem(model, tokenizer_too=pol.tokenizer is None))
     if pol.tokenizer and not _skipped(pol.tokenizer):
-        add("policy.tokenizer", tokenizer_problem(pol.tokenizer) or custom_code_problem(pol.tokenizer,
-                                                                                         pol.trust_remote_code))
+        add("policy.tokenizer", tokenizer_problem(pol.tokenizer))
     for field in ("train", "eval"):
         value = getattr(spec.data, field)
         if value is not None:
@@ -199,8 +197,27 @@ def problems(validated) -> list[str]:
             m = getattr(cfg, "model", None)
             if getattr(cfg, "kind", None) != "policy_model" or not isinstance(m, str) or _skipped(m):
                 continue
-            add(f"sources.{name}.model", model_problem(m) or custom_code_problem(
-                m, bool(getattr(cfg, "trust_remote_code", False)), trust_ask(f"sources.{name}.trust_remote_code")))
+            add(f"sources.{name}.model", model_problem(m))
+    for field, why in custom_code_problems(validated):
+        add(field, why)
+    return out
+
+
+def custom_code_problems(validated) -> list[tuple[str, str]]:
+    """(field, why) for every model folder here that the spec names (the policy's model and tokenizer, every
+    source's `model`) whose own Python (`auto_map`) the spec does not trust (`custom_code_problem`)."""
+    pol = validated.spec.policy
+    named = [("policy.model", pol.model, pol.trust_remote_code, "policy.trust_remote_code"),
+             ("policy.tokenizer", pol.tokenizer, pol.trust_remote_code, "policy.trust_remote_code")]
+    for s in _specs(validated):
+        named += [(f"sources.{name}.model", getattr(cfg, "model", None), bool(getattr(cfg, "trust_remote_code", False)),
+                   f"sources.{name}.trust_remote_code") for name, cfg in s.sources.items()]
+    out = []
+    for field, name, trusted, switch in named:
+        why = custom_code_problem(name, trusted, trust_ask(switch)) if isinstance(name, str) and name and \
+            not _skipped(name) else None
+        if why and (field, why) not in out:
+            out.append((field, why))
     return out
 
 
