@@ -91,3 +91,17 @@ def parts(spec):
 def needs(spec) -> list[tuple[tuple, Need]]:
     """(the path of the field that asks, the need) for every backend feature a resolved spec's parts rely on."""
     return [(path + need.field, need) for path, part in parts(spec) for need in part.capabilities().needs]
+
+
+def departures(part) -> list[str]:
+    """The fields of a part (a pydantic model) whose value differs from the field's default, in declaration order;
+    nested parts compare by their dumped settings. A backend mapping that carries some fields reads this to see
+    whether a field it does not carry was set away from its default (DESIGN.md section 11, "Backend mappings")."""
+    def plain(value):
+        return value.model_dump() if hasattr(value, "model_dump") else value
+
+    out = []
+    for name, info in type(part).model_fields.items():
+        if plain(getattr(part, name)) != plain(info.get_default(call_default_factory=True)):
+            out.append(name)
+    return out

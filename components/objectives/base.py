@@ -69,6 +69,14 @@ class Objective(Component):
         (composer/checks/inert.py refuses those the spec sets; `explain` shows them all). Default: none."""
         return []
 
+    def openrlhf_native(self) -> list[str]:
+        """The mapping of this objective onto OpenRLHF's own PolicyLoss (its native flags; DESIGN.md section 11,
+        "Backend mappings"): the settings that keep it off that route, each with why; [] when every field maps.
+        A mapping is complete or absent: a field it does not carry, set away from its default, is listed here, and
+        the term then runs through the composer's own loss in the bundle's plugin, never a silent drop. Default: no
+        native mapping (the composer's loss always)."""
+        return [f"{self.kind}: no native OpenRLHF mapping (the composer's loss in the plugin)"]
+
     def describe(self) -> list[str]:
         """Every setting in words, for `explain` (default: each field and its value)."""
         skip = {"kind", "loss_tokens"}

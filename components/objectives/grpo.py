@@ -19,8 +19,9 @@ from components.objectives.estimators import AnyEstimator, Estimator, GroupMean
 from components.objectives.off_policy_weight import AnyOffPolicyWeight, NoOffPolicyWeight
 from components.objectives.token_selection import AnyTokenSelection, NoSelection
 from composer.lazy import torch
+from composer.capabilities import departures
 from composer.registry import register
-from composer.lang.curves import ScheduledNumber, describe, ever_nonzero, resolved_number, values
+from composer.lang.curves import ScheduledNumber, describe, ever_nonzero, is_scheduled, resolved_number, values
 from composer.origins import OFF_POLICY
 
 if TYPE_CHECKING:
@@ -219,6 +220,33 @@ class Grpo(Objective):
                              "selects among; use one of them (token_selection: {kind: none} or off_policy_weight: "
                              "{kind: none})")
         return self
+
+    # The fields OpenRLHF's own PolicyLoss carries with its flags on the native route (composer/backends/openrlhf/
+    # flags.py): estimator / std_norm -> --algo.advantage.estimator (group_norm, dr_grpo, rloo), clip, clip_low,
+    # clip_high -> --actor.eps_clip_low_high, loss_agg -> --actor.loss_agg_mode (its two choices), kl_coef and
+    # kl_estimator -> --algo.kl.use_loss / init_coef / estimator. Every other field must keep its default there.
+    OPENRLHF_CARRIES: ClassVar = ("kind", "estimator", "std_norm", "clip", "clip_low", "clip_high", "loss_agg",
+                                  "kl_coef", "kl_estimator")
+    OPENRLHF_AGG: ClassVar = ("token-mean", "seq-mean-token-mean")  # --actor.loss_agg_mode's choices
+
+    def openrlhf_native(self) -> list[str]:
+        """See Objective.openrlhf_native: the fields OPENRLHF_CARRIES leaves out, set away from their defaults, and
+        carried fields at values OpenRLHF has no flag for. The mapping is this class's: a subclass (a plugin that
+        changes the loss) has none unless it declares its own."""
+        if type(self) is not Grpo:
+            return super().openrlhf_native()
+        out = [f"{name}: no OpenRLHF flag" for name in departures(self) if name not in self.OPENRLHF_CARRIES]
+        est = self.est
+        if est.native_flag() is None:
+            out.append(f"estimator {est.kind} ({est.describe()}): no "
+                       "--algo.advantage.estimator computes it")
+        elif self.estimator is not None:
+            out += [f"estimator.{name}: no OpenRLHF flag" for name in departures(est) if name not in ("kind", "std")]
+        if self.loss_agg not in self.OPENRLHF_AGG:
+            out.append(f"loss_agg {self.loss_agg}: --actor.loss_agg_mode takes {', '.join(self.OPENRLHF_AGG)}")
+        if is_scheduled(self.kl_coef):
+            out.append("kl_coef: a schedule (--algo.kl.init_coef is one number)")
+        return out
 
     def weighted_origins(self) -> set[str]:
         """The off-policy origins among loss_tokens when a weight form is declared (their loss -A w(pi))."""

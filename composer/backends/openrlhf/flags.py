@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from composer.capabilities import needs
+from composer.capabilities import departures, needs
 from composer.gates import gate_source
 from composer.checks.graph import signal_objective_pairs
 from composer.checks.terms import gates
@@ -80,7 +80,7 @@ class Inputs:
     source_paths: dict[str, str]  # policy_model source name -> resolved model path ('self' for the policy)
     train_file: str  # relative to the bundle
     train_rows: dict[str, int]  # run name -> rows written for it
-    eval_file: str | None
+    eval_file: str | None  # data/eval.jsonl: prompt, label, datasource and, when the rows have one, target
     max_prompt_chars: int
     max_solution_chars: int
     sft_eos: str | None = None  # eos text appended to SFT targets (None: OpenRLHF appends " " + eos)
@@ -91,6 +91,7 @@ class Inputs:
     prompt_example: str = ""  # the first training prompt as written into the data
     prompt_note: str | None = None  # a problem with the rendered prompts worth a note in the README
     critic_paths: dict[str, str] = field(default_factory=dict)  # "critic" -> a ppo critic's own checkpoint, resolved
+    eval_targets: bool = False  # every eval row has a reference solution (`target`: what train_sft evaluates on)
 
 
 @dataclass
@@ -118,18 +119,35 @@ def _is_reference_sft(sig, obj) -> bool:
 
 
 def _native_grpo(spec) -> bool:
-    """One reward term with a grpo objective whose every field has an OpenRLHF flag, under plain sampling:
-    OpenRLHF's group_norm groups rows by prompt only, so a guide (whose rows may carry a tag that splits a
-    prompt's rows into advantage groups, the Plan's `groups: prompt x guide tag`) takes the composer's loss."""
+    """One reward term whose objective maps whole onto OpenRLHF's own PolicyLoss (its `openrlhf_native()` lists
+    nothing: every field it does not carry is at its default), under plain sampling. Anything else runs the
+    composer's own loss in the plugin, never a silent drop. OpenRLHF's group_norm groups rows by prompt only, so a
+    guide (whose rows may carry a tag that splits a prompt's rows into advantage groups, the Plan's
+    `groups: prompt x guide tag`) takes the composer's loss."""
+    return not native_blockers(spec)
+
+
+def native_blockers(spec) -> list[str]:
+    """Why the segment `spec` does not run on OpenRLHF's own PolicyLoss ([]: it does), in words, for the bundle's
+    README: the objective's own mapping (`openrlhf_native`) and what the step around it declares."""
     terms = _terms(spec)
-    if len(terms) != 1 or not type(spec.rollout.guide).plain:
-        return False
+    if len(terms) != 1:
+        return [f"{len(terms)} terms (OpenRLHF's PolicyLoss trains one)"]
     _, sig, obj, w = terms[0]
-    return (sig.kind_name() == "reward" and obj.kind_name() == "grpo" and w == 1.0 and obj.loss_tokens == ["policy"]
-            and obj.loss_agg in NATIVE_AGG and spec.sync.every == 1 and all(g is None for g in gates(spec))
-            and spec.rollout.filter.truncated == "keep" and _native_estimator(obj) is not None
-            and obj.ratio == "token" and obj.bound == "clip" and obj.dual_clip is None
-            and not is_scheduled(obj.kl_coef) and not obj.token_selection.acts)
+    out = list(obj.openrlhf_native())
+    if sig.kind_name() != "reward":
+        out.append(f"signal {sig.kind_name()} (OpenRLHF's PolicyLoss trains on the reward)")
+    if w != 1.0:
+        out.append(f"term weight {w}")
+    if not type(spec.rollout.guide).plain:
+        out.append(f"guide {spec.rollout.guide.kind_name()} (its rows may split a prompt's advantage groups)")
+    if spec.sync.every != 1:
+        out.append(f"sync.every {spec.sync.every}")
+    if any(g is not None for g in gates(spec)):
+        out.append("a term gate")
+    if spec.rollout.filter.truncated != "keep":
+        out.append(f"rollout.filter.truncated: {spec.rollout.filter.truncated}")
+    return out
 
 
 BINARY_VERIFIERS = ("toy", "math", "exact")  # rewards in {0, 1}: a mean strictly inside (0, 1) is a mixed group
@@ -398,7 +416,14 @@ def _common(a: _Args, run: Run, spec, layout: Layout, prefix: str) -> None:
 
 
 def _sft_flags(a: _Args, run, spec, specs, where, layout: Layout, inputs: Inputs, model: str) -> None:
-    (_, sig, obj, _), = _terms(spec)
+    (base, sig, obj, _), = _terms(spec)
+    for part, name, carried in ((sig, "signal", ("kind", "target")), (obj, "objective", ("kind", "loss_tokens", "aggregation"))):
+        extra = [f for f in departures(part) if f not in carried]
+        if extra:  # the mapping onto train_sft is complete or absent: no field it cannot carry is dropped
+            raise Unsupported(where + base + (name, extra[0]), f"train_sft has no flag for {name}.{extra[0]} "
+                              f"(= {getattr(part, extra[0])!r}; it carries the target, the loss tokens and the "
+                              "token-mean aggregation)", f"leave {name}.{extra[0]} at its default for this stage on "
+                              "openrlhf, or train on lightning")
     if obj.loss_tokens != ["demonstration"]:
         raise Unsupported(where + ("objective", "loss_tokens"), "train_sft trains the demonstration (response) "
                           "tokens only", "use loss_tokens: [demonstration]")
@@ -432,12 +457,41 @@ def _sft_flags(a: _Args, run, spec, specs, where, layout: Layout, inputs: Inputs
     a.add("train.micro_batch_size", _divisor_at_most(pps // gpus, spec.train.micro_batch_size))
     a.add("train.max_epochs", 1)
     _common(a, run, spec, layout, "")
+    _sft_eval_flags(a, run, spec, where, inputs)
     run.native += [f"SFT (token-mean cross-entropy on the demonstrations, prompt tokens masked) through "
                    f"openrlhf.cli.train_sft on {gpus} GPU(s), {pps} demonstrations per step, {spec.train.steps} steps",
                    f"data fields: prompt and target (the reference solution) of {inputs.train_file}, {n} rows",
                    _prompt_line(inputs)]
     if inputs.sft_eos is None:
         run.notes.append("the tokenizer was not readable at compile time: OpenRLHF appends ' ' + eos to each target")
+
+
+def _sft_eval_flags(a: _Args, run: Run, spec, where, inputs: Inputs) -> None:
+    """train_sft's evaluation (--eval.dataset, --eval.steps): the token-mean loss on the eval rows' reference
+    solutions (`eval gpt_loss` in its logs) every train.eval_every steps (0: once, after the run's steps), on the
+    first train.eval_samples rows of each tier, as the Lightning backend picks them. It generates no answer, so
+    it is no pass@1 (the README says so and names `composer eval` for that) and has no verifier to choose:
+    train.eval_verifier is refused rather than ignored. train.eval_k is refused by the capability check
+    (sampled_eval)."""
+    t = spec.train
+    if t.eval_verifier not in (None, "auto"):
+        raise Unsupported(where + ("train", "eval_verifier"), "train_sft evaluates the loss on the eval rows' "
+                          "reference solutions and generates no answer for a verifier to score",
+                          "drop train.eval_verifier for this stage, or evaluate the exported model with `composer "
+                          "eval MODEL train.eval_verifier=...`")
+    if not inputs.eval_file:
+        return
+    if not inputs.eval_targets:
+        run.notes.append(f"no evaluation during this run: train_sft evaluates the loss on reference solutions, and "
+                         f"the rows of {inputs.eval_file} have none (data.solution_field); evaluate the exported "
+                         "model with `composer eval`")
+        return
+    a.add("eval.dataset", inputs.eval_file)
+    a.add("eval.steps", t.eval_every or -1)
+    when = f"every {t.eval_every} steps" if t.eval_every else "once, after the run's steps"
+    run.native.append(f"evaluation: train_sft's loss on the reference solutions of {inputs.eval_file} (the first "
+                      f"{t.eval_samples} rows of each tier; `eval gpt_loss` in its logs), {when}; this is no pass@1 "
+                      "(train_sft generates nothing): `composer eval MODEL` gives the exported model's greedy pass@1")
 
 
 def _prompt_line(inputs: Inputs) -> str:
@@ -663,7 +717,8 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
         run.via_plugin.append(f"objective: the composer's {names} loss (components/objectives) replaces "
                               "OpenRLHF's PolicyLoss" + ("; per-sample advantages (V-hat / group statistics over the "
                               "whole step) come from the composer's functions in the make-experience step"
-                              if kinds & {"advantage_regression", "grpo"} else ""))
+                              if kinds & {"advantage_regression", "grpo"} else "")
+                              + f" (why not OpenRLHF's own: {'; '.join(dict.fromkeys(b for s in specs for b in native_blockers(s)))})")
     if p["sync"]:
         every = sorted({s.sync.every for s in specs})
         run.via_plugin.append(f"sync: weights broadcast to vLLM every {'/'.join(map(str, every))} step(s), counted "
