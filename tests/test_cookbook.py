@@ -47,6 +47,14 @@ COOKBOOK = {
                           lambda rows: _nonempty(rows[0], "tokens") and not _nonempty(rows[0], "teacher_kl_estimate")
                           and _nonempty(rows[1], "teacher_kl_estimate") and not _nonempty(rows[1], "reward_mean")
                           and _nonempty(rows[2], "reward_mean") and not _nonempty(rows[2], "teacher_kl_estimate")),
+    "pope-sft.yaml": (["stages.0.train.steps=1", "stages.1.train.steps=2",
+                       "stages.1.rollout.guide.guided_fraction=1.0"],
+                      # one SFT step (targets, no reward), then POPE steps whose prompts all carry a searched prefix
+                      # no longer than max_fraction (1/4) of the reference
+                      lambda rows: _nonempty(rows[0], "tokens") and not _nonempty(rows[0], "reward_mean")
+                      and all(_nonempty(r, "reward_mean") for r in rows[1:])
+                      and all(float(r["guide/guided_frac"]) > 0 for r in rows[1:])
+                      and all(float(r["guide/prefix_fraction_max"]) <= 0.25 for r in rows[1:])),
     "fkl-plus-sft.yaml": (["train.steps=2"],
                           lambda rows: all(_nonempty(r, "distill/loss") and _nonempty(r, "sft/loss") for r in rows)),
 }
