@@ -39,10 +39,13 @@ def eval_examples(ctx, examples: list) -> list:
     return list(examples) if n is None else list(examples)[:n]
 
 
-def _record(tier: str, e, text: str, verdict, sample: int | None = None) -> dict:
-    row = {"tier": tier, "row": e.row, "prompt": e.prompt, "response": text, "answer": e.answer,
-           "reward": float(verdict.reward), "parsed": getattr(verdict, "answer", None), "read": bool(verdict.parsed),
-           "detail": verdict.detail}
+def _record(tier: str, e, text: str, verdict, sample: int | None = None, truncated: bool = False) -> dict:
+    """One eval_samples.jsonl row. `decoding`: `greedy` (the pass@1 answer) or `sampled` (one of train.eval_k
+    answers for pass@k, numbered by `sample`); `truncated`: the answer was cut at max_new_tokens (no stop token)."""
+    row = {"tier": tier, "row": e.row, "decoding": "greedy" if sample is None else "sampled", "prompt": e.prompt,
+           "response": text, "answer": e.answer, "reward": float(verdict.reward),
+           "parsed": getattr(verdict, "answer", None), "read": bool(verdict.parsed), "detail": verdict.detail,
+           "truncated": bool(truncated)}
     if sample is not None:
         row["sample"] = sample
     return row
@@ -72,7 +75,7 @@ def pass_at_1(ctx, policy, examples, max_new_tokens: int | None = None, records:
         v = verify(text, e)
         total += v.reward
         if records is not None:
-            records.append(_record(tier, e, text, v))
+            records.append(_record(tier, e, text, v, truncated=not g.finished))
     return total / len(examples)
 
 
@@ -139,7 +142,7 @@ def pass_at_k(ctx, policy, examples, n: int = 32, ks=(1, 2, 4, 8, 16, 32), tempe
             v = verify(text, e)
             c += v.reward >= 1.0
             if records is not None:
-                records.append(_record(tier, e, text, v, sample=j))
+                records.append(_record(tier, e, text, v, sample=j, truncated=not g.finished))
         for k in out:
             out[k] += unbiased_pass_at_k(n, c, k) / len(examples)
     return out
@@ -294,9 +297,30 @@ def _spec(run: Path | None, ckpt: Path | None, model_dir: Path | None, data: str
                 resolved.pop(key, None)
         return _validate_text(json.dumps(resolved), overrides)
     if data is None:
-        raise EvalError(f"{model_dir}: a model directory outside a run folder needs --data FILE (and the rows' "
-                        "fields as overrides, e.g. data.prompt_field=problem)")
+        raise EvalError(f"{model_dir}: a model directory outside a run folder needs --data FILE{data_hint(model_dir)}")
     return _validate_text(model_only_spec(model_dir, data), overrides)
+
+
+def data_hint(model_dir: Path) -> str:
+    """What else `composer eval MODEL_DIR --data D` needs: nothing for an export that keeps its run's settings
+    (composer_export.json: the fields are read from there), the rows' fields as overrides for another model."""
+    from composer.runtime.export import export_settings
+
+    run = export_settings(model_dir)
+    if not run:
+        return " (and the rows' fields as overrides, e.g. data.prompt_field=problem)"
+    kept = [f"data.{k}" for k, v in (run.get("data") or {}).items() if v is not None] + \
+        (["the verifier"] if run.get("verifier") else [])
+    return (f"; the rest comes from the export's composer_export.json ({', '.join(kept) or 'the defaults'}, the "
+            "evaluation sizes)")
+
+
+def export_step(model_dir: Path) -> int:
+    """The optimizer steps an export's weights had taken (composer_export.json `step`), 0 when it does not say."""
+    from composer.runtime.export import export_settings
+
+    step = export_settings(model_dir).get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else 0
 
 
 def model_only_spec(model_dir: Path, data: str) -> str:
@@ -394,6 +418,7 @@ def evaluate_target(target, data: str | None = None, k: int | None = None, out=N
          f"{len(task.eval)} tier(s); loading the model ...")
     step = 0
     if model_dir is not None:
+        step = export_step(model_dir)
         policy = load_model(str(model_dir), spec.policy.dtype, trust_remote_code=trust)
         tokenizer = load_tokenizer(str(model_dir), trust_remote_code=trust)
         weights = str(model_dir)

@@ -75,6 +75,38 @@ def plotted_keys(metrics: Path) -> dict[str, list[str]]:
             "evaluation": [k for k in keys if k.startswith(metric_name("pass@"))]}
 
 
+def evaluation_table(metrics: Path) -> list[str]:
+    """Every evaluation of the run (metrics.csv's `pass_at_*` columns), as markdown table lines: one row per
+    evaluated step, oldest first (the final evaluation's row is the run's step count), one column per metric
+    and tier, named as the run logs them with `@` (`pass@1/tier6`); [] when the run never evaluated. A damaged
+    cell shows as `-`."""
+    rows = read_metrics(metrics)
+    keys = plotted_keys(metrics)["evaluation"]
+    by_step: dict[float, dict] = {}
+    for r in rows:
+        vals = {k: r[k] for k in keys if r.get(k) not in ("", None)}
+        try:
+            step = float(r.get("step") or 0)
+        except (TypeError, ValueError):
+            continue
+        if vals:
+            by_step.setdefault(step, {}).update(vals)
+    if not by_step:
+        return []
+    lines = ["| step | " + " | ".join(k.replace("_at_", "@") for k in keys) + " |",
+             "| --- |" + " --- |" * len(keys)]
+    for step in sorted(by_step):
+        lines.append(f"| {step:g} | " + " | ".join(_cell(by_step[step].get(k)) for k in keys) + " |")
+    return lines
+
+
+def _cell(value) -> str:
+    try:
+        return f"{float(value):.3f}"
+    except (TypeError, ValueError):
+        return "-"
+
+
 def metric_name(name: str) -> str:
     """The one name a metric has in every logger (metrics.csv, TensorBoard, W&B, MLflow): MLflow accepts
     letters, digits and `_ / . - space` only, so `@` is written `_at_` (`pass@1/tier6` -> `pass_at_1/tier6`)

@@ -2,9 +2,9 @@
 
 Each object: step, segment, term, row, prompt, response, the response as `spans` [{origin, text, tokens}]
 (policy / guide_prefix / guide_intervention / demonstration), reward, the verifier's verdict (parsed,
-detail) when it gave one, and for guided rollouts what the guide did (the judge's verdicts and
-corrections, reviews). Written at every `train.samples_every`-th step, at evaluation steps and at the
-last step; `composer samples RUN` prints them.
+detail) when it gave one, `truncated` for the rows the policy sampled (cut at max_new_tokens), and for
+guided rollouts what the guide did (the judge's verdicts and corrections, reviews). Written at every
+`train.samples_every`-th step, at evaluation steps and at the last step; `composer samples RUN` prints them.
 
 The file only ever grows by whole lines: a step's rows go in one append, and a failed append is cut back
 to the last whole line. A resumed run drops the rows of the steps it trains again (step >= the
@@ -79,6 +79,9 @@ def rows_of(batch, tokenizer, step: int, segment: str = "", term: str = "") -> l
     verdicts = batch.info.get("verdicts") if isinstance(batch.info, dict) else None
     if not isinstance(verdicts, list) or len(verdicts) != batch.size:
         verdicts = None
+    truncated = batch.info.get("truncated") if isinstance(batch.info, dict) else None  # the step marks rollouts
+    if not isinstance(truncated, list) or len(truncated) != batch.size:
+        truncated = None
     flags = {k: getattr(batch, k).detach().cpu().tolist() if getattr(batch, k, None) is not None else None
              for k in ("guided", "control", "prompt_index", "group")}
 
@@ -111,6 +114,8 @@ def rows_of(batch, tokenizer, step: int, segment: str = "", term: str = "") -> l
                 row["tier"] = ex.tier
         if advantages is not None:
             row["advantage"] = _num(advantages[i])
+        if truncated is not None:  # cut at max_new_tokens (no stop token at its end)
+            row["truncated"] = bool(truncated[i])
         for k, v in flags.items():
             if v is not None:
                 row[k] = v[i]

@@ -171,6 +171,7 @@ class ComposerModule(L.LightningModule):
             metrics_eval = {}
         examples = ctx.next_prompts(ctx.spec.train.prompts_per_step)
         batches = run_step.collect(ctx, at, [e for e in examples])
+        truncation = mark_truncated(batches, ctx.stop_ids)
         batches = to_device(batches, self.device)
         lr = optimizer.param_groups[0]["lr"]  # this step's (the manual path steps the scheduler inside _updates)
         if self.automatic_optimization:
@@ -183,6 +184,7 @@ class ComposerModule(L.LightningModule):
         metrics.update(self.start_metrics)
         metrics.update({f"cost/{k}": float(v) for k, v in ctx.costs.items()})  # cumulative, for compute matching
         metrics.update(metrics_eval)
+        metrics.update(truncation)
         metrics["loss"] = float(loss.detach())
         metrics["lr"] = lr
         metrics["_eval"] = metrics_eval  # the training step shows the middle tier's pass@1; dropped before logging
@@ -433,6 +435,28 @@ class ComposerModule(L.LightningModule):
         for k, v in state.get("memo", {}).items():  # searched prefixes (POPE): the same k after a resume
             ctx.memo.restore(eval_key(k), v)
         self._pending = None
+
+
+def mark_truncated(batches, stop_ids) -> dict[str, float]:
+    """Each rollout row's `truncated` flag (its response does not end in a stop token: cut at max_new_tokens)
+    in batch.info["truncated"], which samples.jsonl shows, and the step's `truncated_fraction`: the share of the
+    rows the policy wrote that were cut (a reward of 0 beside a truncated_fraction of 1 means the answers were
+    never written). Rows the policy wrote nothing of (SFT demonstrations) are not counted; a rollout that
+    several terms view is counted once. {} when the step sampled nothing."""
+    from composer.filters import truncated_rows
+
+    seen, cut_rows = set(), []
+    for b in batches:
+        if id(b.tokens) in seen or not isinstance(b.info, dict):
+            continue
+        seen.add(id(b.tokens))
+        wrote = (b.mask(("policy",)) & b.response_mask).any(1)
+        if not wrote.any():
+            continue
+        cut = truncated_rows(b, stop_ids) & wrote
+        b.info["truncated"] = cut.tolist()
+        cut_rows += cut[wrote].tolist()
+    return {"truncated_fraction": sum(cut_rows) / len(cut_rows)} if cut_rows else {}
 
 
 def shown_pass_at_1(metrics_eval: dict) -> float | None:

@@ -574,7 +574,7 @@ def export_policy(module, tokenizer, out: Path, strategy: str) -> Path | None:
         return export_checkpoint(ckpt, out / MODEL_DIR) if ckpt is not None else None
     from composer.runtime.export import eval_settings
 
-    settings = eval_settings(json.loads(ckpt_format.spec_record(module.validated)["json"]))
+    settings = eval_settings(json.loads(ckpt_format.spec_record(module.validated)["json"]), module.global_step)
     return save_policy(merged(module.policy), tokenizer, out / MODEL_DIR, settings)  # a LoRA adapter merged
 
 
@@ -776,8 +776,9 @@ def report_rows(final: dict) -> list[str]:
 
 
 def write_report(out: Path, plan: dict, final: dict, model_dir: Path | None = None) -> None:
-    """report.md with a PNG of the loss, the reward and the evaluation against step."""
-    from composer.runtime.report import plot_metrics
+    """report.md with the final evaluation, a table of every evaluation and a PNG of the loss, the reward and the
+    evaluation against step."""
+    from composer.runtime.report import evaluation_table, plot_metrics
 
     metrics = out / "metrics.csv"
     png = None
@@ -789,6 +790,9 @@ def write_report(out: Path, plan: dict, final: dict, model_dir: Path | None = No
              f"Steps: {plan['total_steps']}, backend: lightning, testbed: {plan['testbed']}.", "",
              "## Final evaluation", "", "| metric | tier | value |", "| --- | --- | --- |"]
     lines += report_rows(final)
+    history = evaluation_table(metrics) if metrics.exists() else []
+    if history:  # every evaluation of the run (train.eval_every), not only the final one
+        lines += ["", "## Every evaluation", "", *history]
     if png:
         lines += ["", f"![loss, reward and evaluation]({png.name})"]
     if model_dir is not None:
