@@ -12,7 +12,9 @@ sequence weights, several advantage groups and the fields a signal would fill:
      from what its normaliser says fails here);
   3. the backends agree: one batch (`advantages`, then `loss`) and the step's micro-batches as OpenRLHF trains them
      (composer/step.py: `advantages` over the step, each micro-batch's `loss` scaled by its `shares` with gradient
-     accumulation, each backward divided by gas as DeepSpeed does) give the same loss and the same gradient.
+     accumulation, each backward divided by gas as DeepSpeed does) give the same loss and the same gradient;
+  4. `loss` reads the policy only where `read_mask` says;
+  5. per-row advantages have their reference (`reference_advantages`, the referee's formula) and equal it.
 `check_component` checks the declared parts every component shares (hooks return what they declare).
 """
 
@@ -168,8 +170,25 @@ def check_objective(obj, seeds=(0, 1)) -> dict:
         check_normalizer(obj, batch, logits)
         check_backends_agree(obj, batch, logits)
         check_reads(obj, batch, logits)
+        check_reference_advantages(obj, batch)
         out.setdefault("loss", loss)
     return out
+
+
+def check_reference_advantages(obj, batch) -> None:
+    """Check 5: an objective with per-row advantages declares their reference (`reference_advantages`, the
+    referee's formula written again in its own file; DESIGN.md section 10), and it equals `advantages` on the
+    batch's rewards, groups and control rows. Without one, `composer check` reports the advantages not covered."""
+    adv = obj.advantages(batch)
+    if adv is None or adv.dim() != 1:  # no advantage, or per-token ones (a critic: its own referee)
+        return
+    want = obj.reference_advantages(batch.rewards.double().tolist(), batch.group.tolist(), batch.control.tolist(),
+                                    batch.mask(("policy",)).sum(-1).tolist())
+    assert want is not None, (f"{obj.kind_name()}: advantages() without reference_advantages(): the referee cannot "
+                              "recompute them (write the formula again, plainly, in the component's file)")
+    got = adv.double().tolist()
+    bad = [(i, got[i], want[i]) for i in range(len(got)) if abs(got[i] - want[i]) > 1e-4 * (1 + abs(want[i]))]
+    assert not bad, f"{obj.kind_name()}: advantages() and reference_advantages() differ (row, run, reference): {bad[:4]}"
 
 
 def check_component(c) -> None:

@@ -171,6 +171,21 @@ def m_rm_position(undo):
     patch_source(undo, RewardModelScorer, "raw_scores", "last = mask.long().sum(1) - 1", "last = mask.long().sum(1) - 2")
 
 
+def m_schedule_off_by_one(undo):
+    from composer.lang.curves import Schedule
+
+    patch_source(undo, Schedule, "at", "frac = min(max(step - self.begin, 0), self.steps) / self.steps",
+                 "frac = min(max(step - self.begin + 1, 0), self.steps) / self.steps")
+
+
+def m_old_refreshed(undo):
+    from composer.backends.lightning.module import ComposerModule
+
+    patch_source(undo, ComposerModule, "_updates", "            mb = parts[k % len(parts)]\n",
+                 "            mb = parts[k % len(parts)]; run_step.old_logprobs(batches, lambda b, want, read: "
+                 "models.policy_view(model, b, want, read))\n")
+
+
 # name -> (description, mutation, spec, extra overrides)
 MUTATIONS = {
     "k3_k1": ("KL estimator k3 <-> k1 (kl_coef 0.001)", m_k3_k1, "specs/grpo.yaml", []),
@@ -208,6 +223,11 @@ MUTATIONS = {
     "ppo_value_clip": ("PPO's value clip dropped", m_ppo_value_clip, "specs/methods/ppo.yaml", []),
     "critic_frozen": ("the critic's optimizer never steps", m_critic_frozen, "specs/methods/ppo.yaml", []),
     "rm_position": ("the reward model read one token before the last", m_rm_position, "specs/methods/ppo-rm.yaml", []),
+    # the referee evaluates schedules itself (issue 52): an off-by-one in the Plan's Schedule.at
+    "old_refreshed": ("the ratio's old log-probs refreshed before every update (DAPO: 2 updates a step)",
+                      m_old_refreshed, "specs/methods/dapo.yaml", []),
+    "schedule_step": ("a schedule one step ahead (KDRL's KD weight, a 4-step ramp)", m_schedule_off_by_one,
+                      "specs/methods/kdrl.yaml", ["terms.1.weight.steps=4", "terms.1.weight.end=0.5"]),
 }
 SECOND = ["opt_kept_stage", "periodic_ref", "lr_not_stepped", "weight_dropped", "clip_skipped", "entropy_sign",
           "weight_decay", "overlong_sign", "ema_rate", "prefix_long"]

@@ -160,6 +160,13 @@ class AdvantageRegression(Objective):
         v_hat, _ = soft_value(batch.rewards, batch.group, self.beta1, base)  # [B]
         return batch.rewards.detach() - v_hat  # [B]
 
+    def reference_advantages(self, rewards, group, control, policy_tokens):
+        """r_i - V_hat over the group's baseline rows (control: its control rows, all rows for a group without
+        any), written again in components/objectives/estimators.py (`soft_value_reference`)."""
+        from components.objectives.estimators import soft_value_reference
+
+        return soft_value_reference(rewards, group, self.beta1, list(control) if self.baseline == "control" else None)
+
     def advantage_metrics(self, batch: TrajectoryBatch) -> dict[str, float]:
         """V_hat's mean and the groups without baseline rows (their V_hat falls back to all rows)."""
         out = super().advantage_metrics(batch)

@@ -116,6 +116,13 @@ class Objective(Component):
         """[B] per-row (or [B, T] per-token) advantages over whole groups, or None (the default: no advantage)."""
         return None
 
+    def reference_advantages(self, rewards: list[float], group: list, control: list[bool],
+                             policy_tokens: list[int]) -> list[float] | None:
+        """The referee's per-row advantages (DESIGN.md section 10), from the recorded rewards, groups, control flags
+        and each row's policy-token count: this objective's formula written again plainly, sharing nothing with
+        `advantages`. None (the default): no reference, so the referee reports the advantages "not covered"."""
+        return None
+
     def value_model(self):
         """The learned value model (critic) this objective reads and trains, or None (the default). With one, a
         backend fills batch.values [B, T] (the critic's old values) before `advantages`, and trains the critic on

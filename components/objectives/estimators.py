@@ -34,6 +34,28 @@ class Estimator(Component):
         """The estimator in words, for `explain`."""
         raise NotImplementedError
 
+    def reference(self, rewards: list[float], group: list, control: list[bool]) -> list[float] | None:
+        """The referee's advantages (DESIGN.md section 10): the docstring's formula written again plainly, in
+        Python floats (float64), a loop over each group's rows, calling nothing of `estimate`. None: this
+        estimator has no reference, and the referee reports it "not covered"."""
+        return None
+
+
+def _by_group(group: list) -> list[list[int]]:
+    """Row indices of each group, in first-seen order (the referee's own grouping)."""
+    out: dict = {}
+    for i, g in enumerate(group):
+        out.setdefault(g, []).append(i)
+    return list(out.values())
+
+
+def _sample_std(xs: list[float]) -> float:
+    """sqrt(sum (x - mean)^2 / (n - 1)), 0 for fewer than two values (torch.std's unbiased form)."""
+    if len(xs) < 2:
+        return 0.0
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
     def native_flag(self) -> str | None:
         """OpenRLHF's `--algo.advantage.estimator` value that computes the same advantages, or None (the
         composer's own estimate then runs in the bundle's plugin)."""
@@ -87,6 +109,19 @@ class GroupMean(Estimator):
     def native_flag(self) -> str | None:
         return {"group": "group_norm", "none": "dr_grpo"}.get(self.std)  # a batch std has no OpenRLHF flag
 
+    def reference(self, rewards, group, control):
+        out = [0.0] * len(rewards)
+        batch_std = _sample_std(list(rewards))
+        for rows in _by_group(group):
+            rs = [rewards[i] for i in rows]
+            if max(rs) == min(rs):
+                continue  # an all-equal group: exactly 0
+            mean = sum(rs) / len(rs)
+            sigma = {"group": _sample_std(rs) + self.eps, "batch": batch_std + self.eps, "none": 1.0}[self.std]
+            for i in rows:
+                out[i] = (rewards[i] - mean) / sigma
+        return out
+
 
 @register("estimator")
 class LeaveOneOut(Estimator):
@@ -108,6 +143,16 @@ class LeaveOneOut(Estimator):
 
     def native_flag(self) -> str | None:
         return "rloo"
+
+    def reference(self, rewards, group, control):
+        out = [0.0] * len(rewards)
+        for rows in _by_group(group):
+            rs = [rewards[i] for i in rows]
+            if len(rs) < 2 or max(rs) == min(rs):
+                continue
+            for i in rows:
+                out[i] = rewards[i] - (sum(rs) - rewards[i]) / (len(rs) - 1)
+        return out
 
 
 @register("estimator")
@@ -132,6 +177,15 @@ class ReinforcePPBaseline(Estimator):
     def describe(self) -> str:
         return f"REINFORCE++-baseline: r - mean_group(r), then (x - mean) / (std + {self.eps:g}) over the global batch's rows"
 
+    def reference(self, rewards, group, control):
+        centred = [0.0] * len(rewards)
+        for rows in _by_group(group):
+            mean = sum(rewards[i] for i in rows) / len(rows)
+            for i in rows:
+                centred[i] = rewards[i] - mean
+        m, sd = sum(centred) / len(centred), _sample_std(centred)
+        return [(x - m) / (sd + self.eps) for x in centred]
+
 
 @register("estimator")
 class SoftValue(Estimator):
@@ -154,6 +208,29 @@ class SoftValue(Estimator):
         b = "inf" if math.isinf(self.beta1) else f"{self.beta1:g}"
         return f"soft value (OAPL): A = r - beta1 ln mean_group exp(r / beta1), beta1 = {b}"
 
+    def reference(self, rewards, group, control):
+        return soft_value_reference(rewards, group, self.beta1, None)
+
+
+def soft_value_reference(rewards: list[float], group: list, beta1: float, base: list[bool] | None) -> list[float]:
+    """The referee's r_i - V_hat(x_i), V_hat = beta1 ln((1/n) sum_j exp(r_j / beta1)) over the group's baseline
+    rows `base` (None: all rows; a group with none falls back to all its rows); beta1 = inf: the mean, 0: the max
+    (its limits). Written with the group max m factored out, m + beta1 ln mean exp((r - m) / beta1), in floats."""
+    out = [0.0] * len(rewards)
+    for rows in _by_group(group):
+        chosen = [i for i in rows if base is None or base[i]] or rows
+        rs = [rewards[i] for i in chosen]
+        if math.isinf(beta1):
+            v = sum(rs) / len(rs)
+        elif beta1 == 0:
+            v = max(rs)
+        else:
+            m = max(rs)
+            v = m + beta1 * math.log(sum(math.exp((x - m) / beta1) for x in rs) / len(rs))
+        for i in rows:
+            out[i] = rewards[i] - v
+    return out
+
 
 @register("estimator")
 class ControlMean(Estimator):
@@ -173,6 +250,9 @@ class ControlMean(Estimator):
 
     def describe(self) -> str:
         return "control mean (MInTRL): A = r - mean reward of the group's control rollouts"
+
+    def reference(self, rewards, group, control):
+        return soft_value_reference(rewards, group, math.inf, list(control) if control is not None else None)
 
 
 AnyEstimator = Annotated[Union[GroupMean, LeaveOneOut, ReinforcePPBaseline, SoftValue, ControlMean],

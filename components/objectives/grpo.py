@@ -334,6 +334,15 @@ class Grpo(Objective):
             self.select_tokens(batch, adv)
         return adv
 
+    def reference_advantages(self, rewards, group, control, policy_tokens):
+        """The estimator's reference (its own file), then GPG's alpha = B / B_valid (rows over rows whose advantage
+        is not 0) when valid_rows_scale."""
+        out = self.est.reference(rewards, group, control)
+        if out is None or not self.valid_rows_scale:
+            return out
+        valid = sum(1 for x in out if x != 0)
+        return [x * len(out) / valid for x in out] if valid else out
+
     def select_tokens(self, batch: TrajectoryBatch, adv: Tensor) -> None:
         """The step-wide token selection (`token_selection`), where the advantages are computed (whole groups, the
         whole step on this rank; the statistic over every rank): batch.token_select [B, T] bool, and the step's

@@ -40,6 +40,22 @@ class Schedule(NumbersNotBooleans, BaseModel):
             return self.end + (self.start - self.end) * 0.5 * (1.0 + math.cos(math.pi * frac))
         return self.start if step - self.begin < self.steps else self.end
 
+    def reference(self, step: int) -> float:
+        """The referee's value at `step` (DESIGN.md section 10): the module docstring's formulas written again, one
+        case per region of the step axis, sharing nothing with `at` (a bug there must not hide here)."""
+        done = step - self.begin  # steps of the change already made
+        if done <= 0:
+            return float(self.start)
+        if done >= self.steps:
+            return float(self.end)
+        if self.kind == "step":
+            return float(self.start)
+        x = done / self.steps
+        if self.kind == "linear":
+            return (1.0 - x) * self.start + x * self.end
+        w = 0.5 + 0.5 * math.cos(math.pi * x)  # cosine: the weight of start, 1 at x = 0, 0 at x = 1
+        return w * self.start + (1.0 - w) * self.end
+
     def describe(self) -> str:
         return (f"{self.kind} {self.start:g} -> {self.end:g} over steps {self.begin}-{self.begin + self.steps}")
 
@@ -52,6 +68,11 @@ def scheduled(description: str, **number) -> Any:
 def value_at(x, step: int) -> float:
     """A Scheduled field's value at global optimizer step `step`."""
     return x.at(step) if isinstance(x, Schedule) else x
+
+
+def reference_value(x, step: int) -> float:
+    """The referee's evaluation of a Scheduled field at `step` (`Schedule.reference`, never `Schedule.at`)."""
+    return x.reference(step) if isinstance(x, Schedule) else x
 
 
 def resolved_number(x, what: str) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from composer.referee.checks import (ADVANTAGES, GRADIENTS, KL_TOL, NOISE, Report, _groups, _max, covered,
+from composer.referee.checks import (GRADIENTS, KL_TOL, NOISE, Report, _groups, _max, covered,
                                      declared_filter_source, declared_gate_source, expected_control, expected_rewards, source_rewards,
                                      expected_syncs,
                                      gate_select, loss_origins, segment_of, stage_start, surprisal, teacher_logprobs,
@@ -30,7 +30,7 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
     import torch
 
     from composer.checks.terms import scored_origins, terms
-    from composer.lang.curves import value_at
+    from composer.lang.curves import reference_value
 
     rep = Report()
     events = rec.events
@@ -205,7 +205,7 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
 
     # ---- the numbers: advantages, references, teachers, each loss and gradient
     seen = {"advantages": 0, "mixed_groups": 0, "reference": 0, "stage_reference": 0, "gradient": 0, "kl": 0,
-            "teacher": 0, "ema_moved": 0, "interventions": 0, "reward_parts": 0}
+            "teacher": 0, "ema_moved": 0, "interventions": 0, "reward_parts": 0, "old": 0}
     cache: dict = {}
     task_cap = next((e.get("task_cap") for k, e in events if k == "rollout"), None)
     for e in term_events:
@@ -232,11 +232,12 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
                            f"(a verifier's verdicts, a reward model's scores) and the declared parts) differ: {bad[:4]}")
         adv = None
         if b.advantages is not None and b.advantages.dim() == 1:  # per-token advantages (a critic): check_critics
-            if not rep.expect("advantages recomputed", obj.kind_name() in ADVANTAGES,
-                              f"{obj.kind_name()} has advantages but no formula in the referee"):
-                continue
             r, g = b.rewards.double().tolist(), b.group.tolist()
-            adv = ADVANTAGES[obj.kind_name()](obj, r, g, control, b.mask(("policy",)).sum(-1).tolist())
+            adv = obj.reference_advantages(r, g, control, b.mask(("policy",)).sum(-1).tolist())
+            if not rep.expect("advantages recomputed", adv is not None,
+                              f"{obj.kind_name()} has advantages but no reference (`reference_advantages` in its own "
+                              "file, or its estimator's `reference`): not covered"):
+                continue
             got = b.advantages.double().tolist()
             bad = [(i, got[i], adv[i]) for i in range(len(adv)) if abs(got[i] - adv[i]) > 1e-4 * (1 + abs(adv[i]))]
             rep.expect("advantages recomputed", not bad, f"step {step} {e['term']}: advantages (row, run, formula) differ: {bad[:4]}")
@@ -266,7 +267,16 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
             _check_teacher(v, plan, rec, rep, e, spec, sig, seen, cache)
 
         old = b.behavior_logprobs.detach().cpu() if b.behavior_logprobs is not None else None
-        if b.old_logprobs is not None:
+        if b.old_logprobs is not None and step in rec.weights_at:
+            # the ratio's denominator: a fresh forward of the weights at the step's start (before its first update),
+            # never the batch's own field (DESIGN.md section 10)
+            old = fresh_logprobs(rec.weights(step), b.tokens.cpu(), b.attention_mask.cpu(), temp)
+            err = _max(old - b.old_logprobs.detach().cpu(), resp)
+            rep.expect("old log-probs = the weights at the step's start", err <= TOL,
+                       f"step {step} {e['term']}: the ratio's old log-probs are not those of the policy at the step's "
+                       f"start (before its first update): off by {err:.3g}")
+            seen["old"] += 1
+        elif b.old_logprobs is not None:
             old = b.old_logprobs.detach().cpu()
         if e["grad"] is not None and covered(obj) and old is not None and step in rec.rollout_at:
             if ref is None and start in rec.weights_at and getattr(obj, "kl_coef", 0):
@@ -275,7 +285,7 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
             rows_ = gate_of.get(id(e))
             if rows_ is not None:
                 mask = mask & torch.tensor(rows_, dtype=torch.bool)[:, None]
-            kl_coef = float(value_at(getattr(obj, "kl_coef", 0.0), step)) if hasattr(obj, "kl_coef") else 0.0
+            kl_coef = float(reference_value(getattr(obj, "kl_coef", 0.0), step)) if hasattr(obj, "kl_coef") else 0.0
             cur = e["view"].logprobs.detach().cpu()
             parts = GRADIENTS[obj.kind_name()](obj, b, mask, cur, old, ref, adv, kl_coef)
             if parts is None:

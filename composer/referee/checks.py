@@ -381,15 +381,7 @@ def check_traces(rep, rec, v, events) -> None:
 
 # ----------------------------------------------------------------------------------------------- advantages
 
-ADVANTAGES: dict = {}  # objective kind -> f(objective, rewards, groups, control, policy tokens per row)
 GRADIENTS: dict = {}  # objective kind -> f(objective, batch, mask, cur, old, ref, adv) -> parts
-
-
-def estimator(kind: str):
-    def deco(fn):
-        ADVANTAGES[kind] = fn
-        return fn
-    return deco
 
 
 def gradient(kind: str):
@@ -397,67 +389,6 @@ def gradient(kind: str):
         GRADIENTS[kind] = fn
         return fn
     return deco
-
-
-@estimator("grpo")
-def grpo_advantages(obj, r: list, group: list, control: list, n_policy: list) -> list:
-    """group_mean (GRPO): A_i = (r_i - mean_g r) / (sigma + eps), sigma the group's std (n - 1), the batch's, or
-    none (Dr. GRPO); an all-equal group gets exactly 0. leave_one_out (RLOO): r_i - mean of the others.
-    reinforce_pp_baseline: r_i - mean_g r, then (x - mean_B x) / (std_B x + eps)."""
-    est = obj.estimator
-    kind = "group_mean" if est is None else est.kind
-    std = ("group" if obj.std_norm else "none") if est is None else getattr(est, "std", None)
-    eps = obj.std_eps if est is None else getattr(est, "eps", None)
-    out = [0.0] * len(r)
-    for rows in _groups(group).values():
-        rs = [r[i] for i in rows]
-        mean = sum(rs) / len(rs)
-        for i in rows:
-            if kind == "reinforce_pp_baseline":
-                out[i] = r[i] - mean
-            elif max(rs) == min(rs):
-                out[i] = 0.0
-            elif kind == "leave_one_out":
-                out[i] = r[i] - (sum(rs) - r[i]) / (len(rs) - 1)
-            elif std == "group":
-                out[i] = (r[i] - mean) / (_std(rs) + eps)
-            elif std == "batch":
-                out[i] = (r[i] - mean) / (_std(r) + eps)
-            else:
-                out[i] = r[i] - mean
-    if kind == "reinforce_pp_baseline":
-        m, sd = sum(out) / len(out), _std(out)
-        out = [(x - m) / (sd + eps) for x in out]
-    if getattr(obj, "valid_rows_scale", False):  # GPG's alpha = B / B_valid: rows over rows with a non-zero advantage
-        valid = sum(x != 0 for x in out)
-        out = [x * len(out) / valid for x in out] if valid else out
-    return out
-
-
-@estimator("advantage_regression")
-def regression_advantages(obj, r: list, group: list, control: list, n_policy: list) -> list:
-    """A*PO / OAPL / MInTRL: A_i = r_i - V(x_i), V = beta1 ln((1/n) sum_j exp(r_j / beta1)) over the group's
-    baseline rows (baseline control: its control rows; all rows when it has none); beta1 = inf: the mean; 0: max."""
-    out = [0.0] * len(r)
-    for rows in _groups(group).values():
-        base = [i for i in rows if control[i]] if obj.baseline == "control" else rows
-        rs = [r[i] for i in (base or rows)]
-        if math.isinf(obj.beta1):
-            v = sum(rs) / len(rs)
-        elif obj.beta1 == 0:
-            v = max(rs)
-        else:
-            m = max(rs)
-            v = m + obj.beta1 * math.log(sum(math.exp((x - m) / obj.beta1) for x in rs) / len(rs))
-        for i in rows:
-            out[i] = r[i] - v
-    return out
-
-
-@estimator("length_penalized_grpo")  # examples/custom_component: GRPO on r - penalty * max(0, n - free_tokens)
-def length_penalized_advantages(obj, r: list, group: list, control: list, n_policy: list) -> list:
-    shaped = [x - obj.penalty * max(0.0, n - obj.free_tokens) for x, n in zip(r, n_policy)]
-    return grpo_advantages(obj, shaped, group, control, n_policy)
 
 
 # ----------------------------------------------------------------------------------------------- losses
@@ -648,8 +579,8 @@ def check_token_selection(rep, term_events) -> None:
             seen["parts"] += 1
             continue
         seen["whole"] += 1
-        adv = ADVANTAGES["grpo"](obj, b.rewards.double().tolist(), b.group.tolist(), b.control.tolist(),
-                                 b.mask(("policy",)).sum(-1).tolist())
+        adv = obj.reference_advantages(b.rewards.double().tolist(), b.group.tolist(), b.control.tolist(),
+                                       b.mask(("policy",)).sum(-1).tolist())
         want, count, cov, m = referee_selection(obj, b, mask, adv)
         got = b.token_select.cpu() & mask
         seen["selected"] += int(got.sum())

@@ -171,7 +171,7 @@ class UpdateWatch:
         logits (not covered) or no term left a log-prob gradient."""
         import torch
 
-        from composer.lang.curves import value_at
+        from composer.lang.curves import reference_value
 
         if not terms or any(e["grad"] is None and e["objective"].wants_logits for e in terms) or \
                 any(e["objective"].wants_logits for e in terms):
@@ -192,9 +192,9 @@ class UpdateWatch:
                 forwards[key] = _logprobs_entropy(self.model, b.tokens.cpu(), b.attention_mask.cpu(), temp)
             lp, ent = forwards[key]
             if e["grad"] is not None:
-                total = total + float(value_at(weight[e["term"]], step)) * (lp * e["grad"].to(lp.dtype)).sum()
+                total = total + float(reference_value(weight[e["term"]], step)) * (lp * e["grad"].to(lp.dtype)).sum()
             if i == 0:
-                coef = float(value_at(spec.train.entropy_coef, step))
+                coef = float(reference_value(spec.train.entropy_coef, step))
                 if coef:
                     m = (b.response_mask & b.attention_mask.bool()).cpu()
                     total = total - coef * (ent * m).sum() / m.sum().clamp(min=1)

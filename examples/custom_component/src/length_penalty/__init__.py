@@ -48,6 +48,12 @@ class LengthPenalizedGrpo(Grpo):
         return super().advantages(replace(batch, rewards=shaped_rewards(batch.rewards, n, self.penalty,
                                                                          self.free_tokens)))
 
+    def reference_advantages(self, rewards, group, control, policy_tokens):
+        """The referee's advantages (DESIGN.md section 10): GRPO's reference on the shaped rewards, written from the
+        formula r - penalty * max(0, n - free_tokens) again (not through `shaped_rewards`)."""
+        shaped = [r - self.penalty * max(0.0, float(n) - self.free_tokens) for r, n in zip(rewards, policy_tokens)]
+        return super().reference_advantages(shaped, group, control, policy_tokens)
+
     def loss(self, batch: "TrajectoryBatch", cur: "PolicyView", adv: "Tensor"):
         """The GRPO loss (clip, KL) of the parent kind, with the advantages of the shaped rewards."""
         loss, metrics = super().loss(batch, cur, adv)
