@@ -94,13 +94,16 @@ def open_new(path: Path | str):
     return os.fdopen(fd, "wb")
 
 
-def links_in(folder: Path | str) -> list[str]:
-    """Every symbolic link in `folder` and its subfolders (not followed), as paths relative to it."""
-    found = []
-    for root, dirs, names in os.walk(folder):
+def links_in(folder: Path | str, skip: tuple[str, ...] = ()) -> list[str]:
+    """Every symbolic link in `folder` and its subfolders (not followed), as paths relative to it. The insides
+    of the top-level folders named in `skip` are not looked at (W&B links its own files inside wandb/)."""
+    top, found = os.fspath(folder), []
+    for root, dirs, names in os.walk(top):
         for name in dirs + names:
             if os.path.islink(os.path.join(root, name)):
-                found.append(os.path.relpath(os.path.join(root, name), folder))
+                found.append(os.path.relpath(os.path.join(root, name), top))
+        if root == top:
+            dirs[:] = [d for d in dirs if d not in skip]
     return sorted(found)
 
 

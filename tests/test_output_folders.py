@@ -215,6 +215,8 @@ def test_a_planted_metrics_tmp_link_never_carries_the_metrics_out(finished_run, 
     assert r.exit_code == 2 and "metrics.csv.tmp" in r.stderr and "symbolic link" in r.stderr, r.output
     assert victim.read_text() == "keep me" and "Traceback" not in r.output
     (run / "metrics.csv.tmp").unlink()  # the fix the message gives: the run resumes
+    (run / "wandb" / "run-1").mkdir(parents=True)
+    (run / "wandb" / "latest-run").symlink_to("run-1")  # W&B's own links inside wandb/ are its business
     r = cli("run", "--resume", run, "train.steps=2", "--no-progress")
     assert r.exit_code == 0, r.output
     with open(run / "metrics.csv", newline="") as f:

@@ -113,7 +113,7 @@ def claim_folder(out: Path, resume: bool):
             shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
             raise RunError(f"{out}: the folder already holds files ({shown}); a new run would replace them\n"
                            f"    hint: continue that run with `composer run --resume {out}`, or choose another --out")
-        links = files.links_in(out)  # a run writes only inside its folder, never through a link
+        links = files.links_in(out, skip=("wandb",))  # a run writes only inside its folder, never through a link
         if links:
             shown = ", ".join(links[:5]) + (", ..." if len(links) > 5 else "")
             raise RunError(f"{out}: the run folder holds symbolic links ({shown}); a run never writes through "
