@@ -377,6 +377,7 @@ class Expected:
     trainable: int
     initial: Any = None  # names -> shapes of the initial copy when they differ from `weights` (a LoRA policy)
     needs_initial: bool = False  # a term or source of the spec reads the frozen initial weights
+    sharded: bool = False  # FSDP: its optimizer state is keyed by parameter names, checked by the strategy
 
 
 def damaged(path: Path, field: str, why: str) -> CheckpointError:
@@ -389,7 +390,7 @@ def check_state(state: dict, path: Path, expected: Expected) -> None:
     """Refuse a checkpoint any of whose fields a resume could not restore as written (a CheckpointError from
     `damaged`)."""
     try:
-        for check in (_lightning_fields, _optimizer_fields, _composer_fields):
+        for check in (_lightning_fields, _optimizer_fields, _scheduler_fields, _composer_fields):
             check(state, expected)
     except _Bad as bad:
         raise damaged(path, bad.field, bad.why) from None
@@ -505,12 +506,15 @@ def _lightning_fields(state: dict, expected: Expected) -> None:
 
 
 def _optimizer_fields(state: dict, expected: Expected) -> None:
-    """The optimizer's moments (one entry per parameter, each the parameter's shape) and settings, and the LR
-    scheduler's state: a missing one would resume with fresh moments or a restarted schedule."""
+    """The optimizer's moments (one entry per parameter, each the parameter's shape) and settings: a missing
+    one would resume with fresh moments."""
     opts = state.get("optimizer_states")
     if not isinstance(opts, list) or len(opts) != 1:
         raise _Bad("optimizer_states", f"expected a list of 1 optimizer state, found {_shown(opts)}")
     opt = _mapping(opts[0], "optimizer_states[0]")
+    if expected.sharded:
+        _mapping(opt.get("state"), "optimizer_states[0].state")
+        return
     like(opt.get("param_groups"), expected.optimizer["param_groups"], "optimizer_states[0].param_groups")
     for i, (group, fresh) in enumerate(zip(opt["param_groups"], expected.optimizer["param_groups"])):
         if list(group["params"]) != list(fresh["params"]):
@@ -532,6 +536,10 @@ def _optimizer_fields(state: dict, expected: Expected) -> None:
             elif not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != shape:
                 raise _Bad(f"{where}.{name}", f"expected a {shape} floating tensor (the parameter's shape), "
                                               f"found {_shown(t)}")
+
+
+def _scheduler_fields(state: dict, expected: Expected) -> None:
+    """The LR scheduler's state: its step count and the Plan's base rates (a fresh scheduler's structure)."""
     scheds = state.get("lr_schedulers")
     if not isinstance(scheds, list) or len(scheds) != 1:
         raise _Bad("lr_schedulers", f"expected a list of 1 scheduler state, found {_shown(scheds)}")

@@ -334,7 +334,8 @@ def expected_state(module, callbacks) -> ckpt_format.Expected:
         trainable=sum(1 for p in policy.parameters() if p.requires_grad),
         initial=(lambda: {k: tuple(v.shape) for k, v in merged(policy).state_dict().items()})
         if has_adapter(policy) else None,
-        needs_initial=any(_needs_initial(s.spec) for s in module.segments))
+        needs_initial=any(_needs_initial(s.spec) for s in module.segments),
+        sharded=module.validated.spec.train.strategy == "fsdp")
 
 
 def check_launcher(num_nodes: int) -> None:
