@@ -67,6 +67,9 @@ def test_ddp_sft_equals_one_process_of_the_same_global_batch(tmp_path):
     assert [r["step"] for r in a] == [r["step"] for r in b] == ["0", "1", "2"]
     for x, y in zip(a, b):  # the global token mean, whichever rank held which tokens
         assert float(x["loss"]) == pytest.approx(float(y["loss"]), rel=1e-5, abs=1e-6), x["step"]
+        # counts of the step's rows are sums over the ranks, as one process counts them (issue 56: the ranks' mean)
+        for key in ("tokens", "response_tokens"):
+            assert float(x[key]) == float(y[key]), (x["step"], key)
     wa, wb = weights(single), weights(ddp)
     assert wa.keys() == wb.keys()
     for k in wa:
@@ -85,6 +88,42 @@ def test_ddp_grpo_costs_and_metrics_are_reduced_over_ranks(tmp_path):
     # response length is averaged over them (rank 0's 16 rollouts alone would give half the tokens)
     first = r[0]
     assert abs(float(first["cost/policy_tokens"]) - 32 * float(first["response_len"])) <= 32
+    # response_tokens is the step's sum over its rows (docs/runs.md), so over both ranks' rows too (issue 56:
+    # it was the ranks' mean, half the step's tokens)
+    for row in r:
+        assert float(row["response_tokens"]) == pytest.approx(32 * float(row["response_len"]), abs=1e-3), row["step"]
+
+
+def _watch_rank(rank: int, world: int, store: str, seen: dict) -> None:
+    """One DDP rank's reward watch: rank 0's rollouts all scored 0, rank 1's hold a reward of 1."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from composer.runtime.reward_watch import RewardWatch
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        watch = RewardWatch()
+        for _ in range(3):
+            verdicts = [SimpleNamespace(parsed=True, reward=float(rank == 1 and k == 0)) for k in range(4)]
+            watch.note("", [SimpleNamespace(info={"verdicts": verdicts})])
+        seen[rank] = (watch.problems(), watch.gathered().problems(), watch.gathered().seen[""]["rollouts"])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_reward_warning_reads_every_ranks_rollouts(tmp_path):
+    """Issue 56: the end-of-run "the reward was 0.0 for every one of 3 step(s)" came from rank 0's rows alone,
+    while metrics.csv (averaged over ranks) showed a reward. The watch's counts are gathered over the ranks."""
+    import torch.multiprocessing as mp
+
+    seen = mp.Manager().dict()
+    mp.spawn(_watch_rank, args=(2, str(tmp_path / "store"), seen), nprocs=2, join=True)
+    alone, together, rollouts = seen[0]
+    assert alone and "the reward was 0.0 for every one of 3 step(s)" in alone[0]  # what rank 0 said before
+    assert together == [] and rollouts == 24
+    assert seen[1][1] == []
 
 
 def test_ddp_sigkill_then_resume_continues_exactly(tmp_path):
@@ -127,3 +166,22 @@ def test_each_rank_takes_its_slice_of_the_global_batch():
     for _ in range(3):
         every = [e.prompt for e in one.next_prompts(4)]
         assert [e.prompt for e in r0.next_prompts(2)] + [e.prompt for e in r1.next_prompts(2)] == every
+
+
+def test_merged_ranks_that_all_scored_zero_still_warn():
+    """The legitimate warning survives the gather: every rank's rewards 0 is still "nothing was learned"."""
+    from types import SimpleNamespace
+
+    from composer.runtime.reward_watch import RewardWatch
+
+    ranks = []
+    for _ in range(2):
+        w = RewardWatch()
+        w.note("", [SimpleNamespace(info={"verdicts": [SimpleNamespace(parsed=True, reward=0.0)] * 4})])
+        ranks.append(w.seen)
+    merged = RewardWatch()
+    for seen in ranks:
+        merged.merge(seen)
+    assert merged.seen[""]["steps"] == 1 and merged.seen[""]["rollouts"] == 8
+    assert "the reward was 0.0 for every one of 1 step(s), 8 rollouts" in merged.problems()[0]
+    assert RewardWatch().gathered().problems() == []  # one process: the watch itself

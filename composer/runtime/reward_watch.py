@@ -9,7 +9,9 @@ log = logging.getLogger("composer")
 
 
 class RewardWatch:
-    """Counts, per segment, the verifier's verdicts of the steps this process trained."""
+    """Counts, per segment, the verifier's verdicts of the steps this process trained; under DDP each rank holds
+    its own rows' verdicts, and `gathered` joins them before anything is said (issue 56: rank 0's rows alone
+    gave "the reward was 0.0 for every step" while the other rank's rows had rewards of 1)."""
 
     def __init__(self):
         self.seen: dict[str, dict] = {}
@@ -24,6 +26,30 @@ class RewardWatch:
         s["rollouts"] += len(verdicts)
         s["parsed"] += sum(bool(getattr(v, "parsed", True)) for v in verdicts)
         s["rewards"].update(float(v.reward) for v in verdicts)
+
+    def merge(self, seen: dict) -> None:
+        """Add another rank's counts (its `seen`): the steps are the same steps on every rank, the rollouts,
+        parsed answers and rewards add up."""
+        for name, other in seen.items():
+            s = self.seen.setdefault(name, {"steps": 0, "rollouts": 0, "parsed": 0, "rewards": set()})
+            s["steps"] = max(s["steps"], other["steps"])
+            s["rollouts"] += other["rollouts"]
+            s["parsed"] += other["parsed"]
+            s["rewards"] |= set(other["rewards"])
+
+    def gathered(self) -> RewardWatch:
+        """Every rank's counts in one watch (torch.distributed's all_gather_object: every rank must call it);
+        this watch itself with one process."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+            return self
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, self.seen)
+        out = RewardWatch()
+        for seen in every:
+            out.merge(seen)
+        return out
 
     def problems(self) -> list[str]:
         """One line per segment whose verifier parsed nothing, or whose reward was the same for every rollout."""

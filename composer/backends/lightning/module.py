@@ -292,8 +292,8 @@ class ComposerModule(L.LightningModule):
         return run_step.shares(local, dict(zip(sorted(local), total.tolist())), world)
 
     def _reduced(self, row: dict) -> dict:
-        """The step's metrics over every rank: costs and token throughput summed, everything else averaged
-        over the ranks that measured it."""
+        """The step's metrics over every rank: costs, token throughput and the counts of the step's rows
+        (`summed_over_ranks`) summed, everything else averaged over the ranks that measured it."""
         world = self.ctx.data.world
         if world <= 1:
             return row
@@ -302,7 +302,7 @@ class ComposerModule(L.LightningModule):
         out = {}
         for k in sorted({k for r in rows for k in r}):
             vals = [r[k] for r in rows if k in r]
-            out[k] = sum(vals) if k.startswith("cost/") or k == "tokens_per_s" else sum(vals) / len(vals)
+            out[k] = sum(vals) if summed_over_ranks(k) else sum(vals) / len(vals)
         return out
 
     def on_before_optimizer_step(self, optimizer) -> None:
@@ -333,6 +333,11 @@ class ComposerModule(L.LightningModule):
         if self.plan.sync_after(done):
             ctx.engine.sync(self.policy, done)
             ctx.record("sync", after=done)
+
+    def on_train_end(self) -> None:
+        """Every rank's verifier verdicts into the watch rank 0 warns from after training (DDP: each rank saw only
+        its own rows; every rank runs this hook, so the gather meets)."""
+        self.reward_watch = self.reward_watch.gathered()
 
     def _segment_done(self) -> None:
         """The segment's last step is done: whether its weights moved, and the loud warning (--strict: the error
@@ -435,6 +440,17 @@ class ComposerModule(L.LightningModule):
         for k, v in state.get("memo", {}).items():  # searched prefixes (POPE): the same k after a resume
             ctx.memo.restore(eval_key(k), v)
         self._pending = None
+
+
+# metrics that count over the step's rows (docs/runs.md: `response_tokens`, their sum over the step's rows; an
+# objective's `tokens` and `selected`): over DDP ranks the step's count is their sum, not one rank's share
+SUMMED = ("response_tokens", "tokens", "selected", "tokens_per_s")
+
+
+def summed_over_ranks(key: str) -> bool:
+    """Whether a metric of the step is the sum of the ranks' values (cumulative costs, counts, throughput)
+    rather than their mean (rates, fractions, means, losses)."""
+    return key.startswith("cost/") or key.rsplit("/", 1)[-1] in SUMMED
 
 
 def mark_truncated(batches, stop_ids) -> dict[str, float]:
