@@ -439,3 +439,81 @@ def test_smoke_capture_records_step_zero_only(tmp_path, capsys):
     assert rec["loss"] == 2.0 and rec["global_batch_size"] == 2 and rec["prompts"] == ["a", "b"]
     assert rec["rollout_log_probs"] is None and rec["action_mask"].dtype == torch.bool
     assert "composer-smoke-capture: step 0 micro-batch of 2 rows" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------ evaluation in every bundle kind
+
+EVAL_KINDS = ["specs/sft.yaml", "specs/grpo.yaml", "specs/methods/ppo.yaml", "specs/methods/ppo-rm.yaml",
+              "specs/hybrids/sft-opd-grpo.yaml"]  # train_sft, native GRPO, a critic, a reward model, a curriculum
+
+
+def compile_here(spec: str, overrides: list[str], out: Path) -> dict:
+    """The bundle of `spec` compiled in this process (one GPU); returns its plan."""
+    from composer.backends.openrlhf.bundle import compile_bundle
+    from composer.backends.openrlhf.flags import Layout
+    from composer.checks.validate import validate_file
+
+    return compile_bundle(validate_file(REPO / spec, overrides), out, Layout(nodes=1, gpus_per_node=1))
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+@needs_openrlhf
+@pytest.mark.parametrize("spec", EVAL_KINDS)
+def test_every_eval_setting_reaches_every_bundle_kind(spec, tmp_path):
+    """Issue 56: the SFT bundle wrote data/eval.jsonl and passed no evaluation flag (the GRPO bundle did).
+    train.eval_every becomes --eval.steps and train.eval_samples the rows per tier of data/eval.jsonl in every
+    run of every bundle kind; a run that cannot evaluate says why in its README notes."""
+    from collections import Counter
+
+    plan = compile_here(spec, ["train.eval_every=3", "train.eval_samples=5"], tmp_path / "b")
+    rows = [json.loads(x) for x in (tmp_path / "b" / "data" / "eval.jsonl").read_text().splitlines()]
+    assert rows and set(Counter(r["datasource"] for r in rows).values()) == {5}
+    readme = (tmp_path / "b" / "README.md").read_text()
+    for run in plan["openrlhf"]["runs"]:
+        argv = run["argv"]
+        if run["trainer"] == "sft":  # the loss on the reference solutions, which every eval row carries
+            assert all(r.get("target") for r in rows)
+            assert any("train_sft's loss on the reference solutions" in x for x in run["native"]), run["native"]
+        if "--eval.dataset" in argv:
+            assert flag(argv, "--eval.dataset") == "data/eval.jsonl" and flag(argv, "--eval.steps") == "3", run["name"]
+        else:  # only a reward model as the reward: OpenRLHF evaluates through a reward function
+            assert spec.endswith("ppo-rm.yaml"), run["name"]
+            assert any("no evaluation during" in x for x in run["notes"]) and "no evaluation during" in readme
+    if any(r["trainer"] == "sft" for r in plan["openrlhf"]["runs"]):
+        assert "`eval gpt_loss` in its logs" in readme
+
+
+@needs_openrlhf
+def test_eval_every_0_in_a_bundle(tmp_path):
+    """Lightning's train.eval_every 0 is "only the final evaluation": train_sft does that (--eval.steps -1 is once
+    per epoch, and a run is one epoch); OpenRLHF's PPO trainer never evaluates with -1, and the README says so
+    (before: "greedy pass@1 evaluation every no steps")."""
+    run = compile_here("specs/sft.yaml", ["train.eval_every=0"], tmp_path / "sft")["openrlhf"]["runs"][0]
+    assert flag(run["argv"], "--eval.steps") == "-1"
+    assert any("once, after the run's steps" in x for x in run["native"])
+    run = compile_here("specs/grpo.yaml", ["train.eval_every=0"], tmp_path / "grpo")["openrlhf"]["runs"][0]
+    assert not any("evaluation every" in x for x in run["native"])
+    assert any("no evaluation during the run: train.eval_every is 0" in x for x in run["notes"])
+
+
+@needs_openrlhf
+@pytest.mark.parametrize("spec", ["specs/sft.yaml", "specs/grpo.yaml"])
+@pytest.mark.parametrize("setting", ["train.eval_k=4", "train.eval_verifier=exact"])
+def test_an_eval_setting_a_bundle_cannot_honour_is_refused(spec, setting, tmp_path):
+    """pass@k (sampled answers) and another verifier than the reward's have no OpenRLHF evaluation: refused
+    with the field and the reason, never dropped."""
+    from composer.backends.openrlhf.flags import Unsupported
+
+    with pytest.raises(Unsupported) as e:
+        compile_here(spec, [setting], tmp_path / "b")
+    assert e.value.path[-1] == setting.split("=")[0].split(".")[-1] and e.value.reason and e.value.hint
+
+
+@needs_openrlhf
+def test_sft_bundle_refuses_an_eval_verifier_on_the_cli(tmp_path):
+    r = compile_cli("specs/sft.yaml", str(tmp_path / "b"), "train.eval_verifier=toy")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "eval_verifier" in r.stderr and "train_sft evaluates the loss" in r.stderr and "Traceback" not in r.stderr

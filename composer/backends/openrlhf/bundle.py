@@ -170,13 +170,17 @@ def write_data(v, out: Path, eos: str | None) -> tuple[dict, Inputs]:
         with open(out / eval_file, "w") as f:
             for source, exs in evals.items():
                 for ex in exs[:spec.train.eval_samples]:  # as the Lightning backend: the first eval_samples rows
-                    f.write(json.dumps({"prompt": ex.prompt, "label": encode_label(label_of(ex, eval=True)),
-                                        "datasource": source}) + "\n")
+                    rec = {"prompt": ex.prompt, "label": encode_label(label_of(ex, eval=True)), "datasource": source}
+                    if ex.solution is not None:  # train_sft evaluates its loss on the reference solution
+                        rec["target"] = ex.solution + (eos or "")
+                    f.write(json.dumps(rec) + "\n")
     every = rows + [e for exs in evals.values() for e in exs]
     inputs = Inputs(policy_path="", source_paths={}, train_file="data/train.jsonl", train_rows=need,
                     eval_file=eval_file, max_prompt_chars=max(len(e.prompt) for e in every),
                     max_solution_chars=max(len(e.solution or "") for e in every), sft_eos=eos,
-                    toy=spec.data.train is None, max_problem_chars=max(len(e.problem or e.prompt) for e in every))
+                    toy=spec.data.train is None, max_problem_chars=max(len(e.problem or e.prompt) for e in every),
+                    eval_targets=bool(evals) and all(e.solution is not None for exs in evals.values()
+                                                     for e in exs[:spec.train.eval_samples]))
     if fmt is not None and fmt.mode != "task":  # the prompts above are rendered: say how, and what it adds
         inputs.prompt_format = fmt.describe()
         inputs.prompt_overhead_chars = len(fmt.wrap(""))

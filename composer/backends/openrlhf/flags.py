@@ -52,8 +52,9 @@ LACKS = {
                        "DeepSpeed optimizer state can be replaced, so a periodic reset cannot be expressed",
                        "write one stage per reset (each stage starts a fresh optimizer and, with train.reference: "
                        "stage_start, a fresh reference), or use the lightning backend"),
-    "sampled_eval": ("the bundle's evaluation is OpenRLHF's greedy pass@1 with the reward function; pass@k from "
-                     "sampled answers runs on the Lightning backend",
+    "sampled_eval": ("the bundle's evaluation is greedy (an RL run's pass@1 through the reward function, an SFT "
+                     "run's loss on the reference solutions); pass@k from sampled answers runs on the Lightning "
+                     "backend",
                      "set train.eval_k: 0, and evaluate the exported model with `composer eval MODEL --k N`"),
     "scheduled_entropy": ("OpenRLHF's entropy bonus is its own flag (--actor.entropy_coef), one number for the run; it "
                           "has no schedule", "use a number on the openrlhf backend, or train on lightning"),
@@ -624,7 +625,12 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
         a.add("eval.steps", t.eval_every or -1)
         a.add("eval.temperature", 0.0)
         a.add("eval.n_samples_per_prompt", 1)
-        run.native.append(f"greedy pass@1 evaluation every {t.eval_every or 'no'} steps on {inputs.eval_file}")
+        if t.eval_every:
+            run.native.append(f"greedy pass@1 evaluation every {t.eval_every} steps on {inputs.eval_file}")
+        else:  # Lightning's 0 is "only the final evaluation"; OpenRLHF's PPO trainer has none
+            run.notes.append("no evaluation during the run: train.eval_every is 0, and OpenRLHF's PPO trainer has no "
+                             "final evaluation (--eval.steps -1 never evaluates); evaluate the exported model with "
+                             "`composer eval`")
     own = "toy" if spec.data.train is None else "math"  # what `auto` means
     reward_verifiers = {own if getattr(s, "verifier", None) == "auto" else getattr(s, "verifier", None)
                         for s in spec.sources.values() if "sequence_reward" in type(s).provides}
