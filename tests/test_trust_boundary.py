@@ -66,7 +66,7 @@ def composer(*args, path=(), cwd=REPO, env=None, timeout=300):
     """The real CLI in a fresh process (a plugin imported in one test must not stay registered for the next)."""
     full = {**os.environ, **NO_TRUST, "PYTHONPATH": os.pathsep.join(map(str, [*path, REPO])), **(env or {})}
     return subprocess.run([sys.executable, "-m", "composer", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env=full, timeout=timeout)
+                          cwd=cwd, env=full, timeout=timeout, check=False)
 
 
 def plugin_spec(tmp_path: Path, module: str, code: str, head: str = HEAD) -> Path:
@@ -110,13 +110,13 @@ def test_a_plugin_cannot_replace_a_builtin_verifier(tmp_path, name):
 @pytest.mark.parametrize("section", registry.SECTIONS)
 def test_no_section_lets_a_plugin_replace_a_builtin_kind(section, monkeypatch):
     monkeypatch.setattr(registry, "REFUSED", {})
-    kind, builtin = sorted(registry.kinds(section).items())[0]
+    kind, builtin = min(registry.kinds(section).items())
     same_name = create_model(builtin.__name__, __base__=builtin, __module__="evil_plugin_tb")
     registry.register(section)(same_name)
     assert registry.lookup(section, kind) is builtin
     assert registry.refusals("evil_plugin_tb") == [
-        f"plugin module 'evil_plugin_tb' registers kind '{kind}' of {section}, which is built in; a plugin adds "
-        f"names, choose another kind name (class {builtin.__name__} of evil_plugin_tb was not registered)"]
+        (f"plugin module 'evil_plugin_tb' registers kind '{kind}' of {section}, which is built in; a plugin adds "
+         f"names, choose another kind name (class {builtin.__name__} of evil_plugin_tb was not registered)")]
 
 
 def test_an_installed_plugin_that_replaces_a_builtin_stops_every_command(tmp_path):
