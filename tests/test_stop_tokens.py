@@ -10,6 +10,7 @@ the next token is a function of the current one, and the unembedding maps each t
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from pathlib import Path
@@ -64,7 +65,7 @@ def build(root: Path) -> dict:
             layer.mlp.down_proj.weight.zero_()
         emb = model.model.embed_tokens.weight
         head = torch.zeros_like(model.lm_head.weight)
-        for a, b in zip(chain, chain[1:]):
+        for a, b in itertools.pairwise(chain):
             head[b] += 5.0 * emb[a] / emb[a].norm()
         model.lm_head.weight.copy_(head)
     model.generation_config.eos_token_id = [eos, turn]  # both, as an instruct model ships them
@@ -181,7 +182,8 @@ def test_rollout_rows_end_at_the_end_of_turn_and_count_as_finished(m):
     assert filters.truncated_rows(batch, m["eos"]).all()  # what the tokenizer's eos alone would have said
 
 
-def test_vllm_engine_asks_for_every_stop_token_and_cuts_at_the_first(tmp_path, fake_vllm):
+@pytest.mark.usefixtures("fake_vllm")  # tests/test_engine.py's stand-in for vLLM
+def test_vllm_engine_asks_for_every_stop_token_and_cuts_at_the_first(tmp_path):
     from composer.runtime.engine import Sampling
     from composer.runtime.vllm_engine import VLLMEngine
     from composer.stops import bind
@@ -273,3 +275,40 @@ def test_explain_names_the_stop_tokens(m, tmp_path, cli):
     assert f"{m['eos']} '<|endoftext|>' (tokenizer eos, generation_config)" in line
     assert f"{m['turn']} '<|im_end|>' (generation_config, chat template end of turn)" in line
     assert line.endswith(f"targets end with {m['turn']}")
+
+
+# ------------------------------------------------------------------------------------------ OpenRLHF
+
+
+def test_openrlhf_agent_asks_for_every_stop_token_and_cuts_at_the_first():
+    import asyncio
+    from types import SimpleNamespace as NS
+
+    from test_engine import FakeSamplingParams
+
+    from composer.backends.openrlhf.agent import ComposerAgent, _with_stops
+
+    sp = FakeSamplingParams()  # OpenRLHF's own: no stop tokens
+    p = _with_stops(sp, (7, 3))
+    assert p.stop_token_ids == [3, 7] and sp.stop_token_ids is None
+    asked = []
+
+    class Engine:  # writes 2 3 4 7 whatever it is asked, as a vLLM that ignored the stop tokens would
+        async def generate(self, ids, params):
+            asked.append(params)
+            return NS(outputs=[NS(token_ids=[2, 3, 4, 7], logprobs=None, finish_reason="stop")])
+
+    g = asyncio.run(ComposerAgent.generate(None, Engine(), [1], p, 8, greedy=True))
+    assert asked[0].stop_token_ids == [3, 7] and g.tokens == [2, 3] and g.finished
+
+
+def test_an_openrlhf_bundle_ends_sft_targets_with_the_end_of_turn(m, tmp_path, cli):
+    spec = tmp_path / "sft.yaml"
+    spec.write_text(spec_text(m, SFT))
+    out = tmp_path / "bundle"
+    r = cli("compile", spec, "--out", out, "--gpus-per-node", "1")
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(x) for x in (out / "data" / "train.jsonl").read_text().splitlines()]
+    assert rows and all(row["target"].endswith("}.<|im_end|>") for row in rows)  # not the eos, <|endoftext|>
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["stop_tokens"].endswith(f"targets end with {m['turn']}")

@@ -216,7 +216,8 @@ def _critic_paths(v) -> dict[str, str]:
 
 
 def _eos(path: str, v) -> str | None:
-    """The eos text SFT targets end with (OpenRLHF would otherwise append ' ' + eos)."""
+    """The text SFT targets end with (OpenRLHF would otherwise append ' ' + eos): the chat template's end of turn
+    under chat prompts, else the tokenizer's eos (composer/stops.py, as on Lightning)."""
     from composer.checks.graph import signal_objective_pairs
 
     if not any(sig is not None and "demonstration" in sig.origins(s.spec.rollout.guide) for s in v.segments
@@ -225,7 +226,12 @@ def _eos(path: str, v) -> str | None:
     try:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code(v)).eos_token
+        from composer.stops import for_spec
+
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code(v))
+        end = for_spec(tok, v.spec).end
+        return tok.eos_token if end is None or end == getattr(tok, "eos_token_id", None) else \
+            tok.convert_ids_to_tokens(end)
     except Exception:  # noqa: BLE001 - a hub id or a directory only the cluster has
         return None
 
