@@ -14,7 +14,8 @@ sequence weights, several advantage groups and the fields a signal would fill:
      (composer/step.py: `advantages` over the step, each micro-batch's `loss` scaled by its `shares` with gradient
      accumulation, each backward divided by gas as DeepSpeed does) give the same loss and the same gradient;
   4. `loss` reads the policy only where `read_mask` says;
-  5. per-row advantages have their reference (`reference_advantages`, the referee's formula) and equal it.
+  5. per-row advantages have their reference (`reference_advantages`, the referee's formula) and equal it;
+  6. a declared `reference_loss` (the referee's loss) equals the loss and its gradient.
 `check_component` checks the declared parts every component shares (hooks return what they declare).
 """
 
@@ -171,6 +172,7 @@ def check_objective(obj, seeds=(0, 1)) -> dict:
         check_backends_agree(obj, batch, logits)
         check_reads(obj, batch, logits)
         check_reference_advantages(obj, batch)
+        check_reference_loss(obj, batch, logits)
         out.setdefault("loss", loss)
     return out
 
@@ -239,3 +241,24 @@ def check_reads(obj, batch, logits) -> None:
     for k, v in m_want.items():
         if not (isinstance(v, float) and math.isnan(v) and math.isnan(m_got[k])):
             _close(m_got[k], v, f"{what} (metric {k})")
+
+
+def check_reference_loss(obj, batch, logits) -> None:
+    """Check 6: where the objective declares `reference_loss` (the referee's loss, in its own file), its value and
+    its gradient d loss / d log pi equal the loss's on the batch (loss tokens: `loss_mask`)."""
+    import torch
+
+    adv = obj.advantages(batch)
+    b = dataclasses.replace(batch, advantages=adv)
+    view = view_of(batch, logits)
+    mask = obj.loss_mask(b)
+    want = obj.reference_loss(b, mask, view.logprobs.detach())
+    if want is None:
+        return
+    loss, _ = obj.loss(b, view, adv)
+    _close(loss, want["value"], f"{obj.kind_name()}: loss and reference_loss differ")
+    (grad,) = torch.autograd.grad(loss, view.logprobs, allow_unused=True)
+    grad = torch.zeros_like(view.logprobs) if grad is None else grad
+    err = float((grad.double() - want["grad"]).abs().max())
+    assert err <= TOL * max(1.0, float(want["grad"].abs().max())), \
+        f"{obj.kind_name()}: the gradient of loss and of reference_loss differ (by {err:.3g})"

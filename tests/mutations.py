@@ -178,12 +178,19 @@ def m_schedule_off_by_one(undo):
                  "frac = min(max(step - self.begin + 1, 0), self.steps) / self.steps")
 
 
-def m_old_refreshed(undo):
+def m_old_from_sampler(undo):
     from composer.backends.lightning.module import ComposerModule
 
-    patch_source(undo, ComposerModule, "_updates", "            mb = parts[k % len(parts)]\n",
-                 "            mb = parts[k % len(parts)]; run_step.old_logprobs(batches, lambda b, want, read: "
-                 "models.policy_view(model, b, want, read))\n")
+    patch_source(undo, ComposerModule, "_updates",
+                 "run_step.old_logprobs(batches, lambda b, want, read: models.policy_view(model, b, want, read))",
+                 "[setattr(b, 'old_logprobs', b.behavior_logprobs.detach().clone()) for b in batches]")
+
+
+def m_sft_scaled(undo):
+    import components.objectives.cross_entropy as ce
+
+    patch_source(undo, ce, "cross_entropy_loss", "return aggregate(-logp, mask, mode)",
+                 "return 1.5 * aggregate(-logp, mask, mode)")
 
 
 # name -> (description, mutation, spec, extra overrides)
@@ -224,14 +231,16 @@ MUTATIONS = {
     "critic_frozen": ("the critic's optimizer never steps", m_critic_frozen, "specs/methods/ppo.yaml", []),
     "rm_position": ("the reward model read one token before the last", m_rm_position, "specs/methods/ppo-rm.yaml", []),
     # the referee evaluates schedules itself (issue 52): an off-by-one in the Plan's Schedule.at
-    "old_refreshed": ("the ratio's old log-probs refreshed before every update (DAPO: 2 updates a step)",
-                      m_old_refreshed, "specs/methods/dapo.yaml", []),
+    "old_from_sampler": ("the ratio's old log-probs taken from the lagged sampler, not the step's start (GRPO, 2 epochs, "
+                         "sync every 2)", m_old_from_sampler, "specs/grpo.yaml",
+                         ["train.epochs=2", "sync.every=2", "sync.off_policy_ok=true", "train.lr=0.003"]),
+    "sft_scaled": ("SFT's loss scaled by 1.5 (issue 52)", m_sft_scaled, "specs/sft.yaml", []),
     "schedule_step": ("a schedule one step ahead (KDRL's KD weight, a 4-step ramp)", m_schedule_off_by_one,
                       "specs/methods/kdrl.yaml", ["terms.1.weight.steps=4", "terms.1.weight.end=0.5"]),
 }
 SECOND = ["opt_kept_stage", "periodic_ref", "lr_not_stepped", "weight_dropped", "clip_skipped", "entropy_sign",
           "weight_decay", "overlong_sign", "ema_rate", "prefix_long"]
-FAST = ["k3_k1", "dapo_filter", "opt_kept_stage", "overlong_sign", "ppo_lambda"]  # the default suite's subset
+FAST = ["k3_k1", "dapo_filter", "opt_kept_stage", "overlong_sign", "ppo_lambda", "sft_scaled", "old_from_sampler"]  # the default suite's subset
 # (tests/test_conformance.py)
 
 

@@ -252,7 +252,8 @@ def test_resume_refuses_another_spec_or_override_and_applies_steps(tiny, tmp_pat
     out = tmp_path / "run"
     base = [f"policy.model={tiny}", *FAST, "--no-progress"]
     assert cli("run", "specs/grpo.yaml", "train.steps=1", *base, "--out", out).exit_code == 0
-    r = cli("run", "specs/sft.yaml", "train.steps=1", *base, "--resume", out)
+    sft = [f"policy.model={tiny}", *[o for o in FAST if not o.startswith("rollout.samples")], "--no-progress"]
+    r = cli("run", "specs/sft.yaml", "train.steps=1", *sft, "--resume", out)  # (SFT samples no rollouts)
     assert r.exit_code == 2 and "trained with another spec" in r.stderr
     assert 'signal.kind: "reward" -> "sft"' in r.stderr
     r = cli("run", "--resume", out, "train.lr=0.001", "--no-progress")

@@ -123,6 +123,13 @@ class Objective(Component):
         `advantages`. None (the default): no reference, so the referee reports the advantages "not covered"."""
         return None
 
+    def reference_loss(self, batch, mask, cur) -> dict | None:
+        """The referee's loss (DESIGN.md section 10): this objective's loss on `batch` written again plainly, from
+        the loss tokens `mask` [B, T] (the plan's origins in the gate's rows) and the policy's log-probs `cur` [B, T]
+        as the loss read them: {"value": float, "grad": d value / d cur [B, T] float64}. None (the default): the
+        loss is "not covered" by a reference of its own."""
+        return None
+
     def value_model(self):
         """The learned value model (critic) this objective reads and trains, or None (the default). With one, a
         backend fills batch.values [B, T] (the critic's old values) before `advantages`, and trains the critic on

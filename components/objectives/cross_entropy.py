@@ -47,6 +47,24 @@ class CrossEntropy(Objective):
     def reduction(self) -> Reduction:
         return Reduction(self.aggregation)
 
+    def reference_loss(self, batch, mask, cur) -> dict:
+        """L = sum_t w_t (-log pi(y*_t)), w_t the aggregation's weight of target token t (ALGORITHMS.md sections 0
+        and 1), written again with a loop over rows: token-mean 1 / (all target tokens); seq-mean-token-mean
+        1 / (n_i x rows with a target); seq-mean-token-sum 1 / rows; seq-mean-token-sum-norm 1 / T (the batch's
+        padded length); token-sum 1. Its gradient d L / d log pi = -w."""
+        import torch
+
+        m = mask.double()  # [B, T]
+        rows = [i for i in range(m.shape[0]) if float(m[i].sum()) > 0]
+        w = torch.zeros_like(m)
+        for i in rows:
+            n_i = float(m[i].sum())
+            w[i] = m[i] * {"token-mean": 1.0 / float(m.sum()), "seq-mean-token-mean": 1.0 / (n_i * len(rows)),
+                           "seq-mean-token-sum": 1.0 / len(rows), "seq-mean-token-sum-norm": 1.0 / m.shape[1],
+                           "token-sum": 1.0}[self.aggregation]
+        nll = torch.where(w != 0, -cur.double(), torch.zeros_like(w))  # padding may hold -inf
+        return {"value": float((nll * w).sum()), "grad": -w}
+
     def loss(self, batch: TrajectoryBatch, cur: PolicyView, adv=None) -> tuple[Tensor, dict[str, float]]:
         mask = self.loss_mask(batch)  # [B, T]
         loss = cross_entropy_loss(cur.logprobs, mask, self.aggregation)

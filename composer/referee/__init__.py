@@ -278,6 +278,8 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
             seen["old"] += 1
         elif b.old_logprobs is not None:
             old = b.old_logprobs.detach().cpu()
+        if e["grad"] is not None and not covered(obj):  # the part's own reference loss (its file), if it has one
+            _check_reference_loss(rep, e, plan, gate_of, seen)
         if e["grad"] is not None and covered(obj) and old is not None and step in rec.rollout_at:
             if ref is None and start in rec.weights_at and getattr(obj, "kl_coef", 0):
                 ref = fresh_logprobs(rec.weights(start), b.tokens.cpu(), b.attention_mask.cpu(), temp)
@@ -396,6 +398,34 @@ def _rollout_rows(events, step: int, b):
         if all(g is not None for g in got):
             return r, got
     return (rolls[-1], None) if rolls else (None, None)
+
+
+def _check_reference_loss(rep, e, plan, gate_of, seen) -> None:
+    """The term's loss value and its gradient d loss / d log pi [B, T] against the objective's `reference_loss` (its
+    own file: DESIGN.md section 10), on the loss tokens the plan trains and the rows its gate took. An objective
+    without one is noted "not covered" (the chain rule from the run's own gradient proves nothing of its formula)."""
+    import torch
+
+    b, obj, step = e["batch"], e["objective"], e["step"]
+    mask = (b.mask(loss_origins(plan, step, e["term"])) & b.attention_mask.bool()).cpu()
+    rows_ = gate_of.get(id(e))
+    if rows_ is not None:
+        mask = mask & torch.tensor(rows_, dtype=torch.bool)[:, None]
+    cur = e["view"].logprobs.detach().cpu()
+    want = obj.reference_loss(b, mask, cur)
+    if want is None:
+        rep.note("loss recomputed (reference)", f"{obj.kind_name()}: no reference_loss in its file: not covered")
+        return
+    grad = e["grad"].double()
+    unit = 1.0 / float(want["grad"].abs()[mask].max()) if mask.any() and bool((want["grad"][mask] != 0).any()) else 1.0
+    err = float((want["grad"] - grad).abs().max()) * unit
+    rep.expect("loss gradient recomputed (reference)", err <= 5e-3,
+               f"step {step} {e['term']}: the loss's gradient differs from {obj.kind_name()}'s reference_loss on the "
+               f"declared tokens and rows (by {err:.3g} per unit)")
+    rep.expect("loss value recomputed (reference)", abs(e["loss_value"] - want["value"]) <= 1e-4 * (1 + abs(want["value"])),
+               f"step {step} {e['term']}: loss {e['loss_value']:.6g}, {obj.kind_name()}'s reference_loss "
+               f"{want['value']:.6g}")
+    seen["gradient"] += 1
 
 
 def _check_prefix_rows(rep, spec, b, e, tokenizer, written, judged) -> int:
