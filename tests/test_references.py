@@ -138,3 +138,48 @@ def test_the_referee_names_no_advantage_kind():
     src = "".join(p.read_text() for p in (ROOT / "composer" / "referee").glob("*.py"))
     assert "ADVANTAGES" not in src and '@estimator(' not in src
     assert "reference_advantages" in src and "reference_value" in src
+
+
+# ------------------------------------------------------------------------------------------------ losses
+
+LOSSES = [{"kind": "cross_entropy", "aggregation": a} for a in
+          ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")] + [
+    {"kind": "divergence", "estimator": "sampled", "kl_coef": 0.7},
+    {"kind": "divergence", "estimator": "sampled", "aggregation": "seq-mean-token-mean"},
+    *[{"kind": "divergence", "estimator": est, "measure": m, "beta": b, "k": 4}
+      for est in ("full", "top_k") for m, b in (("reverse_kl", 0.5), ("forward_kl", 0.5), ("jsd", 0.5),
+                                                ("jsd", 0.2), ("jsd", 1.0), ("jsd", 0.0))],
+]
+
+
+@pytest.mark.parametrize("cfg", LOSSES, ids=lambda c: "-".join(str(v) for v in c.values()))
+@pytest.mark.parametrize("seed", range(2))
+def test_reference_loss_equals_the_loss_and_its_gradient(cfg, seed):
+    from composer.registry import lookup
+    from composer.testing import check_reference_loss, synthetic_batch
+
+    obj = lookup("objective", cfg["kind"])(**{k: v for k, v in cfg.items() if k != "kind"})
+    batch, logits = synthetic_batch(seed=seed)
+    assert obj.reference_loss(batch, obj.loss_mask(batch), _view(batch, logits)) is not None
+    check_reference_loss(obj, batch, logits)
+
+
+def _view(batch, logits):
+    from composer.testing import view_of
+
+    return view_of(batch, logits)
+
+
+def test_a_scaled_loss_differs_from_its_reference():
+    """The check can fail: a cross-entropy 1.5 times too large is caught on the synthetic batch."""
+    from components.objectives.cross_entropy import CrossEntropy
+    from composer.testing import check_reference_loss, synthetic_batch
+
+    class Scaled(CrossEntropy):
+        def loss(self, batch, cur, adv=None):
+            loss, m = super().loss(batch, cur, adv)
+            return 1.5 * loss, m
+
+    batch, logits = synthetic_batch(seed=0)
+    with pytest.raises(AssertionError, match="reference_loss"):
+        check_reference_loss(Scaled(), batch, logits)

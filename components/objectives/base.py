@@ -123,11 +123,11 @@ class Objective(Component):
         `advantages`. None (the default): no reference, so the referee reports the advantages "not covered"."""
         return None
 
-    def reference_loss(self, batch, mask, cur) -> dict | None:
+    def reference_loss(self, batch, mask, view) -> dict | None:
         """The referee's loss (DESIGN.md section 10): this objective's loss on `batch` written again plainly, from
-        the loss tokens `mask` [B, T] (the plan's origins in the gate's rows) and the policy's log-probs `cur` [B, T]
-        as the loss read them: {"value": float, "grad": d value / d cur [B, T] float64}. None (the default): the
-        loss is "not covered" by a reference of its own."""
+        the loss tokens `mask` [B, T] (the plan's origins in the gate's rows) and the policy as the loss read it
+        (`view`: log-probs [B, T], logits [B, T, V] where it reads them): {"value": float, "grad": d value /
+        d log-probs [B, T] float64}. None (the default): the loss is "not covered" by a reference of its own."""
         return None
 
     def value_model(self):
@@ -255,6 +255,36 @@ def aggregate(loss_tok: Tensor, mask: Tensor, mode: str, norm_const: float | Non
         raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGGREGATIONS}")
     s_rows = s * (n_tok > 0).to(s.dtype)  # [B]: rows with no loss token do not count
     return _safe_div((s_rows * per_seq).sum(), s_rows.sum())
+
+
+def reference_token_weights(mask, mode: str, seq_weight=None, norm_const: float | None = None):
+    """The references' aggregation (DESIGN.md section 10; never used by a loss): W [B, T] float64 with
+    aggregate(l) = sum_{i,t} W_it l_it, written again from the formulas above with a loop over rows:
+      token-mean m s_i / sum m s;  seq-mean-token-mean s_i m / (n_i sum_j s_j);  seq-mean-token-sum s_i m / sum_j s_j
+      (the sums over rows with a loss token);  seq-mean-token-sum-norm m s_i / C;  token-sum m s_i."""
+    import torch
+
+    m = mask.double()  # [B, T]
+    B, T = m.shape
+    s = [1.0] * B if seq_weight is None else [float(x) for x in seq_weight]
+    n = [float(m[i].sum()) for i in range(B)]
+    rows = [i for i in range(B) if n[i] > 0]
+    W = torch.zeros_like(m)
+    tokens = sum(n[i] * s[i] for i in rows)
+    seqs = sum(s[i] for i in rows)
+    for i in rows:
+        if mode == "token-mean":
+            scale = s[i] / tokens if tokens else 0.0
+        elif mode == "seq-mean-token-mean":
+            scale = s[i] / (n[i] * seqs) if seqs else 0.0
+        elif mode == "seq-mean-token-sum":
+            scale = s[i] / seqs if seqs else 0.0
+        elif mode == "seq-mean-token-sum-norm":
+            scale = s[i] / (float(norm_const) if norm_const is not None else float(T))
+        else:  # token-sum
+            scale = s[i]
+        W[i] = m[i] * scale
+    return W
 
 
 def aggregate_count(mask: Tensor, mode: str, norm_const: float | None = None,

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 
-from components.objectives.base import Aggregation, Objective, Reduction, aggregate
+from components.objectives.base import Aggregation, Objective, Reduction, aggregate, reference_token_weights
 from composer.capabilities import Capabilities
 from composer.origins import Origin
 from composer.registry import register
@@ -47,23 +47,14 @@ class CrossEntropy(Objective):
     def reduction(self) -> Reduction:
         return Reduction(self.aggregation)
 
-    def reference_loss(self, batch, mask, cur) -> dict:
-        """L = sum_t w_t (-log pi(y*_t)), w_t the aggregation's weight of target token t (ALGORITHMS.md sections 0
-        and 1), written again with a loop over rows: token-mean 1 / (all target tokens); seq-mean-token-mean
-        1 / (n_i x rows with a target); seq-mean-token-sum 1 / rows; seq-mean-token-sum-norm 1 / T (the batch's
-        padded length); token-sum 1. Its gradient d L / d log pi = -w."""
+    def reference_loss(self, batch, mask, view) -> dict:
+        """L = sum_t W_t (-log pi(y*_t)), W the aggregation's token weights (ALGORITHMS.md sections 0 and 1,
+        `reference_token_weights`); d L / d log pi = -W."""
         import torch
 
-        m = mask.double()  # [B, T]
-        rows = [i for i in range(m.shape[0]) if float(m[i].sum()) > 0]
-        w = torch.zeros_like(m)
-        for i in rows:
-            n_i = float(m[i].sum())
-            w[i] = m[i] * {"token-mean": 1.0 / float(m.sum()), "seq-mean-token-mean": 1.0 / (n_i * len(rows)),
-                           "seq-mean-token-sum": 1.0 / len(rows), "seq-mean-token-sum-norm": 1.0 / m.shape[1],
-                           "token-sum": 1.0}[self.aggregation]
-        nll = torch.where(w != 0, -cur.double(), torch.zeros_like(w))  # padding may hold -inf
-        return {"value": float((nll * w).sum()), "grad": -w}
+        W = reference_token_weights(mask, self.aggregation)  # [B, T]
+        nll = torch.where(W != 0, -view.logprobs.detach().double(), torch.zeros_like(W))  # padding may hold -inf
+        return {"value": float((nll * W).sum()), "grad": -W}
 
     def loss(self, batch: TrajectoryBatch, cur: PolicyView, adv=None) -> tuple[Tensor, dict[str, float]]:
         mask = self.loss_mask(batch)  # [B, T]

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 
-from components.objectives.base import Aggregation, InertSetting, Objective, Reduction, aggregate, masked_mean
+from components.objectives.base import (Aggregation, InertSetting, Objective, Reduction, aggregate, masked_mean,
+                                        reference_token_weights)
 from composer.capabilities import Capabilities
 from composer.lazy import F, torch
 from composer.registry import register
@@ -83,6 +84,20 @@ def is_weight(logp: Tensor, behavior_logp: Tensor, is_clip: float) -> Tensor:
     return torch.exp((logp - behavior_logp).detach().clamp(-20.0, 20.0)).clamp(max=is_clip)
 
 
+def _probs(logits) -> list[float]:
+    """softmax of one position's logits, in float64 (the references' own)."""
+    x = [float(v) for v in logits.detach().cpu().double()]
+    top = max(x)
+    e = [math.exp(v - top) for v in x]
+    z = sum(e)
+    return [v / z for v in e]
+
+
+def _with_tail(p: list[float]) -> list[float]:
+    """p plus the tail bucket 1 - sum p, kept at least 1 - exp(-1e-7) as SDPO clamps it (the references' own)."""
+    return p + [max(1.0 - sum(p), -math.expm1(-1e-7))]
+
+
 @register("objective")
 class Divergence(Objective):
     """Distil a teacher into the policy on the policy's own tokens.
@@ -142,6 +157,48 @@ class Divergence(Objective):
         weight 1."""
         exact = () if self.estimator == "sampled" else ("demonstration", "guide_prefix", "guide_intervention")
         return Capabilities(on_policy_only=True, exact_origins=frozenset(exact))
+
+    def reference_loss(self, batch, mask, view) -> dict:
+        """The referee's loss (DESIGN.md section 10), written again from the formulas, in float64:
+        sampled  l_t = c rho_t (log pi_beh - log pi_T)(y_t), rho_t = pi_theta / pi_beh (= -rho A_t), d l / d log pi = l;
+        full     l_t = w_t D(S_t, T_t), S, T the softmax of the student's and the teacher's logits at t, D the
+                 measure (KL(S||T); KL(T||S); beta KL(T||M) + (1 - beta) KL(S||M), M = beta T + (1 - beta) S),
+                 w_t = min(rho_t, is_clip) on policy tokens (1 elsewhere), detached: no gradient through log pi;
+        top_k    the same on the student's k most likely entries plus one tail bucket 1 - sum of the k (both
+                 distributions at the student's indices).
+        Aggregated with SDPO's row weights s_i (`reference_token_weights`)."""
+        import torch
+
+        W = reference_token_weights(mask.cpu(), self.aggregation, batch.weights().cpu())  # [B, T]
+        cur = view.logprobs.detach().cpu().double()
+        beh = batch.behavior_logprobs.detach().cpu().double()
+        if self.estimator == "sampled":
+            l = self.kl_coef * torch.exp(cur - beh) * (beh - batch.teacher_logprobs.detach().cpu().double())
+            l = torch.where(W != 0, l, torch.zeros_like(l))
+            return {"value": float((W * l).sum()), "grad": W * l}
+        div = torch.zeros_like(W)
+        for i, j in (W != 0).nonzero().tolist():
+            s = _probs(view.logits[i, j])
+            q = _probs(batch.teacher_logits[i, j])
+            if self.estimator == "top_k":
+                idx = sorted(range(len(s)), key=lambda v: -s[v])[: self.k]
+                s, q = _with_tail([s[v] for v in idx]), _with_tail([q[v] for v in idx])
+            div[i, j] = self._reference_divergence(s, q)
+        w = torch.exp(cur - beh).clamp(max=self.is_clip)
+        w = torch.where(batch.policy_mask.cpu(), w, torch.ones_like(w))
+        return {"value": float((W * w * div).sum()), "grad": torch.zeros_like(W)}
+
+    def _reference_divergence(self, s: list[float], q: list[float]) -> float:
+        """D(S, T) of two probability lists, the measure written out (0 log 0 = 0)."""
+        def kl(p, r):
+            return sum(a * (math.log(a) - math.log(b)) for a, b in zip(p, r) if a > 0)
+
+        if self.measure == "reverse_kl" or (self.measure == "jsd" and self.beta == 1):
+            return kl(s, q)
+        if self.measure == "forward_kl" or (self.measure == "jsd" and self.beta == 0):
+            return kl(q, s)
+        mix = [self.beta * b + (1 - self.beta) * a for a, b in zip(s, q)]
+        return self.beta * kl(q, mix) + (1 - self.beta) * kl(s, mix)
 
     def loss(self, batch: TrajectoryBatch, cur: PolicyView, adv=None) -> tuple[Tensor, dict[str, float]]:
         """Per-token divergence, weighted by SDPO's s_i (and w_t for full/top_k), aggregated:
