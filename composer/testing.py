@@ -252,7 +252,13 @@ def check_reference_loss(obj, batch, logits) -> None:
     b = dataclasses.replace(batch, advantages=adv)
     view = view_of(batch, logits)
     mask = obj.loss_mask(b)
-    want = obj.reference_loss(b, mask, view)
+    from composer.lang.curves import value_at
+
+    old = batch.old_logprobs if batch.old_logprobs is not None else batch.behavior_logprobs
+    inputs = {"old": old, "initial": batch.initial_logprobs,
+              "advantages": None if adv is None else adv.double().tolist(),
+              "kl_coef": float(value_at(getattr(obj, "kl_coef", 0.0), 0)) if obj.wants_initial else 0.0}
+    want = obj.reference_loss(b, mask, view, inputs)
     if want is None:
         return
     loss, _ = obj.loss(b, view, adv)

@@ -193,6 +193,20 @@ def m_sft_scaled(undo):
                  "return 1.5 * aggregate(-logp, mask, mode)")
 
 
+def m_pg_scaled(undo):
+    from components.objectives.grpo import Grpo
+
+    patch_source(undo, Grpo, "loss", "pg_loss = aggregate(loss_tok, mask, self.loss_agg, self.norm_const)",
+                 "pg_loss = 1.5 * aggregate(loss_tok, mask, self.loss_agg, self.norm_const)")
+
+
+def m_opd_doubled(undo):
+    import components.objectives.divergence as div
+
+    patch_source(undo, div, "sampled_distill_loss", "adv = (-kl_coef * (behavior_logp - teacher_logp)).detach()",
+                 "adv = (-2 * kl_coef * (behavior_logp - teacher_logp)).detach()")
+
+
 # name -> (description, mutation, spec, extra overrides)
 MUTATIONS = {
     "k3_k1": ("KL estimator k3 <-> k1 (kl_coef 0.001)", m_k3_k1, "specs/grpo.yaml", []),
@@ -235,12 +249,15 @@ MUTATIONS = {
                          "sync every 2)", m_old_from_sampler, "specs/grpo.yaml",
                          ["train.epochs=2", "sync.every=2", "sync.off_policy_ok=true", "train.lr=0.003"]),
     "sft_scaled": ("SFT's loss scaled by 1.5 (issue 52)", m_sft_scaled, "specs/sft.yaml", []),
+    "gspo_scaled": ("GSPO's policy loss scaled by 1.5 (issue 52)", m_pg_scaled, "specs/methods/gspo.yaml", []),
+    "opd_doubled": ("OPD's sampled estimator's coefficient doubled", m_opd_doubled, "specs/opd.yaml", []),
     "schedule_step": ("a schedule one step ahead (KDRL's KD weight, a 4-step ramp)", m_schedule_off_by_one,
                       "specs/methods/kdrl.yaml", ["terms.1.weight.steps=4", "terms.1.weight.end=0.5"]),
 }
 SECOND = ["opt_kept_stage", "periodic_ref", "lr_not_stepped", "weight_dropped", "clip_skipped", "entropy_sign",
           "weight_decay", "overlong_sign", "ema_rate", "prefix_long"]
-FAST = ["k3_k1", "dapo_filter", "opt_kept_stage", "overlong_sign", "ppo_lambda", "sft_scaled", "old_from_sampler"]  # the default suite's subset
+FAST = ["k3_k1", "dapo_filter", "opt_kept_stage", "overlong_sign", "ppo_lambda", "sft_scaled", "old_from_sampler",
+        "gspo_scaled"]  # the default suite's subset
 # (tests/test_conformance.py)
 
 

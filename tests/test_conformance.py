@@ -212,7 +212,8 @@ def _mutations():
 FAST_CHECKS = {"k3_k1": "KL term", "dapo_filter": "filter", "opt_kept_stage": "optimizer step recomputed",
                "overlong_sign": "rewards recomputed", "ppo_lambda": "GAE advantages recomputed",
                "sft_scaled": "loss gradient recomputed (reference)",
-               "old_from_sampler": "old log-probs = the weights at the step's start"}
+               "old_from_sampler": "old log-probs = the weights at the step's start",
+               "gspo_scaled": "loss gradient recomputed (reference)"}
 
 
 @pytest.mark.parametrize("name", list(FAST_CHECKS))
@@ -220,7 +221,7 @@ def test_referee_catches_a_mutation(name, tmp_path):
     """The fast subset (tests/mutations.py FAST): KL k3 <-> k1 at kl_coef 0.001 (GRPO), DAPO's filter keeping
     all-equal groups, AdamW's moments kept at a stage's start, DAPO's overlong penalty with the wrong sign, PPO's
     GAE ignoring lambda, SFT's loss scaled by 1.5 (its reference_loss), the ratio's old log-probs taken from the
-    lagged sampler (a fresh forward of the step's starting weights); each caught by the check written for it."""
+    lagged sampler (a fresh forward of the step's starting weights), GSPO's loss scaled by 1.5; each caught by the check written for it."""
     m = _mutations()
     assert set(FAST_CHECKS) == set(m.FAST)
     caught, why = m.referee_verdict(name, tmp_path)

@@ -146,6 +146,18 @@ LOSSES = [{"kind": "cross_entropy", "aggregation": a} for a in
           ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")] + [
     {"kind": "divergence", "estimator": "sampled", "kl_coef": 0.7},
     {"kind": "divergence", "estimator": "sampled", "aggregation": "seq-mean-token-mean"},
+    *[{"kind": "grpo", "ratio": r, "bound": bd, "loss_agg": agg, "clip": 0.1}
+      for r in ("token", "sequence", "sequence-token", "trajectory")
+      for bd in ("clip", "mask", "cispo", "topr", "none")
+      for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
+      if not (r == "trajectory" and agg != "token-mean")],
+    {"kind": "grpo", "ratio": "sequence", "bound": "log_clip", "clip_low": 0.05, "clip_high": 0.1},
+    {"kind": "grpo", "ratio": "sequence", "bound": "log_clip", "loss_agg": "seq-mean-token-mean"},
+    {"kind": "grpo", "dual_clip": 3.0, "clip": 0.05},
+    {"kind": "grpo", "kl_coef": 0.1, "kl_estimator": "k1"}, {"kind": "grpo", "kl_coef": 0.1, "kl_estimator": "k2"},
+    {"kind": "grpo", "kl_coef": 0.1, "kl_estimator": "k3", "clip_low": 0.1, "clip_high": 0.3},
+    {"kind": "grpo", "loss_agg": "seq-mean-token-sum-norm", "norm_const": 7.0},
+    {"kind": "grpo", "valid_rows_scale": True, "std_norm": False},
     *[{"kind": "divergence", "estimator": est, "measure": m, "beta": b, "k": 4}
       for est in ("full", "top_k") for m, b in (("reverse_kl", 0.5), ("forward_kl", 0.5), ("jsd", 0.5),
                                                 ("jsd", 0.2), ("jsd", 1.0), ("jsd", 0.0))],
@@ -160,7 +172,9 @@ def test_reference_loss_equals_the_loss_and_its_gradient(cfg, seed):
 
     obj = lookup("objective", cfg["kind"])(**{k: v for k, v in cfg.items() if k != "kind"})
     batch, logits = synthetic_batch(seed=seed)
-    assert obj.reference_loss(batch, obj.loss_mask(batch), _view(batch, logits)) is not None
+    inputs = {"old": batch.behavior_logprobs, "initial": batch.initial_logprobs, "kl_coef": 0.0,
+              "advantages": [0.5] * batch.size}
+    assert obj.reference_loss(batch, obj.loss_mask(batch), _view(batch, logits), inputs) is not None
     check_reference_loss(obj, batch, logits)
 
 

@@ -123,11 +123,13 @@ class Objective(Component):
         `advantages`. None (the default): no reference, so the referee reports the advantages "not covered"."""
         return None
 
-    def reference_loss(self, batch, mask, view) -> dict | None:
+    def reference_loss(self, batch, mask, view, inputs: dict) -> dict | None:
         """The referee's loss (DESIGN.md section 10): this objective's loss on `batch` written again plainly, from
-        the loss tokens `mask` [B, T] (the plan's origins in the gate's rows) and the policy as the loss read it
-        (`view`: log-probs [B, T], logits [B, T, V] where it reads them): {"value": float, "grad": d value /
-        d log-probs [B, T] float64}. None (the default): the loss is "not covered" by a reference of its own."""
+        the loss tokens `mask` [B, T] (the plan's origins in the gate's rows), the policy as the loss read it
+        (`view`: log-probs [B, T], logits [B, T, V] where it reads them) and what the referee recomputed itself
+        (`inputs`: "old" [B, T] log-probs of the weights at the step's start or the sampler's, "initial" [B, T] the
+        frozen reference's, "advantages" [B] from the parts' references, "kl_coef" at the step): {"value": float,
+        "grad": d value / d log-probs [B, T] float64}. None (the default): "not covered" by a reference."""
         return None
 
     def value_model(self):

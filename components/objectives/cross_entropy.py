@@ -47,7 +47,7 @@ class CrossEntropy(Objective):
     def reduction(self) -> Reduction:
         return Reduction(self.aggregation)
 
-    def reference_loss(self, batch, mask, view) -> dict:
+    def reference_loss(self, batch, mask, view, inputs: dict) -> dict:
         """L = sum_t W_t (-log pi(y*_t)), W the aggregation's token weights (ALGORITHMS.md sections 0 and 1,
         `reference_token_weights`); d L / d log pi = -W."""
         import torch

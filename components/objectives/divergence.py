@@ -158,7 +158,7 @@ class Divergence(Objective):
         exact = () if self.estimator == "sampled" else ("demonstration", "guide_prefix", "guide_intervention")
         return Capabilities(on_policy_only=True, exact_origins=frozenset(exact))
 
-    def reference_loss(self, batch, mask, view) -> dict:
+    def reference_loss(self, batch, mask, view, inputs: dict) -> dict:
         """The referee's loss (DESIGN.md section 10), written again from the formulas, in float64:
         sampled  l_t = c rho_t (log pi_beh - log pi_T)(y_t), rho_t = pi_theta / pi_beh (= -rho A_t), d l / d log pi = l;
         full     l_t = w_t D(S_t, T_t), S, T the softmax of the student's and the teacher's logits at t, D the

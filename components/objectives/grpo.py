@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from typing import TYPE_CHECKING, ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
@@ -14,6 +16,7 @@ from components.objectives.base import (
     Reduction,
     group_advantages,
     masked_mean,
+    reference_token_weights,
 )
 from components.objectives.estimators import AnyEstimator, Estimator, GroupMean
 from components.objectives.off_policy_weight import AnyOffPolicyWeight, NoOffPolicyWeight
@@ -439,6 +442,104 @@ class Grpo(Objective):
             **off_metrics,
         }
         return total, metrics
+
+    def reference_loss(self, batch, mask, view, inputs: dict) -> dict | None:
+        """The referee's loss (DESIGN.md section 10), written again per row in float64 from the formulas of
+        `bounded_surrogate`, `sequence_log_ratio` and `geometric_log_clip` (calling none of them), from the inputs
+        the referee recomputed itself (`inputs`: old [B, T], initial [B, T], advantages [B], kl_coef):
+
+          d_t = log pi(y_t) - log pi_old(y_t);  x = d_t (token), mean_t d_t (sequence; GSPO-token: the same value,
+          each token's own gradient), sum_t d_t (trajectory); rho = exp(x) (x clamped to +-20: no gradient there)
+          clip  -min(rho A, clip(rho) A), dual clip c: at most -c A for A < 0;  mask  -rho A on [lo, hi], else 0
+          cispo -clip(rho) A log pi;  topr -w A log pi, w = 1 (A >= 0) or clip(rho, 0, 1);  none -A log pi
+          log_clip (GMPO)  -A exp(mean_t k_t), k_t = d_t clipped to [-clip_low, clip_high] on the side sgn(A) binds
+        plus kl_coef x agg(k(log pi - log pi_init)) on the policy's tokens. L = sum_t W_t l_t (the aggregation's
+        weights); returns the value and d L / d log pi. None (not covered here) with a token selection or an
+        off-policy weight (composer/referee/checks.py `grpo_parts` recomputes those)."""
+        import torch
+
+        if self.token_selection.acts or self.weighted_origins():
+            return None
+        m = mask.cpu()
+        W = reference_token_weights(m, self.loss_agg, None, self.norm_const)  # [B, T]
+        lp = view.logprobs.detach().cpu().double()
+        old = inputs["old"].detach().cpu().double()
+        lo, hi = self.bounds()
+        value, grad = 0.0, torch.zeros_like(W)
+        for i in range(m.shape[0]):
+            on = m[i].nonzero().flatten().tolist()
+            if not on:
+                continue
+            A = float(inputs["advantages"][i])
+            w_row = sum(float(W[i, t]) for t in on)  # the row's total weight
+            d = {t: float(lp[i, t] - old[i, t]) for t in on}
+            if self.bound == "none":
+                for t in on:
+                    value += float(W[i, t]) * -A * float(lp[i, t])
+                    grad[i, t] = float(W[i, t]) * -A
+                continue
+            if self.bound == "log_clip":  # GMPO: each log-ratio clipped on the side the advantage binds
+                def k(x):
+                    c = min(max(x, -lo), hi)
+                    return min(x, c) if A > 0 else max(x, c) if A < 0 else c
+                x = sum(k(d[t]) for t in on) / len(on)
+                s = math.exp(min(max(x, -20.0), 20.0))
+                value += w_row * -A * s
+                for t in on:  # d k / d d_t: 1 where the clip leaves the log-ratio free, else 0
+                    free = d[t] <= hi if A > 0 else d[t] >= -lo if A < 0 else -lo <= d[t] <= hi
+                    grad[i, t] = w_row * -A * s / len(on) * (1.0 if free and abs(x) <= 20 else 0.0)
+                continue
+            if self.ratio == "token":
+                xs = {t: d[t] for t in on}
+                per_token, dx = True, None
+            else:
+                x = sum(d.values()) / len(on) if self.ratio in ("sequence", "sequence-token") else sum(d.values())
+                xs = {t: x for t in on}
+                per_token = self.ratio == "sequence-token"
+                dx = 1.0 / len(on) if self.ratio == "sequence" else 1.0  # d x / d log pi_t (trajectory: 1)
+            for t in on:
+                x = xs[t]
+                rho = math.exp(min(max(x, -20.0), 20.0))
+                live = abs(x) <= 20.0  # the clamp of the log-ratio passes no gradient
+                if self.bound in ("cispo", "topr"):  # a detached weight on -A log pi: every token's own gradient
+                    wt = (min(max(rho, 1 - lo), 1 + hi) if self.bound == "cispo"
+                          else 1.0 if A >= 0 else min(max(rho, 0.0), 1.0))
+                    value += float(W[i, t]) * -wt * A * float(lp[i, t])
+                    grad[i, t] += float(W[i, t]) * -wt * A
+                    continue
+                if self.bound == "mask":
+                    keep = 1 - lo <= rho <= 1 + hi
+                    l_val, dl_drho = (-rho * A, -A) if keep else (0.0, 0.0)
+                else:  # clip, with the dual clip
+                    clipped = min(max(rho, 1 - lo), 1 + hi)
+                    surrogate, dl_drho = (rho * A, -A) if rho * A <= clipped * A else (clipped * A, 0.0)
+                    if self.dual_clip is not None and A < 0 and surrogate < self.dual_clip * A:
+                        surrogate, dl_drho = self.dual_clip * A, 0.0
+                    l_val = -surrogate
+                value += float(W[i, t]) * l_val
+                g = float(W[i, t]) * dl_drho * rho * (1.0 if live else 0.0)  # d l_t / d x
+                if per_token or self.ratio == "token":
+                    grad[i, t] += g
+                else:  # x is the row's: every on-token moves it by dx
+                    for u in on:
+                        grad[i, u] += g * dx
+        kl_coef = float(inputs.get("kl_coef") or 0.0)
+        if kl_coef > 0:
+            delta = lp - inputs["initial"].detach().cpu().double()
+            for i, t in m.nonzero().tolist():
+                x = float(delta[i, t])
+                if self.kl_estimator == "k1":
+                    kv, kg = x, 1.0
+                elif self.kl_estimator == "k2":
+                    kv, kg = 0.5 * x * x, x
+                else:  # k3 with verl's clamps: x to +-20, the value to +-10 (no gradient where either binds)
+                    xc = min(max(x, -20.0), 20.0)
+                    kv = math.exp(-xc) + xc - 1.0
+                    kg = 1.0 - math.exp(-xc) if abs(x) <= 20.0 and abs(kv) <= 10.0 else 0.0
+                    kv = min(max(kv, -10.0), 10.0)
+                value += kl_coef * float(W[i, t]) * kv
+                grad[i, t] += kl_coef * float(W[i, t]) * kg
+        return {"value": value, "grad": grad}
 
     def selected_loss(self, batch: TrajectoryBatch, loss_tok: Tensor, log_r: Tensor, ratio: Tensor, adv: Tensor,
                       mask: Tensor) -> tuple[Tensor, dict[str, float]]:

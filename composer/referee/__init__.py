@@ -270,16 +270,23 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
         if b.old_logprobs is not None and step in rec.weights_at:
             # the ratio's denominator: a fresh forward of the weights at the step's start (before its first update),
             # never the batch's own field (DESIGN.md section 10)
-            old = fresh_logprobs(rec.weights(step), b.tokens.cpu(), b.attention_mask.cpu(), temp)
-            err = _max(old - b.old_logprobs.detach().cpu(), resp)
+            fresh = fresh_logprobs(rec.weights(step), b.tokens.cpu(), b.attention_mask.cpu(), temp)
+            err = _max(fresh - b.old_logprobs.detach().cpu(), resp)
             rep.expect("old log-probs = the weights at the step's start", err <= TOL,
                        f"step {step} {e['term']}: the ratio's old log-probs are not those of the policy at the step's "
                        f"start (before its first update): off by {err:.3g}")
             seen["old"] += 1
+            # the formulas below read the run's old log-probs once they are shown to be the fresh forward's (to float32
+            # noise): a KL coefficient of 1e-4 would magnify that noise in the per-unit KL gradient 1e4 times
+            old = b.old_logprobs.detach().cpu() if err <= TOL else fresh
         elif b.old_logprobs is not None:
             old = b.old_logprobs.detach().cpu()
         if e["grad"] is not None and not covered(obj):  # the part's own reference loss (its file), if it has one
-            _check_reference_loss(rep, e, plan, gate_of, seen)
+            kl = float(reference_value(getattr(obj, "kl_coef", 0.0), step)) if obj.wants_initial else 0.0
+            if ref is None and kl and start in rec.weights_at:
+                ref = fresh_logprobs(rec.weights(start), b.tokens.cpu(), b.attention_mask.cpu(), temp)
+            _check_reference_loss(rep, e, plan, gate_of, seen,
+                                  {"old": old, "initial": ref, "advantages": adv, "kl_coef": kl})
         if e["grad"] is not None and covered(obj) and old is not None and step in rec.rollout_at:
             if ref is None and start in rec.weights_at and getattr(obj, "kl_coef", 0):
                 ref = fresh_logprobs(rec.weights(start), b.tokens.cpu(), b.attention_mask.cpu(), temp)
@@ -400,7 +407,7 @@ def _rollout_rows(events, step: int, b):
     return (rolls[-1], None) if rolls else (None, None)
 
 
-def _check_reference_loss(rep, e, plan, gate_of, seen) -> None:
+def _check_reference_loss(rep, e, plan, gate_of, seen, inputs: dict) -> None:
     """The term's loss value and its gradient d loss / d log pi [B, T] against the objective's `reference_loss` (its
     own file: DESIGN.md section 10), on the loss tokens the plan trains and the rows its gate took. An objective
     without one is noted "not covered" (the chain rule from the run's own gradient proves nothing of its formula)."""
@@ -411,7 +418,7 @@ def _check_reference_loss(rep, e, plan, gate_of, seen) -> None:
     rows_ = gate_of.get(id(e))
     if rows_ is not None:
         mask = mask & torch.tensor(rows_, dtype=torch.bool)[:, None]
-    want = obj.reference_loss(b, mask, e["view"])
+    want = obj.reference_loss(b, mask, e["view"], inputs)
     if want is None:
         rep.note("loss recomputed (reference)", f"{obj.kind_name()}: no reference_loss in its file: not covered")
         return

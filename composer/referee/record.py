@@ -26,8 +26,11 @@ FAST = ["train.prompts_per_step=4", "rollout.max_new_tokens=32", "train.eval_eve
 # 6-step chains it errs in most samples and gets some right, on any bootstrap (48 new tokens fit them).
 HARD = ["data.train_tiers=[6]", "rollout.max_new_tokens=48"]
 # specs with their own tiers (InT: its stages need targets and a GRPO stage that moves the weights; 8 prompts a
-# step over its 3 short steps give its stage 1 about 20 failed attempts, and 48 tokens fit its 6-step chains)
-HOT: dict[str, list[str]] = {"int": ["train.prompts_per_step=8", "rollout.max_new_tokens=48"]}
+# step over its 3 short steps give its stage 1 about 20 failed attempts, and 48 tokens fit its 6-step chains;
+# SRPO: its distillation term trains failed rows with a successful sibling, and its EMA teacher must be seen after
+# it moved: 8 prompts a step give such rows at more than the first step)
+HOT: dict[str, list[str]] = {"int": ["train.prompts_per_step=8", "rollout.max_new_tokens=48"],
+                             "srpo": [*HARD, "train.prompts_per_step=8"]}
 GUIDE_ORIGINS = ("guide_prefix", "guide_intervention", "demonstration")  # tokens a guide wrote (the traces guide:
 # demonstration)
 TOL = 2e-3  # float32 forward passes of different shapes (KV cache vs one pass)
