@@ -199,9 +199,9 @@ def control_tokens(tokenizer, name: str = "") -> tuple[str, ...]:
     tokens written as markup (`<think>`, `[INST]`); the toy tokenizer's (`name` toy:..., never loaded for
     prompts); () without a tokenizer."""
     if tokenizer is None and name.startswith("toy:"):
-        from components.tasks.tokenizer import SPECIALS
+        from composer.registry import part
 
-        return SPECIALS
+        return tuple(part("toy.specials"))
     if tokenizer is None:
         return ()
     found = set(getattr(tokenizer, "all_special_tokens", None) or ())

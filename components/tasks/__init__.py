@@ -14,3 +14,4 @@ register_part("toy.templates", "components.tasks.toy:TEMPLATES")  # the toy task
 register_part("toy.max_new_tokens_for", "components.tasks.toy:max_new_tokens_for")  # response cap of a tier
 register_part("toy.checkpoints", "components.tasks.bootstrap:ensure_checkpoints")  # {name: path}, built once
 register_part("toy.cache_folder", "components.tasks.bootstrap:cache_folder")  # where the checkpoints live
+register_part("toy.specials", "components.tasks.tokenizer:SPECIALS")  # its control tokens (<eos>, <bos>, ...)

@@ -31,15 +31,15 @@ def stop_note(spec) -> str:
     from composer.stops import for_spec
 
     name = spec.policy.tokenizer or spec.policy.model or "toy:student"
+    if name.startswith("toy:"):  # the toy tokenizer's one eos (its specials' order); explain imports no transformers
+        from composer.registry import part
+
+        specials = tuple(part("toy.specials"))
+        return f"{specials.index('<eos>')} '<eos>' (the toy tokenizer's eos)"
     try:
-        if name.startswith("toy:"):  # the toy testbed's tokenizer, built in memory (its checkpoints are not needed)
-            from components.tasks.tokenizer import char_tokenizer
+        from composer.runtime.models import load_tokenizer
 
-            tok = char_tokenizer()
-        else:
-            from composer.runtime.models import load_tokenizer
-
-            tok = load_tokenizer(name, trust_remote_code=bool(spec.policy.trust_remote_code))
+        tok = load_tokenizer(name, trust_remote_code=bool(spec.policy.trust_remote_code))
         return for_spec(tok, spec).describe()
     except Exception as e:  # noqa: BLE001 - explain shows why; the run stops with the same error
         return f"not known here ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]})"

@@ -365,7 +365,8 @@ def _check_initial_calls(segs, specs, where) -> None:
         guide = spec.rollout.guide
         reads = [c for c, wts in guide.reads().items() if wts == "initial"]
         reads += [f"judge '{c.source}'" for c in guide.model_calls(spec) if c.weights == "initial"]
-        if reads and not sched.sampler_is_initial(seg.start):
+        if reads and seg is not segs[0] and not sched.sampler_is_initial(seg.start):  # a run's first segment: its
+            # engine starts from the run's model (a later stage's run: the stage's start, its initial weights)
             raise Unsupported(w + ("rollout", "guide"), f"{', '.join(reads)} of segment '{seg.name}' read the frozen "
                               f"initial weights, but on OpenRLHF only the rollout engine serves them, and from step "
                               f"{seg.start} on it holds the weights after step {sched.sampler_version(seg.start)}",
