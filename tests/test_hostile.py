@@ -377,7 +377,6 @@ def test_metrics_csv_never_ends_in_half_a_row(tmp_path, monkeypatch):
     w.save()
     before = (tmp_path / "metrics.csv").read_bytes()
     w.log_metrics({"loss": 2.0}, step=1)
-    real_open = open
 
     class HalfWrite:
         def __init__(self, f):
@@ -397,8 +396,10 @@ def test_metrics_csv_never_ends_in_half_a_row(tmp_path, monkeypatch):
             self.f.flush()
             raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("builtins.open", lambda p, mode="r", *a, **k: HalfWrite(real_open(p, mode, *a, **k))
-                        if mode == "ab" else real_open(p, mode, *a, **k))
+    from composer import files  # the metrics writer appends through files.open_append (never through a link)
+
+    real_append = files.open_append
+    monkeypatch.setattr(files, "open_append", lambda p, *a, **k: HalfWrite(real_append(p, *a, **k)))
     with pytest.raises(OSError):
         w.save()
     monkeypatch.undo()

@@ -18,6 +18,7 @@ from composer.checks.validate import validate_file
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["train.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
         "train.eval_every=0", "train.eval_samples=2"]
+SFT_FAST = [o for o in FAST if not o.startswith("rollout.samples")]  # SFT samples no rollouts (the setting is refused)
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +42,8 @@ def run(spec: str, out: Path, overrides: list[str], resume: bool = False):
 
 @pytest.mark.parametrize("spec", ["specs/sft.yaml", "specs/grpo.yaml", "specs/oapl.yaml"])
 def test_smoke_run_writes_what_a_run_keeps(spec, tiny, tmp_path):
-    final = run(spec, tmp_path, [f"policy.model={tiny}", "train.steps=2", *FAST])
+    final = run(spec, tmp_path, [f"policy.model={tiny}", "train.steps=2",
+                                 *(SFT_FAST if spec.endswith("sft.yaml") else FAST)])
     for name in ("plan.json", "metrics.csv", "report.md", "curves.png", "checkpoints/last.ckpt"):
         assert (tmp_path / name).exists(), name
     got = rows(tmp_path)
@@ -70,7 +72,7 @@ def test_lagged_sync_keeps_rollout_weights_fixed(tiny, tmp_path):
     mod.ComposerModule.after_step = spy
     try:
         # SFT moves the weights every step even on a random model (rewards would all be 0)
-        run("specs/sft.yaml", tmp_path, [f"policy.model={tiny}", "train.steps=7", "sync.every=3", *FAST])
+        run("specs/sft.yaml", tmp_path, [f"policy.model={tiny}", "train.steps=7", "sync.every=3", *SFT_FAST])
     finally:
         mod.ComposerModule.after_step = original
     assert [s for s, changed in seen if changed] == [3, 6]
@@ -225,7 +227,7 @@ def test_reading_only_the_loss_positions_trains_the_same_weights(tiny, tmp_path,
             for h in hooks:
                 h.remove()
 
-    ovr = FAST + [f"policy.model={tiny}", "train.steps=2", "train.checkpoint_every=1"]
+    ovr = SFT_FAST + [f"policy.model={tiny}", "train.steps=2", "train.checkpoint_every=1"]
     monkeypatch.setenv("COMPOSER_READ_ONLY", "0")
     run(spec, tmp_path / "all", ovr)
     monkeypatch.setenv("COMPOSER_READ_ONLY", "1")

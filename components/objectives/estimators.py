@@ -40,6 +40,11 @@ class Estimator(Component):
         estimator has no reference, and the referee reports it "not covered"."""
         return None
 
+    def native_flag(self) -> str | None:
+        """OpenRLHF's `--algo.advantage.estimator` value that computes the same advantages, or None (the
+        composer's own estimate then runs in the bundle's plugin)."""
+        return None
+
 
 def _by_group(group: list) -> list[list[int]]:
     """Row indices of each group, in first-seen order (the referee's own grouping)."""
@@ -55,11 +60,6 @@ def _sample_std(xs: list[float]) -> float:
         return 0.0
     m = sum(xs) / len(xs)
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
-
-    def native_flag(self) -> str | None:
-        """OpenRLHF's `--algo.advantage.estimator` value that computes the same advantages, or None (the
-        composer's own estimate then runs in the bundle's plugin)."""
-        return None
 
 
 def _global_moments(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -260,7 +260,7 @@ def _columns(loaded, spec, key: str, name: str, columns: list[str]) -> list[Diag
             continue
         shown = ", ".join(columns[:20]) + (", ..." if len(columns) > 20 else "") or "none"
         out.append(_diag(loaded, f"{name} has no column '{field}' (data.{setting}); its columns: {shown}",
-                         ("data", setting), f"set data.{setting} to the column that holds it",
+                         ("data", setting), f"set data.{setting} to the name the rows use",
                          at=(("data", setting), ("data", key))))
     return out
 
