@@ -138,23 +138,29 @@ def test_sleep_forever_in_a_detached_child(clean_machine):
 def test_fork_bomb(clean_machine):
     program = ("import os\nwhile True:\n    try:\n        if os.fork() == 0:\n            os.setsid()\n"
                "    except OSError:\n        pass")
-    seen = []
+    samples = []  # (began, ended, sandbox processes seen): a sample on a loaded machine can take a second
     stop = threading.Event()
 
     def watch():
         while not stop.is_set():
-            seen.append(len(sandbox_procs()))
+            began = time.monotonic()
+            n = len(sandbox_procs())
+            samples.append((began, time.monotonic(), n))
             time.sleep(0.05)
 
     w = threading.Thread(target=watch)
     w.start()
+    start = time.monotonic()
     try:
-        v = score(program)
+        v = score(program, timeout=5.0)  # the bomb runs until its timeout: long enough to be sampled while it runs
     finally:
+        end = time.monotonic()
         stop.set()
         w.join()
-    assert v.reward == 0
-    assert 0 < max(seen) <= cv.DEFAULT_LIMITS.nproc + 2  # RLIMIT_NPROC holds (+ unshare, + a racing sample)
+    assert v.reward == 0 and "timed out" in v.detail, v.detail
+    during = [n for began, ended, n in samples if began > start + 0.5 and ended < end - 0.1]
+    assert during, f"no sample of the machine fell inside the bomb's run: {samples}"  # inconclusive: fail
+    assert 0 < max(during) <= cv.DEFAULT_LIMITS.nproc + 2  # RLIMIT_NPROC holds (+ unshare, + a racing sample)
 
 
 @needs_sandbox
