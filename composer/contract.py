@@ -65,6 +65,8 @@ class Source(Component):
     """Base of every privileged-information source."""
 
     pi: ClassVar[str] = "prior"  # prior: usable without the environment; posterior: needs it
+    scored_by_model: ClassVar[bool] = False  # its rewards are a model's scores (the referee rescores its checkpoint)
+    decides_success: ClassVar[bool] = False  # its verdicts say which rollouts succeeded (a spec's default for gates)
 
     def preflight(self, ctx, name: str) -> None:
         """Checks that must fail before any training (nothing by default)."""
@@ -87,6 +89,17 @@ class Source(Component):
     def build(self, ctx, name: str):
         """The runtime object of this source in a run (the config itself by default)."""
         return self
+
+    def short_run_overrides(self) -> list[str]:
+        """Overrides the referee's short run on the toy testbed needs for this source to act (none by default)."""
+        return []
+
+    def reference_rewards(self, lengths: list[int], response_cap: int) -> list[float] | None:
+        """The referee's rewards of a source that computes them from the rows' response lengths alone (DESIGN.md
+        section 10), written again plainly: `lengths` [B] response tokens, `response_cap` the cap generation ran
+        under. None (the default): not such a source; the referee reads a verifier's recorded verdicts or rescores
+        with a reward model's checkpoint, and a source that is neither is "not covered"."""
+        return None
 
     def text(self, ctx, batch, i: int) -> str | None:
         """Privileged text for row i of `batch` (text sources only)."""
@@ -150,6 +163,13 @@ class Guide(Component):
 
     def preflight(self, ctx) -> None:
         """Checks that must fail before any training, e.g. a judge prompt that drops declared context."""
+
+    def reference_control(self, spec, batch, tokenizer=None) -> list[bool] | None:
+        """The referee's control rows of a rollout batch (DESIGN.md section 10): row i (rows prompt by prompt,
+        rollout.samples_per_prompt each) is a control rollout, the policy's alone, by the spec, written again from
+        the guide's rule and sharing nothing with `row`. None (the default): no reference, so the guide's control
+        rows are "not covered" and `composer check` fails."""
+        return None
 
     def metrics(self, traces) -> dict[str, float]:
         """Per-step facts of the finished traces, logged as guide/<name> (nothing by default)."""

@@ -10,7 +10,8 @@ cost/filter_extra_prompts on their own).
 `truncated` is DAPO's overlong filtering: a response that stopped at the length cap (no EOS at its end)
 is kept, masked (no loss in any term, outside every normaliser) or dropped (removed before advantages).
 
-The config is validated without torch; the helpers are shared by both backends.
+The config is validated without torch; the helpers are shared by both backends. `RolloutFilter.reference_rows`
+is the same filter written again, plainly, for the referee (`composer check`, DESIGN.md section 10).
 """
 
 from __future__ import annotations
@@ -51,6 +52,63 @@ class RolloutFilter(Capable, BaseModel):
         if self.truncated != "keep":
             parts.append(f"{self.truncated} responses cut at max_new_tokens")
         return "; ".join(parts)
+
+    def reference_rows(self, rewards_of, cut: list, n: int, prompts: int) -> dict:
+        """The filter written again, plainly, for the referee (DESIGN.md section 10: it calls none of the helpers
+        below): which rows of a step's recorded sampling rounds the step trains on.
+
+        `cut[k][i]`: row i of sampling round k ended without a stop token (cut at max_new_tokens); rows are written
+        prompt by prompt, `n` each. `rewards_of(k)`: the filter source's reward of each row of round k (None where
+        it cannot be recomputed), read only by `equal_groups: drop`. `prompts`: the step's prompts (prompts_per_step).
+
+        equal_groups: drop (DAPO's dynamic sampling): round k's prompts whose n rewards are all equal are dropped,
+        the others kept in order; rounds go on while fewer than `prompts` are kept and round k < max_rounds (null:
+        no cap); the step is the first `prompts` kept prompts, topped up with the first dropped ones when the
+        rounds ran out. truncated (DAPO's overlong filtering), on those rows: `mask` takes the cut rows out of every
+        loss; `drop` removes them (the prompt's group keeps its other rows), unless every row was cut: then they
+        are masked instead (a step needs rows).
+
+        -> {"rounds": how many rounds the step takes (None: more than were recorded), "rows": [(k, i)] the rows of
+        the step's batch in its order, "prompt": the slot (0..) of each row's prompt in the step, "trained": [bool]
+        per row (False: masked), "mixed": kept prompts per round, "topped_up": dropped prompts the step holds,
+        "cut": cut rows among the step's prompts' rows, "equal": per kept slot, whether its prompt is all-equal};
+        None when a reward the filter reads cannot be recomputed."""
+        kept, dropped, mixed = [], [], []  # (round, the prompt's first row)
+        rounds = None
+        for k in range(len(cut)):
+            rewards = rewards_of(k) if self.equal_groups == "drop" else None
+            if self.equal_groups == "drop" and rewards is None:
+                return None
+            m = 0
+            for first in range(0, len(cut[k]), n):
+                equal = rewards is not None and max(rewards[first:first + n]) == min(rewards[first:first + n])
+                if equal:
+                    dropped.append((k, first))
+                else:
+                    kept.append((k, first))
+                    m += 1
+            mixed.append(m)
+            if len(kept) >= prompts or self.equal_groups != "drop" or (self.max_rounds is not None
+                                                                       and k >= self.max_rounds):
+                rounds = k + 1
+                break
+        top_up = dropped[:max(prompts - len(kept), 0)]
+        slots = kept[:prompts] + top_up
+        rows, prompt = [], []
+        for slot, (k, first) in enumerate(slots):
+            for i in range(first, min(first + n, len(cut[k]))):
+                rows.append((k, i))
+                prompt.append(slot)
+        was_cut = [cut[k][i] for k, i in rows]
+        trained = [True] * len(rows)
+        if self.truncated == "drop" and any(was_cut) and not all(was_cut):
+            rows = [r for r, c in zip(rows, was_cut) if not c]
+            prompt = [p for p, c in zip(prompt, was_cut) if not c]
+            trained = [True] * len(rows)
+        elif self.truncated != "keep":
+            trained = [not c for c in was_cut]
+        return {"rounds": rounds, "rows": rows, "prompt": prompt, "trained": trained, "mixed": mixed,
+                "topped_up": len(top_up), "cut": sum(was_cut), "equal": [s in top_up for s in slots]}
 
 
 def filter_source(flt: RolloutFilter, spec) -> str | None:

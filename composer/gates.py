@@ -7,6 +7,12 @@ Conditions are conjunctive. Rows outside the gate get no loss from the term and 
 normaliser: the gate becomes `batch.row_mask`, which `Objective.loss_mask` applies, so every objective
 (and its `normalizer`) honours it without knowing about gates.
 
+A gate sees the step's rollout after `rollout.filter` (composer/filters.py): with `equal_groups: drop`, only the
+prompts the filter kept (from every sampling round, the dropped ones that top up the step included), and with
+`truncated: drop` only their rows that were not cut, so a group's success rate, a row's siblings and the
+surprisal quantiles are over those rows; rows `truncated: mask` masks stay in the rollout (they count in its
+groups and quantiles) and get no loss from any term whatever the gate says.
+
 Gates are used by SRPO (GRPO on successes, self-distillation on failures with a successful sibling), HPT
 (SFT on prompts the policy fails, GRPO on the others) and KDRL's reward-guided KD mask.
 

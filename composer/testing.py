@@ -257,7 +257,8 @@ def check_reference_loss(obj, batch, logits) -> None:
     old = batch.old_logprobs if batch.old_logprobs is not None else batch.behavior_logprobs
     inputs = {"old": old, "initial": batch.initial_logprobs,
               "advantages": None if adv is None else adv.double().tolist(),
-              "kl_coef": float(value_at(getattr(obj, "kl_coef", 0.0), 0)) if obj.wants_initial else 0.0}
+              "kl_coef": float(value_at(getattr(obj, "kl_coef", 0.0), 0)) if obj.wants_initial else 0.0,
+              "token_select": b.token_select}  # a step-wide token selection `advantages` made, if any
     want = obj.reference_loss(b, mask, view, inputs)
     if want is None:
         return

@@ -57,3 +57,26 @@ def pytest_xdist_make_scheduler(config, log):
             return _file(nodeid) if _file(nodeid) in TIER else nodeid
 
     return TierFirst(config, log)
+
+
+# --- a tiny model and a finished run on it, for the tests of hostile and careless input (tests/_helpers.py) ---
+# A test file's own fixture of the same name takes precedence; each module builds its own (module scope).
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    from components.tasks.bootstrap import tiny_random_checkpoint
+
+    return tiny_random_checkpoint(str(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny, tmp_path_factory):
+    """A one-step run on the tiny model: a checkpoint and model/ to export, tamper with and resume."""
+    from _helpers import cli
+
+    out = tmp_path_factory.mktemp("run") / "run"
+    r = cli("run", "specs/sft.yaml", f"policy.model={tiny}", "train.steps=1", "train.prompts_per_step=2",
+            "train.eval_every=0", "train.eval_samples=2", "--no-progress", "--out", out)
+    assert r.exit_code == 0, r.output
+    return out

@@ -273,7 +273,7 @@ def mutated(name: str):
 
 
 def referee_verdict(name: str, tmp: Path) -> tuple[bool, str]:
-    """(caught, the first failure) of the referee on the mutated code."""
+    """(caught, its failures, one per line, the first first) of the referee on the mutated code."""
     from composer.referee import referee
 
     _d, _m, spec, extra = MUTATIONS[name]
@@ -283,7 +283,7 @@ def referee_verdict(name: str, tmp: Path) -> tuple[bool, str]:
         except Exception as e:  # the run itself broke: the bug is seen, not by a check
             return True, f"the run failed: {type(e).__name__}: {str(e)[:120]}"
     fails = rep.failures()
-    return bool(fails), (fails[0] if fails else "")
+    return bool(fails), "\n".join(fails)
 
 
 def before_verdict(module, name: str, tmp: Path) -> tuple[bool, str]:
@@ -317,14 +317,14 @@ def main(argv: list[str]) -> int:
             a = referee_verdict(name, Path(tmp) / "after")
         rows.append((name, b, a, time.time() - t0))
         print(f"{name}: before {'-' if b is None else ('caught' if b[0] else 'MISSED')}, "
-              f"referee {'caught' if a[0] else 'MISSED'} ({time.time() - t0:.0f}s) {a[1][:200]}", flush=True)
+              f"referee {'caught' if a[0] else 'MISSED'} ({time.time() - t0:.0f}s) {a[1].partition(chr(10))[0][:200]}", flush=True)
     print("\n| mutation | spec | before (test_conformance) | after (referee) | first failure |")
     print("|---|---|---|---|---|")
     for name, b, a, _t in rows:
         desc, _m, spec, extra = MUTATIONS[name]
         bt = "-" if b is None else ("caught" if b[0] else "missed")
         print(f"| {desc} | {spec}{' ' + ' '.join(extra) if extra else ''} | {bt} | {'caught' if a[0] else 'MISSED'} "
-              f"| {a[1][:140].replace('|', '/')} |")
+              f"| {a[1].partition(chr(10))[0][:140].replace('|', '/')} |")
     return 0 if all(a[0] for _n, _b, a, _t in rows) else 1
 
 

@@ -19,6 +19,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from _helpers import composer
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "custom_component"
@@ -517,3 +518,17 @@ def test_sft_bundle_refuses_an_eval_verifier_on_the_cli(tmp_path):
     r = compile_cli("specs/sft.yaml", str(tmp_path / "b"), "train.eval_verifier=toy")
     assert r.returncode == 2, r.stdout + r.stderr
     assert "eval_verifier" in r.stderr and "train_sft evaluates the loss" in r.stderr and "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------------------ a relative model path (issue 29)
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("openrlhf") is None, reason="openrlhf is not installed")
+def test_a_relative_model_path_is_absolute_in_the_bundle(tiny, tmp_path):
+    shutil.copytree(tiny, tmp_path / "mymodel")
+    r = composer("compile", REPO / "specs" / "grpo.yaml", "policy.model=mymodel", "--backend", "openrlhf", "--out",
+                 "b", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    args = json.loads((tmp_path / "b" / "args.json").read_text())
+    text = json.dumps(args) + (tmp_path / "b" / "plan.json").read_text()
+    assert str(tmp_path / "mymodel") in text and '"mymodel"' not in text

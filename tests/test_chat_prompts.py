@@ -438,3 +438,58 @@ def test_pope_prefix_is_part_of_the_user_message(real):
     sep = ctx.task.step_split
     assert response == []
     assert prompt == ctx.encode(chat(user(ex.problem) + guide.instruction + steps[0] + sep))
+
+
+# ----------------------------------------------------- chat templates are rendered with time and size limits (issue 29)
+
+
+def _bind_with_template(real, tmp_path, template: str, **data):
+    import realmodel
+    from transformers import AutoTokenizer
+
+    from composer.lang.loader import load_text
+    from composer.runtime.binding import bind_task
+    from composer.checks.validate import validate_loaded
+
+    tok = AutoTokenizer.from_pretrained(real["tokenizer"])
+    tok.chat_template = template
+    tok.save_pretrained(tmp_path / "tok")
+    text = (f"name: t\npolicy: {json.dumps({'model': real['model'], 'tokenizer': str(tmp_path / 'tok')})}\n"
+            + realmodel.data_block(real, **data) + "sources: {verifier: {kind: outcome_reward}}\n"
+            "signal: {kind: reward, source: verifier}\nobjective: {kind: grpo}\n")
+    return bind_task(validate_loaded(load_text(text)).spec)
+
+
+HOSTILE_TEMPLATES = {
+    "nested_loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+                    "{{ messages[-1]['content'] }}",
+    "huge_repeat": "{{ 'x' * 10000000000 }}{{ messages[-1]['content'] }}",
+    "huge_center": "{{ 'x'.center(1000000000) }}{{ messages[-1]['content'] }}",
+    "huge_format": "{{ '%2000000000d' % 1 }}{{ messages[-1]['content'] }}",
+    "huge_power": "{{ 10 ** 100000000 }}{{ messages[-1]['content'] }}",
+}
+
+
+@pytest.mark.parametrize("kwargs", [None, {"enable_thinking": False}])  # with kwargs: the variables are analysed
+@pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
+def test_a_chat_template_is_rendered_with_time_and_size_limits(real, tmp_path, monkeypatch, name, kwargs):
+    from composer import template_limits
+    from composer.runtime.binding import DataError
+
+    monkeypatch.setattr(template_limits, "SECONDS", 2.0)
+    with pytest.raises(DataError, match="chat template"):
+        _bind_with_template(real, tmp_path, HOSTILE_TEMPLATES[name],
+                            **({"chat_template_kwargs": kwargs} if kwargs else {}))
+
+
+def test_chat_template_kwargs_only_set_variables_the_template_reads(real, tmp_path):
+    from composer.runtime.binding import DataError
+
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}<nothink>{% endif %}<assistant>")
+    task = _bind_with_template(real, tmp_path, template, chat_template_kwargs={"enable_thinking": False})
+    assert task.train[0].prompt.endswith("<nothink><assistant>")
+    with pytest.raises(DataError, match="chat_template, an argument of apply_chat_template"):
+        _bind_with_template(real, tmp_path, template, chat_template_kwargs={"chat_template": "{{ 'pwned' }}"})
+    with pytest.raises(DataError, match="sets thinking_budget, which the chat template does not read"):
+        _bind_with_template(real, tmp_path, template, chat_template_kwargs={"thinking_budget": 3})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import os
 import random
 import shlex
 import shutil
@@ -20,8 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_hostile3 import cli
-from test_hostile4 import snapshot
+from _helpers import FAST, REPO, cli, run_spec, snapshot
 
 from composer.runtime import checkpoint as ckpt_format
 
@@ -414,3 +414,148 @@ def test_a_runtime_state_the_component_cannot_take_names_its_field(tmp_path):
     assert "RewardModelScorer" in text and "ValueError" in text
     ckpt_format.restore_runtime(scorer, {"count": 3, "mean": 0.5, "m2": 1.0}, key, tmp_path)  # an intact one loads
     assert (scorer.count, scorer.mean, scorer.m2) == (3, 0.5, 1.0)
+
+
+# --------------------------------------------------------------- checkpoints are plain data, never unpickled (issue 17)
+
+
+class _Boom:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_a_crafted_checkpoint_runs_no_code(tmp_path):
+    from composer.runtime.checkpoint import CheckpointError, load
+
+    marker = tmp_path / "PWNED"
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {}, "global_step": 1, "x": _Boom(marker)}, ckpt)
+    with pytest.raises(CheckpointError, match="refused unread"):
+        load(ckpt)
+    assert not marker.exists()
+
+
+def test_checkpoint_state_is_plain_data_and_round_trips():
+    from composer.runtime.checkpoint import CheckpointError, from_plain, to_plain
+    from composer.batch import TrajectoryBatch
+    from composer.data import Example, Verdict
+
+    ex = Example(prompt="Q:1+1\nA:", answer="2", solution="1+1=2\n#2", tier=1, meta={"file": "x", "n": [1, 2]})
+    b = TrajectoryBatch(tokens=torch.ones(1, 3, dtype=torch.long), origin=torch.ones(1, 3, dtype=torch.uint8),
+                        behavior_logprobs=torch.zeros(1, 3), group=torch.zeros(1, dtype=torch.long),
+                        control=torch.zeros(1, dtype=torch.bool), examples=[ex],
+                        info={"verdicts": [Verdict(1.0)], "temperature": 1.0, "cache": object()})
+    plain = to_plain({"buffer": [b], "rng": (3, (1, 2), None)})
+    buf = __import__("io").BytesIO()
+    torch.save(plain, buf)
+    buf.seek(0)
+    back = from_plain(torch.load(buf, weights_only=True))  # no allow-listed global needed at all
+    got = back["buffer"][0]
+    assert isinstance(got, TrajectoryBatch) and got.examples == [ex] and torch.equal(got.tokens, b.tokens)
+    assert got.info["verdicts"] == [Verdict(1.0)] and "cache" not in got.info  # caches are dropped, not pickled
+    with pytest.raises(CheckpointError, match="cannot store"):
+        to_plain({"x": object()})
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random", "empty", "directory"])
+def test_damaged_checkpoints_are_a_clear_error(tiny, tmp_path, damage):
+    out = tmp_path / "run"
+    assert cli("run", "specs/grpo.yaml", f"policy.model={tiny}", "train.steps=1", *FAST, "--no-progress",
+               "--out", out).exit_code == 0
+    ckpt = out / "checkpoints" / "last.ckpt"
+    good = ckpt.read_bytes()
+    ckpt.unlink()
+    if damage == "truncated":
+        ckpt.write_bytes(good[: len(good) // 3])
+    elif damage == "random":
+        ckpt.write_bytes(os.urandom(4096))
+    elif damage == "empty":
+        ckpt.write_bytes(b"")
+    else:
+        ckpt.mkdir()
+    r = cli("run", "--resume", out, "--no-progress")
+    assert r.exit_code == 2 and "last.ckpt" in r.stderr and "Traceback" not in r.stderr
+    assert "internal error" not in r.stderr and "Aborted" not in r.stderr
+
+
+# --------------------------------------------------------------- resume checks the spec and the architecture (issue 17)
+
+
+def test_resume_refuses_another_spec_or_override_and_applies_steps(tiny, tmp_path):
+    out = tmp_path / "run"
+    base = [f"policy.model={tiny}", *FAST, "--no-progress"]
+    assert cli("run", "specs/grpo.yaml", "train.steps=1", *base, "--out", out).exit_code == 0
+    sft = [f"policy.model={tiny}", *[o for o in FAST if not o.startswith("rollout.samples")], "--no-progress"]
+    r = cli("run", "specs/sft.yaml", "train.steps=1", *sft, "--resume", out)  # (SFT samples no rollouts)
+    assert r.exit_code == 2 and "trained with another spec" in r.stderr
+    assert 'signal.kind: "reward" -> "sft"' in r.stderr
+    r = cli("run", "--resume", out, "train.lr=0.001", "--no-progress")
+    assert r.exit_code == 2 and "train.lr: 0.0001 -> 0.001" in r.stderr
+    r = cli("run", "--resume", out, "train.seed=7", "--no-progress")
+    assert r.exit_code == 2 and "train.seed: 0 -> 7" in r.stderr
+    r = cli("run", "--resume", out, "train.steps=2", "--no-progress")
+    assert r.exit_code == 0, r.stderr
+    assert "resuming with train.steps: 1 -> 2" in r.stderr and "steps: 2" in (out / "spec.yaml").read_text()
+
+
+def test_resume_with_another_architecture_is_refused(tiny, tmp_path):
+    import shutil
+
+    from components.tasks.bootstrap import tiny_random_checkpoint
+    from composer.runtime.checkpoint import CheckpointError
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny, model)
+    run_spec(REPO / "specs/grpo.yaml", tmp_path / "run", [f"policy.model={model}", "train.steps=1", *FAST])
+    shutil.rmtree(model)
+    tiny_random_checkpoint(str(model), hidden=32)  # same path, other weights' shapes
+    with pytest.raises(CheckpointError, match="another architecture"):
+        run_spec(REPO / "specs/grpo.yaml", tmp_path / "run", [f"policy.model={model}", "train.steps=2", *FAST],
+                 resume=True)
+
+
+# ------------------------------------------------------------ a full disk keeps the previous checkpoint (issues 17, 29)
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_and_no_temp_file(tiny, tmp_path, monkeypatch):
+    import errno
+
+    from composer.backends.lightning import callbacks
+    from composer.runtime.checkpoint import CheckpointError
+
+    out = tmp_path / "run"
+    ov = [f"policy.model={tiny}", "train.checkpoint_every=1", *FAST]
+    run_spec(REPO / "specs/grpo.yaml", out, ov + ["train.steps=1"])
+    good = (out / "checkpoints" / "last.ckpt").read_bytes()
+
+    def full_disk(obj, f):
+        f.write(b"x" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(callbacks.torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        run_spec(REPO / "specs/grpo.yaml", out, ov + ["train.steps=2"], resume=True)
+    assert (out / "checkpoints" / "last.ckpt").read_bytes() == good
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt"]
+
+
+def test_a_full_disk_inside_torchs_zip_writer_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import torch
+
+    from composer.backends.lightning import callbacks
+    from composer.runtime.checkpoint import CheckpointError
+
+    path = tmp_path / "last.ckpt"
+    path.write_bytes(b"previous")
+
+    def full(*a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(CheckpointError, match="the previous checkpoint is kept"):
+        callbacks.AtomicCheckpointIO().save_checkpoint({"state_dict": {}}, path)
+    assert path.read_bytes() == b"previous" and not (tmp_path / "last.ckpt.tmp").exists()

@@ -258,17 +258,21 @@ def test_referee_fails_a_gate_that_selected_nothing(tmp_path):
 
 
 def test_referee_k3_has_verls_clamps():
-    """The referee's own k3 (ALGORITHMS.md section 0: verl's low_var_kl, d clamped to +-20 and the value to +-10),
+    """grpo's reference k3 (ALGORITHMS.md section 0: verl's low_var_kl, d clamped to +-20 and the value to +-10),
     worked by hand: at d = -0.5 the value is e^0.5 - 1.5 = 0.148721 and the gradient 1 - e^0.5 = -0.648721; at
     d = -2.72 the value e^2.72 - 3.72 = 11.46 is clamped to 10 and the token has no gradient (a ProRL run's
     token 2.7 nats below its reference once failed the check for want of this clamp)."""
-    from composer.referee.checks import kl_formula
+    from components.objectives.grpo import Grpo
+    from composer.batch import PolicyView
 
-    val, grad = kl_formula(torch.tensor([-0.5, -2.72, 0.0], dtype=torch.float64), "k3")
-    assert val.tolist() == pytest.approx([0.148721, 10.0, 0.0], abs=1e-6)
-    assert grad.tolist() == pytest.approx([-0.648721, 0.0, 0.0], abs=1e-6)
-    val1, grad1 = kl_formula(torch.tensor([-2.72], dtype=torch.float64), "k1")
-    assert val1.tolist() == [-2.72] and grad1.tolist() == [1.0]
+    lp = torch.zeros(1, 3, dtype=torch.float64)
+    inputs = {"old": lp, "initial": torch.tensor([[0.5, 2.72, 0.0]]), "advantages": [0.0], "kl_coef": 1.0}
+    mask = torch.ones(1, 3, dtype=torch.bool)  # token-mean: each token weighs 1/3; d = lp - initial = -0.5, -2.72, 0
+    k3 = Grpo(kl_coef=1.0, kl_estimator="k3").reference_loss(None, mask, PolicyView(lp), inputs)
+    assert k3["kl_value"] == pytest.approx((0.148721 + 10.0 + 0.0) / 3, abs=1e-6)
+    assert (3 * k3["kl_grad"][0]).tolist() == pytest.approx([-0.648721, 0.0, 0.0], abs=1e-6)
+    k1 = Grpo(kl_coef=1.0, kl_estimator="k1").reference_loss(None, mask, PolicyView(lp), inputs)
+    assert k1["kl_value"] == pytest.approx((-0.5 - 2.72) / 3) and (3 * k1["kl_grad"][0]).tolist() == [1.0, 1.0, 1.0]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,11 +1,15 @@
 """Bad data: every bad row is an error naming file, row and field, or (on_bad_row: skip) skipped and counted."""
 
 import json
+import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from _helpers import HEAD, cli, composer
 
 from components.sources.outcome_reward import OutcomeReward
+from composer.checks.validate import validate_file
 from composer.data import Example
 from composer.runtime import binding
 from composer.runtime.binding import (
@@ -219,3 +223,140 @@ def test_check_lengths_with_a_real_tokenizer():
     exs = [Example(prompt="Q:1+2\nA:", answer="3", row=1), Example(prompt="x" * 40, answer="3", row=2)]
     kept, n = check_lengths(exs, char_tokenizer(), 20, "skip")
     assert [x.row for x in kept] == [1] and n == 1
+
+
+# ----------------------------------------------- rows that are not JSON, a duplicate key, a bad timeout (issues 17, 29)
+
+
+def _data_spec(tmp_path, train) -> Path:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(HEAD.replace("{kind: outcome_reward}", "{kind: outcome_reward, verifier: exact}")
+                    + f"data: {{train: {json.dumps(str(train))}, prompt_field: q, answer_field: a}}\n")
+    return spec
+
+
+@pytest.mark.parametrize("row, why", [
+    ('{"q": "x", "a": ' + "9" * 5000 + "}", "integer string conversion"),
+    ('{"q": "x", "a": NaN}', "NaN is not a JSON number"),
+    ('{"q": "x", "a": Infinity}', "Infinity is not a JSON number"),
+    ("[" * 100000 + "]" * 100000, "nested too deeply"),
+])
+def test_bad_rows_are_named_not_tracebacks(tmp_path, row, why):
+    from composer.runtime.binding import DataError, bind_task
+
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"q": "1+1", "a": "2"}\n' + row + "\n")
+    v = validate_file(_data_spec(tmp_path, train))
+    with pytest.raises(DataError, match=f"row 2: not valid JSON .*{why}"):
+        bind_task(v.spec)
+
+
+def test_a_jsonl_row_with_a_duplicate_key_is_refused(tmp_path):
+    from composer.runtime.binding import DataError, bind_task
+    from composer.checks.validate import validate_file
+
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"q": "1+1", "a": "2"}\n{"q": "2+2", "a": "5", "a": "4"}\n')
+    spec = tmp_path / "s.yaml"
+    spec.write_text(HEAD.replace("{kind: outcome_reward}", "{kind: outcome_reward, verifier: exact}")
+                    + f"data: {{train: {json.dumps(str(train))}, prompt_field: q, answer_field: a}}\n")
+    with pytest.raises(DataError, match="row 2: .*the key 'a' appears twice"):
+        bind_task(validate_file(spec).spec)
+
+
+def test_code_rows_with_a_bad_timeout_are_refused():
+    from composer.data import Example
+    from composer.runtime.binding import DataError, validate_answers
+
+    rows = [Example(prompt="p", answer="assert f(1) == 2", row=i + 1, meta={"timeout": t})
+            for i, t in enumerate([5, "soon", -1, 1e9])]
+    with pytest.raises(DataError, match="row 2: field 'timeout'"):
+        validate_answers(rows, "code")
+    kept, skipped = validate_answers(rows, "code", on_bad_row="skip")
+    assert [e.row for e in kept] == [1] and skipped == 3
+
+
+# ----------------------------------------------------- data paths that are not regular files never hang (issues 17, 29)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
+def test_special_data_files_do_not_hang(tmp_path, kind):
+    from composer.runtime.binding import DataError, bind_task
+
+    if kind == "fifo":
+        train = tmp_path / "fifo.jsonl"
+        os.mkfifo(train)
+    else:
+        train = Path("/dev/zero")
+    from composer.errors import SpecError
+
+    with pytest.raises(SpecError, match="data.train: .*not a regular file"):  # validate refuses it (issue 56)
+        validate_file(_data_spec(tmp_path, train))
+    good = tmp_path / "good.jsonl"  # and binding on its own, should the path change after validation
+    good.write_text('{"q": "1+1", "a": "2"}\n')
+    v = validate_file(_data_spec(tmp_path, good)).spec
+    with pytest.raises(DataError, match="not a regular file"):
+        bind_task(v.model_copy(update={"data": v.data.model_copy(update={"train": str(train)})}))
+
+
+@pytest.mark.parametrize("path", ["/proc/kmsg", "/proc/self/status", "/sys/kernel/notes", "/dev/zero", "fifo",
+                                  "link_to_proc"])
+def test_data_paths_are_regular_files_outside_proc_and_sys(tmp_path, path):
+    from composer.runtime.paths import data_path_problem
+    from composer.runtime.binding import DataError, bind_task
+    from composer.checks.validate import validate_file
+
+    if path == "fifo":
+        path = tmp_path / "f.jsonl"
+        os.mkfifo(path)
+    elif path == "link_to_proc":
+        path = tmp_path / "l.jsonl"
+        path.symlink_to("/proc/self/status")
+    assert "not a regular file" in data_path_problem(path)
+    from composer.errors import SpecError
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text(HEAD.replace("{kind: outcome_reward}", "{kind: outcome_reward, verifier: exact}")
+                    + f"data: {{train: {json.dumps(str(path))}, prompt_field: q, answer_field: a}}\n")
+    with pytest.raises(SpecError, match="data.train: .*not a regular file"):  # validate refuses it (issue 56)
+        validate_file(spec)
+    good = tmp_path / "good.jsonl"  # and binding on its own, should the path change after validation
+    good.write_text('{"q": "1+1", "a": "2"}\n')
+    v = validate_file(spec, [f"data.train={good}"]).spec
+    with pytest.raises(DataError, match="not a regular file"):
+        bind_task(v.model_copy(update={"data": v.data.model_copy(update={"train": str(path)})}))
+    r = composer("run", spec, "--out", tmp_path / "o", "--no-progress", timeout=120)
+    assert r.returncode == 2 and "not a regular file" in r.stderr and not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------- each data error has the hint of its reason (issue 43)
+
+
+@pytest.mark.parametrize("row, expected", [
+    ('{"question": "1+1?", "answer": "2"}', "set data.prompt_field to the name the rows use"),
+    ('{"prompt": "1+1?", "answer": "2"', "each line of a .jsonl file is one JSON object"),
+    ('{"prompt": "", "answer": "2"}', "remove the rows with an empty 'prompt'"),
+    ('[1, 2]', "each row is an object with named fields"),
+    ('{"prompt": ["a"], "answer": "2"}', "must hold text"),
+])
+def test_each_data_error_has_the_hint_of_its_reason(tmp_path, row, expected):
+    """Before: every data error of `explain` said "check data.prompt_field / answer_field / split"."""
+    (tmp_path / "d.jsonl").write_text(row + "\n")
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"name: d\ndata: {{train: {tmp_path / 'd.jsonl'}}}\nsources: {{verifier: {{kind: outcome_reward, "
+                    "verifier: math}}\nsignal: {kind: reward, source: verifier}\nobjective: {kind: grpo}\n")
+    r = cli("explain", spec)
+    assert r.exit_code == 2 and expected in r.stderr, r.stderr
+    assert "check data.prompt_field / answer_field / split" not in r.stderr
+
+
+def test_a_run_time_data_error_carries_its_hint():
+    from composer.cli.run import _failure
+    from composer.errors import DataError
+    from composer.runtime.binding import MISSING_FIELD, UNPARSABLE_ANSWER
+
+    msg = _failure(DataError("d.jsonl: row 1: field 'answer': missing", field="answer", reason=MISSING_FIELD))
+    assert "hint: the rows have no field 'answer': set data.answer_field" in msg
+    msg = _failure(DataError("d.jsonl: row 1: field 'answer': verifier 'math': no number", field="answer",
+                             reason=UNPARSABLE_ANSWER))
+    assert "composer list verifiers" in msg

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import clean, cli
 
 from composer.batch import TrajectoryBatch
 from composer.origins import CODE
@@ -144,3 +145,20 @@ def test_eval_of_an_export_without_data_names_what_the_export_keeps(evaluated_ru
     assert "data.prompt_field=problem" not in r.output  # before: asked for the fields the export keeps
     r = cli("eval", tiny)  # a model folder the composer did not write: its rows' fields are asked for
     assert r.exit_code == 2 and "data.prompt_field=problem" in r.output
+
+
+# -------------------------------------------------------------------------- composer eval shows its progress (issue 43)
+
+
+@pytest.fixture
+def run_copy(finished_run, tmp_path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out, ignore=shutil.ignore_patterns(".lock"))
+    return out
+
+
+def test_composer_eval_shows_progress(run_copy, tmp_path):
+    r = cli("eval", run_copy, "--out", tmp_path / "ev")
+    clean(r, codes=(0,))
+    assert "loading the model" in r.stderr and "eval 1/5 tier1: 2 problem(s), greedy" in r.stderr, r.stderr
+    assert "eval 5/5 tier8: pass@1 " in r.stderr and "Loading weights" not in r.stderr

@@ -5,9 +5,11 @@ answer is dropped (counted). The online variant (targets rebuilt every step) sta
 from __future__ import annotations
 
 import csv
+import os
 from pathlib import Path
 
 import pytest
+from _helpers import REPO
 
 from components.signals.sft import _load, leaks
 from composer.origins import CODE
@@ -163,3 +165,65 @@ def test_the_toy_settings_yield_targets(tmp_path):
     counts = built["counts"]
     assert counts["attempts"] == 128 and counts["interventions"] > 0, counts
     assert counts["kept"] > 0, counts
+
+
+# ------------------------------------------------------------------- a tampered int_targets cache is refused (issue 29)
+
+
+def _int_cache(tmp_path):
+    from types import SimpleNamespace
+
+    from components.signals.sft import _header, _line
+    from composer.protocol import Trace
+    from composer.checks.validate import validate_file
+
+    sig = validate_file(REPO / "specs" / "int.yaml").segments[0].spec.signal
+    ctx = SimpleNamespace(segment="sft")
+    body = ""
+    for prompt, toks in (("1+2", [5, 6, 7]), ("3+4", [8, 9])):
+        t = Trace([1, 2, 3], control=False, guided=True)
+        t.add(toks, "guide_intervention", [None] * len(toks))
+        body += _line(prompt, t)
+    path = tmp_path / "int_targets" / "sft.jsonl"
+    path.parent.mkdir()
+    path.write_text(_header(body, ctx, sig) + body)
+    return path, ctx, sig
+
+
+def _edit_token(text):
+    return text.replace("[5, 6, 7]", "[5, 6, 9]")
+
+
+TAMPER = {
+    "emptied": lambda p: p.write_text(""),
+    "edited": lambda p: p.write_text(_edit_token(p.read_text())),
+    "duplicated": lambda p: p.write_text(p.read_text() + p.read_text().splitlines(keepends=True)[1]),
+    "over_long": lambda p: p.write_text(p.read_text().replace("[5, 6, 7]", "[" + ", ".join(["5"] * 5000) + "]")),
+    "no_header": lambda p: p.write_text("".join(p.read_text().splitlines(keepends=True)[1:])),
+    "fifo": lambda p: (p.unlink(), os.mkfifo(p)),
+    "symlink": lambda p: (p.rename(p.with_name("real.jsonl")), p.symlink_to(p.with_name("real.jsonl"))),
+    "garbage_row": lambda p: p.write_text(p.read_text() + "{\"prompt\": 3}\n"),
+}
+
+
+@pytest.mark.parametrize("how", sorted(TAMPER))
+def test_a_tampered_int_targets_cache_is_refused(tmp_path, how):
+    from components.signals.sft import _load
+    from composer.runtime.binding import DataError
+
+    path, ctx, sig = _int_cache(tmp_path)
+    assert sorted(_load(path, ctx, sig)) == ["1+2", "3+4"]  # as written: read back
+    TAMPER[how](path)
+    with pytest.raises(DataError, match="InT's cached targets"):
+        _load(path, ctx, sig)
+
+
+def test_an_int_targets_cache_of_another_signal_is_refused(tmp_path):
+    from types import SimpleNamespace
+
+    from components.signals.sft import _load
+    from composer.runtime.binding import DataError
+
+    path, ctx, sig = _int_cache(tmp_path)
+    with pytest.raises(DataError, match="built for another segment or signal"):
+        _load(path, SimpleNamespace(segment="other"), sig)

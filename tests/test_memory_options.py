@@ -104,3 +104,34 @@ def test_bf16_mixed_precision_runs(spec, tmp_path):
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
     w = weights(out)
     assert all(v.dtype == torch.float32 for v in w.values())  # mixed: the weights stay float32
+
+
+# ------------------------------------------------------------------------------ LoRA on a tied lm_head (issue 29)
+
+
+def test_lora_on_a_tied_lm_head_exports_the_trained_model(tiny, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from composer.runtime.models import load_model, merged, prepare_policy
+    from composer.lang.spec import Policy
+
+    base = load_model(tiny)
+    assert base.get_output_embeddings().weight is base.get_input_embeddings().weight  # tied
+    embed_before = base.get_input_embeddings().weight.detach().clone()
+    policy = prepare_policy(base, Policy(lora={"r": 4, "target_modules": ["q_proj", "lm_head"]}))
+    torch.manual_seed(0)
+    with torch.no_grad():  # "training": every adapter moves
+        for name, p in policy.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn_like(p) * 0.05)
+    tokens = torch.randint(0, base.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        trained = policy(input_ids=tokens).logits
+    plain = merged(policy)
+    plain.save_pretrained(tmp_path / "m")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    with torch.no_grad():
+        exported = loaded(input_ids=tokens).logits
+    assert torch.allclose(exported, trained, atol=1e-4), (exported - trained).abs().max()
+    assert torch.equal(loaded.get_input_embeddings().weight, embed_before)

@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from _helpers import snapshot
 from click.testing import CliRunner
 
 from composer.cli.main import main
@@ -283,3 +284,178 @@ def test_a_checkpoint_is_never_written_through_a_link_at_its_temporary_name(tmp_
     import torch
 
     assert not path.is_symlink() and torch.load(path, weights_only=True) == {"global_step": 3}
+
+
+# ------------------------------------------------ toy-data --out, compile --out into a folder of other files (issue 17)
+
+
+def test_toy_data_writes_and_refuses_to_overwrite(tmp_path):
+    r = cli("toy-data", "--out", tmp_path / "d", "--seed", 3)
+    assert r.exit_code == 0 and (tmp_path / "d" / "train.jsonl").stat().st_size > 0
+    before = snapshot(tmp_path / "d")
+    r = cli("toy-data", "--out", tmp_path / "d")
+    assert r.exit_code == 2 and "already holds" in r.stderr and snapshot(tmp_path / "d") == before
+
+
+def test_compile_refuses_a_folder_of_other_files(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    r = cli("compile", REPO / "specs/grpo.yaml", "--out", tmp_path)
+    assert r.exit_code == 2 and "not a bundle" in r.stderr and (tmp_path / "notes.txt").read_text() == "mine"
+
+
+# -------------------------------------- export --out: not an earlier export, non-finite weights, a full disk (issue 29)
+
+
+def test_export_never_replaces_a_folder_that_is_not_an_export(finished_run, tmp_path, tiny):
+    base = tmp_path / "base"
+    shutil.copytree(tiny, base)
+    (base / "README.md").write_text("my notes")
+    (base / "extra-00002.safetensors").write_bytes(b"x")
+    before = sorted(p.name for p in base.iterdir())
+    r = cli("export", finished_run, "--out", base)
+    assert r.exit_code == 2 and "not an earlier export" in r.stderr, r.output
+    assert sorted(p.name for p in base.iterdir()) == before and (base / "README.md").read_text() == "my notes"
+    # an earlier export's files are replaced, a file the user put beside them is kept (tests/test_output_folders.py)
+    assert cli("export", finished_run, "--out", tmp_path / "e").exit_code == 0
+    (tmp_path / "e" / "stale.txt").write_text("old")
+    assert cli("export", finished_run, "--out", tmp_path / "e").exit_code == 0
+    assert (tmp_path / "e" / "stale.txt").read_text() == "old" and (tmp_path / "e" / "config.json").is_file()
+
+
+def test_export_refuses_non_finite_weights(finished_run, tmp_path):
+    import torch
+
+    from composer.runtime import checkpoint as ckpt_format
+
+    state = ckpt_format.load(finished_run / "checkpoints" / "last.ckpt")
+    key = next(k for k, v in state["state_dict"].items() if k.startswith("policy.") and v.is_floating_point())
+    state["state_dict"][key] = torch.full_like(state["state_dict"][key], float("nan"))
+    bad = tmp_path / "bad.ckpt"
+    torch.save(state, bad)
+    r = cli("export", bad, "--out", tmp_path / "e")
+    assert r.exit_code == 2 and "NaN or inf" in r.stderr and not (tmp_path / "e").exists(), r.output
+
+
+def test_a_full_disk_during_export_is_a_message_and_keeps_the_folder(finished_run, tmp_path, monkeypatch):
+    from transformers import PreTrainedModel
+
+    assert cli("export", finished_run, "--out", tmp_path / "e").exit_code == 0
+    before = sorted(p.name for p in (tmp_path / "e").iterdir())
+
+    class SafetensorError(Exception):  # what safetensors raises for ENOSPC (not an OSError)
+        pass
+
+    def full(self, *a, **k):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full)
+    r = cli("export", finished_run, "--out", tmp_path / "e")
+    assert r.exit_code == 2 and "cannot write the model" in r.stderr and "internal error" not in r.stderr, r.output
+    assert sorted(p.name for p in (tmp_path / "e").iterdir()) == before
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+
+
+# ----------------------------------------------------------------- eval --out, and a finished run's --resume (issue 43)
+
+
+@pytest.fixture
+def run_copy(finished_run, tmp_path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    return out
+
+
+def test_eval_out_never_overwrites_a_run_folder(run_copy):
+    """Before: `composer eval RUN --out RUN` overwrote the run's own eval_samples.jsonl (appended to it) and
+    wrote eval.json among the run's files."""
+    before = snapshot(run_copy)
+    r = cli("eval", run_copy, "--out", run_copy)
+    assert r.exit_code == 2, r.output
+    assert "files `composer eval` did not write" in r.stderr and "nothing is overwritten" in r.stderr
+    assert snapshot(run_copy) == before
+
+
+def test_eval_out_replaces_only_its_own_earlier_output(run_copy, tmp_path):
+    ev = tmp_path / "ev"
+    assert cli("eval", run_copy, "--out", ev).exit_code == 0
+    first = (ev / "eval_samples.jsonl").read_text()
+    assert cli("eval", run_copy, "--out", ev).exit_code == 0  # its own folder: replaced, not appended
+    assert (ev / "eval_samples.jsonl").read_text() == first
+    (ev / "notes.txt").write_text("mine")
+    r = cli("eval", run_copy, "--out", ev)
+    assert r.exit_code == 2 and "notes.txt" in r.stderr and (ev / "notes.txt").read_text() == "mine"
+
+
+def test_resume_of_a_finished_run_says_so_and_changes_nothing(run_copy):
+    """Before: --resume of a finished run printed nothing to say so and reran the final evaluation."""
+    before = snapshot(run_copy)
+    r = cli("run", "--resume", run_copy, "--no-progress")
+    assert r.exit_code == 0, r.output
+    assert "the run already finished (step 1/1" in r.output and "changed nothing" in r.output
+    assert snapshot(run_copy) == before
+
+
+# ----------------------------------- a run folder's files: replaced whole, never through a planted link (issues 17, 29)
+
+
+def test_run_files_are_replaced_whole(tmp_path, monkeypatch):
+    from composer import files
+
+    target = tmp_path / "plan.json"
+    files.write_text(target, '{"old": 1}')
+
+    def fail_fsync(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files.os, "fsync", fail_fsync)
+    with pytest.raises(OSError):
+        files.write_text(target, '{"new": "' + "x" * 10000 + '"}')
+    assert target.read_text() == '{"old": 1}' and [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+
+
+def test_metrics_csv_never_ends_in_half_a_row(tmp_path, monkeypatch):
+    from composer.backends.lightning.callbacks import _KeepingWriter
+
+    w = _KeepingWriter(str(tmp_path), None)
+    w.log_metrics({"loss": 1.0}, step=0)
+    w.save()
+    before = (tmp_path / "metrics.csv").read_bytes()
+    w.log_metrics({"loss": 2.0}, step=1)
+
+    class HalfWrite:
+        def __init__(self, f):
+            self.f = f
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(data[:3])
+            self.f.flush()
+            raise OSError(28, "No space left on device")
+
+    from composer import files  # the metrics writer appends through files.open_append (never through a link)
+
+    real_append = files.open_append
+    monkeypatch.setattr(files, "open_append", lambda p, *a, **k: HalfWrite(real_append(p, *a, **k)))
+    with pytest.raises(OSError):
+        w.save()
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.csv").read_bytes() == before
+
+
+def test_a_lock_symlink_never_truncates_its_target(tmp_path):
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".lock").symlink_to(victim)
+    r = cli("run", "specs/sft.yaml", "train.steps=1", "--out", out, "--no-progress")
+    assert r.exit_code == 2 and "symbolic link" in r.stderr, r.output
+    assert victim.read_text() == "keep me"

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
+from _helpers import cli, composer
 
 from composer.checks.validate import validate_file
 
@@ -270,3 +272,65 @@ def test_a_resumed_run_records_each_step_once_in_mlflow_and_wandb(tiny, tmp_path
 
     with open(out / "metrics.csv", newline="") as f:
         assert [r["step"] for r in csv.DictReader(f) if r.get("loss")] == ["0", "1", "2"]
+
+
+# ------------------------------------------------------------------------- composer samples on hostile files (issue 29)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
+def test_samples_on_a_fifo_or_dev_zero_does_not_hang(tmp_path, kind):
+    target = tmp_path / "samples.jsonl"
+    if kind == "fifo":
+        os.mkfifo(target)
+    else:
+        target.symlink_to("/dev/zero")
+    r = composer("samples", tmp_path, timeout=60)
+    assert r.returncode == 2 and "not a regular file" in r.stderr and "Traceback" not in r.stderr
+
+
+GOOD = {"step": 1, "row": 1, "prompt": "p", "spans": [{"text": "a", "origin": "policy"}], "reward": 1.0}
+
+
+MALFORMED = [
+    {**GOOD, "spans": "text"},
+    {**GOOD, "spans": [1, 2]},
+    {**GOOD, "spans": [{"text": 5}]},
+    {**GOOD, "reward": "high"},
+    {**GOOD, "guide": [1]},
+    {**GOOD, "verifier": "ok"},
+    {**GOOD, "guide": {"verdicts": 3, "reviews": 1}},
+    {**GOOD, "step": True},
+    {**GOOD, "spans": [{"text": "x", "origin": {"a": 1}}]},
+]
+
+
+@pytest.mark.parametrize("i", range(len(MALFORMED)))
+def test_samples_skips_malformed_rows_without_a_traceback(tmp_path, i):
+    (tmp_path / "samples.jsonl").write_text(json.dumps(GOOD) + "\n" + json.dumps(MALFORMED[i]) + "\n")
+    r = cli("samples", tmp_path)
+    assert r.exit_code == 0 and "1 unreadable line skipped" in r.stderr, r.output
+
+
+def test_samples_never_sends_escape_bytes_to_the_terminal(tmp_path):
+    row = {**GOOD, "prompt": "\x1b]0;pwned\x07\x1b[2J", "spans": [{"text": "\x1b[31mred\x9b", "origin": "policy"}]}
+    (tmp_path / "samples.jsonl").write_text(json.dumps(row) + "\n")
+    r = cli("samples", tmp_path)
+    assert r.exit_code == 0 and "\x1b" not in r.stdout and "\x07" not in r.stdout and "\x9b" not in r.stdout
+    assert "\\x1b[31mred" in r.stdout
+
+
+# -------------------------------------------------------------------------- loggers: MLflow at a closed port (issue 29)
+
+
+def test_mlflow_at_a_closed_port_is_a_clear_error(tmp_path):
+    pytest.importorskip("mlflow")
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    r = composer("run", "specs/sft.yaml", "train.steps=1", "train.loggers=[csv,mlflow]", "--out", tmp_path / "o",
+                 "--no-progress", env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"}, timeout=120)
+    assert r.returncode == 2 and "tracking server" in r.stderr and "does not answer" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "o").exists()

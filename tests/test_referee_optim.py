@@ -86,3 +86,48 @@ def test_several_updates_a_step_follow_the_lr_schedule(tmp_path):
     with open(tmp_path / "run" / "metrics.csv", newline="") as f:
         lrs = [float(r["lr"]) for r in csv.DictReader(f) if r.get("lr")]
     assert lrs == pytest.approx([1e-4, 2e-4, 3e-4])
+
+
+def _watched_step(lr_factor: float = 1.0, scale: float = 1e-12):
+    """One AdamW update of a float32 layer under the referee's UpdateWatch, at OAPL's spec (lr 1e-4, betas 0.9/0.95),
+    on a gradient of size `scale` (OAPL on an all-zero-reward batch: r - V_hat = 0 and pi = pi_behaviour at a sync,
+    so its gradient is float32 noise, ~1e-12); the run's LR is `lr_factor` times the spec's -> the Report."""
+    from composer.referee.checks import Report
+    from composer.referee.optim import UpdateWatch, check_updates
+
+    v = validate_file(ROOT / "specs/oapl.yaml", ["train.steps=3"])
+    torch.manual_seed(0)
+    policy = torch.nn.Linear(64, 64)
+    t = v.segments[0].spec.train
+    opt = torch.optim.AdamW(policy.parameters(), lr=t.lr * lr_factor, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    watch = UpdateWatch(v, opt, policy, [])
+    x = torch.randn(8, 64)
+    (policy(x).sum() * scale).backward()
+    opt.step()
+    rep = Report()
+    check_updates(rep, watch)
+    return rep, watch
+
+
+def test_optimizer_step_on_a_near_zero_gradient():
+    """Issue 52: a correct AdamW step on a ~1e-12 gradient moves each weight by ~lr g / eps ~ 1e-8, about one float32
+    unit in the last place of a weight of 0.05; a relative tolerance on that update (0.1-1.8 of it is rounding)
+    failed it. Compared beyond each weight's rounding, it passes, and it is exercised (some weights move beyond it);
+    the same step at twice the LR, or 10% more, still fails; a normal-sized gradient still fails at twice the LR."""
+    rep, watch = _watched_step()
+    assert rep.ok, rep.table()
+    assert watch.results[0]["resolved"] and watch.results[0]["step_err"] == 0.0
+    for factor in (2.0, 1.1):
+        rep, watch = _watched_step(lr_factor=factor)
+        assert not rep.ok and "optimizer step recomputed" in rep.failures()[0], (factor, rep.table())
+    rep, _w = _watched_step(lr_factor=2.0, scale=1e-3)
+    assert not rep.ok, rep.table()
+    assert _watched_step(scale=1e-3)[0].ok
+
+
+def test_optimizer_step_below_rounding_is_not_exercised():
+    """A gradient so small that no weight's update reaches its float32 rounding (1e-20: AdamW moves by lr g / eps
+    ~ 1e-16) cannot tell any LR apart: the check says "not exercised" rather than pass."""
+    rep, watch = _watched_step(scale=1e-20)
+    assert not watch.results[0]["resolved"]
+    assert any("not exercised" in f for f in rep.failures()), rep.table()

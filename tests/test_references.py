@@ -158,6 +158,16 @@ LOSSES = [{"kind": "cross_entropy", "aggregation": a} for a in
     {"kind": "grpo", "kl_coef": 0.1, "kl_estimator": "k3", "clip_low": 0.1, "clip_high": 0.3},
     {"kind": "grpo", "loss_agg": "seq-mean-token-sum-norm", "norm_const": 7.0},
     {"kind": "grpo", "valid_rows_scale": True, "std_norm": False},
+    {"kind": "grpo", "token_selection": {"kind": "kl_cov", "k": 0.3, "beta": 0.7}},
+    {"kind": "grpo", "token_selection": {"kind": "clip_cov", "r": 0.3, "omega_low": -1.0, "omega_high": 1.0}},
+    *[{"kind": "grpo", "loss_tokens": ["policy", "guide_prefix", "demonstration"], "off_policy_weight": w, "kl_coef": kl}
+      for w, kl in (({"kind": "shaped", "gamma": 0.1}, 0.0), ({"kind": "prob"}, 0.1), ({"kind": "pow", "alpha": 0.3}, 0.0),
+                    ({"kind": "log"}, 0.0))],
+    {"kind": "grpo", "ratio": "sequence", "loss_tokens": ["policy", "guide_prefix"], "off_policy_weight": {"kind": "shaped"}},
+    {"kind": "advantage_regression"},
+    {"kind": "advantage_regression", "reference": "initial", "beta2": 0.5, "beta1": 0.0},
+    {"kind": "advantage_regression", "loss_tokens": ["policy", "guide_intervention"], "anchor": {"guide_intervention": -2.0},
+     "beta2": 0.2},
     *[{"kind": "divergence", "estimator": est, "measure": m, "beta": b, "k": 4}
       for est in ("full", "top_k") for m, b in (("reverse_kl", 0.5), ("forward_kl", 0.5), ("jsd", 0.5),
                                                 ("jsd", 0.2), ("jsd", 1.0), ("jsd", 0.0))],
@@ -174,8 +184,71 @@ def test_reference_loss_equals_the_loss_and_its_gradient(cfg, seed):
     batch, logits = synthetic_batch(seed=seed)
     inputs = {"old": batch.behavior_logprobs, "initial": batch.initial_logprobs, "kl_coef": 0.0,
               "advantages": [0.5] * batch.size}
+    if obj.token_selection.acts if hasattr(obj, "token_selection") else False:
+        obj.advantages(batch)  # the step's selection, on the batch
+        inputs["token_select"] = batch.token_select
+        assert batch.token_select is not None and batch.token_select.any()
     assert obj.reference_loss(batch, obj.loss_mask(batch), _view(batch, logits), inputs) is not None
     check_reference_loss(obj, batch, logits)
+
+
+def test_off_policy_weight_references_by_hand():
+    """w and d w / d log pi at pi = 0.25 (log pi = -1.386294): shaped (gamma 0.1) 0.25/0.35 = 0.714286 and
+    0.1 x 0.25 / 0.35^2 = 0.204082; prob 0.25, 0.25; pow (alpha 0.5) 0.5, 0.25; log -1.386294, 1."""
+    from components.objectives.off_policy_weight import Log, Pow, Prob, Shaped
+
+    lp = math.log(0.25)
+    assert Shaped(gamma=0.1).reference(lp) == pytest.approx((0.714286, 0.204082), abs=1e-6)
+    assert Prob().reference(lp) == pytest.approx((0.25, 0.25))
+    assert Pow(alpha=0.5).reference(lp) == pytest.approx((0.5, 0.25))
+    assert Log().reference(lp) == pytest.approx((-1.386294, 1.0), abs=1e-6)
+
+
+def test_token_selection_references_by_hand():
+    """Cov_t over 10 tokens = [5, 4, 4, 3, 2, 1, 0, -1, 1.5, 2.5]: KL-Cov k 0.2 keeps max(1, floor(2)) = 2, the 5
+    and one of the tied 4s (a tie may go either way); Clip-Cov r 0.2, band (1, 3): {3: no, 2, 1.5, 2.5} -> 3 in the
+    band, count min(2, 3) = 2, each inside it. Selected tokens: KL-Cov -A rho + beta |d| and its gradient
+    -A rho + beta sign(d) at A 0.5, d -0.1 (rho 0.904837), beta 0.2: -0.452419 + 0.02 = -0.432419 and
+    -0.452419 - 0.2 = -0.652419; Clip-Cov 0, 0."""
+    from components.objectives.token_selection import ClipCov, KlCov
+
+    cov = [5.0, 4.0, 4.0, 3.0, 2.0, 1.0, 0.0, -1.0, 1.5, 2.5]
+    pick = lambda *idx: [i in idx for i in range(10)]  # noqa: E731
+    kl = KlCov(k=0.2, beta=0.2)
+    assert kl.reference_problem(cov, pick(0, 1)) is None and kl.reference_problem(cov, pick(0, 2)) is None
+    assert "differ" in kl.reference_problem(cov, pick(0, 3)) and "selected 3" in kl.reference_problem(cov, pick(0, 1, 2))
+    assert kl.reference_token(0.5, -0.1) == pytest.approx((-0.432419, -0.652419), abs=1e-6)
+    cc = ClipCov(r=0.2, omega_low=1.0, omega_high=3.0)
+    assert cc.reference_problem(cov, pick(4, 9)) is None and cc.reference_problem(cov, pick(8, 4)) is None
+    assert "outside the band" in cc.reference_problem(cov, pick(4, 3)) and cc.reference_problem(cov, pick(4)) is not None
+    assert cc.reference_token(0.5, -0.1) == (0.0, 0.0)
+
+
+def test_length_reward_references_by_hand():
+    """DAPO's overlong penalty at L_max 10, L_cache 4 (start 6): lengths 5, 6, 7, 8, 10, 12 -> 0, 0, -0.25, -0.5, -1,
+    -1; with no max_tokens the run's cap is L_max. A length penalty of 0.5: -0.5 |o|."""
+    from components.sources.shaping import LengthPenalty, OverlongPenalty
+
+    assert OverlongPenalty(buffer=4, max_tokens=10).reference_rewards([5, 6, 7, 8, 10, 12], 99) == \
+        pytest.approx([0, 0, -0.25, -0.5, -1, -1])
+    assert OverlongPenalty(buffer=4, factor=2.0).reference_rewards([7, 8], 10) == pytest.approx([-0.5, -1.0])
+    assert LengthPenalty(coef=0.5).reference_rewards([2, 0], 10) == [-1.0, -0.0]
+
+
+def test_the_referee_names_no_loss_kind():
+    """The losses too come from the parts' files: no GRADIENTS table keyed by objective kind (issue 52)."""
+    src = "".join(p.read_text() for p in (ROOT / "composer" / "referee").glob("*.py"))
+    assert "GRADIENTS" not in src and "@gradient(" not in src and "kind_name() ==" not in src
+    assert "reference_loss" in src and "reference_problem" in src and "reference_rewards" in src
+    assert "reference_control" in src and "reference_prefix_steps" in src and "reference_trace" in src
+    load_builtins()
+    from composer.registry import SECTIONS
+
+    # no registered kind as a string literal ("none" is also a value of settings, "reward" a signal's usage,
+    # "sibling_success" a gate's field)
+    named = [(sec, k) for sec in SECTIONS for k in kinds(sec) if k not in ("none", "reward", "sibling_success")
+             for q in (f'"{k}"', f"'{k}'") if q in src]
+    assert not named, f"the referee names these kinds: {named}"
 
 
 def _view(batch, logits):
@@ -197,3 +270,40 @@ def test_a_scaled_loss_differs_from_its_reference():
     batch, logits = synthetic_batch(seed=0)
     with pytest.raises(AssertionError, match="reference_loss"):
         check_reference_loss(Scaled(), batch, logits)
+
+
+# ------------------------------------------------------------------------------------------------ coverage
+
+
+def test_declared_parts_and_their_references():
+    """`composer check --coverage` lists every component a spec declares and the references its kind defines (a
+    base class's default is none; a registered subclass inherits its parent's)."""
+    from components.sources.outcome_reward import OutcomeReward
+    from composer.checks.validate import validate_file
+    from composer.referee.coverage import declared_parts, references
+
+    spec = validate_file(ROOT / "specs" / "methods" / "luffy.yaml").segments[0].spec
+    parts = dict(declared_parts(spec))
+    assert parts["objective"].kind_name() == "grpo" and parts["rollout.guide"].kind_name() == "traces"
+    assert parts["objective.off_policy_weight"].kind_name() == "shaped"
+    assert references(parts["objective"]) == ["reference_advantages", "reference_loss"]
+    assert references(parts["objective.off_policy_weight"]) == ["reference"]
+    assert set(references(parts["rollout.guide"])) == {"reference_control", "reference_trace"}
+    assert references(OutcomeReward(verifier="math")) == []  # checked from its recorded verdicts, not a formula
+
+
+def test_check_coverage_names_an_idle_part_and_what_makes_it_act(tmp_path):
+    """The short run of GRPO makes two passes per step, so its clip binds and is exercised; told to make one, the
+    clip never binds and the coverage table says so, with the override that would make it act."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "composer", "check", str(ROOT / "specs" / "grpo.yaml"), "--coverage", "--out"]
+    r = subprocess.run(cmd + [str(tmp_path / "a")], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "objective.bound" in r.stdout and "acted:" in r.stdout.split("objective.bound")[-1].splitlines()[0]
+    r = subprocess.run(cmd + [str(tmp_path / "b"), "train.epochs=1"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=900)
+    line = next(x for x in r.stdout.splitlines() if x.strip().startswith("objective.bound"))
+    assert "not exercised" in line and "train.epochs=2" in line, r.stdout[-3000:]
+    assert "parts exercised" in r.stdout and "objective.bound (clip)" in r.stdout

@@ -7,11 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from _helpers import NO_TRUST, REPO, cli, composer, run_spec
 
 from composer.checks.validate import validate_file
 
@@ -243,3 +245,173 @@ def test_reading_only_the_loss_positions_trains_the_same_weights(tiny, tmp_path,
                           weights_only=False)["state_dict"] for r in ("all", "read")]
     for k in weights[0]:
         torch.testing.assert_close(weights[1][k], weights[0][k], rtol=1e-5, atol=1e-7)
+
+
+# -------------------------------------------------------------------------- non-finite weights and gradients (issue 17)
+
+
+def test_non_finite_weights_are_never_checkpointed(tiny, tmp_path, monkeypatch):
+    from composer.backends.lightning import module as mod
+    from composer.backends.lightning.module import NonFiniteError
+
+    out = tmp_path / "run"
+    ov = [f"policy.model={tiny}", "train.checkpoint_every=1", *FAST]
+    run_spec(REPO / "specs/grpo.yaml", out, ov + ["train.steps=1"])
+    good = (out / "checkpoints" / "last.ckpt").read_bytes()
+    real = mod.ComposerModule.after_step
+
+    def poison(self):  # finite gradients, a weight driven to inf (what weight_decay: 1e300 did)
+        real(self)
+        with torch.no_grad():
+            next(self.policy.parameters()).fill_(float("inf"))
+
+    monkeypatch.setattr(mod.ComposerModule, "after_step", poison)
+    with pytest.raises(NonFiniteError, match="not finite after step 2; no checkpoint was written"):
+        run_spec(REPO / "specs/grpo.yaml", out, ov + ["train.steps=3"], resume=True)
+    assert (out / "checkpoints" / "last.ckpt").read_bytes() == good
+
+
+def test_a_non_finite_gradient_stops_the_step_and_an_overflowing_norm_does_not():
+    """The gradient check before each optimiser step: one fused norm, then a per-tensor look only when the
+    norm is not finite. A NaN or an infinity in any gradient stops the step; finite gradients whose norm
+    overflows float32 (1e30 each) do not."""
+    from types import SimpleNamespace
+
+    from composer.backends.lightning.module import ComposerModule, NonFiniteError
+
+    policy = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2, bias=False))
+    host = SimpleNamespace(policy=policy, global_step=7, ctx=None)  # ctx None: no critic head to step
+    check = ComposerModule.on_before_optimizer_step
+    check(host, None)  # no gradients yet
+    for p in policy.parameters():
+        p.grad = torch.ones_like(p)
+    check(host, None)
+    for p in policy.parameters():
+        p.grad = torch.full_like(p, 1e30)
+    assert not torch.isfinite(torch.nn.utils.get_total_norm([p.grad for p in policy.parameters()]))
+    check(host, None)  # the norm overflows, every gradient is finite
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for p in policy.parameters():
+            p.grad = torch.ones_like(p)
+        policy[1].weight.grad[1, 2] = bad
+        with pytest.raises(NonFiniteError, match="a gradient is not finite at step 7"):
+            check(host, None)
+
+
+# ---------------------------------------------------------------------------- a signal before the first step (issue 17)
+
+
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_sigint_before_training_exits_130(tmp_path, inherited):
+    """Also when started as a script's background job (`composer run ... &`), which inherits SIGINT ignored:
+    a signal during validation was lost there and the run trained to the end with exit status 0."""
+    disposition = signal.SIG_IGN if inherited == "ignored" else signal.SIG_DFL
+    p = subprocess.Popen([sys.executable, "-m", "composer", "run", "specs/grpo.yaml", "--out", tmp_path / "o",
+                          "--no-progress"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, disposition))
+    time.sleep(1.0 if inherited == "default" else 0.3)  # importing and validating: long before the first step
+    # again every 0.25 s until it exits: an ignored SIGINT that comes before `composer run` restores the handler
+    # is dropped (the process cannot see it), and setup lasts seconds, so one lands in it on a loaded machine too
+    # (and no more once it says it stopped: a second SIGINT would land in its exit)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
+    reader.start()
+    for _ in range(240):
+        if any("stopped before training" in line for line in lines):
+            break
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(timeout=0.25)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+    p.wait(timeout=120)
+    reader.join(timeout=30)
+    out = "".join(lines)
+    # 130; or, where one of this loop's later SIGINTs landed while the process was already exiting after its stop
+    # message (1 run in 58 on 2 busy cores, cause not found: the run's code ignores SIGINT from the message on),
+    # killed by that signal: the stop itself happened before training either way
+    stopped = "stopped before training" in out
+    assert p.returncode == 130 or (p.returncode == -signal.SIGINT and stopped), out[-2000:]
+    assert stopped and "Traceback" not in out and not (tmp_path / "o").exists()
+
+
+def test_a_signal_during_setup_inside_fit_stops_before_the_first_step(tiny, tmp_path, monkeypatch):
+    """Lightning turns a KeyboardInterrupt inside fit into exit status 1: there a signal is only recorded."""
+    from composer.backends.lightning import module as mod
+    from composer.backends.lightning.run import Interrupted
+
+    real = mod.ComposerModule.setup
+
+    def signalled_setup(self, stage):
+        real(self, stage)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(mod.ComposerModule, "setup", signalled_setup)
+    with pytest.raises(Interrupted, match="stopped before the first step"):
+        run_spec(REPO / "specs/grpo.yaml", tmp_path / "o", [f"policy.model={tiny}", "train.steps=3", *FAST])
+    assert not (tmp_path / "o" / "metrics.csv").exists()
+
+
+# ----------------------------------------- settings this machine cannot honour, a node that never comes (issues 17, 29)
+
+
+def test_multi_node_without_a_launcher_is_refused_not_hung(tiny, tmp_path):
+    r = composer("run", "specs/grpo.yaml", f"policy.model={tiny}", "train.num_nodes=2", *FAST, "--out",
+                 tmp_path / "o", "--no-progress", timeout=120)
+    assert r.returncode == 2 and "no multi-node launcher" in r.stderr and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.strategy=fsdp", "Lightning cannot run this here"),
+    ("train.devices=[0,1]", "Lightning cannot run this here"),
+    ("policy.lora.target_modules=[nope_proj]", "the model's linear modules are"),
+    ("policy.lora.target_modules=[]", "at least 1 item"),
+])
+def test_settings_this_machine_or_model_cannot_honour(tiny, tmp_path, override, message):
+    import torch
+
+    if "strategy" in override or "devices" in override:
+        if torch.cuda.is_available():
+            pytest.skip("a GPU machine can honour it")
+    r = cli("run", "specs/sft.yaml", f"policy.model={tiny}", "train.steps=1", "train.prompts_per_step=2",
+            "train.eval_every=0", "train.eval_samples=2", override, "--out", tmp_path / "o", "--no-progress")
+    assert r.exit_code == 2 and message in r.stderr and "internal error" not in r.stderr, r.output[-2000:]
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_run_waiting_for_a_second_node(tiny, tmp_path):
+    import signal
+    import socket
+    import time
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = {**os.environ, "PYTHONPATH": str(REPO), **NO_TRUST, "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    p = subprocess.Popen([sys.executable, "-m", "composer", "run", "specs/sft.yaml", f"policy.model={tiny}",
+                          "train.steps=1", "train.prompts_per_step=2", "train.eval_every=0", "train.eval_samples=2",
+                          "train.num_nodes=2", "train.accelerator=cpu", "--out", str(tmp_path / "o"),
+                          "--no-progress"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and p.poll() is None:  # rank 0 listens: it waits for node 1 now
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        assert p.poll() is None, p.communicate()[1][-2000:]
+        time.sleep(2)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)  # before: waited forever, SIGTERM ignored
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0 and "Traceback" not in err, err[-2000:]

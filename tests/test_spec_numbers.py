@@ -14,9 +14,11 @@ import typing
 from pathlib import Path
 
 import pytest
+from _helpers import HEAD, cli
 from pydantic import BaseModel, ValidationError
 
 from composer import registry
+from composer.checks.validate import validate_file
 from composer.lang.spec import spec_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -155,3 +157,23 @@ def test_documented_infinity_still_validates(cli, tmp_path):
 def test_finite_numbers_still_validate(cli, tmp_path):
     r = _validate(cli, tmp_path, "specs/grpo.yaml", "objective.norm_const=1024", "sources.verifier.success_threshold=1")
     assert r.exit_code == 0, r.stderr
+
+
+# -------------------------------------------------------------- numbers as YAML 1.2 reads them, not YAML 1.1 (issue 17)
+
+
+@pytest.mark.parametrize("text, path, expected", [
+    ("train: {steps: true}\n", "train.steps", "got true"),
+    ("train: {steps: 1:30}\n", "train.steps", "'1:30'"),
+    ("train: {steps: yes}\n", "train.steps", "'yes'"),
+    ("train: {prompts_per_step: 010}\n", None, None),  # decimal 10, not YAML 1.1 octal 8
+    ("train: {steps: " + "9" * 5000 + "}\n", "train.steps", "5000 digits"),
+])
+def test_yaml_1_1_coercions_are_not_applied(tmp_path, text, path, expected):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(HEAD + text)
+    r = cli("validate", spec)
+    if path is None:
+        assert r.exit_code == 0 and validate_file(spec).spec.train.prompts_per_step == 10
+    else:
+        assert r.exit_code == 2 and path in r.stderr and expected in r.stderr, r.stderr

@@ -229,16 +229,21 @@ def test_toy_run_selects_tokens_with_a_nonzero_loss(name, tmp_path):
 @pytest.mark.parametrize("sel", [{"kind": "kl_cov", "k": 0.34}, {"kind": "clip_cov", "r": 0.34, "omega_low": 0.1,
                                                                    "omega_high": 0.6}])
 def test_referee_recomputes_the_selection_and_catches_a_wrong_one(sel):
-    from composer.referee.checks import Report, check_token_selection, grpo_parts
+    from composer.referee.checks import Report, check_token_selection
 
     obj = _obj(**sel)
     batch = _batch()
     loss, grad, _m, adv = _run(obj, batch)
     batch.advantages = adv
     mask = batch.mask(("policy",)) & batch.attention_mask
-    parts = grpo_parts(obj, batch, mask, CUR.float(), OLD.float(), None, [0.5, -0.5], 0.0)
-    assert parts["pg_value"] == pytest.approx(loss, abs=1e-6)
-    assert torch.allclose(parts["pg_grad"], grad, atol=1e-6)
+    want = obj.reference_loss(batch, mask, PolicyView(CUR.float()), {
+        "old": OLD.float(), "initial": None, "advantages": [0.5, -0.5], "kl_coef": 0.0,
+        "token_select": batch.token_select})  # grpo's own reference, the selection's reference_token inside
+    assert want["value"] == pytest.approx(loss, abs=1e-6)
+    assert torch.allclose(want["grad"], grad.double(), atol=1e-6)
+    assert obj.reference_loss(batch, mask, PolicyView(CUR.float()), {
+        "old": OLD.float(), "advantages": [0.5, -0.5], "token_select": None}) is None  # a mini-batch: not covered
+    parts = {"pg_grad": want["grad"]}
     events = [{"batch": batch, "objective": obj, "step": 0, "term": "term0"}]
     rep = Report()
     check_token_selection(rep, events)

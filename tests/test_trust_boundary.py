@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from _helpers import FAST as RUN_FAST
+from _helpers import clean, cli
 from pydantic import create_model
 
 from composer import registry
@@ -222,3 +224,91 @@ def test_with_the_opt_in_the_folder_trains_with_its_code_and_export_needs_it_too
     assert not (tmp_path / "exp").exists()
     r = composer("export", out, "--out", tmp_path / "exp", "--trust-remote-code")
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+# ------------------------------------------------ model folders with custom code: never run unasked (issues 17, 29, 43)
+
+
+def custom_code_folder(tiny: str, folder: Path, marker: Path) -> Path:
+    """A copy of `tiny` whose config names its own Python, which writes `marker` when imported."""
+    shutil.copytree(tiny, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(model_type="composer_custom", auto_map={"AutoConfig": "custom_code.CustomConfig",
+                                                       "AutoModelForCausalLM": "custom_code.CustomModel"})
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (folder / "custom_code.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\nfrom transformers import Qwen3Config, Qwen3ForCausalLM\n"
+        "class CustomConfig(Qwen3Config):\n    model_type = 'composer_custom'\n"
+        "class CustomModel(Qwen3ForCausalLM):\n    config_class = CustomConfig\n")
+    return folder
+
+
+def test_a_model_folder_with_custom_code_is_refused_without_asking(tiny, tmp_path):
+    marker = tmp_path / "RAN"
+    folder = custom_code_folder(tiny, tmp_path / "custom", marker)
+    r = subprocess.run([sys.executable, "-m", "composer", "run", "specs/grpo.yaml", f"policy.model={folder}",
+                        "train.steps=1", *RUN_FAST, "--out", tmp_path / "o", "--no-progress"],
+                       input="y\n", capture_output=True, text=True, cwd=REPO, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})  # a `y` on stdin must not be read
+    assert r.returncode == 2 and "policy.trust_remote_code: true" in r.stderr, r.stderr[-2000:]
+    assert not marker.exists() and "[y/N]" not in r.stdout + r.stderr
+
+
+def test_trust_remote_code_is_passed_through(tiny, tmp_path, monkeypatch):
+    from composer.runtime.models import load_model
+
+    monkeypatch.setenv("COMPOSER_TRUST_REMOTE_CODE", "1")  # the user's opt-in
+    marker = tmp_path / "RAN"
+    folder = custom_code_folder(tiny, tmp_path / "custom", marker)
+    assert type(load_model(str(folder), trust_remote_code=True)).__name__ == "CustomModel"
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("command", ["validate", "explain", "compile"])
+def test_a_spec_alone_cannot_turn_on_remote_code(tiny, tmp_path, command):
+    marker = tmp_path / "RAN"
+    folder = custom_code_folder(tiny, tmp_path / "custom", marker)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"extends: {REPO / 'specs' / 'grpo.yaml'}\npolicy:\n  model: {folder}\n  trust_remote_code: true\n")
+    extra = {"compile": ["--backend", "openrlhf", "--out", tmp_path / "b"]}.get(command, [])
+    r = composer(command, spec, *extra)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "policy.trust_remote_code" in r.stderr and "--trust-remote-code" in r.stderr, r.stderr[-2000:]
+    assert not marker.exists()
+    assert composer("validate", spec, "--trust-remote-code").returncode == 0  # the user's explicit choice
+    assert composer("validate", spec, env={"COMPOSER_TRUST_REMOTE_CODE": "1"}).returncode == 0
+
+
+@pytest.mark.slow
+def test_export_takes_no_trust_from_the_checkpoint_or_the_run_folder(tiny, tmp_path):
+    marker = tmp_path / "RAN"
+    folder = custom_code_folder(tiny, tmp_path / "custom", marker)
+    out = tmp_path / "run"
+    r = composer("run", "specs/sft.yaml", f"policy.model={folder}", "policy.trust_remote_code=true", "train.steps=1",
+                 "train.prompts_per_step=2", "train.eval_every=0", "train.eval_samples=2", "--no-progress",
+                 "--out", out, env={"COMPOSER_TRUST_REMOTE_CODE": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    marker.unlink()
+    r = composer("export", out, "--out", tmp_path / "exp")  # the checkpoint says trust: not this command's user
+    assert r.returncode == 2 and "Traceback" not in r.stderr and not marker.exists(), r.stderr[-2000:]
+    # the run folder's own model/, swapped for a folder with code, never runs either
+    shutil.rmtree(folder)
+    shutil.rmtree(out / "model")
+    custom_code_folder(tiny, out / "model", marker)
+    r = composer("export", out, "--out", tmp_path / "exp2")
+    assert r.returncode == 2 and not marker.exists(), r.stderr[-2000:]
+
+
+def test_export_from_a_folder_with_an_unknown_model_type_and_auto_map(finished_run, tiny, tmp_path):
+    marker = tmp_path / "RAN"
+    folder = custom_code_folder(tiny, tmp_path / "custom", marker)
+    r = cli("export", finished_run, "--base", folder, "--out", tmp_path / "e")
+    clean(r, codes=(2,))
+    assert "auto_map" in r.stderr and "--trust-remote-code" in r.stderr, r.stderr
+    assert not marker.exists() and not (tmp_path / "e").exists()
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("auto_map")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    r = cli("export", finished_run, "--base", folder, "--out", tmp_path / "e")
+    clean(r, codes=(2,))
+    assert "model_type 'composer_custom' is not one this transformers knows" in r.stderr, r.stderr

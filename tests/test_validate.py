@@ -7,6 +7,7 @@ for warnings), the `file:LINE:COL: error: dotted.path: ` line, a fragment of the
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _helpers import cli
 
 from composer.lang import loader
 from composer.checks import rules
@@ -555,3 +557,53 @@ def test_control_characters_of_a_spec_are_escaped_in_explain_and_validate(cli, t
     spec.write_text(HEAD + GRPO + '"bad\\x1b[2Jkey": 1\n')
     r = cli("validate", spec)
     assert r.exit_code == 2 and "\x1b" not in r.stderr and "bad\\x1b[2Jkey" in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------------------ what validation refuses (issue 17)
+
+
+REFUSED = {
+    "steps beyond int64": ("train.steps=9223372036854775808", "train.steps"),
+    "lr inf": ("train.lr=.inf", "train.lr"),
+    "beta of 1": ("train.betas=[0.9,1.0]", "train.betas[1]"),
+    "negative beta": ("train.betas=[-0.1,0.9]", "train.betas[0]"),
+    "unknown precision": ("train.precision=33", "train.precision"),
+    "unknown accelerator": ("train.accelerator=tpu", "train.accelerator"),
+    "unknown strategy": ("train.strategy=ddp_magic", "train.strategy"),
+    "zero devices": ("train.devices=0", "train.devices"),
+    "devices mapping": ("train.devices={a:1}", "train.devices"),
+    "weight decay that flips weights": ("train.weight_decay=1e300", "train.weight_decay"),
+    "unknown verifier": ("sources.verifier.verifier=mathh", "sources.verifier.verifier"),
+    "empty tiers": ("data.tiers=[]", "data.tiers"),
+    "empty train tiers": ("data.train_tiers=[]", "data.train_tiers"),
+    "tier 0": ("data.tiers=[0]", "data.tiers[0]"),
+    "steps: true": ("train.steps=true", "train.steps"),
+    "boolean lr": ("train.lr=false", "train.lr"),
+    "huge eval samples": ("train.eval_samples=100000000000", "train.eval_samples"),
+    "negative seed": ("train.seed=-1", "train.seed"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_validation_refuses_what_cannot_run(tmp_path, case):
+    override, path = REFUSED[case]
+    r = cli("validate", REPO / "specs/grpo.yaml", override)
+    assert r.exit_code == 2 and f": error: {path}" in r.stderr, r.stderr
+    assert "internal error" not in r.stderr
+
+
+@pytest.mark.parametrize("name", ['a"b', "a\nb", "x\u202eevil", "A", "a b", "x];evil[", "-->"])
+def test_source_names_cannot_inject_into_diagrams(tmp_path, name):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"name: x\nsources:\n  {json.dumps(name)}: {{kind: outcome_reward}}\n"
+                    f"signal: {{kind: reward, source: {json.dumps(name)}}}\nobjective: {{kind: grpo}}\n")
+    for fmt in ("dot", "mermaid"):
+        r = cli("explain", spec, "--format", fmt)
+        assert r.exit_code == 2 and "names are [a-z0-9_-]+" in r.stderr and r.stdout == ""
+
+
+def test_a_fifo_spec_file_does_not_hang(tmp_path):
+    fifo = tmp_path / "spec.yaml"
+    os.mkfifo(fifo)
+    r = cli("validate", fifo)
+    assert r.exit_code == 2 and "named pipe" in r.stderr

@@ -53,6 +53,11 @@ class InterventionGuide(Guide):
     provides: ClassVar = ("guided_tokens",)
     writes: ClassVar = ("guide_intervention",)
 
+    def reference_control(self, spec, batch, tokenizer=None):
+        """The first `control_samples` rollouts of each prompt are the policy's alone (no judge)."""
+        n = spec.rollout.samples_per_prompt
+        return [i % n < self.control_samples for i in range(batch.size)]
+
     def writes_now(self) -> tuple[str, ...]:
         return () if self.max_reviews == 0 else ("guide_intervention",)
 

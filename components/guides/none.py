@@ -22,6 +22,9 @@ class NoGuide(Guide):
     def describe(self, spec) -> str:
         return ""
 
+    def reference_control(self, spec, batch, tokenizer=None):
+        return [True] * batch.size  # every rollout is the policy's alone
+
     def row(self, ctx, example, index: int, n: int):
         """One sample of the policy to the end of its budget."""
         return plain_row(ctx, example)

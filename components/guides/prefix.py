@@ -80,6 +80,44 @@ class PrefixGuide(Guide):
         return (f"{self.guided_fraction:.0%} of prompts carry {k} of '{self.reference}' (at most "
                 f"{self.max_fraction:g} of its steps) {where}")
 
+    # ---- the referee's formulas (DESIGN.md section 10): written again, sharing nothing with the protocol below ----
+    def reference_prefix_steps(self, spec, example, step: int, n_ref: int) -> tuple[int, int]:
+        """The prefix this guide must show `example` at `step`, from the spec alone: (k_min, k_max) of the reference's
+        n_ref units. Not chosen (sha256(prompt|step|seed) / 16^8 >= guided_fraction): (0, 0). Chosen: at most
+        floor(max_fraction n), never the whole reference; `fixed` exactly that; `random` the hashed draw between
+        ceil(min_fraction n) and it; `minimal` any k from 0 (the initial policy needs none) to it."""
+        seed = spec.train.seed
+        u = int(hashlib.sha256(f"{example.prompt}|{step}|{seed}".encode()).hexdigest()[:8], 16) / 16 ** 8
+        if u >= self.guided_fraction:
+            return 0, 0
+        kmax = max(0, min(math.floor(self.max_fraction * n_ref), n_ref - 1))
+        if self.search == "fixed":
+            return kmax, kmax
+        if self.search == "random":
+            kmin = min(math.ceil(self.min_fraction * n_ref), kmax)
+            v = int(hashlib.sha256(f"{example.prompt}|{step}|{seed}|k".encode()).hexdigest()[:8], 16) / 16 ** 8
+            k = kmin + min(int(v * (kmax - kmin + 1)), kmax - kmin)
+            return k, k
+        return 0, kmax
+
+    def reference_control(self, spec, batch, tokenizer=None):
+        """Rows that show no prefix: placed in the response, no guide_prefix token; placed in the prompt (POPE), the
+        decoded prompt shows no step of the row's reference solution (needs the tokenizer; None without one)."""
+        from composer.origins import CODE
+
+        if self.placement == "response":
+            return [not bool((batch.origin[i] == CODE["guide_prefix"]).any()) for i in range(batch.size)]
+        if tokenizer is None:
+            return None
+        out = []
+        for i in range(batch.size):
+            ex = batch.examples[i] if len(batch.examples) == batch.size else batch.examples[int(batch.prompt_index[i])]
+            first = next((s for s in (ex.solution or "").split("\n") if s.strip()), None)
+            shown = (batch.origin[i] == CODE["prompt"]) & batch.attention_mask[i].bool()
+            text = tokenizer.decode(batch.tokens[i][shown].tolist(), skip_special_tokens=True)
+            out.append(first is None or first not in text.replace(ex.problem or "\0", ""))
+        return out
+
     # ---- the protocol ----
     def prepare(self, ctx, examples):
         """The minimal search for every guided problem not searched before (one program per problem)."""

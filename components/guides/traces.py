@@ -40,6 +40,27 @@ class TracesGuide(Guide):
         src = spec.sources.get(self.source)
         return src is not None and src.kind_name() == "policy_model"
 
+    def reference_trace(self, spec, example):
+        """The referee's trace of a trace row of `example` (DESIGN.md section 10): the reference text (a text source:
+        its `field` of the data row when set, else the row's solution; False when there is none, the row is then
+        the policy's rollout), or None when a model writes it (checked against what that model generated)."""
+        src = spec.sources[self.source]
+        if src.model_path is not None:
+            return None
+        field = getattr(src, "field", None)
+        text = example.meta.get(field) if field and example.meta.get(field) is not None else example.solution
+        return str(text) if text else False
+
+    def reference_control(self, spec, batch, tokenizer=None):
+        """Every row but a prompt's first `per_group` (those too when its reference has no text: then they are
+        the policy's rollouts)."""
+        n = spec.rollout.samples_per_prompt
+        out = []
+        for i in range(batch.size):
+            ex = batch.examples[i] if len(batch.examples) == batch.size else batch.examples[int(batch.prompt_index[i])]
+            out.append(not (i % n < self.per_group and self.reference_trace(spec, ex) is not False))
+        return out
+
     def model_calls(self, spec) -> list[ModelCall]:
         """A policy_model source writes the traces: one generation of up to rollout.max_new_tokens each."""
         if not self.writer(spec):

@@ -167,6 +167,42 @@ class AdvantageRegression(Objective):
 
         return soft_value_reference(rewards, group, self.beta1, list(control) if self.baseline == "control" else None)
 
+    def reference_loss(self, batch, mask, view, inputs: dict) -> dict:
+        """The referee's loss (DESIGN.md section 10), written again per row in float64, calling none of the helpers
+        above: with anchor_t as declared (policy tokens: the old log-prob the referee checked, `inputs["old"]`, or
+        the stage-start weights' `inputs["initial"]` for reference initial; another origin: a constant kappa, or the
+        sampler's log-prob for `policy` / `behavior`), lr_i = sum_t m_t (log pi_t - anchor_t),
+
+          L = sum_i w_i (beta2 lr_i - A_i)^2 / sum_i w_i,   d L / d log pi_t = 2 beta2 w_i (beta2 lr_i - A_i) / sum_i w_i
+
+        on row i's loss tokens. "scale" 2 beta2 max_i w_i / sum_i w_i, the gradient per unit residual, is the unit the
+        referee measures errors in (a batch whose residuals are all near 0 has a near-0 gradient)."""
+        import torch
+
+        m = mask.cpu()
+        lp = view.logprobs.detach().cpu().double()
+        old = inputs["old"].detach().cpu().double()
+        origin = batch.origin.cpu()
+        w = batch.seq_weight.cpu().double().tolist() if batch.seq_weight is not None else [1.0] * m.shape[0]
+        den = sum(w)
+        grad = torch.zeros(m.shape, dtype=torch.float64)
+        value = 0.0
+        for i in range(m.shape[0]):
+            lr = 0.0
+            for t in m[i].nonzero().flatten().tolist():
+                o = int(origin[i, t])
+                a = float(old[i, t])
+                if o == CODE["policy"] and self.reference == "initial":
+                    a = float(inputs["initial"][i, t])
+                for name, kappa in self.anchor.items():
+                    if o == CODE[name] and not isinstance(kappa, str):
+                        a = float(kappa)
+                lr += float(lp[i, t]) - a
+            resid = self.beta2 * lr - float(inputs["advantages"][i])
+            value += w[i] * resid * resid / (den or 1.0)
+            grad[i] = m[i].double() * (2 * self.beta2 * w[i] * resid / (den or 1.0))
+        return {"value": value, "grad": grad, "scale": 2 * self.beta2 * max(w + [0.0]) / (den or 1.0)}
+
     def advantage_metrics(self, batch: TrajectoryBatch) -> dict[str, float]:
         """V_hat's mean and the groups without baseline rows (their V_hat falls back to all rows)."""
         out = super().advantage_metrics(batch)

@@ -123,6 +123,10 @@ class Objective(Component):
         `advantages`. None (the default): no reference, so the referee reports the advantages "not covered"."""
         return None
 
+    def short_run_overrides(self, spec) -> list[str]:
+        """Overrides the referee's short run needs for this objective's parts to act (none by default)."""
+        return []
+
     def reference_loss(self, batch, mask, view, inputs: dict) -> dict | None:
         """The referee's loss (DESIGN.md section 10): this objective's loss on `batch` written again plainly, from
         the loss tokens `mask` [B, T] (the plan's origins in the gate's rows), the policy as the loss read it

@@ -443,6 +443,12 @@ class Grpo(Objective):
         }
         return total, metrics
 
+    def short_run_overrides(self, spec) -> list[str]:
+        """A bound acts only where the ratio leaves 1: with one on-policy update per step it never does, so the
+        referee's short run makes a second pass over each step's rollouts (train.epochs=2)."""
+        one_update = spec.train.epochs * spec.train.mini_batches == 1
+        return ["train.epochs=2"] if self.bound != "none" and one_update else []
+
     def reference_loss(self, batch, mask, view, inputs: dict) -> dict | None:
         """The referee's loss (DESIGN.md section 10), written again per row in float64 from the formulas of
         `bounded_surrogate`, `sequence_log_ratio` and `geometric_log_clip` (calling none of them), from the inputs
@@ -453,24 +459,39 @@ class Grpo(Objective):
           clip  -min(rho A, clip(rho) A), dual clip c: at most -c A for A < 0;  mask  -rho A on [lo, hi], else 0
           cispo -clip(rho) A log pi;  topr -w A log pi, w = 1 (A >= 0) or clip(rho, 0, 1);  none -A log pi
           log_clip (GMPO)  -A exp(mean_t k_t), k_t = d_t clipped to [-clip_low, clip_high] on the side sgn(A) binds
-        plus kl_coef x agg(k(log pi - log pi_init)) on the policy's tokens. L = sum_t W_t l_t (the aggregation's
-        weights); returns the value and d L / d log pi. None (not covered here) with a token selection or an
-        off-policy weight (composer/referee/checks.py `grpo_parts` recomputes those)."""
+        plus kl_coef x agg(k(log pi - log pi_init)) on the policy's tokens. A token of the step's selection
+        (`inputs["token_select"]` [B, T], the run's choice once the referee has checked it against the selection's
+        own reference) takes the selection's `reference_token`; a token the policy did not write (weighted_origins)
+        takes -A w(pi) from the weight form's `reference`, no ratio, no KL (those origins read from loss_tokens here). L = sum_t W_t l_t (the aggregation's
+        weights); returns the value, d L / d log pi, the KL term per unit of kl_coef ("kl_value", "kl_grad") and
+        "acted": the tokens where the bound, the selection and the weight form changed the loss (a short run whose
+        clip never binds has not exercised it).
+        None (not covered) when a selection acts and the batch is not its whole step (no "token_select")."""
         import torch
 
-        if self.token_selection.acts or self.weighted_origins():
+        sel = inputs.get("token_select") if self.token_selection.acts else None
+        if self.token_selection.acts and sel is None:
             return None
         m = mask.cpu()
         W = reference_token_weights(m, self.loss_agg, None, self.norm_const)  # [B, T]
         lp = view.logprobs.detach().cpu().double()
         old = inputs["old"].detach().cpu().double()
+        # tokens the policy did not write, trained by the declared weight form (written again: not weighted_origins)
+        unwritten = [o for o in self.loss_tokens if o in ("guide_prefix", "guide_intervention", "demonstration")]
+        off_m = (batch.mask(unwritten).cpu() & m if unwritten and type(self.off_policy_weight).acts
+                 else torch.zeros_like(m))
         lo, hi = self.bounds()
         value, grad = 0.0, torch.zeros_like(W)
+        acted = {"bound": 0, "token_selection": 0, "off_policy_weight": int(off_m.sum())}  # tokens where each acted
         for i in range(m.shape[0]):
-            on = m[i].nonzero().flatten().tolist()
+            A = float(inputs["advantages"][i]) if m[i].any() else 0.0
+            for t in off_m[i].nonzero().flatten().tolist():  # -A w(pi): no ratio, no clip
+                w, dw = self.off_policy_weight.reference(float(lp[i, t]))
+                value += float(W[i, t]) * -A * w
+                grad[i, t] = float(W[i, t]) * -A * dw
+            on = (m[i] & ~off_m[i]).nonzero().flatten().tolist()
             if not on:
                 continue
-            A = float(inputs["advantages"][i])
             w_row = sum(float(W[i, t]) for t in on)  # the row's total weight
             d = {t: float(lp[i, t] - old[i, t]) for t in on}
             if self.bound == "none":
@@ -487,6 +508,7 @@ class Grpo(Objective):
                 value += w_row * -A * s
                 for t in on:  # d k / d d_t: 1 where the clip leaves the log-ratio free, else 0
                     free = d[t] <= hi if A > 0 else d[t] >= -lo if A < 0 else -lo <= d[t] <= hi
+                    acted["bound"] += not free
                     grad[i, t] = w_row * -A * s / len(on) * (1.0 if free and abs(x) <= 20 else 0.0)
                 continue
             if self.ratio == "token":
@@ -501,20 +523,29 @@ class Grpo(Objective):
                 x = xs[t]
                 rho = math.exp(min(max(x, -20.0), 20.0))
                 live = abs(x) <= 20.0  # the clamp of the log-ratio passes no gradient
+                if sel is not None and bool(sel[i, t]):  # the step's selection (token ratio, clip: validated)
+                    acted["token_selection"] += 1
+                    l_val, g = self.token_selection.reference_token(A, d[t])
+                    value += float(W[i, t]) * l_val
+                    grad[i, t] += float(W[i, t]) * g
+                    continue
                 if self.bound in ("cispo", "topr"):  # a detached weight on -A log pi: every token's own gradient
                     wt = (min(max(rho, 1 - lo), 1 + hi) if self.bound == "cispo"
                           else 1.0 if A >= 0 else min(max(rho, 0.0), 1.0))
+                    acted["bound"] += wt != (rho if self.bound == "cispo" or A < 0 else 1.0)
                     value += float(W[i, t]) * -wt * A * float(lp[i, t])
                     grad[i, t] += float(W[i, t]) * -wt * A
                     continue
                 if self.bound == "mask":
                     keep = 1 - lo <= rho <= 1 + hi
+                    acted["bound"] += not keep
                     l_val, dl_drho = (-rho * A, -A) if keep else (0.0, 0.0)
                 else:  # clip, with the dual clip
                     clipped = min(max(rho, 1 - lo), 1 + hi)
                     surrogate, dl_drho = (rho * A, -A) if rho * A <= clipped * A else (clipped * A, 0.0)
                     if self.dual_clip is not None and A < 0 and surrogate < self.dual_clip * A:
                         surrogate, dl_drho = self.dual_clip * A, 0.0
+                    acted["bound"] += surrogate != rho * A
                     l_val = -surrogate
                 value += float(W[i, t]) * l_val
                 g = float(W[i, t]) * dl_drho * rho * (1.0 if live else 0.0)  # d l_t / d x
@@ -523,10 +554,11 @@ class Grpo(Objective):
                 else:  # x is the row's: every on-token moves it by dx
                     for u in on:
                         grad[i, u] += g * dx
+        kl_value, kl_grad = 0.0, torch.zeros_like(W)
         kl_coef = float(inputs.get("kl_coef") or 0.0)
-        if kl_coef > 0:
+        if kl_coef > 0:  # on the policy's own tokens (an estimate from its samples)
             delta = lp - inputs["initial"].detach().cpu().double()
-            for i, t in m.nonzero().tolist():
+            for i, t in (m & ~off_m).nonzero().tolist():
                 x = float(delta[i, t])
                 if self.kl_estimator == "k1":
                     kv, kg = x, 1.0
@@ -537,9 +569,11 @@ class Grpo(Objective):
                     kv = math.exp(-xc) + xc - 1.0
                     kg = 1.0 - math.exp(-xc) if abs(x) <= 20.0 and abs(kv) <= 10.0 else 0.0
                     kv = min(max(kv, -10.0), 10.0)
-                value += kl_coef * float(W[i, t]) * kv
-                grad[i, t] += kl_coef * float(W[i, t]) * kg
-        return {"value": value, "grad": grad}
+                kl_value += float(W[i, t]) * kv
+                kl_grad[i, t] += float(W[i, t]) * kg
+        scale = float(W[m].max()) if m.any() else 0.0  # errors per unit advantage of a token's weight
+        return {"value": value + kl_coef * kl_value, "grad": grad + kl_coef * kl_grad,
+                "kl_value": kl_value, "kl_grad": kl_grad, "scale": scale, "acted": acted}
 
     def selected_loss(self, batch: TrajectoryBatch, loss_tok: Tensor, log_r: Tensor, ratio: Tensor, adv: Tensor,
                       mask: Tensor) -> tuple[Tensor, dict[str, float]]:

@@ -41,6 +41,11 @@ class OffPolicyWeight(Component):
     def weight(self, logp: Tensor) -> Tensor:
         raise NotImplementedError
 
+    def reference(self, lp: float) -> tuple[float, float]:
+        """The referee's form (DESIGN.md section 10), written again in plain float64 arithmetic, sharing nothing with
+        `weight`: (w, d w / d log pi) at one token's current log-prob lp."""
+        raise NotImplementedError
+
     def describe(self) -> str:
         """The form in words, for `explain`."""
         raise NotImplementedError
@@ -72,6 +77,10 @@ class Shaped(OffPolicyWeight):
     def weight(self, logp):
         return torch.sigmoid(logp - math.log(self.gamma))  # [B, T] = pi / (pi + gamma)
 
+    def reference(self, lp):
+        pi = math.exp(lp)  # w = pi / (pi + gamma); d w / d log pi = gamma pi / (pi + gamma)^2
+        return pi / (pi + self.gamma), self.gamma * pi / (pi + self.gamma) ** 2
+
     def describe(self) -> str:
         return f"pi / (pi + {self.gamma:g}) (LUFFY's policy shaping)"
 
@@ -84,6 +93,9 @@ class Prob(OffPolicyWeight):
 
     def weight(self, logp):
         return torch.exp(logp)
+
+    def reference(self, lp):
+        return math.exp(lp), math.exp(lp)  # w = pi; d pi / d log pi = pi
 
     def describe(self) -> str:
         return "pi (the ratio pi / 1)"
@@ -99,6 +111,10 @@ class Pow(OffPolicyWeight):
     def weight(self, logp):
         return torch.exp(self.alpha * logp)
 
+    def reference(self, lp):
+        pa = math.exp(lp) ** self.alpha  # w = pi^alpha; d w / d log pi = alpha pi^alpha
+        return pa, self.alpha * pa
+
     def describe(self) -> str:
         return f"pi^{self.alpha:g}"
 
@@ -111,6 +127,9 @@ class Log(OffPolicyWeight):
 
     def weight(self, logp):
         return logp
+
+    def reference(self, lp):
+        return lp, 1.0  # w = log pi
 
     def describe(self) -> str:
         return "log pi (no ratio: -A log pi)"

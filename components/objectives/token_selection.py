@@ -33,6 +33,7 @@ Intended differences from verl (the paper's code):
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, model_validator
@@ -92,6 +93,17 @@ class TokenSelection(Component):
     def describe(self) -> str:
         raise NotImplementedError
 
+    # ---- the referee's formulas (DESIGN.md section 10): written again in plain Python, sharing nothing above
+
+    def reference_problem(self, cov: list[float], chosen: list[bool]) -> str | None:
+        """Why the run's choice `chosen` [N] over the step's N loss tokens (row-major) is not this selection's at the
+        covariances `cov` [N] the referee recomputed, or None when it is."""
+        raise NotImplementedError
+
+    def reference_token(self, adv: float, d: float) -> tuple[float, float]:
+        """(l_t, d l_t / d log pi) of a selected token at the advantage `adv` and log-ratio d = log pi - log pi_old."""
+        raise NotImplementedError
+
     def select(self, logp: Tensor, adv: Tensor, mask: Tensor, tokens: Tensor) -> tuple[Tensor, dict[str, float]]:
         """logp [B, T] (the step's starting log-probs), adv [B] (the rows' advantages), mask [B, T] bool (the loss
         tokens), tokens [B, T] -> (selected [B, T] bool, facts over the whole step: tokens N, selected, and the
@@ -140,6 +152,22 @@ class KlCov(TokenSelection):
         chosen[top] = True
         return chosen, {}
 
+    def reference_problem(self, cov, chosen):
+        n = len(cov)
+        count = max(1, math.floor(self.k * n)) if n else 0
+        order = sorted(range(n), key=lambda i: (-cov[i], i))  # largest first, ties by position
+        want = set(order[:count])
+        got = {i for i in range(n) if chosen[i]}
+        if len(got) != count:
+            return f"the run selected {len(got)} tokens, max(1, floor({self.k:g} x {n})) = {count}"
+        kth = cov[order[count - 1]] if count else 0.0
+        bad = [i for i in want ^ got if abs(cov[i] - kth) > 1e-9]  # only ties at the k-th value may differ
+        return f"the top {count} by Cov_t differ from the run's at {len(bad)} tokens" if bad else None
+
+    def reference_token(self, adv, d):
+        rho = math.exp(d)  # l = -A rho + beta |d|; d l / d log pi = -A rho + beta sign(d)
+        return -adv * rho + self.beta * abs(d), -adv * rho + self.beta * ((d > 0) - (d < 0))
+
     def describe(self) -> str:
         return (f"KL-Cov: the top max(1, floor({self.k:g} N)) of the step's N loss tokens by Cov_t = (log pi - mean) "
                 f"(A - mean) get -A rho + {self.beta:g} |log rho| in place of the bounded term")
@@ -183,6 +211,19 @@ class ClipCov(TokenSelection):
         chosen = torch.zeros(cov.numel(), dtype=torch.bool)
         chosen[pick] = True
         return chosen, {"candidates": float(cand.numel())}
+
+    def reference_problem(self, cov, chosen):
+        n = len(cov)
+        band = {i for i in range(n) if self.omega_low < cov[i] < self.omega_high}
+        count = min(max(1, math.floor(self.r * n)) if n else 0, len(band))
+        got = {i for i in range(n) if chosen[i]}
+        if len(got) != count or got - band:
+            return (f"the run selected {len(got)} tokens ({len(got - band)} outside the band {self.omega_low:g} < "
+                    f"Cov_t < {self.omega_high:g}); the spec's count is {count} of {len(band)} in the band")
+        return None
+
+    def reference_token(self, adv, d):
+        return 0.0, 0.0  # no loss, no gradient
 
     def describe(self) -> str:
         return (f"Clip-Cov: max(1, floor({self.r:g} N)) of the step's N loss tokens with {self.omega_low:g} < Cov_t < "

@@ -21,6 +21,7 @@ class OutcomeReward(Source):
 
     provides: ClassVar = ("sequence_reward",)
     pi: ClassVar[str] = "posterior"
+    decides_success: ClassVar[bool] = True
 
     @field_validator("verifier")
     @classmethod

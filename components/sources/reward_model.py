@@ -38,6 +38,7 @@ class RewardModel(Source):
 
     provides: ClassVar = ("sequence_reward",)
     pi: ClassVar[str] = "posterior"
+    scored_by_model: ClassVar[bool] = True
 
     @property
     def model_path(self) -> str | None:

@@ -46,6 +46,17 @@ class OverlongPenalty(Source):
         cap = self.max_tokens or ctx.max_new_tokens  # the cap generation actually ran under
         return overlong_penalty(response_lengths(batch), cap, min(self.buffer, cap), self.factor)
 
+    def short_run_overrides(self):
+        """A cap some of the toy's 6-step answers pass into the buffer, so the penalty acts in a short run."""
+        return [] if self.max_tokens else ["rollout.max_new_tokens=40"]
+
+    def reference_rewards(self, lengths, response_cap):
+        """-factor * clip(|o| - (L_max - L_cache), 0, L_cache) / L_cache (DAPO eq. 13), L_max = max_tokens or the
+        run's cap, L_cache = min(buffer, L_max)."""
+        cap = self.max_tokens or response_cap
+        buf = min(self.buffer, cap)
+        return [-self.factor * min(max(n - (cap - buf), 0), buf) / buf for n in lengths]
+
 
 @register("sources")
 class LengthPenalty(Source):
@@ -59,3 +70,6 @@ class LengthPenalty(Source):
 
     def rewards(self, ctx, batch):
         return -self.coef * response_lengths(batch)
+
+    def reference_rewards(self, lengths, response_cap):
+        return [-self.coef * n for n in lengths]  # -coef |o|

@@ -4,10 +4,11 @@ composer/referee/checks.py holds the formulas). `referee(path)` -> a Report (a t
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
-from composer.referee.checks import (GRADIENTS, KL_TOL, NOISE, Report, _groups, _max, covered,
-                                     declared_filter_source, declared_gate_source, expected_control, expected_rewards, source_rewards,
+from composer.referee.checks import (KL_TOL, NOISE, Report, _groups, _max, has_reference_loss, step_selection,
+                                     declared_filter_source, declared_gate_source, expected_rewards, source_rewards,
                                      expected_syncs,
                                      gate_select, loss_origins, segment_of, stage_start, surprisal, teacher_logprobs,
                                      teacher_state, truncated, verdict_rewards)
@@ -23,12 +24,16 @@ def referee(path, out_dir, extra=(), as_declared: bool = False) -> Report:
     v, plan, rec, rows = run_recorded(Path(path), Path(out_dir), extra, as_declared)
     rep = check_recorded(v, plan, rec, rows)
     rep.spec = str(path)
+    from composer.referee.coverage import rows as coverage_rows
+
+    idle = [f"{r['path']} ({r['kind']})" for r in coverage_rows(v, rep) if r["idle"]]
+    rep.note("parts exercised", f"not exercised: {', '.join(idle)} (composer check --coverage says why)" if idle
+             else "every part with facts was exercised")
+    rep.v = v
     return rep
 
 
 def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
-    import torch
-
     from composer.checks.terms import scored_origins, terms
     from composer.lang.curves import reference_value
 
@@ -75,8 +80,12 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
                 rep.expect("guide tokens scored as declared", bool((b.known_mask[m] == want).all()),
                            f"step {e['step']}: {o}: known must be {want}")
         prefixed += _check_prefix_rows(rep, spec, b, e, rec.tokenizer, rec.written, rec.judged)
-        prefix_guides += spec.rollout.guide.kind_name() == "prefix"
-        want = expected_control(spec, b, rec.tokenizer)
+        prefix_guides += hasattr(spec.rollout.guide, "reference_prefix_steps")
+        want = spec.rollout.guide.reference_control(spec, b, rec.tokenizer)  # the guide's own rule (its file)
+        if want is None:
+            rep.expect("control rows covered", False, f"step {e['step']}: guide {spec.rollout.guide.kind_name()} "
+                       "declares no reference_control: its control rows are not covered")
+            want = b.control.tolist()
         control_of[id(b.tokens)] = want
         guided = b.mask(GUIDE_ORIGINS).any(-1).tolist()
         bad_guided = [i for i in range(b.size) if want[i] and guided[i]]
@@ -86,7 +95,7 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
         rep.expect("control rows as declared", flags == want,
                    f"step {e['step']}: control flags {sum(flags)} rows, the spec's {sum(want)} "
                    f"(differ at rows {[i for i in range(b.size) if flags[i] != want[i]][:6]})")
-        if spec.rollout.guide.kind_name() == "none":
+        if not spec.rollout.guide.writes_now():
             rep.expect("no guide, no guide tokens", not any(guided), f"step {e['step']}: guide tokens with no guide")
 
     if prefix_guides:
@@ -110,7 +119,7 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
                            f"{e['source']} ({e['usage']}): context '{name}' missing from its prompt")
     for seg in v.segments:
         for n, s in seg.spec.sources.items():
-            if s.kind_name() == "policy_model" and s.context and any(e["source"] == n for e in prompts):
+            if getattr(s, "context", None) and any(e["source"] == n for e in prompts):
                 rep.expect("declared contexts in prompts", any(t is not None for e in prompts if e["source"] == n
                                                                for t in e["context"].values()),
                            f"{n}: no prompt carried its context")
@@ -151,42 +160,41 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
     gated_rows: dict = {}
     gate_of: dict[int, list] = {}  # id(term event) -> the referee's rows (None: no gate)
     eos = of(rec.tokenizer).ids if rec.tokenizer is not None else None  # the stop tokens (composer/stops.py)
+    filtered = _filter_reference(v, rec, events, term_events, eos)  # per step: the rows its rollout.filter keeps
     for e in term_events:
         spec = segment_spec(v, e["segment"])
         names = [n for n, _s, _o, _w in terms(spec)]
         gate = next((g for n, g in zip(names, _gates(spec)) if n == e["term"]), None)
         b = e["batch"]
         want = None
+        rows_, slot, where, kept = _step_rows(events, e["step"], b, spec.rollout.samples_per_prompt, filtered) \
+            if gate is not None or e["step"] in filtered else (None, None, None, None)
         if gate is not None:
+            # over the step's rollout as its terms see it: after rollout.filter, only the rows (and groups) it kept
             src = declared_gate_source(gate, spec)
             thr = spec.sources[src].success_threshold
-            rollout, where = _rollout_rows(events, e["step"], b)
-            if rollout is None:
+            if rows_ is None:
                 rep.expect("gate rows recomputed", False, f"step {e['step']} {e['term']}: no recorded rollout for its gate")
                 continue
-            r = verdict_rewards(rec, spec, src, rollout)
+            r = _per_row(rows_, lambda x: verdict_rewards(rec, spec, src, x))
             if r is None:
                 rep.expect("gate rows recomputed", False, f"step {e['step']} {e['term']}: rows without a verdict")
                 continue
             ok = [x >= thr for x in r]
-            n = spec.rollout.samples_per_prompt
-            group = [i // n for i in range(rollout.size)]  # rows are written prompt by prompt
-            sel = gate_select(gate, ok, group, surprisal(rollout)
+            sel = gate_select(gate, ok, slot, _per_row(rows_, surprisal)
                               if gate.entropy_above_quantile is not None or gate.entropy_below_quantile is not None
                               else None)
             if where is not None:
                 want = [sel[j] for j in where]
             else:  # a batch its signal built: each row takes its prompt's rollouts' group facts
-                by_prompt = {rollout.examples[i].prompt: sel_group for i, sel_group in enumerate(
-                    gate_select(gate.model_copy(update={"outcome": None, "sibling_success": None}), ok, group, None))}
+                by_prompt = {rows_[j][0].examples[rows_[j][1]].prompt: sel_group for j, sel_group in enumerate(
+                    gate_select(gate.model_copy(update={"outcome": None, "sibling_success": None}), ok, slot, None))}
                 want = [by_prompt.get(ex.prompt, False) for ex in b.examples]
             gated_rows.setdefault(e["term"], [0, 0])
             gated_rows[e["term"]][0] += sum(want)
             gated_rows[e["term"]][1] += len(want)
-        flt = spec.rollout.filter
-        if flt.truncated == "mask" and eos is not None and b.rewards is not None:
-            cut = truncated(b, eos)
-            want = [(True if want is None else want[i]) and not cut[i] for i in range(b.size)]
+        if where is not None and kept is not None and not all(kept):  # rollout.filter.truncated masks these rows
+            want = [(True if want is None else want[i]) and kept[where[i]] for i in range(b.size)]
         gate_of[id(e)] = want
         got = None if b.row_mask is None else b.row_mask.cpu().tolist()
         if want is not None or got is not None:
@@ -200,8 +208,8 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
     if gated_rows:
         rep.note("every gated term selected a row", ", ".join(f"{t}: {s}/{n}" for t, (s, n) in gated_rows.items()))
 
-    # ---- filters: which groups DAPO's equal_groups keeps, how many rounds it takes
-    _check_filters(v, plan, rec, rep, events, term_events)
+    # ---- filters: which prompts and rows the step's rollout.filter keeps, how many rounds it takes
+    _check_filters(rep, filtered, term_events)
 
     # ---- the numbers: advantages, references, teachers, each loss and gradient
     seen = {"advantages": 0, "mixed_groups": 0, "reference": 0, "stage_reference": 0, "gradient": 0, "kl": 0,
@@ -219,7 +227,7 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
         control = b.control.tolist()
         if where is not None and id(rollout.tokens) in control_of:
             control = [control_of[id(rollout.tokens)][j] for j in where]
-        if b.rewards is not None and sig is not None and sig.kind_name() == "reward":  # before the advantages read them
+        if b.rewards is not None and sig is not None and sig.usage == "reward":  # before the advantages read them
             got_parts = expected_rewards(rec, spec, sig, b, task_cap, step)
             if got_parts is None:
                 rep.note("rewards recomputed", "a row without its verdict, or a plugin's reward part: not recomputed")
@@ -263,7 +271,7 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
                        f"start (step {start}): off by {err:.3g}" + (f" (the run's start is {sep:.3g} away)" if sep else ""))
             seen["reference"] += 1
 
-        if b.teacher_logprobs is not None and sig.kind_name() == "distillation":
+        if b.teacher_logprobs is not None and sig.usage == "teacher":
             _check_teacher(v, plan, rec, rep, e, spec, sig, seen, cache)
 
         old = b.behavior_logprobs.detach().cpu() if b.behavior_logprobs is not None else None
@@ -281,46 +289,14 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
             old = b.old_logprobs.detach().cpu() if err <= TOL else fresh
         elif b.old_logprobs is not None:
             old = b.old_logprobs.detach().cpu()
-        if e["grad"] is not None and not covered(obj):  # the part's own reference loss (its file), if it has one
+        if e["grad"] is not None and obj.value_model() is None:  # the part's own reference loss (its file)
+            # (an objective with a critic: its policy loss with the referee's GAE in composer/referee/critic.py)
             kl = float(reference_value(getattr(obj, "kl_coef", 0.0), step)) if obj.wants_initial else 0.0
-            if ref is None and kl and start in rec.weights_at:
+            if ref is None and (kl or obj.wants_initial) and start in rec.weights_at:
                 ref = fresh_logprobs(rec.weights(start), b.tokens.cpu(), b.attention_mask.cpu(), temp)
             _check_reference_loss(rep, e, plan, gate_of, seen,
-                                  {"old": old, "initial": ref, "advantages": adv, "kl_coef": kl})
-        if e["grad"] is not None and covered(obj) and old is not None and step in rec.rollout_at:
-            if ref is None and start in rec.weights_at and getattr(obj, "kl_coef", 0):
-                ref = fresh_logprobs(rec.weights(start), b.tokens.cpu(), b.attention_mask.cpu(), temp)
-            mask = (b.mask(loss_origins(plan, step, e["term"])) & b.attention_mask.bool()).cpu()
-            rows_ = gate_of.get(id(e))
-            if rows_ is not None:
-                mask = mask & torch.tensor(rows_, dtype=torch.bool)[:, None]
-            kl_coef = float(reference_value(getattr(obj, "kl_coef", 0.0), step)) if hasattr(obj, "kl_coef") else 0.0
-            cur = e["view"].logprobs.detach().cpu()
-            parts = GRADIENTS[obj.kind_name()](obj, b, mask, cur, old, ref, adv, kl_coef)
-            if parts is None:
-                continue
-            grad = e["grad"].double()
-            unit = 1.0 / float(parts["w"][mask].max()) if mask.any() else 1.0
-            want = parts["pg_grad"] + kl_coef * parts["kl_grad"]
-            err = float((want - grad).abs().max()) * unit
-            rep.expect("loss gradient recomputed", err <= 5e-3,
-                       f"step {step} {e['term']}: the loss's gradient differs from {obj.kind_name()}'s formula with the "
-                       f"declared advantages, gate rows and anchors (by {err:.3g} per unit)")
-            value = parts["pg_value"] + kl_coef * parts["kl_value"]
-            rep.expect("loss value recomputed", abs(e["loss_value"] - value) <= 1e-3 * (1 + abs(value)),
-                       f"step {step} {e['term']}: loss {e['loss_value']:.6g}, the formula's {value:.6g}")
-            seen["gradient"] += 1
-            if kl_coef > 0:  # the KL term on its own, per unit of kl_coef: a small coefficient hides nothing
-                kl_grad = (grad - parts["pg_grad"]) / kl_coef
-                kerr = float((kl_grad - parts["kl_grad"]).abs().max()) * unit
-                rep.expect(f"KL term ({obj.kl_estimator}) gradient at kl_coef", kerr <= KL_TOL,
-                           f"step {step} {e['term']}: the KL term's gradient per unit kl_coef is off by {kerr:.3g} "
-                           f"from {obj.kl_estimator}'s formula (kl_coef {kl_coef:g})")
-                kval = (e["loss_value"] - parts["pg_value"]) / kl_coef
-                rep.expect(f"KL term ({obj.kl_estimator}) value at kl_coef",
-                           abs(kval - parts["kl_value"]) <= KL_TOL * (1e-2 + abs(parts["kl_value"])) + 1e-3,
-                           f"step {step} {e['term']}: KL value {kval:.4g}, {obj.kl_estimator}'s formula {parts['kl_value']:.4g}")
-                seen["kl"] += 1
+                                  {"old": old, "initial": ref, "advantages": adv, "kl_coef": kl,
+                                   "token_select": step_selection(b, e, plan, gate_of)})
 
     objectives = [(seg, obj) for seg in v.segments for _n, _s, obj, _w in terms(seg.spec) if obj is not None]
     if any(type(obj).uses_group_baseline for _s, obj in objectives) and rolls:
@@ -328,20 +304,20 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
                    f"no mixed group seen: nothing tested the advantages ({seen['advantages']} batches)")
     if any(obj.wants_initial for _s, obj in objectives) and rolls:
         rep.expect("saw reference log-probs", seen["reference"], "no reference log-prob checked")
-    if any(covered(obj) for _s, obj in objectives) and rolls:
+    if any(has_reference_loss(obj) for _s, obj in objectives) and rolls:
         rep.expect("saw gradients", seen["gradient"], "no gradient checked against its formula")
-    if any(sig is not None and sig.kind_name() == "distillation" for seg in v.segments for _n, sig, _o, _w in terms(seg.spec)):
+    if any(sig is not None and sig.usage == "teacher" for seg in v.segments for _n, sig, _o, _w in terms(seg.spec)):
         rep.expect("saw teacher log-probs", seen["teacher"], "no teacher log-prob checked")
-    if any(s.kind_name() == "policy_model" and s.is_self and s.weights == "ema" for seg in v.segments
+    if any(getattr(s, "is_self", False) and getattr(s, "weights", None) == "ema" for seg in v.segments
            for s in seg.spec.sources.values()) and seen["teacher"]:
         rep.expect("EMA teacher moved", seen["ema_moved"],
                    f"the EMA teacher never differed from its start in {seen['teacher']} checks: a frozen teacher "
                    "would pass (run longer)")
-    if any(sig is not None and sig.kind_name() == "reward" and sig.plus for seg in v.segments
+    if any(sig is not None and sig.usage == "reward" and sig.plus for seg in v.segments
            for _n, sig, _o, _w in terms(seg.spec)) and rolls:
         rep.expect("saw reward parts act", seen["reward_parts"],
                    "no row's reward was changed by the declared `plus` parts: their formula went untested")
-    if any("guide_intervention" in obj.loss_tokens and covered(obj) for _s, obj in objectives):
+    if any("guide_intervention" in obj.loss_tokens and has_reference_loss(obj) for _s, obj in objectives):
         rep.expect("saw trained interventions", seen["interventions"], "no intervention token trained")
     rep.note("saw gradients", ", ".join(f"{k} {n}" for k, n in seen.items()))
 
@@ -420,10 +396,13 @@ def _check_reference_loss(rep, e, plan, gate_of, seen, inputs: dict) -> None:
         mask = mask & torch.tensor(rows_, dtype=torch.bool)[:, None]
     want = obj.reference_loss(b, mask, e["view"], inputs)
     if want is None:
-        rep.note("loss recomputed (reference)", f"{obj.kind_name()}: no reference_loss in its file: not covered")
+        rep.note("loss recomputed (reference)", f"{obj.kind_name()}: " + (
+            "no reference_loss in its file: not covered" if not has_reference_loss(obj) else
+            "a mini-batch of its step, whose token selection is the whole step's: not covered"))
         return
     grad = e["grad"].double()
-    unit = 1.0 / float(want["grad"].abs()[mask].max()) if mask.any() and bool((want["grad"][mask] != 0).any()) else 1.0
+    scale = want.get("scale") or (float(want["grad"].abs()[mask].max()) if mask.any() else 0.0)
+    unit = 1.0 / scale if scale > 0 else 1.0  # errors per unit of the gradient's own scale
     err = float((want["grad"] - grad).abs().max()) * unit
     rep.expect("loss gradient recomputed (reference)", err <= 5e-3,
                f"step {step} {e['term']}: the loss's gradient differs from {obj.kind_name()}'s reference_loss on the "
@@ -432,16 +411,34 @@ def _check_reference_loss(rep, e, plan, gate_of, seen, inputs: dict) -> None:
                f"step {step} {e['term']}: loss {e['loss_value']:.6g}, {obj.kind_name()}'s reference_loss "
                f"{want['value']:.6g}")
     seen["gradient"] += 1
+    rep.checked[e["term"]] = rep.checked.get(e["term"], 0) + 1
+    for part, n in (want.get("acted") or {}).items():  # where the part changed the loss (coverage: exercised)
+        rep.act(e["term"], part, n)
+    lengths = {int(n) for n in mask.sum(-1).tolist() if n}  # an aggregation tells rows apart only by their lengths
+    rep.act(e["term"], "aggregation", len(lengths) > 1)
+    kl_coef = float(inputs.get("kl_coef") or 0.0)
+    if kl_coef > 0 and "kl_grad" in want:  # the KL term on its own, per unit of kl_coef: a small one hides nothing
+        est = getattr(obj, "kl_estimator", "kl")
+        pg_grad = want["grad"] - kl_coef * want["kl_grad"]
+        kerr = float(((grad - pg_grad) / kl_coef - want["kl_grad"]).abs().max()) * unit
+        rep.expect(f"KL term ({est}) gradient at kl_coef", kerr <= KL_TOL,
+                   f"step {step} {e['term']}: the KL term's gradient per unit kl_coef is off by {kerr:.3g} from "
+                   f"{obj.kind_name()}'s reference (kl_coef {kl_coef:g})")
+        kval = (e["loss_value"] - (want["value"] - kl_coef * want["kl_value"])) / kl_coef
+        rep.expect(f"KL term ({est}) value at kl_coef",
+                   abs(kval - want["kl_value"]) <= KL_TOL * (1e-2 + abs(want["kl_value"])) + 1e-3,
+                   f"step {step} {e['term']}: KL value {kval:.4g}, the reference's {want['kl_value']:.4g}")
+        seen["kl"] += 1
 
 
 def _check_prefix_rows(rep, spec, b, e, tokenizer, written, judged) -> int:
     """A prefix guide's rows: which prompts are guided and how many reference steps each row shows (its prompt's
-    text, or its guide_prefix tokens), recomputed from the spec (`expected_prefix_steps`); the steps shown are the
+    text, or its guide_prefix tokens), recomputed from the spec (the guide's `reference_prefix_steps`); the steps shown are the
     row's own reference's first ones."""
-    from composer.referee.checks import expected_prefix_steps, shown_prefix_steps
+    from composer.referee.checks import shown_prefix_steps
 
     g = spec.rollout.guide
-    if g.kind_name() != "prefix" or tokenizer is None:
+    if not hasattr(g, "reference_prefix_steps") or tokenizer is None:
         return 0
     src = spec.sources[g.reference]
     sep = e.get("step_split") or "\n"
@@ -452,7 +449,7 @@ def _check_prefix_rows(rep, spec, b, e, tokenizer, written, judged) -> int:
         text = tokenizer.decode(b.tokens[i][where[i]].tolist(), skip_special_tokens=True)
         if g.placement == "prompt":
             text = text.replace(ex.problem or "\0", "\0", 1)  # the problem's own text is not a step shown
-        if src.kind_name() == "reference_solution":
+        if src.model_path is None:  # a reference text, not a model's traces
             refs = [src.example_text(ex) or ""]
         else:  # a model's trace: the first the declared model wrote for this problem that the verifier accepted
             texts = ((tokenizer.decode(list(p), skip_special_tokens=True), tokenizer.decode(list(t), skip_special_tokens=True))
@@ -469,7 +466,7 @@ def _check_prefix_rows(rep, spec, b, e, tokenizer, written, judged) -> int:
                 while units and not units[-1].strip():
                     units.pop()
                 k = shown_prefix_steps(text, units, sep)
-            want = expected_prefix_steps(spec, ex, e["step"], len(units))
+            want = g.reference_prefix_steps(spec, ex, e["step"], len(units))
             steps = units
             if best is None or (want[0] <= k <= want[1] and k >= best[0]):
                 best = (k, want, len(steps))
@@ -482,64 +479,140 @@ def _check_prefix_rows(rep, spec, b, e, tokenizer, written, judged) -> int:
     return guided
 
 
-def _check_filters(v, plan, rec, rep, events, term_events) -> None:
-    """equal_groups: drop, recomputed: per step the recorded sampling rounds, each group's rewards by the verifier;
-    rounds go on while fewer than prompts_per_step mixed groups are kept and max_rounds allows; the trained batch
-    holds the kept groups, topped up with dropped ones only when the rounds ran out."""
-    steps = sorted({e["step"] for e in term_events})
-    kept_total = sampled_total = 0
-    any_filter = False
-    for step in steps:
+def _filter_reference(v, rec, events, term_events, eos) -> dict:
+    """Per step whose segment declares an active rollout.filter: {"flt", "batches": its recorded sampling rounds,
+    "ref": the filter's own `reference_rows` over them (composer/filters.py)}, the rewards it reads being its
+    source's (the verifier's verdicts as returned, or a reward model's fresh score) and a row cut where its
+    response ends in no stop token (`truncated`)."""
+    out: dict = {}
+    for step in sorted({e["step"] for e in term_events}):
         first = next(e for e in term_events if e["step"] == step)
         spec = segment_spec(v, first["segment"])
         flt = spec.rollout.filter
-        if flt.equal_groups != "drop":
-            continue
-        any_filter = True
-        src = declared_filter_source(flt, spec)
-        n = spec.rollout.samples_per_prompt
-        P = spec.train.prompts_per_step
         rounds = [e["batch"] for k, e in events if k == "rollout" and e["step"] == step]
-        mixed = []
-        group_keys: dict = {}  # a group's rows' keys -> mixed?
-        for r in rounds:
-            rw = source_rewards(rec, spec, src, r, step)
-            if rw is None:
-                rep.expect("filter groups recomputed", False, f"step {step}: rollout rows without a verdict")
-                return
-            m = 0
-            for g in range(r.size // n):
-                rs = rw[g * n:(g + 1) * n]
-                is_mixed = max(rs) != min(rs)
-                m += is_mixed
-                group_keys[frozenset(row_key(r, i) for i in range(g * n, (g + 1) * n))] = is_mixed
-            mixed.append(m)
-            sampled_total += r.size // n
-        want_rounds, kept = None, 0  # None: the recorded rounds end short of P mixed groups and of the cap
-        for k, m in enumerate(mixed):
-            kept += m
-            if kept >= P or (flt.max_rounds is not None and k >= flt.max_rounds):
-                want_rounds = k + 1
-                break
-        rep.expect("filter rounds recomputed", want_rounds == len(rounds),
-                   f"step {step}: {len(rounds)} sampling round(s) with {mixed} mixed groups; the filter should have "
-                   f"taken {want_rounds or f'more than {len(rounds)}'} (prompts_per_step {P}, max_rounds "
-                   f"{flt.max_rounds})")
-        kept_total += min(kept, P)
-        trained: dict = {}
+        if not flt.active or eos is None or not rounds:
+            continue
+        src = declared_filter_source(flt, spec)
+
+        def rewards_of(k, rounds=rounds, spec=spec, src=src, step=step):
+            return None if src is None else source_rewards(rec, spec, src, rounds[k], step)
+
+        ref = flt.reference_rows(rewards_of, [truncated(r, eos) for r in rounds], spec.rollout.samples_per_prompt,
+                                 spec.train.prompts_per_step)
+        out[step] = {"flt": flt, "batches": rounds, "ref": ref, "n": spec.rollout.samples_per_prompt,
+                     "prompts": spec.train.prompts_per_step, "epochs": spec.train.epochs}
+    return out
+
+
+def _step_rows(events, step: int, b, n: int, filtered: dict):
+    """The rows of `step`'s rollout as its terms see them -> (rows [(recorded batch, i)], the prompt slot of each,
+    where: the index in rows of each of b's rows (None: b is a batch its signal built), kept: the filter's row mask
+    over rows (None: every row)); all None when no rollout was recorded. Under an active rollout.filter they are
+    the rows its `reference_rows` keeps (the kept prompts of every round, less the rows `truncated: drop` removes);
+    otherwise the recorded rollout's (rows prompt by prompt, n each)."""
+    f = filtered.get(step)
+    if f is not None and f["ref"] is not None:
+        rows = [(f["batches"][k], i) for k, i in f["ref"]["rows"]]
+        slot, kept = list(f["ref"]["prompt"]), list(f["ref"]["trained"])
+    else:
+        rollout, _where = _rollout_rows(events, step, b)
+        if rollout is None:
+            return None, None, None, None
+        rows, slot, kept = [(rollout, i) for i in range(rollout.size)], [i // n for i in range(rollout.size)], None
+    keys = [row_key(r, i) for r, i in rows]
+    mine = [row_key(b, i) for i in range(b.size)]
+    if mine == keys:
+        return rows, slot, list(range(b.size)), kept
+    idx: dict = {}
+    for j, k in enumerate(keys):
+        idx.setdefault(k, j)
+    where = [idx.get(k) for k in mine]
+    return rows, slot, (where if all(w is not None for w in where) else None), kept
+
+
+def _per_row(rows, fn):
+    """`fn(batch)` (a list over that batch's rows, None when not recomputable) read at each of `rows`
+    [(batch, i)]; None if any batch gave None."""
+    cache: dict = {}
+    out = []
+    for r, i in rows:
+        if id(r) not in cache:
+            cache[id(r)] = fn(r)
+        if cache[id(r)] is None:
+            return None
+        out.append(cache[id(r)][i])
+    return out
+
+
+def _check_filters(rep, filtered: dict, term_events) -> None:
+    """rollout.filter, recomputed by its own `reference_rows` (`_filter_reference`) over each step's recorded
+    sampling rounds: how many rounds the step takes, and which rows each term trains on over the step's
+    mini-batches (each kept row once a pass, train.epochs passes; equal_groups: drop keeps the mixed prompts,
+    topped up with dropped ones only when the rounds ran out; truncated: drop removes the cut rows, so a prompt's
+    group may keep fewer than samples_per_prompt rows); each advantage group lies inside one kept prompt. A filter whose parts never acted in the run (no prompt with
+    all-equal rewards, no response cut at max_new_tokens) is "not exercised"; one that kept no row fails."""
+    kept_total = sampled_total = prompts_sampled = 0
+    acted = {"equal_groups": 0, "truncated": 0}
+    declared = {"equal_groups": False, "truncated": False}
+    for step, f in sorted(filtered.items()):
+        flt, ref, batches, n = f["flt"], f["ref"], f["batches"], f["n"]
+        declared["equal_groups"] |= flt.equal_groups != "keep"
+        declared["truncated"] |= flt.truncated != "keep"
+        if not rep.expect("filter groups recomputed", ref is not None,
+                          f"step {step}: rollout rows without the reward the filter reads"):
+            continue
+        sampled = sum(r.size for r in batches)
+        sampled_total += sampled
+        prompts_sampled += sum(r.size // n for r in batches)
+        kept_total += sum(ref["trained"])
+        acted["equal_groups"] += sum(r.size // n for r in batches[:ref["rounds"] or len(batches)]) - sum(ref["mixed"])
+        acted["truncated"] += ref["cut"]
+        rep.expect("filter rounds recomputed", ref["rounds"] == len(batches),
+                   f"step {step}: {len(batches)} sampling round(s) with {ref['mixed']} mixed groups; the filter should "
+                   f"have taken {ref['rounds'] or f'more than {len(batches)}'} (prompts_per_step {f['prompts']}, "
+                   f"max_rounds {flt.max_rounds})")
+        want = [row_key(batches[k], i) for k, i in ref["rows"]]
+        slot_of: dict = {}
+        for key, sl in zip(want, ref["prompt"]):
+            slot_of.setdefault(key, sl)
+        recorded = {row_key(r, i) for r in batches for i in range(r.size)}
+        by_term: dict = {}  # term -> [(event, its rows' keys)]: its mini-batches, every pass (train.epochs)
         for e in term_events:
-            if e["step"] == step and e["batch"].rewards is not None:
+            if e["step"] != step:
+                continue
+            got = [row_key(e["batch"], i) for i in range(e["batch"].size)]
+            if any(k in recorded for k in got):  # else a batch its signal built (SFT on references)
+                by_term.setdefault(e["term"], []).append((e, got))
+        for term, evs in by_term.items():
+            got_all = Counter(k for _e, got in evs for k in got)
+            want_all = Counter({k: c * f["epochs"] for k, c in Counter(want).items()})
+            extra, missing = sum((got_all - want_all).values()), sum((want_all - got_all).values())
+            rep.expect("filter rows recomputed", not extra and not missing,
+                       f"step {step} {term}: the run trained {sum(got_all.values())} rows over {f['epochs']} pass(es), "
+                       f"the filter keeps {len(want)} a pass ({sum(ref['mixed'])} mixed prompt(s) for {f['prompts']}, "
+                       f"{ref['topped_up']} all-equal topping up, {ref['cut']} row(s) cut at max_new_tokens: truncated "
+                       f"{flt.truncated}): {extra} row(s) it does not keep, {missing} kept row(s) not trained")
+            for e, got in evs:
                 b = e["batch"]
-                for gid, rows in _groups(b.group.tolist()).items():
-                    trained[frozenset(row_key(b, i) for i in rows)] = True
-        n_equal = sum(1 for key in trained if not group_keys.get(key, True))
-        unknown = sum(1 for key in trained if key not in group_keys)
-        rep.expect("filter groups recomputed", n_equal == max(P - kept, 0) and not unknown,
-                   f"step {step}: the run trained {n_equal} all-equal group(s) ({unknown} not sampled); the filter "
-                   f"keeps {min(kept, P)} mixed of {P} and tops up {max(P - kept, 0)}")
-    if any_filter:
-        rep.expect("filter kept groups", kept_total > 0, f"the filter kept 0 of {sampled_total} sampled groups")
-        rep.note("filter kept groups", f"{kept_total} kept of {sampled_total} sampled")
+                split = [g for g, rows in _groups(b.group.tolist()).items()
+                         if len({slot_of.get(got[i]) for i in rows}) > 1]
+                rep.expect("filter groups recomputed", not split,
+                           f"step {step} {term}: advantage group(s) {split[:4]} span several kept prompts (or rows "
+                           "the filter does not keep)")
+    if not filtered:
+        return
+    rep.expect("filter kept rows", kept_total > 0,
+               f"the filter left no row to train on: 0 of {sampled_total} sampled rows ({prompts_sampled} prompts; "
+               f"{acted['truncated']} cut at max_new_tokens, {acted['equal_groups']} prompt(s) with all-equal rewards)")
+    rep.note("filter kept rows", f"{kept_total} rows trained of {sampled_total} sampled ({prompts_sampled} prompts); "
+             f"{acted['equal_groups']} all-equal prompt(s), {acted['truncated']} row(s) cut at max_new_tokens")
+    for part, on in declared.items():
+        if on:
+            what = {"equal_groups": "no prompt's rollouts all got the same reward: equal_groups: drop dropped nothing",
+                    "truncated": "no response was cut at max_new_tokens: the truncated filter removed nothing "
+                                 "(a lower rollout.max_new_tokens makes it act)"}[part]
+            rep.expect(f"filter {part} exercised", acted[part] > 0,
+                       f"not exercised: in {sampled_total} sampled rows, {what}")
 
 
 def _check_teacher(v, plan, rec, rep, e, spec, sig, seen, cache) -> None:

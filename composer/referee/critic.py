@@ -143,7 +143,7 @@ def reward_model_rewards(rec, step: int, source: str, b) -> list | None:
                 continue
             spec = segment_spec(rec.v, e["segment"])
             for name, src in spec.sources.items():
-                if src.kind_name() != "reward_model":
+                if not type(src).scored_by_model:
                     continue
                 rb = e["batch"]
                 raw = referee_rm_scores(rec, spec, src, rb, cache)
@@ -349,12 +349,9 @@ def check_critics(v, plan, rec, rep, events, term_events) -> None:
         inside = (rho >= 1 - lo) & (rho <= 1 + hi)
         tok = -torch.minimum(rho * A, cl * A)
         dtok = torch.where(inside | (rho * A <= cl * A), -A * rho, torch.zeros_like(rho))
-        from composer.referee.checks import _token_weights
+        from components.objectives.base import reference_token_weights
 
-        w = _token_weights(mask, obj.loss_agg)
-        if w is None:
-            rep.note("policy loss recomputed (critic)", f"{obj.loss_agg}: not covered")
-            continue
+        w = reference_token_weights(mask, obj.loss_agg, None, getattr(obj, "norm_const", None))  # [B, T]
         value = float((w * tok * mask).sum())
         grad = e["grad"].double()
         gerr = float(((w * dtok * mask) - grad).abs().max()) / float(w[mask].max()) if mask.any() else 0.0
@@ -404,7 +401,7 @@ def _check_critic_steps(v, plan, rec, rep, events, want_of, seen) -> None:
 
     import torch
 
-    from composer.referee.optim import GRAD_TOL, STEP_TOL, _norm, _rel, adamw, clip, lr_at
+    from composer.referee.optim import GRAD_TOL, STEP_TOL, _norm, _rel, adamw, clip, lr_at, step_error
 
     by_key: dict = {}
     for kind, e in events:
@@ -462,8 +459,7 @@ def _check_critic_steps(v, plan, rec, rep, events, want_of, seen) -> None:
         mine = clip(run, t.grad_clip)
         before = {x: u["state"][x] for x in names}
         predicted = adamw(moments.setdefault(term, {}), before, mine, lr, t.betas, t.weight_decay)
-        moved = {x: after["state"][x].double() - before[x].double() for x in names}
-        serr = _rel(predicted, {x: after["state"][x] for x in names}, _norm(moved))
+        serr, _resolved = step_error(predicted, before, {x: after["state"][x] for x in names})
         rep.expect("critic step recomputed", serr <= STEP_TOL,
                    f"step {step} {term} update {k}: the critic's weights after its step differ from AdamW (lr {lr:g}, "
                    f"clip {t.grad_clip:g}) by {serr:.3g} of the step's size")

@@ -17,7 +17,10 @@ Around each optimiser update the recorder calls `UpdateWatch` (installed on the 
                                   the referee's clip of the run's gradient, with the segment's betas and weight
                                   decay, the LR the spec declares (`lr_at`), and moments that start fresh where
                                   the spec says (`fresh_moments`): the predicted weights against the weights the
-                                  run has after the update.
+                                  run has after the update (`step_error`: each weight's difference beyond the
+                                  rounding of its own float32 step, relative to the update's size; an update
+                                  smaller than that rounding (a near-zero gradient: OAPL on an all-equal batch)
+                                  is compared weight by weight at rounding, and noted when nothing moved beyond it).
 
 Formulas are written here from the spec's field descriptions, not imported from the Plan or the backend.
 """
@@ -106,10 +109,39 @@ def _norm(d: dict) -> float:
     return math.sqrt(sum(float((x.double() ** 2).sum()) for x in d.values()))
 
 
+def rounding(before: dict, after: dict) -> dict:
+    """Per weight, what the run's own optimiser step may round off: eps of the weight's dtype (float32: 2^-23) times
+    its magnitude, an upper bound on one unit in the last place (the decay's multiply and the update's add round
+    once each, half a unit each). A weight whose update is below this may not move at all."""
+    import torch
+
+    return {n: torch.finfo(after[n].dtype).eps * torch.maximum(after[n].double().abs(), before[n].double().abs())
+            for n in after}
+
+
+def step_error(predicted: dict, before: dict, after: dict) -> tuple[float, bool]:
+    """(err, resolved) of one optimiser step: err = ||max(|predicted - after| - rounding, 0)|| / ||after - before||,
+    the predicted weights' distance to the run's beyond each weight's float32 rounding (`rounding`), relative to
+    the update's size (0 where they agree to rounding, inf where the run did not move but should have); resolved:
+    some weight's predicted move exceeds its rounding (else the step is below float32 resolution: any LR would
+    give the same weights, and the check saw nothing). A relative error alone fails a correct step whose update is
+    at rounding level (a near-zero gradient: OAPL on an all-zero-reward batch, AdamW's m / (sqrt(v) + eps) ~ g / eps)."""
+    r = rounding(before, after)
+    excess = moved = beyond = 0.0
+    for n in after:
+        a, b, p = after[n].double(), before[n].double(), predicted[n].double()
+        excess += float((((p - a).abs() - r[n]).clamp(min=0) ** 2).sum())
+        moved += float(((a - b) ** 2).sum())
+        beyond += float((((p - b).abs() - r[n]).clamp(min=0) ** 2).sum())
+    excess, moved = math.sqrt(excess), math.sqrt(moved)
+    err = excess / moved if moved > 0 else (0.0 if excess == 0 else math.inf)
+    return err, beyond > 0
+
+
 class UpdateWatch:
     """Hooks on the run's optimiser and trainable parameters (see the module docstring). `results` holds one
-    dict per update: step, grad_err (None when not covered), clip_err, step_err, fresh (moments reset),
-    lr (the spec's)."""
+    dict per update: step, grad_err (None when not covered), clip_err, step_err and resolved (`step_error`), fresh
+    (moments reset), lr (the spec's)."""
 
     def __init__(self, v, optimizer, policy, events: list):
         from composer.checks.terms import terms  # the spec's terms and raw weights (no run state)
@@ -160,9 +192,8 @@ class UpdateWatch:
         mine = clip(grads, t.grad_clip)
         lr = lr_at(self.v, step)
         predicted = adamw(self.state, before, mine, lr, t.betas, t.weight_decay)
-        moved = {n: after[n].double() - before[n].double() for n in after}
-        self.results.append({"step": step, "fresh": fresh, "lr": lr,
-                             "step_err": _rel(predicted, after, _norm(moved)),
+        step_err, resolved = step_error(predicted, before, after)
+        self.results.append({"step": step, "fresh": fresh, "lr": lr, "step_err": step_err, "resolved": resolved,
                              "clip_err": _rel(mine, ran_clipped, _norm(ran_clipped)),
                              "grad_err": self._grad_err(terms, step, seg.spec, before, grads)})
 
@@ -238,11 +269,18 @@ def check_updates(rep, watch) -> None:
         rep.expect("optimizer step recomputed", r["step_err"] <= STEP_TOL,
                    f"step {s}: the weights after the update are not AdamW's at the declared LR {r['lr']:.3g}, "
                    f"betas and weight decay with moments {'fresh' if r['fresh'] else 'carried'} (off by "
-                   f"{r['step_err']:.3g} of the update)")
+                   f"{r['step_err']:.3g} of the update, beyond each weight's float32 rounding)")
     rep.expect("saw optimizer updates", bool(watch.results), "no optimizer update was recorded")
     resets = [r["step"] for r in watch.results if r["fresh"]]
+    small = [r["step"] for r in watch.results if not r.get("resolved", True)]
     rep.note("optimizer step recomputed", f"{len(watch.results)} updates"
-             + (f", moments fresh before step(s) {sorted(set(resets))}" if resets else ""))
+             + (f", moments fresh before step(s) {sorted(set(resets))}" if resets else "")
+             + (f"; not exercised at step(s) {sorted(set(small))}: the update is below the weights' float32 rounding "
+                "(a near-zero gradient)" if small else ""))
+    if watch.results and len(small) == len(watch.results):
+        rep.expect("optimizer step exercised", False,
+                   f"not exercised: all {len(small)} updates were below the weights' float32 rounding (near-zero "
+                   "gradients: no reward signal?), so no learning rate could be told apart")
     if watch.results:
         rep.note("parameter gradient recomputed", f"{covered} of {len(watch.results)} updates (the rest read logits "
                  "or a critic head's values)" if covered < len(watch.results) else f"{covered} updates")

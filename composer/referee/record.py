@@ -53,9 +53,22 @@ def short(path: Path, extra=()) -> list[str]:
         out += ["train.steps=3"]
     if all(s.spec.data.train is None for s in v.segments):  # the toy testbed
         out += HOT.get(Path(path).stem, HARD)
-        if any(src.kind_name() == "overlong_penalty" and src.max_tokens is None for s in v.segments
-               for src in s.spec.sources.values()):  # a cap some 6-step answers pass into the buffer: the part acts
-            out += ["rollout.max_new_tokens=40"]
+        for o in dict.fromkeys(o for s in v.segments for src in s.spec.sources.values()
+                               for o in src.short_run_overrides()):  # what a part needs to act in a short run
+            out += [o]
+    if not data.get("stages") and not data.get("phases"):  # a part that acts only with more updates per step
+        from composer.checks.terms import terms
+
+        more = list(dict.fromkeys(o for s in v.segments for _n, _s, obj, _w in terms(s.spec) if obj is not None
+                                  for o in obj.short_run_overrides(s.spec)))
+        if more:  # only where the spec takes them (a term without a ratio refuses a second pass: said "not exercised")
+            from composer.errors import SpecError
+
+            try:
+                validate_file(path, out + more + list(extra))
+                out += more
+            except SpecError:
+                pass
     if any(s.spec.sync.every > 2 for s in v.segments) and not data.get("stages"):
         out += ["sync.every=2"]
     if (data.get("train") or {}).get("reset_every") and not data.get("stages"):  # a periodic reset inside the run

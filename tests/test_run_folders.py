@@ -1,16 +1,18 @@
-"""Damaged run folders, checkpoints and exports (issue 43, items 3 and 5), and the smaller items of item 2.
+"""Run folders (issues 17, 29 and 43): a folder that holds files is never replaced, a folder in use is locked,
+a failed start leaves no half-made folder, the environment never hands a run another run's folder; a damaged
+run folder gives a message on `run --resume`, `eval`, `export` and `samples`, never a traceback.
 
-- a binary metrics.csv on --resume, and an export from a model folder with an unknown model_type plus
-  auto_map: clear errors, exit 2 (were "internal error: ..." tracebacks);
+- a binary metrics.csv, a bad step cell, a damaged random state on --resume: clear errors, exit 2 (were
+  "internal error: ..." tracebacks);
 - a checkpoint whose counters disagree with each other or with its run folder's metrics.csv is refused, and
   nothing in the folder changes (was: a tampered global_step deleted metrics rows on resume);
 - a seeded fuzz pass: truncated, binary-garbled and wrongly typed metrics.csv, last.ckpt, spec.yaml,
   plan.json, samples files and export files through `run --resume`, `eval`, `export` and `samples`: exit 0 or 2,
   never a traceback or an "internal error". More cases: COMPOSER_FUZZ_RUN_CASES=N (seeded, like
-  examples/bench/fuzz_validate.py --cases N);
-- an unquoted `data.prompt_template={prompt}` override says to quote it; data errors carry the hint of their
-  own reason; a run on a pipe ends with its step lines, not a dumped progress bar; `composer eval` shows
-  progress.
+  examples/bench/fuzz_validate.py --cases N).
+
+Output folders of compile, export and eval are in tests/test_output_folders.py; damaged checkpoint fields in
+tests/test_checkpoints_damaged.py.
 """
 
 from __future__ import annotations
@@ -24,8 +26,66 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_hostile3 import cli, custom_code_folder, finished_run, tiny  # noqa: F401 (fixtures)
-from test_hostile4 import snapshot
+from _helpers import FAST, clean, cli, composer, snapshot
+
+# --------------------------------- run folders are never replaced, locked while in use, never half made (issues 17, 29)
+
+
+def test_a_finished_run_folder_is_refused_and_untouched(tiny, tmp_path):
+    out = tmp_path / "run"
+    args = ["run", "specs/grpo.yaml", f"policy.model={tiny}", "train.steps=1", *FAST, "--no-progress", "--out", out]
+    assert cli(*args).exit_code == 0
+    before = snapshot(out)
+    r = cli(*args[:-2], "train.seed=3", "--out", out)
+    assert r.exit_code == 2 and "already holds files" in r.stderr and f"--resume {out}" in r.stderr
+    assert snapshot(out) == before
+    assert not (out / "checkpoints" / "last-v1.ckpt").exists()
+
+
+def test_a_folder_in_use_is_locked(tmp_path):
+    from composer.backends.lightning.run import RunError, claim_folder
+
+    with claim_folder(tmp_path / "run", resume=False):
+        with pytest.raises(RunError, match=f"another run \\(pid {os.getpid()}\\) is using this folder"):
+            with claim_folder(tmp_path / "run", resume=True):
+                pass
+
+
+def test_a_failed_start_leaves_no_half_made_folder(tmp_path):
+    out = tmp_path / "run"
+    r = cli("run", "specs/grpo.yaml", f"policy.model={tmp_path / 'nope'}", "--out", out, "--no-progress")
+    assert r.exit_code == 2 and not out.exists()
+
+
+@pytest.mark.parametrize("out", ["/proc/composer-test", "/sys/composer-test", "FILE", "a" * 300])
+def test_unusable_out_folders(tmp_path, out):
+    if out == "FILE":
+        out = tmp_path / "file"
+        out.write_text("keep")
+    elif out.startswith("a"):
+        out = tmp_path / out
+    r = cli("run", "specs/grpo.yaml", "--out", out, "--no-progress")
+    assert r.exit_code == 2 and "Traceback" not in r.stderr and "internal error" not in r.stderr
+    if str(out).endswith("file"):
+        assert out.read_text() == "keep"
+
+
+@pytest.mark.slow
+def test_the_environment_never_hands_over_another_runs_folder(finished_run, tiny, tmp_path):
+    """COMPOSER_RUN_DIR + LOCAL_RANK set by hand: the run keeps its own --out and lock."""
+    before = (finished_run / "checkpoints" / "last.ckpt").read_bytes()
+    out = tmp_path / "mine"
+    for env in ({"COMPOSER_RUN_DIR": str(finished_run), "LOCAL_RANK": "0"},
+                {"COMPOSER_RUN_DIR": str(finished_run), "LOCAL_RANK": "1", "RANK": "1"}):
+        shutil.rmtree(out, ignore_errors=True)
+        r = composer("run", "specs/sft.yaml", f"policy.model={tiny}", "train.steps=1", "train.prompts_per_step=2",
+                     "train.eval_every=0", "train.eval_samples=2", "--no-progress", "--out", out, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert (out / "checkpoints" / "last.ckpt").is_file()
+        assert (finished_run / "checkpoints" / "last.ckpt").read_bytes() == before
+
+
+# ---------------------------------------------------------------------------- damaged files on --resume (issues 29, 43)
 
 
 @pytest.fixture
@@ -35,14 +95,37 @@ def run_copy(finished_run, tmp_path) -> Path:
     return out
 
 
-def clean(r, codes=(0, 2)) -> None:
-    """Exit 0 or 2, and no traceback or internal error anywhere in the output."""
-    text = r.output + (r.stderr if r.stderr_bytes is not None else "")
-    assert r.exit_code in codes, text[-3000:]
-    assert "Traceback" not in text and "internal error" not in text, text[-3000:]
+def _copy_run(finished_run, tmp_path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out, ignore=shutil.ignore_patterns(".lock"))
+    return out
 
 
-# ------------------------------------------------------------------------------ the two tracebacks
+def test_resume_with_a_bad_step_cell_in_metrics_csv(finished_run, tmp_path):
+    import csv
+
+    out = _copy_run(finished_run, tmp_path)
+    header = (out / "metrics.csv").read_text().splitlines()[0].split(",")
+    with open(out / "metrics.csv", "a", newline="") as f:
+        csv.DictWriter(f, header).writerow({k: "not-a-step" if k == "step" else "" for k in header})
+    r = cli("run", "--resume", out, "train.steps=2", "--no-progress")
+    assert r.exit_code == 0, r.output[-2000:]
+    assert "not-a-step" not in (out / "metrics.csv").read_text()
+
+
+def test_resume_with_a_damaged_rng_entry(finished_run, tmp_path):
+    import torch
+
+    from composer.runtime import checkpoint as ckpt_format
+
+    out = _copy_run(finished_run, tmp_path)
+    ckpt = out / "checkpoints" / "last.ckpt"
+    state = ckpt_format.load(ckpt)
+    state["composer"]["rng"] = "not a random state"
+    torch.save(state, ckpt)
+    r = cli("run", "--resume", out, "train.steps=2", "--no-progress")
+    assert r.exit_code == 2 and "training state is damaged" in r.stderr, r.output[-2000:]
+    assert "internal error" not in r.stderr
 
 
 def test_a_binary_metrics_csv_on_resume_is_a_clear_error(run_copy):
@@ -54,22 +137,7 @@ def test_a_binary_metrics_csv_on_resume_is_a_clear_error(run_copy):
     assert snapshot(run_copy) == before
 
 
-def test_export_from_a_folder_with_an_unknown_model_type_and_auto_map(finished_run, tiny, tmp_path):
-    marker = tmp_path / "RAN"
-    folder = custom_code_folder(tiny, tmp_path / "custom", marker)
-    r = cli("export", finished_run, "--base", folder, "--out", tmp_path / "e")
-    clean(r, codes=(2,))
-    assert "auto_map" in r.stderr and "--trust-remote-code" in r.stderr, r.stderr
-    assert not marker.exists() and not (tmp_path / "e").exists()
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg.pop("auto_map")
-    (folder / "config.json").write_text(json.dumps(cfg))
-    r = cli("export", finished_run, "--base", folder, "--out", tmp_path / "e")
-    clean(r, codes=(2,))
-    assert "model_type 'composer_custom' is not one this transformers knows" in r.stderr, r.stderr
-
-
-# ------------------------------------------------------------------------------ counters against the run folder
+# --------------------------------------------------------------------------- counters against the run folder (issue 43)
 
 
 def _edit_ckpt(run: Path, edit) -> None:
@@ -139,7 +207,8 @@ def test_a_good_resume_on_a_pipe_ends_with_step_lines_not_a_progress_bar(run_cop
     assert "Training steps" not in r.output and "━" not in r.output and "it/s" not in r.output, r.output[-2000:]
 
 
-# ------------------------------------------------------------------------------ fuzz pass
+# ------------------------------------------------------------------------------ fuzz pass (issue 43)
+
 
 DATA_ROWS = [{"prompt": "What is 1 + 1?", "answer": "2"}, {"prompt": "What is 2 + 3?", "answer": "5"}]
 WRONG = [None, [], [1, "x"], {"a": 1}, "text", -1, 1.5e308, True]
@@ -246,51 +315,3 @@ def test_damaged_run_folders_never_crash_a_command(finished_run, tmp_path, targe
     MUTATIONS[how](run / target, random.Random(seed))
     args = [a.format(run=run, tmp=tmp_path) for a in COMMANDS[command]]
     clean(cli(*args))
-
-
-# ------------------------------------------------------------------------------ smaller items
-
-
-def test_an_unquoted_brace_override_says_to_quote_it():
-    """Before: only "Input should be a valid string" (YAML reads {prompt} as the mapping {prompt: null})."""
-    r = cli("validate", "specs/grpo.yaml", "data.prompt_template={prompt}")
-    assert r.exit_code == 2
-    assert "is a mapping, not text" in r.stderr and "'data.prompt_template=\"{prompt}\"'" in r.stderr, r.stderr
-    assert cli("validate", "specs/grpo.yaml", 'data.prompt_template="{prompt}"').exit_code == 0
-
-
-@pytest.mark.parametrize("row, expected", [
-    ('{"question": "1+1?", "answer": "2"}', "set data.prompt_field to the name the rows use"),
-    ('{"prompt": "1+1?", "answer": "2"', "each line of a .jsonl file is one JSON object"),
-    ('{"prompt": "", "answer": "2"}', "remove the rows with an empty 'prompt'"),
-    ('[1, 2]', "each row is an object with named fields"),
-    ('{"prompt": ["a"], "answer": "2"}', "must hold text"),
-])
-def test_each_data_error_has_the_hint_of_its_reason(tmp_path, row, expected):
-    """Before: every data error of `explain` said "check data.prompt_field / answer_field / split"."""
-    (tmp_path / "d.jsonl").write_text(row + "\n")
-    spec = tmp_path / "s.yaml"
-    spec.write_text(f"name: d\ndata: {{train: {tmp_path / 'd.jsonl'}}}\nsources: {{verifier: {{kind: outcome_reward, "
-                    "verifier: math}}\nsignal: {kind: reward, source: verifier}\nobjective: {kind: grpo}\n")
-    r = cli("explain", spec)
-    assert r.exit_code == 2 and expected in r.stderr, r.stderr
-    assert "check data.prompt_field / answer_field / split" not in r.stderr
-
-
-def test_a_run_time_data_error_carries_its_hint():
-    from composer.cli.run import _failure
-    from composer.errors import DataError
-    from composer.runtime.binding import MISSING_FIELD, UNPARSABLE_ANSWER
-
-    msg = _failure(DataError("d.jsonl: row 1: field 'answer': missing", field="answer", reason=MISSING_FIELD))
-    assert "hint: the rows have no field 'answer': set data.answer_field" in msg
-    msg = _failure(DataError("d.jsonl: row 1: field 'answer': verifier 'math': no number", field="answer",
-                             reason=UNPARSABLE_ANSWER))
-    assert "composer list verifiers" in msg
-
-
-def test_composer_eval_shows_progress(run_copy, tmp_path):
-    r = cli("eval", run_copy, "--out", tmp_path / "ev")
-    clean(r, codes=(0,))
-    assert "loading the model" in r.stderr and "eval 1/5 tier1: 2 problem(s), greedy" in r.stderr, r.stderr
-    assert "eval 5/5 tier8: pass@1 " in r.stderr and "Loading weights" not in r.stderr
