@@ -307,3 +307,16 @@ def test_check_coverage_names_an_idle_part_and_what_makes_it_act(tmp_path):
     line = next(x for x in r.stdout.splitlines() if x.strip().startswith("objective.bound"))
     assert "not exercised" in line and "train.epochs=2" in line, r.stdout[-3000:]
     assert "parts exercised" in r.stdout and "objective.bound (clip)" in r.stdout
+
+
+def test_an_objective_without_a_reference_loss_fails_as_not_covered(tmp_path, monkeypatch):
+    """A part nothing checks is "not covered", never a pass: SFT's cross-entropy with its reference_loss taken away
+    (as a plugin that declares none) fails `composer check` naming it."""
+    from components.objectives.base import Objective
+    from components.objectives.cross_entropy import CrossEntropy
+    from composer.referee import referee
+
+    monkeypatch.setattr(CrossEntropy, "reference_loss", Objective.reference_loss)
+    rep = referee(ROOT / "specs" / "sft.yaml", tmp_path)
+    assert not rep.ok and any(f.startswith("loss covered:") and "declares no reference_loss" in f
+                              for f in rep.failures()), rep.table()

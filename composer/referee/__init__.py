@@ -395,10 +395,13 @@ def _check_reference_loss(rep, e, plan, gate_of, seen, inputs: dict) -> None:
     if rows_ is not None:
         mask = mask & torch.tensor(rows_, dtype=torch.bool)[:, None]
     want = obj.reference_loss(b, mask, e["view"], inputs)
+    if want is None and not has_reference_loss(obj):  # a part nothing checks is never a pass
+        rep.expect("loss covered", False, f"step {step} {e['term']}: objective {obj.kind_name()} declares no "
+                   "reference_loss in its file: its loss is not covered (docs/plugins.md: the reference)")
+        return
     if want is None:
-        rep.note("loss recomputed (reference)", f"{obj.kind_name()}: " + (
-            "no reference_loss in its file: not covered" if not has_reference_loss(obj) else
-            "a mini-batch of its step, whose token selection is the whole step's: not covered"))
+        rep.note("loss recomputed (reference)", f"{obj.kind_name()}: a mini-batch of its step, whose token selection "
+                 "is the whole step's: not covered")
         return
     grad = e["grad"].double()
     scale = want.get("scale") or (float(want["grad"].abs()[mask].max()) if mask.any() else 0.0)
