@@ -133,7 +133,8 @@ def test_tests_from_meta_and_humaneval_entry_point(clean_machine):
 def test_infinite_loop(clean_machine):
     t = time.monotonic()
     v = score("while True:\n    pass")
-    assert v.reward == 0 and "timed out" in v.detail
+    # stopped by the wall clock, or on a loaded machine by its CPU-time limit first: either stop is the sandbox's
+    assert v.reward == 0 and ("timed out" in v.detail or "CPU time limit" in v.detail), v.detail
     assert time.monotonic() - t < 5
 
 
@@ -183,7 +184,7 @@ def test_memory_bomb(clean_machine):
     v = score("x = bytearray(8 << 30)")
     assert v.reward == 0 and "MemoryError" in v.detail
     v = score("chunks = []\nwhile True:\n    chunks.append(bytearray(128 << 20))")  # touches every page
-    assert v.reward == 0 and ("MemoryError" in v.detail or "timed out" in v.detail)
+    assert v.reward == 0 and any(w in v.detail for w in ("MemoryError", "timed out", "CPU time limit")), v.detail
 
 
 @needs_sandbox
