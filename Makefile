@@ -50,8 +50,12 @@ run: validate
 # one call on two pytest-xdist workers (one torch thread each): the real-job tier (tests/test_openrlhf_real.py,
 # marked cluster: Ray, DeepSpeed, OpenRLHF) goes out first, as one unit, to one worker and its Ray head, while the
 # other worker takes the suite's tests at nice 19, on the CPU the tier's jobs leave idle (tests/conftest.py)
+# Then, where .venv-vllm is built (`make setup-vllm`; make test does not build it), the real vLLM engine's tier.
 test: $(STAMP)
+	@test -f $(VSTAMP) || echo "make test: no $(VVENV), so the real vLLM tier (tests/test_vllm_real.py) will not run; \
+	\`make setup-vllm\` builds it (about 2 minutes)"
 	$(BIN)/python -m pytest -n 2 -m "not slow and not benchmark"
+	if test -f $(VSTAMP); then $(VBIN)/python -m pytest -m vllm tests/test_vllm_real.py; fi
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VVENV) runs
