@@ -279,7 +279,26 @@ def loss(at, batches: list[TrajectoryBatch], forward, shares: dict | None = None
         total = total - entropy_bonus(at, batches[0], views[0], metrics)
     if facts:
         metrics.update(step_facts(at, batches))
+    metrics.update(mismatch(batches[0], views[0]))
     return total, metrics
+
+
+def mismatch(batch: TrajectoryBatch, view: PolicyView) -> dict[str, float]:
+    """The training-inference mismatch on the policy's sampled tokens, logged every step on every engine (DESIGN.md
+    section 11): d_t = log pi_old(y_t) - log mu(y_t), the trainer's log-prob at the step's start (`old_logprobs`, or
+    the forward of the step's single update, which is the same weights) over the sampler's.
+      mismatch/kl          mean_t (log mu - log pi_old): the k1 estimate of KL(mu || pi_old) on the sampled tokens
+      mismatch/rho_min, _mean, _max    of rho_t = exp(d_t);  mismatch/abs_max  max_t |d_t|
+    Nothing when the batch holds no policy token with a known behaviour log-prob."""
+    m = batch.policy_mask & batch.known_mask  # [B, T]
+    if not bool(m.any()):
+        return {}
+    trainer = batch.old_logprobs if batch.old_logprobs is not None else view.logprobs
+    d = (trainer.detach().double() - batch.behavior_logprobs.to(trainer.device).double())[m.to(trainer.device)]  # [N]
+    rho = torch.exp(d.clamp(-20.0, 20.0))
+    return {"mismatch/kl": float(-d.mean()), "mismatch/rho_min": float(rho.min()),
+            "mismatch/rho_mean": float(rho.mean()), "mismatch/rho_max": float(rho.max()),
+            "mismatch/abs_max": float(d.abs().max())}
 
 
 def entropy_bonus(at, first: TrajectoryBatch, view: PolicyView, metrics: dict):

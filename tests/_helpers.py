@@ -54,3 +54,44 @@ def clean(r, codes=(0, 2)) -> None:
     text = r.output + (r.stderr if r.stderr_bytes is not None else "")
     assert r.exit_code in codes, text[-3000:]
     assert "Traceback" not in text and "internal error" not in text, text[-3000:]
+
+
+# ------------------------------------------------------------------------------ OpenRLHF's own code as a peer
+
+def openrlhf_code(relpath: str, names: list[str], namespace: dict) -> dict:
+    """Functions and classes `names` of the installed OpenRLHF file `relpath` (a method as `Class.method`, taken as a
+    plain function of self), executed in `namespace`: OpenRLHF's own code, without its module's imports."""
+    import ast
+    import importlib.util
+
+    root = Path(importlib.util.find_spec("openrlhf").submodule_search_locations[0])
+    tree = ast.parse((root / relpath).read_text())
+    found = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            found[node.name] = node
+            if isinstance(node, ast.ClassDef):
+                for sub in node.body:
+                    if isinstance(sub, ast.FunctionDef):
+                        found[f"{node.name}.{sub.name}"] = sub
+    ns = dict(namespace)
+    for name in names:
+        node = found[name]
+        fn = ast.Module(body=[node], type_ignores=[])
+        exec(compile(fn, f"openrlhf/{relpath}:{name}", "exec"), ns)
+        ns[name] = ns[node.name]
+    return ns
+
+
+def openrlhf_env() -> dict:
+    """The names OpenRLHF's loss and utility functions read (for `openrlhf_code`)."""
+    import itertools
+    import logging
+    from typing import List, Optional, Tuple, Union
+
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    return {"torch": torch, "nn": nn, "F": F, "Optional": Optional, "Tuple": Tuple, "List": List, "Union": Union,
+            "itertools": itertools, "logger": logging.getLogger("openrlhf")}

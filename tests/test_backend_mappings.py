@@ -42,6 +42,7 @@ NON_DEFAULT = {
         "std_eps": "0.01",
         "token_selection": "{kind: kl_cov}",
         "off_policy_weight": "{kind: shaped}",
+        "correction": "{kind: tis}",
     },
 }
 

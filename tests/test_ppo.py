@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _helpers import openrlhf_code, openrlhf_env as _openrlhf_env
 from components.objectives.ppo import Ppo, gae, reward_kl, token_rewards, value_loss_tokens, whiten
 from composer.batch import TrajectoryBatch
 from composer.origins import CODE
@@ -122,39 +123,6 @@ def test_ppo_advantages_and_policy_loss():
 
 
 # --------------------------------------------------------------------------------------- OpenRLHF's own functions
-
-def openrlhf_code(relpath: str, names: list[str], namespace: dict) -> dict:
-    """Functions and classes `names` of the installed OpenRLHF file `relpath` (a method as `Class.method`, taken as a
-    plain function of self), executed in `namespace`: OpenRLHF's own code, without its module's imports."""
-    root = Path(importlib.util.find_spec("openrlhf").submodule_search_locations[0])
-    tree = ast.parse((root / relpath).read_text())
-    found = {}
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            found[node.name] = node
-            if isinstance(node, ast.ClassDef):
-                for sub in node.body:
-                    if isinstance(sub, ast.FunctionDef):
-                        found[f"{node.name}.{sub.name}"] = sub
-    ns = dict(namespace)
-    for name in names:
-        node = found[name]
-        fn = ast.Module(body=[node], type_ignores=[])
-        exec(compile(fn, f"openrlhf/{relpath}:{name}", "exec"), ns)
-        ns[name] = ns[node.name]
-    return ns
-
-
-def _openrlhf_env():
-    import itertools
-    from typing import List, Optional, Tuple, Union
-
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-    return {"torch": torch, "nn": nn, "F": F, "Optional": Optional, "Tuple": Tuple, "List": List, "Union": Union,
-            "itertools": itertools, "logger": logging.getLogger("openrlhf")}
-
 
 @needs_openrlhf
 @pytest.mark.parametrize("kl_estimator", ["k1", "k3"])

@@ -1,4 +1,4 @@
 """Objectives: pure functions that turn a trajectory batch and current log-probs into a loss."""
 
 from components.objectives import (advantage_regression, cross_entropy, divergence, estimators, grpo,  # noqa: F401
-                                   off_policy_weight, ppo, token_selection)
+                                   off_policy_weight, ppo, rollout_correction, token_selection)

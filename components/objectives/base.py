@@ -93,6 +93,13 @@ class Objective(Component):
         """Reads batch.initial_logprobs (the frozen reference policy: a KL term, A*PO's anchor)."""
         return False
 
+    @property
+    def wants_old(self) -> bool:
+        """Reads batch.old_logprobs (the trainer's log-probs at the step's start) even at one update per step, where
+        the step otherwise keeps the sampler's behaviour log-probs as the ratio's denominator (a rollout correction
+        weighs pi_old / mu)."""
+        return False
+
     def behavior_origins(self) -> set[str]:
         """Token origins whose behaviour log-probs `loss` reads (the rollout weights score guide tokens of
         these origins). Default: the loss tokens of a policy-gradient objective, less those it trains exactly

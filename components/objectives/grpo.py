@@ -20,6 +20,7 @@ from components.objectives.base import (
 )
 from components.objectives.estimators import AnyEstimator, Estimator, GroupMean
 from components.objectives.off_policy_weight import AnyOffPolicyWeight, NoOffPolicyWeight
+from components.objectives.rollout_correction import AnyCorrection, NoCorrection
 from components.objectives.token_selection import AnyTokenSelection, NoSelection
 from composer.lazy import torch
 from composer.capabilities import departures
@@ -159,6 +160,14 @@ def valid_row_scale(adv: Tensor) -> Tensor:
     return torch.where(s[1] > 0, s[0] / s[1].clamp(min=1), torch.ones_like(s[0]))
 
 
+def sampler_is_trainer(spec) -> bool:
+    """The sampler's log-probs are the trainer's (to float32 rounding): the Lightning backend's hf engine (or auto,
+    which is hf without vLLM and a GPU) on its unrounded weights. vLLM (OpenRLHF's always, in bfloat16), or bf16
+    rollout weights, differ by the training-inference mismatch (DESIGN.md section 11)."""
+    r = spec.rollout
+    return spec.train.backend == "lightning" and r.engine != "vllm" and r.precision != "bf16"
+
+
 @register("objective")
 class Grpo(Objective):
     """Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300), and the family:
@@ -192,6 +201,8 @@ class Grpo(Objective):
     token_selection: AnyTokenSelection = Field(default_factory=NoSelection, description="Step-wide token selection by Cov_t = (log pi - mean log pi)(A - mean A) over the whole step's loss tokens (every micro-batch and rank): none; kl_cov (KL-Cov: the top k N tokens get -A rho + beta |log rho| in place of the clipped term); clip_cov (Clip-Cov: r N random tokens with omega_low < Cov_t < omega_high get no gradient). Cui et al. 2025, arXiv 2505.22617. Needs ratio: token and bound: clip.")
 
     off_policy_weight: AnyOffPolicyWeight = Field(default_factory=NoOffPolicyWeight, description="The importance weight w of loss tokens the policy did not write (demonstration: a trace of the `traces` guide; guide_prefix, guide_intervention), a function of the current policy's probability alone (the trace's own probability taken as 1): their loss is -A w(pi), no ratio, no clip. none (default: such tokens are refused in loss_tokens); shaped (LUFFY, Yan et al. 2025, arXiv 2504.14945: pi / (pi + gamma), gamma 0.1); prob (pi); pow (pi^alpha); log (log pi).")
+
+    correction: AnyCorrection = Field(default_factory=NoCorrection, description="Rollout correction, apart from the policy ratio and its bound: each policy token's loss times a weight of rho = pi_old / mu, the trainer's log-prob at the step's start over the sampler's (vLLM, rollout.precision: bf16, a lagged engine). none (default); tis (truncated: min(rho, C), C 2); mis (masked: units whose rho leaves [1/C, C] rejected, per token, sequence or geometric mean); icepop (tokens outside [0.5, 5] get no gradient, the others weight rho). With a correction the old log-probs are the trainer's forward even at one update per step.")
 
     needs: ClassVar = ("reward",)
     policy_gradient: ClassVar = True
@@ -227,9 +238,10 @@ class Grpo(Objective):
     # The fields OpenRLHF's own PolicyLoss carries with its flags on the native route (composer/backends/openrlhf/
     # flags.py): estimator / std_norm -> --algo.advantage.estimator (group_norm, dr_grpo, rloo), clip, clip_low,
     # clip_high -> --actor.eps_clip_low_high, loss_agg -> --actor.loss_agg_mode (its two choices), kl_coef and
-    # kl_estimator -> --algo.kl.use_loss / init_coef / estimator. Every other field must keep its default there.
+    # kl_estimator -> --algo.kl.use_loss / init_coef / estimator, correction -> --algo.advantage.is_correction_* (the
+    # forms its `openrlhf_flags` maps). Every other field must keep its default there.
     OPENRLHF_CARRIES: ClassVar = ("kind", "estimator", "std_norm", "clip", "clip_low", "clip_high", "loss_agg",
-                                  "kl_coef", "kl_estimator")
+                                  "kl_coef", "kl_estimator", "correction")
     OPENRLHF_AGG: ClassVar = ("token-mean", "seq-mean-token-mean")  # --actor.loss_agg_mode's choices
 
     def openrlhf_native(self) -> list[str]:
@@ -249,6 +261,9 @@ class Grpo(Objective):
             out.append(f"loss_agg {self.loss_agg}: --actor.loss_agg_mode takes {', '.join(self.OPENRLHF_AGG)}")
         if is_scheduled(self.kl_coef):
             out.append("kl_coef: a schedule (--algo.kl.init_coef is one number)")
+        if self.correction.openrlhf_flags() is None:
+            out.append(f"correction {self.correction.kind} ({self.correction.describe()}): no "
+                       "--algo.advantage.is_correction_* setting computes it")
         return out
 
     def weighted_origins(self) -> set[str]:
@@ -261,6 +276,11 @@ class Grpo(Objective):
         return ever_nonzero(self.kl_coef)
 
     @property
+    def wants_old(self) -> bool:
+        """A rollout correction weighs pi_old / mu: the trainer's log-probs at the step's start, at every update."""
+        return self.correction.acts
+
+    @property
     def est(self) -> Estimator:
         """The estimator in force: the field, or group_mean built from std_norm / std_eps."""
         if self.estimator is not None:
@@ -271,7 +291,9 @@ class Grpo(Objective):
         weighted = self.weighted_origins()
         return {o: (f"weight {self.off_policy_weight.describe()} of the current policy's probability (the trace's "
                     "own probability taken as 1; no ratio, no clip)" if o in weighted else
-                    "importance ratio to the old log-prob (the behaviour log-prob when a step makes one update)")
+                    ("importance ratio to the old log-prob (the trainer's at the step's start), times the rollout "
+                     f"correction's weight ({self.correction.kind}) of pi_old / mu" if self.correction.acts else
+                     "importance ratio to the old log-prob (the behaviour log-prob when a step makes one update)"))
                 for o in self.loss_tokens}
 
     def bounds(self) -> tuple[float, float]:
@@ -299,17 +321,27 @@ class Grpo(Objective):
         what = {"clip": f"the PPO clip [1-{lo:g}, 1+{hi:g}]", "mask": f"the mask [1-{lo:g}, 1+{hi:g}]",
                 "cispo": f"CISPO's truncation [1-{lo:g}, 1+{hi:g}]", "topr": "TOPR's truncation [0, 1]",
                 "log_clip": f"the log-ratio clip [-{lo:g}, {hi:g}]"}.get(self.bound)  # none: no bound to act
-        if what is not None and t.epochs * t.mini_batches == 1 and spec.sync.every == 1:
+        one = t.epochs * t.mini_batches == 1 and spec.sync.every == 1
+        # engine-aware (DESIGN.md section 11): at one update per step the ratio's denominator is the sampler's log-prob,
+        # so the ratio is 1 only where the sampler is the trainer (float32 weights in the hf engine); with vLLM or
+        # bf16 rollout weights it is the mismatch, on which the bound acts. A correction makes the denominator the
+        # trainer's own: then the ratio is exactly 1.
+        ratio_one = one and (self.correction.acts or sampler_is_trainer(spec))
+        why = ("the correction makes the ratio's denominator the trainer's own log-prob at the step's start, so "
+               "at one update per step (train.epochs x train.mini_batches = 1, sync.every: 1) the ratio is 1; the "
+               "mismatch is the correction's to weigh" if self.correction.acts else
+               "one update per step on-policy (train.epochs x train.mini_batches = 1, sync.every: 1) computes the "
+               "ratio at the weights that sampled the rollouts, unrounded (the hf engine, rollout.precision not "
+               "bf16), so it is 1 up to float32 rounding")
+        if what is not None and ratio_one:
             field = next((f for f in ("clip", "clip_low", "clip_high", "dual_clip") if f in set_), "clip")
-            out.append(InertSetting(field, f"{what}{' and the dual clip' if self.dual_clip else ''} cannot act: one "
-                                    "update per step on-policy (train.epochs x train.mini_batches = 1, sync.every: "
-                                    "1) computes the ratio at the weights that sampled the rollouts, so it is 1 (up "
-                                    "to the sampler's numerical mismatch) and the loss is the plain policy gradient",
+            out.append(InertSetting(field, f"{what}{' and the dual clip' if self.dual_clip else ''} cannot act: "
+                                    f"{why}, and the loss is the plain policy gradient",
                                     "to make the bound act, update several times per step (train.mini_batches: 2 "
                                     "or train.epochs: 2) or lag the sampler (sync.every > 1); else remove the "
                                     "clip settings", severity="warning"))
         sel = self.token_selection
-        if sel.kind == "kl_cov" and sel.beta > 0 and t.epochs * t.mini_batches == 1 and spec.sync.every == 1:
+        if sel.kind == "kl_cov" and sel.beta > 0 and ratio_one:
             out.append(InertSetting("token_selection", f"kl_cov's penalty {sel.beta:g} |log pi_theta - log pi_old| "
                                     "cannot act: one update per step on-policy keeps log pi_theta = log pi_old (up to "
                                     "the sampler's numerical mismatch), so the selected tokens train as -A rho only",
@@ -386,6 +418,8 @@ class Grpo(Objective):
         adv = self.est.describe() + ("; x alpha = B / B_valid (rows over rows with a non-zero advantage, GPG)"
                                      if self.valid_rows_scale else "")
         out = [f"advantage: {adv}", f"ratio: {ratio}; bound: {bound}", f"aggregation: {agg}; {kl}"]
+        if self.correction.acts:
+            out.append(f"rollout correction: {self.correction.describe()}")
         weighted = sorted(self.weighted_origins())
         if weighted:
             out.append(f"tokens the policy did not write ({', '.join(weighted)}): loss -A w(pi), w = "
@@ -401,6 +435,16 @@ class Grpo(Objective):
         on = mask & ~off  # [B, T]: tokens the policy sampled (ratio and bound)
         adv = adv.to(cur.logprobs.device, cur.logprobs.dtype)[:, None]  # [B, 1]
         old = batch.old_logprobs if batch.old_logprobs is not None else batch.behavior_logprobs  # [B, T]
+        corr_metrics = {}
+        if self.correction.acts:  # w [B, T] of pi_old / mu on the policy's tokens; `kept` False: a dropped unit
+            if batch.old_logprobs is None:
+                raise ValueError(f"grpo: correction {self.correction.kind} needs batch.old_logprobs (the trainer's "
+                                 "log-probs at the step's start); the step computes them when wants_old is true")
+            corrected = on & batch.known_mask  # [B, T]
+            cw, kept = self.correction.weights(old, batch.behavior_logprobs, corrected)
+            mask, on = mask & kept, on & kept
+            corr_metrics = {"correction/weight_mean": float(masked_mean(cw, corrected & kept)),
+                            "correction/rejected_frac": float(masked_mean(((cw == 0) | ~kept).float(), corrected))}
         lo, hi = self.bounds()
         if self.bound == "log_clip":  # GMPO: the clip inside the geometric mean
             log_r, bounded = geometric_log_clip(cur.logprobs, old, on, adv, lo, hi)  # [B, 1], [B, T]
@@ -413,6 +457,8 @@ class Grpo(Objective):
         sel_metrics, off_metrics = {}, {}
         if self.token_selection.acts:
             loss_tok, sel_metrics = self.selected_loss(batch, loss_tok, log_r, ratio, adv, mask)
+        if self.correction.acts:  # the sampler's mismatch: each policy token's loss times its weight
+            loss_tok = torch.where(on, loss_tok * cw, loss_tok)
         if self.weighted_origins():  # -A w(pi) on the tokens the policy did not write: no ratio, no clip
             w = self.off_policy_weight.weight(torch.where(off, cur.logprobs, torch.zeros_like(cur.logprobs)))  # [B, T]
             loss_tok = torch.where(off, -(adv * w), loss_tok)
@@ -440,6 +486,7 @@ class Grpo(Objective):
             "adv_mean": float(adv.mean()),
             **sel_metrics,
             **off_metrics,
+            **corr_metrics,
         }
         return total, metrics
 
@@ -473,16 +520,29 @@ class Grpo(Objective):
         if self.token_selection.acts and sel is None:
             return None
         m = mask.cpu()
-        W = reference_token_weights(m, self.loss_agg, None, self.norm_const)  # [B, T]
         lp = view.logprobs.detach().cpu().double()
         old = inputs["old"].detach().cpu().double()
         # tokens the policy did not write, trained by the declared weight form (written again: not weighted_origins)
         unwritten = [o for o in self.loss_tokens if o in ("guide_prefix", "guide_intervention", "demonstration")]
         off_m = (batch.mask(unwritten).cpu() & m if unwritten and type(self.off_policy_weight).acts
                  else torch.zeros_like(m))
+        # the rollout correction's weight of each policy token, from its own reference (d = log pi_old - log mu)
+        cw = torch.ones_like(lp)
+        corrected = torch.zeros_like(m)
+        if type(self.correction).acts:
+            corrected = m & ~off_m & batch.known_mask.cpu()
+            beh = batch.behavior_logprobs.detach().cpu().double()
+            for i in range(m.shape[0]):
+                ts = corrected[i].nonzero().flatten().tolist()
+                for t, (w, kept) in zip(ts, self.correction.reference([float(old[i, t] - beh[i, t]) for t in ts])):
+                    cw[i, t] = w
+                    m[i, t] = m[i, t] and kept  # a dropped unit leaves the loss
+        W = reference_token_weights(m, self.loss_agg, None, self.norm_const)  # [B, T]
         lo, hi = self.bounds()
         value, grad = 0.0, torch.zeros_like(W)
-        acted = {"bound": 0, "token_selection": 0, "off_policy_weight": int(off_m.sum())}  # tokens where each acted
+        acted = {"bound": 0, "token_selection": 0, "off_policy_weight": int(off_m.sum()),  # tokens where each acted
+                 # a weight the referee can tell from 1 (fp32 sampling leaves w = 1 +- 1e-6: it would pass unweighted)
+                 "correction": int((((cw - 1.0).abs() > 1e-3) & corrected).sum() + (corrected & ~m).sum())}
         for i in range(m.shape[0]):
             A = float(inputs["advantages"][i]) if m[i].any() else 0.0
             for t in off_m[i].nonzero().flatten().tolist():  # -A w(pi): no ratio, no clip
@@ -492,12 +552,13 @@ class Grpo(Objective):
             on = (m[i] & ~off_m[i]).nonzero().flatten().tolist()
             if not on:
                 continue
-            w_row = sum(float(W[i, t]) for t in on)  # the row's total weight
+            Wc = {t: float(W[i, t]) * float(cw[i, t]) for t in on}  # the aggregation's weight x the correction's
+            w_row = sum(Wc.values())  # the row's total weight
             d = {t: float(lp[i, t] - old[i, t]) for t in on}
             if self.bound == "none":
                 for t in on:
-                    value += float(W[i, t]) * -A * float(lp[i, t])
-                    grad[i, t] = float(W[i, t]) * -A
+                    value += Wc[t] * -A * float(lp[i, t])
+                    grad[i, t] = Wc[t] * -A
                 continue
             if self.bound == "log_clip":  # GMPO: each log-ratio clipped on the side the advantage binds
                 def k(x):
@@ -526,15 +587,15 @@ class Grpo(Objective):
                 if sel is not None and bool(sel[i, t]):  # the step's selection (token ratio, clip: validated)
                     acted["token_selection"] += 1
                     l_val, g = self.token_selection.reference_token(A, d[t])
-                    value += float(W[i, t]) * l_val
-                    grad[i, t] += float(W[i, t]) * g
+                    value += Wc[t] * l_val
+                    grad[i, t] += Wc[t] * g
                     continue
                 if self.bound in ("cispo", "topr"):  # a detached weight on -A log pi: every token's own gradient
                     wt = (min(max(rho, 1 - lo), 1 + hi) if self.bound == "cispo"
                           else 1.0 if A >= 0 else min(max(rho, 0.0), 1.0))
                     acted["bound"] += wt != (rho if self.bound == "cispo" or A < 0 else 1.0)
-                    value += float(W[i, t]) * -wt * A * float(lp[i, t])
-                    grad[i, t] += float(W[i, t]) * -wt * A
+                    value += Wc[t] * -wt * A * float(lp[i, t])
+                    grad[i, t] += Wc[t] * -wt * A
                     continue
                 if self.bound == "mask":
                     keep = 1 - lo <= rho <= 1 + hi
@@ -547,8 +608,8 @@ class Grpo(Objective):
                         surrogate, dl_drho = self.dual_clip * A, 0.0
                     acted["bound"] += surrogate != rho * A
                     l_val = -surrogate
-                value += float(W[i, t]) * l_val
-                g = float(W[i, t]) * dl_drho * rho * (1.0 if live else 0.0)  # d l_t / d x
+                value += Wc[t] * l_val
+                g = Wc[t] * dl_drho * rho * (1.0 if live else 0.0)  # d l_t / d x
                 if per_token or self.ratio == "token":
                     grad[i, t] += g
                 else:  # x is the row's: every on-token moves it by dx

@@ -22,7 +22,7 @@ from pydantic import Field, field_validator
 
 from components.objectives.base import Aggregation, InertSetting, Objective, Reduction, aggregate, masked_mean
 from components.objectives.critic import Critic
-from components.objectives.grpo import bounded_surrogate, kl_estimate, sequence_log_ratio
+from components.objectives.grpo import bounded_surrogate, kl_estimate, sampler_is_trainer, sequence_log_ratio
 from composer.lazy import torch
 from composer.registry import register
 
@@ -193,10 +193,11 @@ class Ppo(Objective):
         out = []
         t = spec.train
         if t.epochs * t.mini_batches == 1 and spec.sync.every == 1:
-            field = next((f for f in ("clip", "clip_low", "clip_high") if f in self.model_fields_set), "clip")
-            out.append(InertSetting(field, "the PPO clip cannot act: one update per step on-policy keeps the ratio "
-                                    "at 1", "update several times per step (train.epochs: 2 or train.mini_batches: "
-                                    "2)", severity="warning"))
+            if sampler_is_trainer(spec):  # else the ratio is the sampler's mismatch, on which the clip acts
+                field = next((f for f in ("clip", "clip_low", "clip_high") if f in self.model_fields_set), "clip")
+                out.append(InertSetting(field, "the PPO clip cannot act: one update per step on-policy, sampled by "
+                                        "the hf engine on the trainer's own weights, keeps the ratio at 1", "update several times per "
+                                        "step (train.epochs: 2 or train.mini_batches: 2)", severity="warning"))
             if self.critic.value_clip is not None:
                 out.append(InertSetting("critic", "the value clip cannot act: with one update per step the value "
                                         "model is read at the weights that gave V_old (V = V_old)",

@@ -188,7 +188,7 @@ def load_plugins(loaded: LoadedSpec) -> tuple[list[Diagnostic], list[Diagnostic]
 # in force. The rest is fixed for the run (the engine, devices, the seed, checkpointing).
 SEGMENT_TRAIN = ("prompts_per_step", "lr", "betas", "weight_decay", "warmup_steps", "lr_schedule", "grad_clip",
                  "entropy_coef", "eval_every", "reference", "reset_every", "reset_what")
-RUN_ROLLOUT = ("engine", "gpu_memory_utilization", "tensor_parallel_size")
+RUN_ROLLOUT = ("engine", "precision", "gpu_memory_utilization", "tensor_parallel_size")
 
 
 def _segment_settings(loaded: LoadedSpec, origin: tuple, staged: bool) -> list[Diagnostic]:

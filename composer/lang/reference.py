@@ -190,7 +190,10 @@ def component_entry(section: str, builtins_only: bool = False) -> Entry:
                                "(KL-Cov, Clip-Cov), whose loss term changes.",
             "off_policy_weight": "`objective.off_policy_weight:` (grpo): the importance weight of loss tokens the policy "
                                  "did not write (a trace of the `traces` guide, a guide's prefix), a function of the "
-                                 "current policy's probability alone (LUFFY's policy shaping)."}[section]
+                                 "current policy's probability alone (LUFFY's policy shaping).",
+            "correction": "`objective.correction:` (grpo): rollout correction, each policy token's loss weighted by a "
+                          "function of pi_old / mu, the trainer over the sampler (TIS, MIS, IcePop), apart from the "
+                          "policy ratio's bound."}[section]
     kinds = [kind_entry(section, c) for _, c in sorted(registry.kinds(section).items())
              if _included(c, builtins_only)]
     return Entry(section, text, kinds=kinds)
@@ -279,7 +282,8 @@ def gate_entry() -> Entry:
 
 
 def topics() -> list[str]:
-    return [*SPEC_KEYS, "guide", "estimator", "token_selection", "off_policy_weight", "gate", "verifiers"]
+    return [*SPEC_KEYS, "guide", "estimator", "token_selection", "off_policy_weight", "correction", "gate",
+            "verifiers"]
 
 
 class UnknownTopic(ValueError):
@@ -381,6 +385,7 @@ def markdown(builtins_only: bool = True) -> str:
             out += _md_entry(component_entry("estimator", builtins_only), 2)
             out += _md_entry(component_entry("token_selection", builtins_only), 2)  # and of its `token_selection`
             out += _md_entry(component_entry("off_policy_weight", builtins_only), 2)  # and `off_policy_weight`
+            out += _md_entry(component_entry("correction", builtins_only), 2)  # and `correction`
     out += _md_entry(verifier_entry(builtins_only), 2)
     return "\n".join(re.sub(r"[ \t]+$", "", line) for line in out).rstrip("\n") + "\n"
 

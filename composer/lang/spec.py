@@ -124,6 +124,7 @@ class Rollout(Strict):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     top_k: int = Field(0, ge=0, le=MAX_TOKENS, description="Top-k sampling; 0 disables.")
     engine: Literal["auto", "hf", "vllm"] = Field("auto", description="Rollout engine: `hf` (transformers generate), `vllm`, or `auto` (vLLM when installed and a GPU is present, else hf).")
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="The rollout weights' precision: auto (the engine's own: the trainer's weights as they are in the hf engine, the policy's dtype in vLLM; bf16 on OpenRLHF, whose vLLM engines load bfloat16), fp32, or bf16, the weights rounded to bfloat16 as an inference engine serving bf16 holds them (the hf engine rounds its copy at every sync and computes in float32; vLLM loads the model in bfloat16). With bf16 the sampler's log-probs differ from the trainer's by the training-inference mismatch (logged as mismatch/*), which objective.correction weighs.")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM only: fraction of GPU memory the engine may take.")
     tensor_parallel_size: int = Field(1, ge=1, le=1024, description="vLLM only: tensor-parallel degree of the rollout engine.")
     guide: Any = Field(None, description="Who else writes tokens into rollouts (none, prefix, intervention).")

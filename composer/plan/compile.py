@@ -66,7 +66,9 @@ def _models(spec) -> list[dict]:
     models = [{"role": "policy", "model": policy, "trainable": True, "placement": "trainer"}]
     if rolls_out(spec):
         models.append({"role": "rollout", "model": policy, "trainable": False, "placement": "rollout engine",
-                       "note": f"copy of the policy, refreshed every {spec.sync.every} step(s)"})
+                       "note": f"copy of the policy, refreshed every {spec.sync.every} step(s)"
+                               + (", its weights rounded to bf16 (rollout.precision)" if spec.rollout.precision == "bf16"
+                                  else "")})
     elif any(sig is not None and sig.builds_ahead for _n, sig, _o, _w in terms(spec)):
         models.append({"role": "rollout", "model": policy, "trainable": False, "placement": "rollout engine",
                        "note": "the policy at the segment's start: samples the targets once, before its first step"})

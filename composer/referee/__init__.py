@@ -139,11 +139,14 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
     declared = expected_syncs(plan)
     syncs = [e["after"] for k, e in events if k == "sync"]
     rep.expect("syncs as planned", syncs == declared, f"syncs after {syncs}, the plan's {declared}")
+    bf16 = v.segments[0].spec.rollout.precision == "bf16"  # fixed for the run (validation)
     for s, fp in rec.rollout_at.items():
         last = max([d for d in declared if d <= s] + [0])
         if last in rec.policy_at:
-            rep.expect("sampler = policy after the last sync", fp == rec.policy_at[last],
-                       f"step {s}: rollouts sampled by weights other than those after step {last}")
+            want = (rec.policy_bf16_at if bf16 else rec.policy_at)[last]
+            rep.expect("sampler = policy after the last sync" + (" (rounded to bf16)" if bf16 else ""), fp == want,
+                       f"step {s}: rollouts sampled by weights other than those after step {last}"
+                       + (" rounded to bfloat16 (rollout.precision: bf16)" if bf16 else ""))
     rep.expect("policy tokens sampled by the policy", not rec.not_sampled,
                "tokens labelled policy that the rollout weights never sampled after the text before them "
                f"(step, row, position): {rec.not_sampled[:5]}")

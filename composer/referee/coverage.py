@@ -21,6 +21,8 @@ HINTS = {  # why a part the run did not exercise stayed idle, and what makes it 
     "aggregation": "every row had the same number of loss tokens, so the aggregations agree: more varied prompts",
     "token_selection": "no token was selected on a batch that held its whole step",
     "off_policy_weight": "no loss token the policy did not write",
+    "correction": "the sampler's log-probs equalled the trainer's on every token (w = 1 to 1e-3): the sampler in "
+                  "float32 with the trainer's weights; rollout.precision: bf16 or the vLLM engine makes them differ",
 }
 
 

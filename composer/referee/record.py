@@ -128,6 +128,7 @@ class Recorder:
         self.logprob_errors: list[tuple] = []
         self.temperature_errors: list[tuple] = []  # (step, term, declared T, max |run - fresh|)
         self.policy_at: dict[int, str] = {}  # step -> fingerprint of the trained weights before that step's update
+        self.policy_bf16_at: dict[int, str] = {}  # step -> the same weights rounded to bfloat16 (a bf16 sampler's)
         self.rollout_at: dict[int, str] = {}  # step -> the weights that sampled that step's rollouts
         self.weights_at: dict[int, dict] = {}  # step -> a copy of the trained weights before that step's update
         self.final: dict | None = None  # the trained weights after the run
@@ -148,10 +149,14 @@ class Recorder:
         self.judged: dict[tuple, bool] = {}  # (problem, text) -> the verifier's success, for texts a guide judged
 
     def _keep_weights(self, step: int, policy) -> None:
+        import torch
+
         if policy is None or step in self.weights_at:
             return
         self.policy = policy
         self.policy_at[step] = fingerprint(policy)
+        # the same weights as a bf16 sampler holds them (rollout.precision: bf16): each parameter rounded to bfloat16
+        self.policy_bf16_at[step] = fingerprint({k: p.detach().to(torch.bfloat16) for k, p in policy.named_parameters()})
         self.weights_at[step] = {k: t.detach().clone() for k, t in policy.state_dict().items()}
         if self.scratch is None:
             self.scratch = copy.deepcopy(policy).eval().requires_grad_(False)

@@ -248,7 +248,9 @@ class ComposerModule(L.LightningModule):
         t = ctx.spec.train
         model = ctx.forward_model(self.policy)
         n = t.epochs * t.mini_batches
-        if n > 1:  # a segment with one update keeps the behaviour log-prob as the denominator, as it always did
+        # a segment with one update keeps the behaviour log-prob as the denominator, unless a term reads the trainer's
+        # own (a rollout correction weighs pi_old / mu)
+        if n > 1 or any(term.objective.wants_old for term in at.terms):
             run_step.old_logprobs(batches, lambda b, want, read: models.policy_view(model, b, want, read))
         parts = run_step.mini_batches(batches, t.mini_batches)
         opt = self.optimizers()

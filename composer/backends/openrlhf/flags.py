@@ -575,6 +575,10 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
                               "GPU of its own, started by the entry point; the agent calls it with the judge prompt")
     if r.engine == "hf":
         run.notes.append("rollout.engine hf: OpenRLHF always samples with vLLM")
+    if r.precision == "fp32":  # OpenRLHF 0.11.2's create_vllm_engines passes dtype="bfloat16", no flag changes it
+        raise Unsupported(("rollout", "precision"), "OpenRLHF's vLLM engines load the model in bfloat16 (its "
+                          "create_vllm_engines has no dtype flag), so float32 rollout weights cannot be honoured",
+                          "set rollout.precision: bf16 (or auto), or train on lightning")
 
     # ---- batch sizes ----
     pps, G = t.prompts_per_step, r.samples_per_prompt
@@ -698,6 +702,11 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
             a.add("algo.kl.init_coef", obj.kl_coef)
         elif not p["teachers"]:
             a.add("algo.kl.init_coef", 0.0)
+        for flag, *values in obj.correction.openrlhf_flags() or []:  # the rollout correction's own mapping
+            a.add(flag, *values)
+        if obj.correction.acts:
+            run.native.append(f"rollout correction: {obj.correction.describe()} (OpenRLHF's PolicyLoss, "
+                              "is_correction_*)")
         run.native.append(f"GRPO: {estimator} advantages over {G} samples, "
                           f"clipped policy loss ({lo}, {hi}), {obj.loss_agg}"
                           + (f", KL loss {obj.kl_estimator} x {obj.kl_coef} to the initial policy" if obj.kl_coef else ""))

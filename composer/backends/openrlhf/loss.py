@@ -120,8 +120,11 @@ class ComposerLoss:
         exp = self.ctx["experience"]
         at = self.at(exp)
         batches = self.batches(at, log_probs, action_mask, rollout_log_probs)
-        old = shift(old_log_probs.float()) if at.spec.train.epochs > 1 else None  # several passes: the ratio's
-        advs = self.ctx.get("advantages", {})  # denominator is the actor's log-prob of the make-experience step
+        # several passes, or a term that reads the trainer's own (a rollout correction): the ratio's denominator is the
+        # actor's log-prob of the make-experience step
+        wants = at.spec.train.epochs > 1 or any(t.objective.wants_old for t in at.terms)
+        old = shift(old_log_probs.float()) if wants else None
+        advs = self.ctx.get("advantages", {})
         batches = [dataclasses.replace(b, old_logprobs=old if old is not None else b.old_logprobs,
                                        advantages=None if advs.get(t.index) is None
                                        else advs[t.index].to(log_probs.device))
