@@ -222,3 +222,33 @@ def test_truncated_rows_are_masked_in_the_openrlhf_loss_as_on_lightning():
 
     # row 0 alone, A = +a: -(1/2)(1.2 a + 0.5 a) = -0.85 a
     assert abs(float(loss_over(plan, {"ref": "initial"}, step, logp, 4)) - (-0.85 * a)) < 1e-5
+
+
+GATED_SFT = """name: gf
+sources:
+  verifier: {kind: outcome_reward}
+  ref: {kind: reference_solution}
+rollout: {filter: {equal_groups: drop%s}}
+terms:
+  - {signal: {kind: reward, source: verifier}, objective: {kind: grpo}}
+  - %s
+"""
+SFT_TERM = "{signal: {kind: sft, target: ref}, objective: {kind: cross_entropy, loss_tokens: [demonstration]}, gate: %s}"
+RL_TERM = "{name: second, signal: {kind: reward, source: verifier}, objective: {kind: grpo}, gate: %s}"
+
+
+@pytest.mark.parametrize("term,warned", [
+    (SFT_TERM % "{group_success_at_most: 0}", True),            # HPT's SFT branch: the groups the filter drops
+    (RL_TERM % "{outcome: failure, sibling_success: false}", True),  # the same groups, row by row
+    (RL_TERM % "{outcome: failure}", False),                    # failed rows of mixed groups: kept
+    (SFT_TERM % "{group_success_at_most: 0.5}", False),
+])
+def test_a_gate_the_filter_empties_is_warned(tmp_path, term, warned):
+    spec = tmp_path / "s.yaml"
+    for cap, says in (("", "refill round(s) run out"), (", max_rounds: null", "trains on nothing")):
+        spec.write_text(GATED_SFT % (cap, term))
+        msgs = [d.message for d in validate_file(spec, []).warnings if d.rule == "gate_under_filter"]
+        assert bool(msgs) == warned, msgs
+        assert not warned or says in msgs[0]
+    spec.write_text((GATED_SFT % ("", term)).replace("equal_groups: drop", "equal_groups: keep"))
+    assert not [d for d in validate_file(spec, []).warnings if d.rule == "gate_under_filter"]

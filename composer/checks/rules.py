@@ -508,6 +508,32 @@ def off_policy_sequences_trained(spec, segment):
     return out
 
 
+@rule("gate_under_filter")
+def gate_under_filter(spec, segment):
+    """A gate sees the groups rollout.filter kept. With `equal_groups: drop` every kept group holds both outcomes
+    (DAPO's dynamic sampling), so a gate that selects only groups where every rollout failed (group_success_at_most:
+    0, or outcome: failure with sibling_success: false) leaves its term nothing, except on steps where the refill
+    ran out of rounds and filled up with dropped prompts."""
+    if spec.rollout.filter.equal_groups != "drop":
+        return []
+    out = []
+    for i, t in enumerate(spec.terms or []):
+        g = t.gate
+        if g is None:
+            continue
+        all_failed = g.group_success_at_most == 0 or (g.outcome == "failure" and g.sibling_success is False)
+        if all_failed:
+            capped = spec.rollout.filter.max_rounds is not None
+            out.append(_d("gate_under_filter", "the gate selects rows of groups where no rollout succeeded, and "
+                          "rollout.filter.equal_groups: drop removes exactly those groups before any gate reads the "
+                          "step: the term trains on nothing" + (f", except on steps whose {spec.rollout.filter.max_rounds} "
+                          "refill round(s) run out and fill up with dropped prompts" if capped else ""),
+                          ("terms", i, "gate"), "drop the filter (equal_groups: keep), or gate on something a kept "
+                          "group can hold (outcome: failure alone selects the failed rows of mixed groups)",
+                          severity="warning"))
+    return out
+
+
 @rule("term_gates")
 def term_gates(spec, segment):
     """A gate reads the step's rollout: it needs one, an outcome_reward source that decides success, and a
