@@ -50,6 +50,26 @@ class Critic(NumbersNotBooleans, BaseModel):
         start = "the policy's weights (first use) + a fresh scalar head" if self.model is None else self.model
         return f"critic: its own value model from {start}, own AdamW {lr}; {clip}"
 
+    def reference_value_loss(self, V, G, old, mask) -> tuple:
+        """The referee's value loss (DESIGN.md section 10), written again in float64: per token
+        0.5 max((V - G)^2, (V_old + clip(V - V_old, -eps, eps) - G)^2) (0.5 (V - G)^2 without value_clip), the mean
+        over the action tokens -> (value, d value / d V [B, T], bound [B, T]: where the clipped branch is the
+        larger). V, G, old [B, T] float64, mask [B, T] bool."""
+        import torch
+
+        eps = self.value_clip
+        unclipped = (V - G) ** 2
+        if eps is None:
+            tok, dtok, bound = 0.5 * unclipped, V - G, torch.zeros_like(mask)
+        else:
+            Vc = old + (V - old).clamp(-eps, eps)
+            clipped = (Vc - G) ** 2
+            bound = clipped > unclipped
+            tok = 0.5 * torch.maximum(unclipped, clipped)
+            dtok = torch.where(bound, (Vc - G) * ((V - old).abs() < eps), V - G)
+        n = max(int(mask.sum()), 1)
+        return float(tok[mask].sum()) / n, torch.where(mask, dtok / n, torch.zeros_like(dtok)), bound
+
     def build(self, ctx, name: str) -> "ValueModel":
         return ValueModel(self, ctx, name)
 

@@ -16,6 +16,8 @@ Per token of the loss mask (the policy's actions; position t predicts tokens[b, 
 
 from __future__ import annotations
 
+import math
+
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field, field_validator
@@ -261,6 +263,73 @@ class Ppo(Objective):
             total = total + self.critic.value_coef * vl
             metrics.update(vm)
         return total, metrics
+
+    # ---- the referee's formulas (DESIGN.md section 10): written again row by row in float64 from the spec's numbers,
+    # calling none of the functions above
+
+    def reference_gae(self, rewards: list[float], behaviour, ref, values, mask) -> tuple:
+        """(A [B, T] whitened, G [B, T]): per-token rewards r_t = -kl_coef k(log pi_behaviour - log pi_ref) (k1 d,
+        k2 d^2 / 2, k3 exp(-d) + d - 1 with d clamped to +-20, the value clamped to +-10) plus the sequence reward at
+        the last action; delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lambda A_{t+1}, G_t = A_t + V_t
+        over each row's action positions; then `whiten` over the step's action tokens (mean, or mean and std with
+        the variance floored at 1e-8). behaviour, ref, values [B, T] (ref None without a KL), mask [B, T] bool."""
+        import torch
+
+        def k(d: float) -> float:
+            if self.kl_estimator == "k1":
+                x = d
+            elif self.kl_estimator == "k2":
+                x = 0.5 * d * d
+            else:
+                dc = max(min(d, 20.0), -20.0)
+                x = math.exp(-dc) + dc - 1
+            return max(min(x, 10.0), -10.0)
+
+        B, T = mask.shape
+        A = torch.zeros((B, T), dtype=torch.float64)
+        G = torch.zeros((B, T), dtype=torch.float64)
+        beh = behaviour.detach().cpu().double()
+        for i in range(B):
+            pos = mask[i].nonzero().flatten().tolist()
+            if not pos:
+                continue
+            r = [0.0] * len(pos)
+            if self.kl_coef:
+                r = [-self.kl_coef * k(float(beh[i, p] - ref[i, p])) for p in pos]
+            r[-1] += rewards[i]
+            v = [float(values[i, p]) for p in pos]
+            running, nxt = 0.0, 0.0
+            for j in reversed(range(len(pos))):
+                delta = r[j] + self.gamma * nxt - v[j]
+                running = delta + self.gamma * self.lambd * running
+                A[i, pos[j]] = running
+                G[i, pos[j]] = running + v[j]
+                nxt = v[j]
+        xs = A[mask]
+        if self.whiten != "none" and xs.numel():
+            mean = float(xs.sum()) / xs.numel()
+            A = torch.where(mask, A - mean, A)
+            if self.whiten == "mean_std":
+                var = float(((xs - mean) ** 2).sum()) / xs.numel()
+                A = torch.where(mask, A / math.sqrt(max(var, 1e-8)), A)
+        return A, G
+
+    def reference_policy_loss(self, A, cur, old, mask) -> tuple:
+        """(value, d value / d log pi [B, T]) of the clipped surrogate -min(rho A_t, clip(rho, 1 - lo, 1 + hi) A_t),
+        rho = exp(log pi - log pi_old), aggregated by loss_agg (the aggregation's reference weights); A, cur, old
+        [B, T] float64, mask [B, T] bool."""
+        import torch
+
+        from components.objectives.base import reference_token_weights
+
+        lo, hi = self.bounds()
+        rho = torch.exp(cur - old)
+        cl = rho.clamp(1 - lo, 1 + hi)
+        inside = (rho >= 1 - lo) & (rho <= 1 + hi)
+        tok = -torch.minimum(rho * A, cl * A)
+        dtok = torch.where(inside | (rho * A <= cl * A), -A * rho, torch.zeros_like(rho))
+        w = reference_token_weights(mask, self.loss_agg, None, getattr(self, "norm_const", None))  # [B, T]
+        return float((w * tok * mask).sum()), w * dtok * mask, w
 
     def critic_loss(self, batch: TrajectoryBatch, values: Tensor) -> tuple[Tensor, dict[str, float]]:
         """The value loss of `values` [B, T] (the critic now) against the batch's returns, clipped to its old values:

@@ -1,5 +1,7 @@
-"""The referee's checks of a learned critic (PPO) and of a reward-model source (DESIGN.md section 10), with formulas
-written here, from the spec and the recorded inputs only:
+"""The referee's checks of a learned critic (PPO) and of a reward-model source (DESIGN.md section 10), from the spec
+and the recorded inputs only. The formulas of GAE and the policy loss are the objective's own (`reference_gae`,
+`reference_policy_loss` in components/objectives/ppo.py), the value loss the critic's (`reference_value_loss` in
+components/objectives/critic.py); this module recomputes their inputs (fresh forwards of the recorded weights):
 
   critic values      V(tokens[:t]) by a fresh forward of the critic's recorded weights (own network: its copy; a head
                      on the policy: the policy's recorded weights and the head's) = the old values the run used
@@ -66,52 +68,6 @@ def referee_values(rec, e) -> "object":
     out = torch.zeros(ids.shape)
     out[:, 1:] = v[:, :-1]
     return out
-
-
-def reward_kl(d: float, estimator: str) -> float:
-    """k1 = d, k2 = d^2 / 2, k3 = exp(-d) + d - 1 at d = log pi - log pi_ref, clamped to [-10, 10]."""
-    if estimator == "k1":
-        k = d
-    elif estimator == "k2":
-        k = 0.5 * d * d
-    else:
-        k = math.exp(-max(min(d, 20.0), -20.0)) + max(min(d, 20.0), -20.0) - 1
-    return max(min(k, 10.0), -10.0)
-
-
-def referee_advantages(obj, b, mask, values, ref) -> tuple:
-    """(A [B, T] whitened, G [B, T]) from the spec's gamma, lambda, beta and estimator, row by row in float64."""
-    import torch
-
-    B, T = mask.shape
-    A = torch.zeros((B, T), dtype=torch.float64)
-    G = torch.zeros((B, T), dtype=torch.float64)
-    beh = b.behavior_logprobs.detach().cpu().double()
-    R = b.rewards.detach().cpu().double().tolist()
-    for i in range(B):
-        pos = mask[i].nonzero().flatten().tolist()
-        if not pos:
-            continue
-        r = [0.0] * len(pos)
-        if obj.kl_coef:
-            r = [-obj.kl_coef * reward_kl(float(beh[i, p] - ref[i, p]), obj.kl_estimator) for p in pos]
-        r[-1] += R[i]
-        v = [float(values[i, p]) for p in pos]
-        running, nxt = 0.0, 0.0
-        for j in reversed(range(len(pos))):
-            delta = r[j] + obj.gamma * nxt - v[j]
-            running = delta + obj.gamma * obj.lambd * running
-            A[i, pos[j]] = running
-            G[i, pos[j]] = running + v[j]
-            nxt = v[j]
-    xs = A[mask]
-    if obj.whiten != "none" and xs.numel():
-        mean = float(xs.sum()) / xs.numel()
-        A = torch.where(mask, A - mean, A)
-        if obj.whiten == "mean_std":
-            var = float(((xs - mean) ** 2).sum()) / xs.numel()
-            A = torch.where(mask, A / math.sqrt(max(var, 1e-8)), A)
-    return A, G
 
 
 # ------------------------------------------------------------------------------------------------ reward models
@@ -209,7 +165,6 @@ def check_critics(v, plan, rec, rep, events, term_events) -> None:
     """Every check of the module docstring, over the recorded events of terms whose objective has a critic."""
     import torch
 
-    from composer.checks.terms import terms
     from composer.referee.checks import stage_start
 
     critic_terms = {n for seg in v.segments for n in _terms_with_critics(seg.spec)}
@@ -249,7 +204,8 @@ def check_critics(v, plan, rec, rep, events, term_events) -> None:
                 continue
             ref = fresh_logprobs(rec.weights(start), b.tokens.cpu(), b.attention_mask.cpu(),
                                  float(spec.rollout.temperature)).double()
-        A, G = referee_advantages(obj, b, mask, fresh.double(), ref)
+        A, G = obj.reference_gae(b.rewards.detach().cpu().double().tolist(), b.behavior_logprobs, ref, fresh.double(),
+                                 mask)  # the objective's own formula (its file)
         if b.advantages is None or b.returns is None:
             rep.expect("GAE advantages recomputed", False, f"step {step} {term}: the batch has no advantages")
             continue
@@ -298,24 +254,12 @@ def check_critics(v, plan, rec, rep, events, term_events) -> None:
         G = torch.stack([rows[k][1][:T] for k in keys])
         old = torch.stack([rows[k][2][:T].double() for k in keys])
         eps = obj.value_model().value_clip
-        unclipped = (V - G) ** 2
-        if eps is None:
-            tok, dtok = 0.5 * unclipped, V - G
-            bound = torch.zeros_like(mask)
-        else:
-            Vc = old + (V - old).clamp(-eps, eps)
-            clipped = (Vc - G) ** 2
-            bound = clipped > unclipped
-            tok = 0.5 * torch.maximum(unclipped, clipped)
-            inside = (V - old).abs() < eps
-            dtok = torch.where(bound, (Vc - G) * inside, V - G)
-        n = max(int(mask.sum()), 1)
-        value = float(tok[mask].sum()) / n
+        n = max(int(mask.sum()), 1)  # the action tokens the value loss averages over
+        value, want, bound = obj.value_model().reference_value_loss(V, G, old, mask)  # the critic's own formula
         rep.expect("value loss recomputed", abs(value - e["loss_value"]) <= 1e-4 * (1 + abs(value)),
                    f"step {step} {term} update {e['update']}: value loss {e['loss_value']:.6g}, the formula's "
                    f"{value:.6g} (value clip {eps})")
         if e.get("values_grad") is not None:
-            want = torch.where(mask, dtok / n, torch.zeros_like(dtok))
             gerr = float((want - e["values_grad"].double()).abs().max()) * n
             rep.expect("value loss gradient recomputed", gerr <= 5e-3,
                        f"step {step} {term} update {e['update']}: d loss / d V differs from the formula's by {gerr:.3g} "
@@ -343,18 +287,9 @@ def check_critics(v, plan, rec, rep, events, term_events) -> None:
         mask = _action_mask(plan, step, term, b)
         cur = e["view"].logprobs.detach().cpu().double()
         old = (b.old_logprobs if b.old_logprobs is not None else b.behavior_logprobs).detach().cpu().double()
-        lo, hi = obj.bounds()
-        rho = torch.exp(cur - old)
-        cl = rho.clamp(1 - lo, 1 + hi)
-        inside = (rho >= 1 - lo) & (rho <= 1 + hi)
-        tok = -torch.minimum(rho * A, cl * A)
-        dtok = torch.where(inside | (rho * A <= cl * A), -A * rho, torch.zeros_like(rho))
-        from components.objectives.base import reference_token_weights
-
-        w = reference_token_weights(mask, obj.loss_agg, None, getattr(obj, "norm_const", None))  # [B, T]
-        value = float((w * tok * mask).sum())
+        value, dvalue, w = obj.reference_policy_loss(A, cur, old, mask)  # the objective's own formula (its file)
         grad = e["grad"].double()
-        gerr = float(((w * dtok * mask) - grad).abs().max()) / float(w[mask].max()) if mask.any() else 0.0
+        gerr = float((dvalue - grad).abs().max()) / float(w[mask].max()) if mask.any() else 0.0
         rep.expect("policy loss gradient recomputed (critic)", gerr <= 5e-3,
                    f"step {step} {term}: d loss / d log pi differs from the clipped surrogate with GAE advantages by "
                    f"{gerr:.3g} per unit")
@@ -371,14 +306,13 @@ def check_critics(v, plan, rec, rep, events, term_events) -> None:
             V = referee_values(rec, h).double()
             G = torch.stack([rows[k][1][:T] for k in keys])
             old_v = torch.stack([rows[k][2][:T].double() for k in keys])
-            eps = obj.value_model().value_clip
-            u = (V - G) ** 2
-            vt = 0.5 * (u if eps is None else torch.maximum(u, (old_v + (V - old_v).clamp(-eps, eps) - G) ** 2))
-            extra = obj.value_model().value_coef * float(vt[mask].sum()) / max(int(mask.sum()), 1)
+            head_loss, _dv, _bound = obj.value_model().reference_value_loss(V, G, old_v, mask)  # the critic's formula
+            extra = obj.value_model().value_coef * head_loss
             seen["heads"] += 1
         rep.expect("policy loss recomputed (critic)", abs(e["loss_value"] - value - extra) <= 1e-4 * (1 + abs(value)),
                    f"step {step} {term}: loss {e['loss_value']:.6g}, the formula's {value + extra:.6g}")
         seen["policy"] += 1
+        rep.checked[term] = rep.checked.get(term, 0) + 1  # coverage: a loss recomputed from the part's own reference
 
     own = any(o.value_model().network == "own" for seg in v.segments for o in _terms_with_critics(seg.spec).values())
     rep.expect("saw critic values", seen["values"] and seen["gae"], f"no critic value or GAE checked: {seen}")
