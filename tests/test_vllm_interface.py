@@ -1,6 +1,7 @@
 """The vLLM interface the real-job harness's replaced engine assumes (tests/openrlhf_real/hf_vllm.py, A1-A5),
 pinned against numbers computed here from the model's own logits. The same assumptions are checked against
-real vLLM on a GPU by examples/cluster/vllm_interface_check.py; a change there must change both."""
+real vLLM on a GPU by examples/cluster/vllm_interface_check.py and against vLLM's CPU build by
+tests/test_vllm_real.py; a change there must change all three."""
 
 from __future__ import annotations
 
@@ -73,9 +74,9 @@ def test_engine_interface(model_dir, mode):
     want = [float(torch.log_softmax(lg[len(ids) - 1 + i] / scale, -1)[tok]) for i, tok in enumerate(o.token_ids)]
     got = [e[tok].logprob for e, tok in zip(o.logprobs, o.token_ids)]
     assert got == pytest.approx(want, abs=1e-4)
-    # A3: prompt log-probs follow the same mode; position 0 has none
+    # A3: prompt log-probs are the model's own in either mode (real vLLM never tempers them); position 0 has none
     assert out.prompt_logprobs[0] is None
-    pl = [float(torch.log_softmax(lg[i] / scale, -1)[ids[i + 1]]) for i in range(len(ids) - 1)]
+    pl = [float(torch.log_softmax(lg[i], -1)[ids[i + 1]]) for i in range(len(ids) - 1)]
     assert [e[ids[i + 1]].logprob for i, e in enumerate(out.prompt_logprobs[1:])] == pytest.approx(pl, abs=1e-4)
     # A1: max_tokens reached -> "length" unless EOS came first (then "stop", EOS kept in token_ids)
     assert (o.finish_reason == "stop") == (o.token_ids[-1] == eng.tok.eos_token_id)

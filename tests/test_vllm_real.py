@@ -18,8 +18,8 @@ CPU: vLLM's kernels and the trainer's forward differ by rounding, measured 2e-6 
     after the sync do not reach it until the next;
   - copying the policy (the KL reference) leaves the engine out;
   - short GRPO and OPD runs on it (`rollout.engine=vllm`) pass the referee (`composer check`).
-The stand-ins that replace vLLM on CPU elsewhere (tests/openrlhf_real/hf_vllm.py, A1-A5) assume what this file
-checks against the real engine.
+The stand-in that replaces vLLM in the CPU tiers (tests/openrlhf_real/hf_vllm.py, A1-A5) is run beside the real
+engine here and must answer as it does.
 """
 
 from __future__ import annotations
@@ -229,6 +229,60 @@ def test_copies_of_the_policy_leave_the_engine_out(setup):
     finally:
         policy.eval()
     assert eng._records.size == 0
+
+
+def _load(name: str, path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_stand_in_answers_as_the_real_engine(setup):
+    """tests/openrlhf_real/hf_vllm.py (vLLM's stand-in in the CPU tiers) against the real engine on the same model:
+    greedy tokens (A1), prompt log-probs in processed mode at T != 1 (A3: the model's own), and the sampled tokens'
+    log-probs of the tempered distribution (A2), each to TOL."""
+    import asyncio
+
+    from vllm import SamplingParams
+
+    from composer.runtime.models import resolve
+
+    eng, policy, _tok, prompts = setup
+    stub = _load("composer_test_vllm_stub", ROOT / "tests" / "openrlhf_cpu_stubs" / "vllm" / "__init__.py")
+    hf_vllm = _load("composer_test_hf_vllm", ROOT / "tests" / "openrlhf_real" / "hf_vllm.py")
+    stand_in = hf_vllm.HFEngine({"model": resolve("toy:student"), "dtype": "float32", "max_model_len": 128,
+                                 "seed": 0, "logprobs_mode": "processed_logprobs"})
+
+    def stand(ids, sp):
+        async def go():
+            return [x async for x in stand_in.generate({"prompt_token_ids": ids}, sp)][-1]
+
+        return asyncio.run(go())
+
+    t = 1.7
+    for ids in prompts:
+        real = eng.llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=8, temperature=0.0,
+                                                                            detokenize=False), use_tqdm=False)[0]
+        assert list(real.outputs[0].token_ids) == stand(ids, stub.SamplingParams(max_tokens=8, temperature=0.0)) \
+            .outputs[0].token_ids  # A1
+        seq = ids + list(real.outputs[0].token_ids)
+        real = eng.llm.generate([{"prompt_token_ids": seq}], SamplingParams(max_tokens=4, temperature=t, logprobs=1,
+                                                                            prompt_logprobs=1, detokenize=False),
+                                use_tqdm=False)[0]
+        mine = stand(seq, stub.SamplingParams(max_tokens=4, temperature=t, logprobs=1, prompt_logprobs=1))
+        assert real.prompt_logprobs[0] is None and mine.prompt_logprobs[0] is None
+        a = [real.prompt_logprobs[j][seq[j]].logprob for j in range(1, len(seq))]
+        b = [mine.prompt_logprobs[j][seq[j]].logprob for j in range(1, len(seq))]
+        assert max(abs(x - y) for x, y in zip(a, b)) < TOL  # A3
+        for out in (real, mine):  # A2: each one's sampled tokens, of log_softmax(logits / T)
+            o = out.outputs[0]
+            want = trainer_logprobs(policy, seq + list(o.token_ids), t)[len(seq):]
+            got = [o.logprobs[i][tk].logprob for i, tk in enumerate(o.token_ids)]
+            assert max(abs(x - y) for x, y in zip(got, want)) < TOL
 
 
 def _check(spec: str, tmp_path: Path, *extra: str) -> str:

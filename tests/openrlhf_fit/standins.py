@@ -492,10 +492,8 @@ class CpuLLM:
         processed = self.logprobs_mode.startswith("processed")
         out = self.model(input_ids=torch.tensor([ids]), use_cache=True)
         prompt_lps = None
-        if getattr(sp, "prompt_logprobs", None) is not None:
-            lg = out.logits[0, :-1].float()
-            lg = lg / (sp.temperature if sp.temperature and sp.temperature > 0 else 1.0) if processed else lg
-            lps = torch.log_softmax(lg, -1)
+        if getattr(sp, "prompt_logprobs", None) is not None:  # the model's own in either mode: vLLM never tempers
+            lps = torch.log_softmax(out.logits[0, :-1].float(), -1)  # them (tests/test_vllm_real.py, real vLLM)
             prompt_lps = [None] + [self._logprob_entry(lps[i], t) for i, t in enumerate(ids[1:])]
         cache, logits = self._cache(out), out.logits[0, -1].float()
         toks, entries, finish = [], [], "length"

@@ -6,15 +6,17 @@ process) builds `vllm.AsyncLLMEngine.from_engine_args(vllm.AsyncEngineArgs(...))
 (the weight sync RPCs of OpenRLHF's WorkerWrap), `sleep` / `wake_up` / `is_sleeping`, `reset_prefix_cache`.
 `HFEngine` answers those with transformers' model.forward and a KV cache on CPU.
 
-Interface assumptions it makes (pinned by tests/test_openrlhf_real.py::test_engine_interface and checked
-against real vLLM 0.29 on a GPU by examples/cluster/vllm_interface_check.py):
+Interface assumptions it makes (pinned by tests/test_vllm_interface.py, checked against real vLLM on a GPU by
+examples/cluster/vllm_interface_check.py and against vLLM 0.32's CPU build by tests/test_vllm_real.py):
   A1 sampling: logits / temperature, then top-k, then top-p (nucleus over the tempered distribution);
      `min_tokens` masks EOS; greedy when temperature == 0; stops at EOS (finish_reason "stop") or max_tokens
      ("length"); EOS is part of `token_ids`.
   A2 `logprobs_mode="processed_logprobs"` (what OpenRLHF asks for with is_correction_level != off): the
      per-token log-probs are of the tempered, top-k/top-p-filtered distribution; "raw_logprobs" of the
      model's own. Each position's dict holds the sampled token (and the top-1 when it differs).
-  A3 prompt log-probs follow the same mode (tempered in processed mode); position 0 is None.
+  A3 prompt log-probs are the model's own in either mode, never tempered (vLLM 0.32: logprobs_mode applies to
+     sampled tokens only; checked against the real engine, vLLM's CPU build, by tests/test_vllm_real.py);
+     position 0 is None.
   A4 weights: `update_weight_cuda_ipc(name, dtype, shape, ipc_handles)` rebuilds the tensor from the handle of
      this device's id and loads it under the HF parameter name (the trainer's names; vLLM maps the same names);
      the dtype must equal the engine's (WorkerWrap's assert).
@@ -206,12 +208,10 @@ class HFEngine:
         greedy = not sp.temperature or sp.temperature <= 0
         seed = getattr(sp, "seed", None)  # A5
         generator = self.generator if seed is None else torch.Generator().manual_seed(int(seed))
-        t = sp.temperature if sp.temperature and sp.temperature > 0 else 1.0
         out = self.model(input_ids=torch.tensor([ids]), use_cache=True)
         prompt_lps = None
-        if getattr(sp, "prompt_logprobs", None) is not None:  # A3
-            lg = out.logits[0, :-1].float()
-            lps = torch.log_softmax(lg / t if self.processed else lg, -1)
+        if getattr(sp, "prompt_logprobs", None) is not None:  # A3: the model's own, in either mode
+            lps = torch.log_softmax(out.logits[0, :-1].float(), -1)
             prompt_lps = [None] + [self._entry(lps[i], tok) for i, tok in enumerate(ids[1:])]
         cache, logits = self._cache(out), out.logits[0, -1].float()
         toks, entries, finish = [], [], "length"
