@@ -34,6 +34,14 @@ class RewardSignal(Signal):
             out += " plus " + " + ".join(f"{w:g} x '{n}' ({spec.sources[n].kind_name()})" for n, w in self.plus.items())
         return out
 
+    def reference_reward(self, base: list[float], parts: dict[str, list[float]]) -> list[float]:
+        """The referee's reward (DESIGN.md section 10), in plain float arithmetic: r_i = base_i + sum_k w_k part_k(i),
+        base the source's rewards of the rows, parts[name] each `plus` source's (recomputed by the referee)."""
+        out = [float(r) for r in base]
+        for name, w in self.plus.items():
+            out = [r + w * float(p) for r, p in zip(out, parts[name])]
+        return out
+
     def apply(self, ctx, batch):
         """Fill batch.rewards [B]: the source's reward plus each `plus` source's times its weight; with parts,
         each part's mean (unweighted) is logged as reward/<name>."""

@@ -17,6 +17,7 @@ from composer.stops import of
 
 KL_TOL = 0.05  # the KL term's gradient, per unit of kl_coef x token weight (a check of its own)
 NOISE = 5e-5  # float32 forward passes of the same weights, shapes apart (a teacher prompt with its context)
+ENTROPY_TOL = 1e-4  # the run's H_t (float32) against the referee's fresh forward of the same weights (float64 entropy)
 
 
 @dataclass
@@ -214,13 +215,15 @@ def expected_rewards(rec, spec, sig, b, task_cap, step: int | None = None) -> tu
     lengths = b.response_mask.sum(-1).tolist()
     n = spec.rollout.max_new_tokens
     cap = min(n, task_cap) if task_cap else n  # the response cap generation ran under
-    for name, w in sig.plus.items():
+    parts = {}
+    for name in sig.plus:
         part = spec.sources[name].reference_rewards(lengths, cap)  # a part's own formula (its file), if it has one
         if part is None:
             part = source_rewards(rec, spec, name, b, step)
         if part is None:
             return None
-        out = [r + w * p for r, p in zip(out, part)]
+        parts[name] = part
+    out = sig.reference_reward(base, parts)  # the signal's own sum (its file)
     return out, sum(1 for r, r0 in zip(out, base) if r != r0)
 
 
@@ -365,11 +368,35 @@ def referee_covariance(b, mask, adv: list):
     return [(x - mlp) * (y - ma) for x, y in zip(lp, a)], m
 
 
-def check_token_selection(rep, term_events) -> None:
-    """A step-wide token selection (grpo.token_selection: KL-Cov, Clip-Cov): on every batch that holds a whole step,
-    the run's choice against the selection's own reference (`reference_problem` in its file) at the Cov_t the
-    referee recomputed from the behaviour log-probs and its own advantages. A batch that is a mini-batch of its step
-    is not covered (noted). Fails when no token was ever selected (a check that cannot fail is none)."""
+def referee_entropy(rep, rec, e, b, mask):
+    """H_t over the step's loss tokens (row-major) by a fresh forward of the weights recorded at the step's start
+    (never the batch's `old_entropy`), and each token's row -> (entropies [N], rows [N]), or None when the run kept no
+    weights for the step (then the check fails: not recomputed). The run's own H_t must equal them (ENTROPY_TOL)."""
+    from composer.referee.record import fresh_entropy
+
+    step = e["step"]
+    if rec is None or step not in getattr(rec, "weights_at", {}):
+        rep.expect("old-policy entropy recomputed", False, f"step {step} {e['term']}: no weights recorded at the step's "
+                   "start: the entropies of the token selection cannot be recomputed")
+        return None
+    temp = e.get("temperature") or b.info.get("temperature", 1.0)
+    fresh = fresh_entropy(rec.weights(step), b.tokens.cpu(), b.attention_mask.cpu(), temp)  # [B, T]
+    m = mask.cpu().bool()
+    if b.old_entropy is not None:
+        err = float((fresh - b.old_entropy.detach().cpu().double()).abs()[m].max()) if m.any() else 0.0
+        rep.expect("old-policy entropy recomputed", err <= ENTROPY_TOL,
+                   f"step {step} {e['term']}: the run's entropies H_t are not those of the policy at the step's start "
+                   f"(a fresh forward of its weights): off by {err:.3g}")
+    cells = m.nonzero().tolist()  # row-major
+    return [float(fresh[i, t]) for i, t in cells], [i for i, _t in cells]
+
+
+def check_token_selection(rep, term_events, rec=None) -> None:
+    """A step-wide token selection (grpo.token_selection): on every batch that holds a whole step, the run's choice
+    against the selection's own reference (`reference_problem` in its file) at the statistic the referee recomputed:
+    Cov_t from the behaviour log-probs and its own advantages (KL-Cov, Clip-Cov), or H_t from a fresh forward of the
+    weights `rec` recorded at the step's start (entropy, archer). A batch that is a mini-batch of its step is not
+    covered (noted). Fails when no token was ever selected (a check that cannot fail is none)."""
     seen = {"whole": 0, "parts": 0, "selected": 0}
     for e in term_events:
         b, obj = e["batch"], e["objective"]
@@ -385,12 +412,20 @@ def check_token_selection(rep, term_events) -> None:
             seen["parts"] += 1
             continue
         seen["whole"] += 1
-        adv = obj.reference_advantages(b.rewards.double().tolist(), b.group.tolist(), b.control.tolist(),
-                                       b.mask(("policy",)).sum(-1).tolist())
-        cov, m = referee_covariance(b, mask, adv)
+        m = mask.cpu().bool()
+        rows = None
+        if sel.statistic == "entropy":  # the old policy's H_t, by the referee's own forward
+            got_h = referee_entropy(rep, rec, e, b, mask)
+            if got_h is None:
+                continue
+            stat, rows = got_h
+        else:
+            adv = obj.reference_advantages(b.rewards.double().tolist(), b.group.tolist(), b.control.tolist(),
+                                           b.mask(("policy",)).sum(-1).tolist())
+            stat, m = referee_covariance(b, mask, adv)
         got = (b.token_select.cpu() & mask)[m].tolist()
         seen["selected"] += sum(got)
-        why = sel.reference_problem(cov, got)
+        why = sel.reference_problem(stat, got, rows)
         rep.expect(name, why is None, f"step {e['step']} {e['term']}: {why}")
     if seen["whole"] or seen["parts"]:
         rep.expect("token selection selected tokens", seen["selected"] > 0,
