@@ -305,3 +305,12 @@ def test_grpo_on_the_real_engine_is_refereed(tmp_path):
 def test_opd_on_the_real_engine_is_refereed(tmp_path):
     out = _check("opd.yaml", tmp_path, "rollout.temperature=0.7")
     assert "teacher log-probs recomputed" in out and "sampler log-probs (declared temperature)" in out
+
+
+def test_tis_on_bf16_vllm_rollouts_is_refereed(tmp_path):
+    """vLLM serving bf16 weights (rollout.precision: bf16): the sampler is not the trainer. The mismatch is logged, the
+    TIS weights are recomputed from their own reference, the sampler matches the policy rounded to bf16, and its
+    log-probs agree with the same bf16 weights run by transformers to bf16 noise (the referee says how close)."""
+    out = _check("methods/grpo-tis.yaml", tmp_path, "--coverage")
+    assert "a bf16 sampler" in out and "rounded to bf16" in out
+    assert "objective.correction" in out and "acted:" in out.split("objective.correction")[-1].splitlines()[0]

@@ -47,7 +47,11 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
         n = sum(1 for k, _e in events if k == "rollout")
         rep.expect("sampler log-probs (declared temperature)", not rec.logprob_errors,
                    f"behaviour log-probs differ from the rollout weights (step, max err, n bad, n): {rec.logprob_errors[:3]}")
-        rep.note("sampler log-probs (declared temperature)", f"{n} rollouts")
+        bf16 = rec.bf16_errors
+        rep.note("sampler log-probs (declared temperature)", f"{n} rollouts" + (
+            f"; a bf16 sampler: against the same bf16 weights run by transformers, to bf16 noise only (mean |d| at "
+            f"most {max(m for _s, m, _x, _n in bf16):.2g}, max {max(x for _s, _m, x, _n in bf16):.2g} nats)"
+            if bf16 else ""))
 
     # ---- each loss reads the policy at the temperature its spec declares (a fresh forward of the live weights)
     for e in term_events:
@@ -215,7 +219,7 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
     _check_filters(rep, filtered, term_events)
 
     # ---- the numbers: advantages, references, teachers, each loss and gradient
-    seen = {"advantages": 0, "mixed_groups": 0, "reference": 0, "stage_reference": 0, "gradient": 0, "kl": 0,
+    seen = {"advantages": 0, "mixed_groups": 0, "mixed_rewards": 0, "reference": 0, "stage_reference": 0, "gradient": 0, "kl": 0,
             "teacher": 0, "ema_moved": 0, "interventions": 0, "reward_parts": 0, "old": 0}
     cache: dict = {}
     task_cap = next((e.get("task_cap") for k, e in events if k == "rollout"), None)
@@ -256,6 +260,7 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
                 rep.expect("groups hold one prompt", len({b.examples[i].prompt for i in rows_}) == 1,
                            f"step {step}: a group mixes prompts")
                 seen["mixed_groups"] += len({r[i] for i in rows_}) > 1
+            seen["mixed_rewards"] += len(set(r)) > 1  # rows of both outcomes in one batch
             seen["advantages"] += 1
 
         ref = None
@@ -302,9 +307,13 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
                                    "token_select": step_selection(b, e, plan, gate_of)})
 
     objectives = [(seg, obj) for seg in v.segments for _n, _s, obj, _w in terms(seg.spec) if obj is not None]
-    if any(type(obj).uses_group_baseline for _s, obj in objectives) and rolls:
+    if any(obj.group_baseline() for _s, obj in objectives) and rolls:
         rep.expect("saw mixed groups", seen["advantages"] and seen["mixed_groups"],
                    f"no mixed group seen: nothing tested the advantages ({seen['advantages']} batches)")
+    elif any(type(obj).uses_group_baseline for _s, obj in objectives) and rolls:  # its estimator takes no baseline
+        rep.expect("saw mixed rewards", seen["advantages"] and seen["mixed_rewards"],
+                   f"no batch held rows of different rewards: the advantages of one outcome went untested "
+                   f"({seen['advantages']} batches)")
     if any(obj.wants_initial for _s, obj in objectives) and rolls:
         rep.expect("saw reference log-probs", seen["reference"], "no reference log-prob checked")
     if any(has_reference_loss(obj) for _s, obj in objectives) and rolls:
@@ -347,10 +356,10 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
                 rep.expect("offpolicy_token_frac recounted", abs(float(logged) - want) <= 1e-6,
                            f"step {e['step']}: logged {logged}, recounted {want}")
 
-    # ---- step-wide token selection (grpo.token_selection: KL-Cov, Clip-Cov), recomputed from the spec
+    # ---- step-wide token selection (grpo.token_selection: KL-Cov, Clip-Cov, 80/20 entropy, Archer), recomputed
     from composer.referee.checks import check_token_selection, check_traces
 
-    check_token_selection(rep, term_events)
+    check_token_selection(rep, term_events, rec)
     # ---- traces the policy did not write inside groups (the traces guide): which rows, their tokens, the groups
     check_traces(rep, rec, v, events)
 

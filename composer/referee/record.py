@@ -34,6 +34,11 @@ HOT: dict[str, list[str]] = {"int": ["train.prompts_per_step=8", "rollout.max_ne
 GUIDE_ORIGINS = ("guide_prefix", "guide_intervention", "demonstration")  # tokens a guide wrote (the traces guide:
 # demonstration)
 TOL = 2e-3  # float32 forward passes of different shapes (KV cache vs one pass)
+# a sampler computing in bfloat16 (vLLM at rollout.precision: bf16) against the same bf16 weights run by transformers
+# on CPU: different kernels and accumulation orders, so per-token log-probs agree to bf16 noise only; measured on the
+# toy (vLLM 0.32 CPU build, specs/methods/grpo-tis.yaml rollout.engine=vllm): mean 0.002-0.005, max 0.19-0.26 nats
+# per step. The bounds below leave about 6x and 2x room; the check is weaker than float32's TOL, and says so.
+BF16_MEAN, BF16_MAX = 0.03, 0.6
 
 
 def short(path: Path, extra=()) -> list[str]:
@@ -98,6 +103,20 @@ def fresh_logprobs(model, tokens, attention_mask, temperature: float):
     return out
 
 
+def fresh_entropy(model, tokens, attention_mask, temperature: float):
+    """[B, T] the entropy -sum_v p log p of `model`'s next-token distribution predicting tokens[b, t], by one forward
+    pass at `temperature` (0 at t = 0), in float64 from the float32 logits."""
+    import torch
+
+    dev = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(input_ids=tokens.to(dev), attention_mask=attention_mask.long().to(dev)).logits
+    lp = torch.log_softmax(logits.double() / temperature, -1)
+    out = torch.zeros(tokens.shape, dtype=torch.float64)
+    out[:, 1:] = -(lp.exp() * lp).sum(-1)[:, :-1].cpu()
+    return out
+
+
 def row_key(batch, i: int) -> tuple:
     """Row i's tokens (padding off): how a row is found again in another batch (filters concatenate rows)."""
     return tuple(batch.tokens[i][batch.attention_mask[i].bool()].tolist())
@@ -128,6 +147,7 @@ class Recorder:
         self.logprob_errors: list[tuple] = []
         self.temperature_errors: list[tuple] = []  # (step, term, declared T, max |run - fresh|)
         self.policy_at: dict[int, str] = {}  # step -> fingerprint of the trained weights before that step's update
+        self.bf16_errors: list[tuple] = []  # (step, mean, max, n) of a bf16 sampler's behaviour log-probs
         self.policy_bf16_at: dict[int, str] = {}  # step -> the same weights rounded to bfloat16 (a bf16 sampler's)
         self.rollout_at: dict[int, str] = {}  # step -> the weights that sampled that step's rollouts
         self.weights_at: dict[int, dict] = {}  # step -> a copy of the trained weights before that step's update
@@ -278,6 +298,12 @@ class Recorder:
         self.keep.append(batch.tokens)
         known = batch.known_mask & batch.response_mask
         err = (fresh - batch.behavior_logprobs.cpu()).abs()[known.cpu()]
+        if getattr(engine, "dtype", None) == "bfloat16":  # another engine's bf16 kernels: agreement to bf16 noise
+            self.bf16_errors.append((step, float(err.mean()) if err.numel() else 0.0,
+                                     float(err.max()) if err.numel() else 0.0, int(err.numel())))
+            if err.numel() and (float(err.mean()) > BF16_MEAN or float(err.max()) > BF16_MAX):
+                self.logprob_errors.append((step, float(err.max()), int((err > BF16_MAX).sum()), int(err.numel())))
+            return
         if err.numel() and float(err.max()) > TOL:
             self.logprob_errors.append((step, float(err.max()), int((err > TOL).sum()), int(err.numel())))
 

@@ -185,6 +185,8 @@ class _RolloutWeights:
                 raise RuntimeError("the vllm engine's rollout weights have no module here: a frozen engine (judge, "
                                    "teacher) or one whose policy is gone")
             self._module = copy.deepcopy(policy).to("cpu").eval().requires_grad_(False)
+            if self.engine.dtype == "bfloat16":  # the engine serves bf16 weights: the copy holds and runs them so
+                self._module.to(torch.bfloat16)
             self.refresh()
         return self._module
 
@@ -311,9 +313,11 @@ class VLLMEngine:
             model=self.model_dir, tokenizer=self.model_dir, seed=seed,
             gpu_memory_utilization=self.gpu_memory_utilization, tensor_parallel_size=self.tensor_parallel_size,
             enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=self.sleep_mode,
-            dtype=dtype or os.environ.get(DTYPE_ENV) or (_policy_dtype(policy) if self.on_cpu else "auto"),
+            dtype=dtype or os.environ.get(DTYPE_ENV) or _declared_dtype(rollout_cfg)
+            or (_policy_dtype(policy) if self.on_cpu else "auto"),
             logprobs_mode="processed_logprobs",
         )
+        self.dtype = str(kwargs["dtype"]).removeprefix("torch.")  # what the engine computes in ("auto": vLLM's choice)
         if max_model_len:
             kwargs["max_model_len"] = max_model_len
         if os.environ.get(EAGER_ENV) == "1":
@@ -622,6 +626,11 @@ def _has_reload_weights(vllm) -> bool:
     except Exception:
         return False
     return callable(getattr(Worker, "reload_weights", None))
+
+
+def _declared_dtype(rollout_cfg) -> str | None:
+    """rollout.precision as vLLM's dtype: bf16 -> bfloat16, fp32 -> float32, auto -> None (the engine's choice)."""
+    return {"bf16": "bfloat16", "fp32": "float32"}.get(getattr(rollout_cfg, "precision", "auto"))
 
 
 def _policy_dtype(policy) -> str:
