@@ -38,6 +38,7 @@ LIGHTNING_ONLY = {"specs/hybrids/fkl-plus-sft.yaml": ("terms[1].signal", "cannot
                   # the composer's loss in the plugin (sequence ratio, CISPO bound) with mini-batches
                   "specs/methods/gspo.yaml": ("train.mini_batches", "mini-batches run only with OpenRLHF's own PolicyLoss"),
                   "specs/methods/cispo.yaml": ("train.mini_batches", "mini-batches run only with OpenRLHF's own PolicyLoss"),
+                  "specs/methods/sapo.yaml": ("train.mini_batches", "mini-batches run only with OpenRLHF's own PolicyLoss"),
                   # sequences the policy did not write (GKD), an SFT term gated by the same step's rollouts (HPT)
                   "specs/methods/gkd.yaml": ("signal.off_policy", "are not samples of the step"),
                   "specs/methods/hpt.yaml": ("terms[1].signal", "cannot be mixed with rollout terms"),
@@ -45,7 +46,11 @@ LIGHTNING_ONLY = {"specs/hybrids/fkl-plus-sft.yaml": ("terms[1].signal", "cannot
                   "specs/methods/prorl.yaml": ("train.reset_every", "cannot be expressed"),
                   # a step-wide per-token selection (KL-Cov, Clip-Cov): the plugin has no per-token carrier to the loss
                   "specs/methods/kl-cov.yaml": ("objective.token_selection", "a per-token mask has no carrier there"),
-                  "specs/methods/clip-cov.yaml": ("objective.token_selection", "a per-token mask has no carrier there")}
+                  "specs/methods/clip-cov.yaml": ("objective.token_selection", "a per-token mask has no carrier there"),
+                  # the same for a selection by the old policy's entropy (the 80/20 update, Archer's classes)
+                  "specs/methods/entropy-8020.yaml": ("objective.token_selection",
+                                                      "a per-token mask has no carrier there"),
+                  "specs/methods/archer.yaml": ("objective.token_selection", "a per-token mask has no carrier there")}
 # the teacher whose generations give PrefixRL its prefixes takes a GPU of its own: 4 + 1 per node
 GPUS_PER_NODE = {"specs/methods/prefixrl.yaml": 5}
 SPECS = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("specs/*.yaml"), *ROOT.glob("specs/hybrids/*.yaml"),
@@ -53,6 +58,8 @@ SPECS = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("specs/*.yaml"), *R
                if str(p.relative_to(ROOT)) not in LIGHTNING_ONLY)
 # what a spec needs to compile for OpenRLHF, said by the refusal: DAPO's capped refill rounds have no OpenRLHF flag
 OPENRLHF_OVERRIDES = {"specs/methods/dapo.yaml": ["rollout.filter.max_rounds=null"]}
+# a Lightning-only spec refused first for another setting: with it answered, the refusal LIGHTNING_ONLY names
+REFUSED_AFTER = {"specs/methods/entropy-8020.yaml": ["rollout.filter.max_rounds=null"]}  # DAPO's capped refill
 PR, POL, GI, PAD = CODE["prompt"], CODE["policy"], CODE["guide_intervention"], CODE["pad"]
 L2 = math.log(2.0)
 
@@ -194,7 +201,7 @@ def test_inexpressible_specs_fail_with_the_component_and_the_reason(text, path, 
 @pytest.mark.parametrize("spec", sorted(LIGHTNING_ONLY))
 def test_lightning_only_hybrids_are_refused_with_the_reason(spec, tmp_path, cli):
     path, reason = LIGHTNING_ONLY[spec]
-    r = cli("compile", ROOT / spec, "--backend", "openrlhf", "--out", tmp_path / "b")
+    r = cli("compile", ROOT / spec, *REFUSED_AFTER.get(spec, []), "--backend", "openrlhf", "--out", tmp_path / "b")
     assert r.exit_code == 2, r.output
     assert path in r.stderr and reason in r.stderr and "OpenRLHF cannot express" in r.stderr
 
@@ -913,6 +920,10 @@ OBJECTIVES = {
     "grpo seq-mean-token-mean": ({"kind": "grpo", "kl_coef": 0.0, "loss_agg": "seq-mean-token-mean"}, {"ref": "initial"}),
     "grpo seq-mean-token-sum-norm": ({"kind": "grpo", "kl_coef": 0.0, "loss_agg": "seq-mean-token-sum-norm",
                                       "norm_const": 8.0}, {"ref": "initial"}),
+    "grpo sapo seq-mean-token-mean": ({"kind": "grpo", "kl_coef": 0.0, "bound": "sapo", "loss_agg": "seq-mean-token-mean"},
+                                      {"ref": "initial"}),
+    "grpo sign_weighted": ({"kind": "grpo", "kl_coef": 0.0, "bound": "none",
+                            "estimator": {"kind": "sign_weighted", "positive_weight": 0.1}}, {"ref": "initial"}),
     "advantage regression": ({"kind": "advantage_regression", "beta2": 0.1}, {"ref": "initial"}),
     "sampled reverse KL": ({"kind": "divergence", "kl_coef": 1.0}, {"ref": "teacher", "teachers": {"teacher": {"self": False}}}),
 }
@@ -1087,3 +1098,15 @@ def test_the_sft_plus_rl_refusal_points_at_traces_not_at_stages(tmp_path, cli):
     r = cli("compile", _spec_file(tmp_path, text), "--backend", "openrlhf", "--out", tmp_path / "b")
     assert r.exit_code == 2 and "cannot be mixed with rollout terms" in r.stderr, r.output
     assert "{kind: traces" in r.stderr and "off_policy_weight" in r.stderr and "another method" in r.stderr
+
+
+@needs_openrlhf
+def test_guide_tokens_scored_away_from_temperature_one_are_refused(tmp_path, cli):
+    """An objective that reads the behaviour log-probs of a guide's tokens (MInTRL's interventions): the agent scores
+    them with vLLM's prompt log-probs, which vLLM 0.32 never tempers and OpenRLHF's engines return one per position:
+    away from temperature 1 refused with the reason, accepted at 1."""
+    spec = ROOT / "specs/hybrids/mintrl-self-proxy.yaml"
+    r = cli("compile", spec, "rollout.temperature=0.7", "--backend", "openrlhf", "--out", tmp_path / "a")
+    assert r.exit_code == 2, r.output
+    assert "rollout.temperature" in r.stderr and "untempered" in r.stderr and "guide_intervention" in r.stderr
+    assert cli("compile", spec, "--backend", "openrlhf", "--out", tmp_path / "b").exit_code == 0

@@ -35,8 +35,9 @@ LACKS = {
     "sequences_not_sampled": ("OpenRLHF trains on the samples its vLLM engines draw from the policy; sequences from a "
                               "dataset or another model (GKD's off-policy branch) are not samples of the step",
                               "train it on the Lightning backend"),
-    "step_token_mask": ("the token selection is a statistic of the whole step's tokens (Cov_t over every micro-batch and "
-                        "rank), and the bundle's plugin carries the advantage step's results to the loss only as "
+    "step_token_mask": ("the token selection is a statistic of the whole step's tokens (Cov_t, or the old policy's "
+                        "entropy H_t from a forward with the full logits at the step's start, over every micro-batch "
+                        "and rank), and the bundle's plugin carries the advantage step's results to the loss only as "
                         "per-sample values in Experience.info, which OpenRLHF splits and re-pads by row; a per-token "
                         "mask has no carrier there, and computing it per micro-batch (as verl does) would change the "
                         "method", "train it on the lightning backend, or set token_selection: {kind: none}"),
@@ -846,8 +847,20 @@ def _check_guides(specs, where, inputs: Inputs) -> None:
     """What the agent cannot serve: a source that needs the toy testbed's step checker on other data, a model
     judge on other data without its own template, a judge that generates with weights the engines do not
     hold (the rollout engine holds the current weights; an external judge its own)."""
+    from composer.checks.terms import scored_origins
+
     for spec, w in zip(specs, where):
         g = spec.rollout.guide
+        scored = scored_origins(spec)
+        if scored and spec.rollout.temperature != 1.0:
+            # the agent scores guide-written tokens with vLLM's prompt_logprobs, which vLLM 0.32 never tempers, and
+            # OpenRLHF's create_vllm_engines sets max_logprobs=1, so the agent cannot temper them over the vocabulary
+            raise Unsupported(w + ("rollout", "temperature"), f"an objective reads the behaviour log-probs of tokens "
+                              f"a guide wrote ({', '.join(sorted(scored))}) at the rollout's temperature "
+                              f"{spec.rollout.temperature:g}; OpenRLHF's vLLM engines give them only untempered "
+                              "(prompt log-probs are never tempered, and its engines return one log-prob per "
+                              "position, so they cannot be tempered after)", "use rollout.temperature: 1, or the "
+                              "lightning backend")
         for names in g.ref_names().values():
             for name in names:
                 if spec.sources[name].needs_step_checker and not inputs.toy:
