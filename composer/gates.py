@@ -59,6 +59,47 @@ class Gate(BaseModel):
             raise ValueError(f"entropy_above_quantile {lo:g} and entropy_below_quantile {hi:g} select no row")
         return self
 
+    @property
+    def reads_surprisal(self) -> bool:
+        """An entropy condition: the gate reads each row's mean surprisal."""
+        return self.entropy_above_quantile is not None or self.entropy_below_quantile is not None
+
+    def reference_rows(self, success: list, group: list, surprisal: list | None) -> list[bool]:
+        """The referee's rows (DESIGN.md section 10), written again in plain Python from the declared conditions,
+        sharing nothing with `gate_rows`: row i is kept when every condition holds, with its group's success rate
+        (success over the group's rows), a sibling's success (another row of the group), and the quantiles of the
+        rows' surprisal by linear interpolation between order statistics (numpy's default)."""
+        def quantile(xs: list, q: float) -> float:
+            s = sorted(xs)
+            pos = q * (len(s) - 1)
+            lo = int(pos // 1)
+            hi = min(lo + 1, len(s) - 1)
+            return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+        members: dict = {}
+        for i, g in enumerate(group):
+            members.setdefault(g, []).append(i)
+        out = []
+        for i in range(len(success)):
+            rows = members[group[i]]
+            rate = sum(success[j] for j in rows) / len(rows)
+            sib = any(success[j] for j in rows if j != i)
+            ok = True
+            if self.outcome is not None:
+                ok = ok and success[i] == (self.outcome == "success")
+            if self.group_success_at_most is not None:
+                ok = ok and rate <= self.group_success_at_most + 1e-9
+            if self.group_success_above is not None:
+                ok = ok and rate > self.group_success_above + 1e-9
+            if self.sibling_success is not None:
+                ok = ok and sib == self.sibling_success
+            if self.entropy_above_quantile is not None:
+                ok = ok and surprisal[i] >= quantile(surprisal, self.entropy_above_quantile)
+            if self.entropy_below_quantile is not None:
+                ok = ok and surprisal[i] < quantile(surprisal, self.entropy_below_quantile)
+            out.append(bool(ok))
+        return out
+
     def row_facts(self) -> list[str]:
         """Conditions about a single rollout row (a term whose batch is not the rollout cannot use them)."""
         return [f for f in ROW_FACTS if getattr(self, f) is not None]

@@ -39,6 +39,8 @@ GROUP = torch.tensor([0, 0, 0, 1, 1, 1])
 def test_gate_rows_by_hand(gate, rows):
     got = gate_rows(Gate(**gate), SUCCESS, GROUP)
     assert got.tolist() == [bool(r) for r in rows]
+    # the referee's rows, the gate's reference in its own file: the same hand numbers
+    assert Gate(**gate).reference_rows(SUCCESS.tolist(), GROUP.tolist(), None) == [bool(r) for r in rows]
 
 
 def test_entropy_quantile_gate_by_hand():
@@ -52,6 +54,10 @@ def test_entropy_quantile_gate_by_hand():
     # torch.quantile with linear interpolation: q=0.5 over (1,2,3,4) is 2.5
     assert gate_rows(Gate(entropy_above_quantile=0.5), ok, grp, s).tolist() == [False, False, True, True]
     assert gate_rows(Gate(entropy_below_quantile=0.5), ok, grp, s).tolist() == [True, True, False, False]
+    assert Gate(entropy_above_quantile=0.5).reference_rows([True] * 4, list(range(4)), [1.0, 2.0, 3.0, 4.0]) == \
+        [False, False, True, True]
+    assert Gate(entropy_below_quantile=0.75).reference_rows([True] * 4, list(range(4)), [1.0, 2.0, 3.0, 4.0]) == \
+        [True, True, True, False]  # q = 0.75: 3.25
 
 
 def test_gate_by_prompt_takes_each_rows_prompt():

@@ -10,7 +10,7 @@ from pathlib import Path
 from composer.referee.checks import (KL_TOL, NOISE, Report, _groups, _max, has_reference_loss, step_selection,
                                      declared_filter_source, declared_gate_source, expected_rewards, source_rewards,
                                      expected_syncs,
-                                     gate_select, loss_origins, segment_of, stage_start, surprisal, teacher_logprobs,
+                                     loss_origins, segment_of, stage_start, surprisal, teacher_logprobs,
                                      teacher_state, truncated, verdict_rewards)
 from composer.origins import CODE
 from composer.stops import of
@@ -188,14 +188,12 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
                 rep.expect("gate rows recomputed", False, f"step {e['step']} {e['term']}: rows without a verdict")
                 continue
             ok = [x >= thr for x in r]
-            sel = gate_select(gate, ok, slot, _per_row(rows_, surprisal)
-                              if gate.entropy_above_quantile is not None or gate.entropy_below_quantile is not None
-                              else None)
+            sel = gate.reference_rows(ok, slot, _per_row(rows_, surprisal) if gate.reads_surprisal else None)
             if where is not None:
                 want = [sel[j] for j in where]
             else:  # a batch its signal built: each row takes its prompt's rollouts' group facts
                 by_prompt = {rows_[j][0].examples[rows_[j][1]].prompt: sel_group for j, sel_group in enumerate(
-                    gate_select(gate.model_copy(update={"outcome": None, "sibling_success": None}), ok, slot, None))}
+                    gate.model_copy(update={"outcome": None, "sibling_success": None}).reference_rows(ok, slot, None))}
                 want = [by_prompt.get(ex.prompt, False) for ex in b.examples]
             gated_rows.setdefault(e["term"], [0, 0])
             gated_rows[e["term"]][0] += sum(want)

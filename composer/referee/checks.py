@@ -124,40 +124,6 @@ def _std(xs: list) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
 
 
-def _quantile(xs: list, q: float) -> float:
-    """Linear interpolation between order statistics (numpy's default)."""
-    s = sorted(xs)
-    pos = q * (len(s) - 1)
-    lo = int(math.floor(pos))
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def gate_select(gate, success: list, group: list, surprisal: list | None) -> list:
-    """The rows a gate selects, from its declared conditions (composer/gates.py's contract, written again)."""
-    out = []
-    members = _groups(group)
-    for i in range(len(success)):
-        rows = members[group[i]]
-        rate = sum(success[j] for j in rows) / len(rows)
-        sib = any(success[j] for j in rows if j != i)
-        ok = True
-        if gate.outcome is not None:
-            ok = ok and success[i] == (gate.outcome == "success")
-        if gate.group_success_at_most is not None:
-            ok = ok and rate <= gate.group_success_at_most + 1e-9
-        if gate.group_success_above is not None:
-            ok = ok and rate > gate.group_success_above + 1e-9
-        if gate.sibling_success is not None:
-            ok = ok and sib == gate.sibling_success
-        if gate.entropy_above_quantile is not None:
-            ok = ok and surprisal[i] >= _quantile(surprisal, gate.entropy_above_quantile)
-        if gate.entropy_below_quantile is not None:
-            ok = ok and surprisal[i] < _quantile(surprisal, gate.entropy_below_quantile)
-        out.append(bool(ok))
-    return out
-
-
 def declared_gate_source(gate, spec) -> str | None:
     if gate.source is not None:
         return gate.source
@@ -347,25 +313,28 @@ def selection_mask(b, obj):
 
 
 def step_selection(b, e, plan, gate_of):
-    """The step's token selection [B, T] for the loss reference: the run's choice on a batch that holds its whole
-    step (check_token_selection recomputes it from the selection's own reference), else None (not covered)."""
+    """The step's token selection [B, T] for the loss reference: the run's choice on a batch that carries one (a whole
+    step, or a mini-batch of it: check_token_selection recomputes the choice over the step's whole batch, or over the
+    mini-batches of its first pass together, and fails where it cannot), else None (not covered)."""
     obj = e["objective"]
-    if selection_of(obj) is None or b.token_select is None or not whole_step(b, selection_mask(b, obj)):
+    if selection_of(obj) is None or b.token_select is None:
         return None
     return b.token_select.cpu()
 
 
-def referee_covariance(b, mask, adv: list):
-    """Cov_t = (lp_t - mean lp)(A_t - mean A) over the step's loss tokens (row-major), lp the behaviour log-prob the
-    step starts with, A_t the referee's advantage of the token's row; float64 -> (cov [N] list, the [B, T] mask)."""
+def covariance_inputs(b, mask, adv: list):
+    """(lp [N], A [N], the [B, T] mask) of the loss tokens (row-major): lp the behaviour log-prob the step starts with,
+    A the referee's advantage of the token's row (Cov_t = (lp_t - mean lp)(A_t - mean A): `covariance_of`)."""
     m = mask.cpu().bool()
     cells = m.nonzero().tolist()  # row-major
-    lp = [float(b.behavior_logprobs[i, t]) for i, t in cells]
-    a = [float(adv[i]) for i, _t in cells]
-    if not cells:
-        return [], m
+    return [float(b.behavior_logprobs[i, t]) for i, t in cells], [float(adv[i]) for i, _t in cells], m
+
+
+def covariance_of(lp: list, a: list) -> list:
+    if not lp:
+        return []
     mlp, ma = sum(lp) / len(lp), sum(a) / len(a)
-    return [(x - mlp) * (y - ma) for x, y in zip(lp, a)], m
+    return [(x - mlp) * (y - ma) for x, y in zip(lp, a)]
 
 
 def referee_entropy(rep, rec, e, b, mask):
@@ -392,46 +361,75 @@ def referee_entropy(rep, rec, e, b, mask):
 
 
 def check_token_selection(rep, term_events, rec=None) -> None:
-    """A step-wide token selection (grpo.token_selection): on every batch that holds a whole step, the run's choice
-    against the selection's own reference (`reference_problem` in its file) at the statistic the referee recomputed:
-    Cov_t from the behaviour log-probs and its own advantages (KL-Cov, Clip-Cov), or H_t from a fresh forward of the
-    weights `rec` recorded at the step's start (entropy, archer). A batch that is a mini-batch of its step is not
-    covered (noted). Fails when no token was ever selected (a check that cannot fail is none)."""
+    """A step-wide token selection (grpo.token_selection): over every step, the run's choice against the selection's
+    own reference (`reference_problem` in its file) at the statistic the referee recomputed: Cov_t from the behaviour
+    log-probs and its own advantages (KL-Cov, Clip-Cov), or H_t from a fresh forward of the weights `rec` recorded at
+    the step's start (entropy, archer). A step trained in mini-batches is checked over the mini-batches of its first
+    pass together (whole groups, every row once); one whose mini-batches do not add up to the step's tokens fails.
+    Fails when no token was ever selected (a check that cannot fail is none)."""
     seen = {"whole": 0, "parts": 0, "selected": 0}
+    units, parts = [], {}  # units: lists of events that hold one whole step; parts: (step, term) -> mini-batches
     for e in term_events:
         b, obj = e["batch"], e["objective"]
         sel = selection_of(obj)
         if sel is None or b.advantages is None:
             continue
-        mask = selection_mask(b, obj)
-        name = f"token selection ({sel.kind_name()}) recomputed"
         if b.token_select is None:
-            rep.expect(name, False, f"step {e['step']} {e['term']}: the batch carries no token selection")
+            rep.expect(f"token selection ({sel.kind_name()}) recomputed", False,
+                       f"step {e['step']} {e['term']}: the batch carries no token selection")
             continue
-        if not whole_step(b, mask):
-            seen["parts"] += 1
+        mask = selection_mask(b, obj)
+        if whole_step(b, mask):
+            units.append([e])
             continue
-        seen["whole"] += 1
-        m = mask.cpu().bool()
-        rows = None
-        if sel.statistic == "entropy":  # the old policy's H_t, by the referee's own forward
-            got_h = referee_entropy(rep, rec, e, b, mask)
-            if got_h is None:
-                continue
-            stat, rows = got_h
+        seen["parts"] += 1
+        group = parts.setdefault((e["step"], e["term"]), [])
+        held = sum(int(selection_mask(x["batch"], obj).sum()) for x in group)
+        if held < float(b.info.get("token_selection/tokens", -1)):  # the first pass; later passes repeat its rows
+            group.append(e)
+    for (step, term), group in parts.items():
+        obj = group[0]["objective"]
+        held = sum(int(selection_mask(x["batch"], obj).sum()) for x in group)
+        want = float(group[0]["batch"].info.get("token_selection/tokens", -1))
+        if rep.expect(f"token selection ({selection_of(obj).kind_name()}) recomputed", held == want,
+                      f"step {step} {term}: its mini-batches hold {held} loss tokens, the step's selection counted "
+                      f"{want:g}: the step's choice cannot be recomputed"):
+            units.append(group)
+    for unit in units:
+        obj = unit[0]["objective"]
+        sel = selection_of(obj)
+        name = f"token selection ({sel.kind_name()}) recomputed"
+        stat, rows, got, lps, advs, base = [], [], [], [], [], 0
+        for e in unit:
+            b = e["batch"]
+            mask = selection_mask(b, obj)
+            m = mask.cpu().bool()
+            if sel.by_entropy:  # the old policy's H_t, by the referee's own forward
+                got_h = referee_entropy(rep, rec, e, b, mask)
+                if got_h is None:
+                    break
+                stat += got_h[0]
+                rows += [base + i for i in got_h[1]]
+            else:
+                adv = obj.reference_advantages(b.rewards.double().tolist(), b.group.tolist(), b.control.tolist(),
+                                               b.mask(("policy",)).sum(-1).tolist())
+                lp, a, m = covariance_inputs(b, mask, adv)
+                lps += lp
+                advs += a
+            got += (b.token_select.cpu() & mask)[m].tolist()
+            base += b.size
         else:
-            adv = obj.reference_advantages(b.rewards.double().tolist(), b.group.tolist(), b.control.tolist(),
-                                           b.mask(("policy",)).sum(-1).tolist())
-            stat, m = referee_covariance(b, mask, adv)
-        got = (b.token_select.cpu() & mask)[m].tolist()
-        seen["selected"] += sum(got)
-        why = sel.reference_problem(stat, got, rows)
-        rep.expect(name, why is None, f"step {e['step']} {e['term']}: {why}")
+            if not sel.by_entropy:
+                stat = covariance_of(lps, advs)  # over the step's tokens: every mini-batch of it together
+            seen["whole"] += 1
+            seen["selected"] += sum(got)
+            why = sel.reference_problem(stat, got, rows if sel.by_entropy else None)
+            rep.expect(name, why is None, f"step {unit[0]['step']} {unit[0]['term']}: {why}")
     if seen["whole"] or seen["parts"]:
         rep.expect("token selection selected tokens", seen["selected"] > 0,
-                   f"no token selected in {seen['whole']} whole steps: nothing tested the selection")
-        rep.note("token selection selected tokens", f"{seen['selected']} selected over {seen['whole']} whole-step "
-                 f"batches; {seen['parts']} mini-batches not covered")
+                   f"no token selected in {seen['whole']} whole-step batches: nothing tested the selection")
+        rep.note("token selection selected tokens", f"{seen['selected']} selected over {seen['whole']} whole-step batches "
+                 f"({seen['parts']} mini-batch events, each step's first pass checked together)")
 
 
 # ----------------------------------------------------------------------------------------------- teachers
