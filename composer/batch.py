@@ -39,6 +39,9 @@ class TrajectoryBatch:
     # when a step makes several updates, train.epochs x train.mini_batches; the importance ratio's denominator)
     token_select: Optional["torch.Tensor"] = None  # [B, T] bool: tokens a step-wide token selection chose (grpo's
     # token_selection: KL-Cov, Clip-Cov), computed with the advantages over the whole step, read by every micro-batch
+    old_entropy: Optional["torch.Tensor"] = None  # [B, T]: entropy of the policy's next-token distribution at each
+    # position at the step's start (the old policy), for an entropy token selection (grpo's token_selection: entropy,
+    # archer); computed once per step before the advantages (composer/step.py, part 2)
     values: Optional["torch.Tensor"] = None  # [B, T]: a critic's values V(tokens[b, :t]) before the step's update (ppo)
     returns: Optional["torch.Tensor"] = None  # [B, T]: the critic's targets G_t = A_t + V_t (ppo's advantages)
 
@@ -147,6 +150,7 @@ def concat(batches: list[TrajectoryBatch], pad_id: int) -> TrajectoryBatch:
                              teacher_logprobs=pad(b.teacher_logprobs),
                              teacher_logits=pad(b.teacher_logits), initial_logprobs=pad(b.initial_logprobs),
                              old_logprobs=pad(b.old_logprobs), token_select=pad(b.token_select, False),
+                             old_entropy=pad(b.old_entropy),
                              values=pad(b.values), returns=pad(b.returns), advantages=pad(b.advantages)))
         offset += int(b.group.max()) + 1 if b.size else 0
     out = {}

@@ -6,8 +6,9 @@
                        `rollout` (Lightning: the same guide programs driven in lockstep, composer/runtime/rollout.py,
                        row targets through the signals' batched `apply`).
   2. whole step        over every row of the step (whole groups): the rollout filter, each term's signal
-                       (`sample`), the initial log-probs an objective reads, each term's advantages (and the
-                       objective's step-wide token selection: `advantages`), its gate's rows (`apply_gates`,
+                       (`sample`), the initial log-probs an objective reads, the old policy's per-token entropy an
+                       entropy token selection reads, each term's advantages (and the objective's step-wide token
+                       selection: `advantages`), its gate's rows (`apply_gates`,
                        `row_masks`), and each term's step-wide normaliser (`normalisers`).
   3. per micro-batch   `loss`: sum_k w_k c_k L_k(batch_k, view, A_k) minus the entropy bonus, c_k the part's share of
                        term k's normaliser (`shares`: micro-batches and ranks add up to the loss of the whole step).
@@ -123,6 +124,11 @@ def sample(ctx, at, examples) -> list[TrajectoryBatch]:
             if owner.initial_logprobs is None:
                 owner.initial_logprobs = ctx.initial_logprobs(owner)
             batch.initial_logprobs = owner.initial_logprobs
+        if obj.wants_old_entropy and batch.old_entropy is None:  # H_t of the policy at the step's start, before any
+            owner = shared if views[-1] else batch  # update (one forward with the full logits, once per rollout)
+            if owner.old_entropy is None:
+                owner.old_entropy = ctx.old_entropy(owner)
+            batch.old_entropy = owner.old_entropy
         if term.declared.value_model() is not None and batch.values is None:  # a critic's old values (ppo), which
             batch.values = ctx.critic_values(term.name, term.declared, batch)  # the advantages turn into GAE
         batch.advantages = advantages(term, batch)

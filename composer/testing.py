@@ -70,6 +70,7 @@ def synthetic_batch(B: int = 8, T: int = 14, V: int = 11, seed: int = 0):
         prompt_index=torch.tensor([(i // 2) % 2 for i in range(B)]),
         guided=torch.tensor([i % 2 == 1 for i in range(B)]),
         values=torch.randn(B, T, generator=g),  # a critic's old values (ppo)
+        old_entropy=rand(B, T) * 2,  # the old policy's H_t (an entropy token selection)
     )
     logits = torch.randn(B, T, V, generator=g).requires_grad_(True)
     return batch, logits

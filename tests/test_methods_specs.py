@@ -24,6 +24,11 @@ MECHANISM = {  # spec -> text explain must show
     "gpg.yaml": "x alpha = B / B_valid (rows over rows with a non-zero advantage, GPG)",
     "kl-cov.yaml": "KL-Cov: the top max(1, floor(0.01 N)) of the step's N loss tokens by Cov_t",
     "clip-cov.yaml": "Clip-Cov: max(1, floor(0.01 N)) of the step's N loss tokens with 0.02 < Cov_t < 5",
+    "entropy-8020.yaml": "80/20 high-entropy update: only the top max(1, ceil(0.2 N)) of the step's N loss tokens by "
+                         "the old policy's entropy H_t",
+    "archer.yaml": "Archer dual-token constraints: tokens whose old-policy entropy H_t is above the 0.8-quantile of its "
+                   "response's entropies are high-entropy: clip [1-0.5, 1+0.5] and KL coefficient 0; the others keep "
+                   "the term's clip and kl_coef",
     "ppo.yaml": "advantage: GAE gamma 1, lambda 0.95 over the critic's old values; r_t = -0.01 x k1(log pi_old - "
                 "log pi_ref) + R at the last token",
     "ppo-rm.yaml": "score with 'rm' (reward model toy:reward on the rollout's token ids, score at the last token)",
@@ -43,6 +48,8 @@ HOT = {n: ["data.train_tiers=[6]", "rollout.max_new_tokens=48"] for n in ("cispo
                                               "reinforce-pp-baseline.yaml", "kdrl.yaml", "srpo.yaml", "kdrl-mask.yaml",
                                               "prorl.yaml", "topr.yaml", "gmpo.yaml", "gpg.yaml",
                                               "kl-cov.yaml", "clip-cov.yaml", "luffy.yaml", "ppo.yaml", "ppo-rm.yaml")}
+
+HOT["archer.yaml"] = HOT["kl-cov.yaml"]  # Archer's classes act only where the groups are mixed (A != 0)
 
 
 @pytest.mark.parametrize("name", sorted(MECHANISM))

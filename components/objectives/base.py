@@ -94,6 +94,12 @@ class Objective(Component):
         return False
 
     @property
+    def wants_old_entropy(self) -> bool:
+        """Reads batch.old_entropy: the entropy of the policy's next-token distribution at each token at the step's
+        start (an entropy token selection), which the step computes once before the advantages."""
+        return False
+
+    @property
     def wants_old(self) -> bool:
         """Reads batch.old_logprobs (the trainer's log-probs at the step's start) even at one update per step, where
         the step otherwise keeps the sampler's behaviour log-probs as the ratio's denominator (a rollout correction

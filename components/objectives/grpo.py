@@ -178,7 +178,9 @@ class Grpo(Objective):
     start of the step's first pass when the step makes several updates (train.epochs x train.mini_batches),
     else the behaviour log-prob of the sampler (the same weights on-policy). GSPO, Dr. GRPO, DAPO's
     objective, RLOO, REINFORCE++-baseline and CISPO are settings of these fields (specs/methods/).
-    `token_selection` (KL-Cov, Clip-Cov) picks tokens of the whole step whose l_t changes. Loss tokens the policy
+    `token_selection` picks tokens of the whole step whose l_t changes: by a covariance (KL-Cov, Clip-Cov) or by the
+    old policy's entropy (the 80/20 update keeps only the top 20%; Archer gives high-entropy tokens their own clip and
+    KL coefficient). Loss tokens the policy
     did not write (a trace of the `traces` guide, a guide's prefix) take `off_policy_weight` w(pi) in place of the
     ratio and its bound: l_t = -A w(pi_theta(y_t)), no clip (LUFFY: w = pi / (pi + 0.1)).
     """
@@ -198,7 +200,7 @@ class Grpo(Objective):
     kl_coef: ScheduledNumber = Field(0.001, description="Coefficient of the KL loss against the initial policy (0 disables; verl 0.001, DeepSeekMath 0.04); a number >= 0 or a schedule ({kind: linear|cosine|step, start, end, steps}).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator of the KL loss.")
     std_eps: float = Field(1e-6, gt=0, description="Added to the group std (with the default estimator).")
-    token_selection: AnyTokenSelection = Field(default_factory=NoSelection, description="Step-wide token selection by Cov_t = (log pi - mean log pi)(A - mean A) over the whole step's loss tokens (every micro-batch and rank): none; kl_cov (KL-Cov: the top k N tokens get -A rho + beta |log rho| in place of the clipped term); clip_cov (Clip-Cov: r N random tokens with omega_low < Cov_t < omega_high get no gradient). Cui et al. 2025, arXiv 2505.22617. Needs ratio: token and bound: clip.")
+    token_selection: AnyTokenSelection = Field(default_factory=NoSelection, description="Step-wide token selection by Cov_t = (log pi - mean log pi)(A - mean A) over the whole step's loss tokens (every micro-batch and rank): none; kl_cov (KL-Cov: the top k N tokens get -A rho + beta |log rho| in place of the clipped term); clip_cov (Clip-Cov: r N random tokens with omega_low < Cov_t < omega_high get no gradient). Cui et al. 2025, arXiv 2505.22617. Or by the entropy H_t of the old policy's next-token distribution (the step's start, one forward with the full logits): entropy (the 80/20 update, Wang et al. 2025, arXiv 2506.01939: only the top rho = 20% of the step's tokens by H_t keep the policy-gradient loss, the others 0, all in the normaliser); archer (Archer's dual-token constraints, arXiv 2507.15778: tokens above the 0.8-quantile of their response's H_t get clip 0.5 and KL coefficient 0, the others the term's clip and kl_coef). Needs ratio: token and bound: clip.")
 
     off_policy_weight: AnyOffPolicyWeight = Field(default_factory=NoOffPolicyWeight, description="The importance weight w of loss tokens the policy did not write (demonstration: a trace of the `traces` guide; guide_prefix, guide_intervention), a function of the current policy's probability alone (the trace's own probability taken as 1): their loss is -A w(pi), no ratio, no clip. none (default: such tokens are refused in loss_tokens); shaped (LUFFY, Yan et al. 2025, arXiv 2504.14945: pi / (pi + gamma), gamma 0.1); prob (pi); pow (pi^alpha); log (log pi).")
 
@@ -272,8 +274,14 @@ class Grpo(Objective):
 
     @property
     def wants_initial(self) -> bool:
-        """The KL loss reads the frozen initial policy's log-probs."""
-        return ever_nonzero(self.kl_coef)
+        """The KL loss reads the frozen initial policy's log-probs (a token selection may give its tokens their own
+        KL coefficient: Archer's high-entropy class)."""
+        return ever_nonzero(self.kl_coef) or bool(self.token_selection.selected_kl_coef())
+
+    @property
+    def wants_old_entropy(self) -> bool:
+        """An entropy token selection (entropy, archer) reads batch.old_entropy, the old policy's H_t per token."""
+        return self.token_selection.acts and self.token_selection.by_entropy
 
     @property
     def wants_old(self) -> bool:
@@ -347,13 +355,19 @@ class Grpo(Objective):
                                     "the sampler's numerical mismatch), so the selected tokens train as -A rho only",
                                     "update several times per step (train.epochs: 2 or train.mini_batches: 2) or lag "
                                     "the sampler (sync.every > 1)", severity="warning"))
+        if sel.kind == "archer" and ratio_one:
+            out.append(InertSetting("token_selection", f"archer's clip of the high-entropy tokens [1-"
+                                    f"{sel.high_entropy_clip_low:g}, 1+{sel.high_entropy_clip_high:g}] cannot act: "
+                                    f"{why}; only the classes' KL coefficients differ",
+                                    "update several times per step (train.epochs: 2 or train.mini_batches: 2; Archer: "
+                                    "3 epochs x 2 mini-batches) or lag the sampler (sync.every > 1)", severity="warning"))
         if "off_policy_weight" in set_ and self.off_policy_weight.acts and not self.weighted_origins():
             out.append(InertSetting("off_policy_weight", f"off_policy_weight {self.off_policy_weight.kind} weighs loss "
                                     "tokens the policy did not write, and loss_tokens "
                                     f"({', '.join(self.loss_tokens)}) holds none", "add the trace tokens to "
                                     "loss_tokens (loss_tokens: [policy, demonstration] with a traces guide), or "
                                     "remove off_policy_weight"))
-        if "kl_estimator" in set_ and not ever_nonzero(self.kl_coef):
+        if "kl_estimator" in set_ and not self.wants_initial:
             out.append(InertSetting("kl_estimator", f"kl_estimator {self.kl_estimator} with kl_coef "
                                     f"{describe(self.kl_coef)}: there is no KL loss, so the estimator is never "
                                     "computed", "remove kl_estimator, or set kl_coef > 0 (verl: 0.001)"))
@@ -381,12 +395,13 @@ class Grpo(Objective):
     def select_tokens(self, batch: TrajectoryBatch, adv: Tensor) -> None:
         """The step-wide token selection (`token_selection`), where the advantages are computed (whole groups, the
         whole step on this rank; the statistic over every rank): batch.token_select [B, T] bool, and the step's
-        counts in batch.info (`token_selection/tokens`, `/selected`, clip_cov `/candidates`), which the
-        micro-batches' loss logs. Its log-probs are those the step starts with: the behaviour log-probs (the old
-        log-probs, when the batch holds them already)."""
+        counts in batch.info (`token_selection/tokens`, `/selected`, clip_cov `/candidates`, the entropy selections'
+        `/entropy_mean`, `/selected_entropy_mean`), which the micro-batches' loss logs. Its log-probs are those the
+        step starts with: the behaviour log-probs (the old log-probs, when the batch holds them already); an entropy
+        selection reads batch.old_entropy, the old policy's H_t (`wants_old_entropy`)."""
         start = batch.old_logprobs if batch.old_logprobs is not None else batch.behavior_logprobs  # [B, T]
         mask = self.loss_mask(batch) & batch.known_mask  # [B, T]
-        sel, facts = self.token_selection.select(start, adv, mask, batch.tokens)
+        sel, facts = self.token_selection.select(start, adv, mask, batch.tokens, entropy=batch.old_entropy)
         batch.token_select = sel
         for k, v in facts.items():
             batch.info[f"token_selection/{k}"] = v
@@ -456,7 +471,7 @@ class Grpo(Objective):
         loss_tok = loss_tok.expand_as(cur.logprobs)  # [B, T]
         sel_metrics, off_metrics = {}, {}
         if self.token_selection.acts:
-            loss_tok, sel_metrics = self.selected_loss(batch, loss_tok, log_r, ratio, adv, mask)
+            loss_tok, sel_metrics, bounded = self.selected_loss(batch, loss_tok, log_r, ratio, adv, mask, bounded)
         if self.correction.acts:  # the sampler's mismatch: each policy token's loss times its weight
             loss_tok = torch.where(on, loss_tok * cw, loss_tok)
         if self.weighted_origins():  # -A w(pi) on the tokens the policy did not write: no ratio, no clip
@@ -469,14 +484,20 @@ class Grpo(Objective):
         total = pg_loss
         kl_val = 0.0
         kl_coef = resolved_number(self.kl_coef, "grpo.kl_coef")  # the step's value (composer.lang.curves.resolve)
-        if kl_coef > 0:
+        sel_kl = self.token_selection.selected_kl_coef()  # the selected tokens' own coefficient (Archer), or None
+        if kl_coef > 0 or sel_kl:
             if batch.initial_logprobs is None:
                 raise ValueError("grpo: kl_coef > 0 needs batch.initial_logprobs (the frozen initial policy's "
                                  "log-probs); set kl_coef: 0 or provide the initial policy")
             k = kl_estimate(cur.logprobs - batch.initial_logprobs.detach(), self.kl_estimator)  # [B, T]
             k = torch.where(on, k, torch.zeros_like(k))  # an estimate from the policy's own samples only
             kl = aggregate(k, mask, self.loss_agg, self.norm_const)
-            total = total + kl_coef * kl
+            if sel_kl is None:
+                total = total + kl_coef * kl
+            else:  # per-token coefficients by the selection's class, within the one aggregation (one normaliser)
+                c = torch.where(batch.token_select.to(k.device) & mask, torch.full_like(k, sel_kl),
+                                torch.full_like(k, kl_coef))  # [B, T]
+                total = total + aggregate(c * k, mask, self.loss_agg, self.norm_const)
             kl_val = float(kl.detach())
         metrics = {
             "pg_loss": float(pg_loss.detach()),
@@ -508,7 +529,10 @@ class Grpo(Objective):
           log_clip (GMPO)  -A exp(mean_t k_t), k_t = d_t clipped to [-clip_low, clip_high] on the side sgn(A) binds
         plus kl_coef x agg(k(log pi - log pi_init)) on the policy's tokens. A token of the step's selection
         (`inputs["token_select"]` [B, T], the run's choice once the referee has checked it against the selection's
-        own reference) takes the selection's `reference_token`; a token the policy did not write (weighted_origins)
+        own reference) takes the selection's `reference_token` where the selection replaces its loss
+        (`reference_replaces`: KL-Cov's and Clip-Cov's chosen tokens, the 80/20 update's others), else the clip at the
+        epsilons and the KL coefficient the selection gives its class (`reference_clip`, `reference_kl_coef`: Archer's
+        high-entropy tokens); a token the policy did not write (weighted_origins)
         takes -A w(pi) from the weight form's `reference`, no ratio, no KL (those origins read from loss_tokens here). L = sum_t W_t l_t (the aggregation's
         weights); returns the value, d L / d log pi, the KL term per unit of kl_coef ("kl_value", "kl_grad") and
         "acted": the tokens where the bound, the selection and the weight form changed the loss (a short run whose
@@ -584,8 +608,9 @@ class Grpo(Objective):
                 x = xs[t]
                 rho = math.exp(min(max(x, -20.0), 20.0))
                 live = abs(x) <= 20.0  # the clamp of the log-ratio passes no gradient
-                if sel is not None and bool(sel[i, t]):  # the step's selection (token ratio, clip: validated)
-                    acted["token_selection"] += 1
+                picked = sel is not None and bool(sel[i, t])
+                if sel is not None and self.token_selection.reference_replaces(picked):  # the selection's own l_t
+                    acted["token_selection"] += 1  # (token ratio, clip: validated)
                     l_val, g = self.token_selection.reference_token(A, d[t])
                     value += Wc[t] * l_val
                     grad[i, t] += Wc[t] * g
@@ -601,12 +626,18 @@ class Grpo(Objective):
                     keep = 1 - lo <= rho <= 1 + hi
                     acted["bound"] += not keep
                     l_val, dl_drho = (-rho * A, -A) if keep else (0.0, 0.0)
-                else:  # clip, with the dual clip
-                    clipped = min(max(rho, 1 - lo), 1 + hi)
-                    surrogate, dl_drho = (rho * A, -A) if rho * A <= clipped * A else (clipped * A, 0.0)
-                    if self.dual_clip is not None and A < 0 and surrogate < self.dual_clip * A:
-                        surrogate, dl_drho = self.dual_clip * A, 0.0
+                else:  # clip, with the dual clip; a selection may give the token its class's epsilons (Archer)
+                    clo, chi = self.token_selection.reference_clip(picked, lo, hi) if sel is not None else (lo, hi)
+
+                    def surr(e_lo, e_hi):
+                        clipped = min(max(rho, 1 - e_lo), 1 + e_hi)
+                        out = (rho * A, -A) if rho * A <= clipped * A else (clipped * A, 0.0)
+                        if self.dual_clip is not None and A < 0 and out[0] < self.dual_clip * A:
+                            out = (self.dual_clip * A, 0.0)
+                        return out
+                    surrogate, dl_drho = surr(clo, chi)
                     acted["bound"] += surrogate != rho * A
+                    acted["token_selection"] += (clo, chi) != (lo, hi) and surrogate != surr(lo, hi)[0]
                     l_val = -surrogate
                 value += Wc[t] * l_val
                 g = Wc[t] * dl_drho * rho * (1.0 if live else 0.0)  # d l_t / d x
@@ -615,11 +646,14 @@ class Grpo(Objective):
                 else:  # x is the row's: every on-token moves it by dx
                     for u in on:
                         grad[i, u] += g * dx
-        kl_value, kl_grad = 0.0, torch.zeros_like(W)
+        kl_total, kl_total_grad = 0.0, torch.zeros_like(W)
         kl_coef = float(inputs.get("kl_coef") or 0.0)
-        if kl_coef > 0:  # on the policy's own tokens (an estimate from its samples)
+        toks = (m & ~off_m).nonzero().tolist()  # the KL on the policy's own tokens (an estimate from its samples)
+        coef = {(i, t): self.token_selection.reference_kl_coef(bool(sel[i, t]), kl_coef) if sel is not None else kl_coef
+                for i, t in toks}  # a selection may give its class its own coefficient (Archer's high-entropy tokens)
+        if any(c > 0 for c in coef.values()):
             delta = lp - inputs["initial"].detach().cpu().double()
-            for i, t in (m & ~off_m).nonzero().tolist():
+            for i, t in toks:
                 x = float(delta[i, t])
                 if self.kl_estimator == "k1":
                     kv, kg = x, 1.0
@@ -630,26 +664,43 @@ class Grpo(Objective):
                     kv = math.exp(-xc) + xc - 1.0
                     kg = 1.0 - math.exp(-xc) if abs(x) <= 20.0 and abs(kv) <= 10.0 else 0.0
                     kv = min(max(kv, -10.0), 10.0)
-                kl_value += float(W[i, t]) * kv
-                kl_grad[i, t] += float(W[i, t]) * kg
+                c = coef[(i, t)]
+                kl_total += float(W[i, t]) * c * kv
+                kl_total_grad[i, t] += float(W[i, t]) * c * kg
+                acted["token_selection"] += c != kl_coef and kv != 0.0  # the class's own coefficient changed the loss
+        # the KL term per unit of kl_coef (the referee checks it on its own): a class's coefficient as its ratio to it
+        kl_value = kl_total / kl_coef if kl_coef > 0 else 0.0
+        kl_grad = kl_total_grad / kl_coef if kl_coef > 0 else torch.zeros_like(W)
         scale = float(W[m].max()) if m.any() else 0.0  # errors per unit advantage of a token's weight
-        return {"value": value + kl_coef * kl_value, "grad": grad + kl_coef * kl_grad,
+        return {"value": value + kl_total, "grad": grad + kl_total_grad,
                 "kl_value": kl_value, "kl_grad": kl_grad, "scale": scale, "acted": acted}
 
     def selected_loss(self, batch: TrajectoryBatch, loss_tok: Tensor, log_r: Tensor, ratio: Tensor, adv: Tensor,
-                      mask: Tensor) -> tuple[Tensor, dict[str, float]]:
+                      mask: Tensor, bounded: Tensor) -> tuple[Tensor, dict[str, float], Tensor]:
         """l_t on the tokens the step's selection chose (batch.token_select, from `advantages`): KL-Cov
         -A rho_t + beta |log rho_t|; Clip-Cov 0 (no loss, no gradient; the token still counts in the normaliser,
-        as verl's corr = 0). Logs the selection's step-wide counts (token_selection/selected, /tokens)."""
+        as verl's corr = 0); entropy (80/20): 0 on the tokens NOT chosen (the chosen keep the clipped surrogate; all
+        count in the normaliser); archer: the chosen (high-entropy) tokens' clipped surrogate at the selection's
+        epsilons (the dual clip as the term's). Logs the selection's step-wide counts (token_selection/selected,
+        /tokens). Returns (loss_tok, metrics, bounded: where the bound acted, with the class's epsilons)."""
         sel = batch.token_select
         if sel is None:
             raise ValueError(f"grpo: token_selection {self.token_selection.kind} needs batch.token_select, the step's "
                              "selection that grpo's advantages() computes over the whole step; call advantages() on "
                              "the whole step's batch before the micro-batches' loss")
         sel = sel.to(loss_tok.device) & mask
-        if self.token_selection.kind == "kl_cov":
+        kind = self.token_selection.kind
+        if kind == "kl_cov":
             kl_tok = -(ratio * adv) + self.token_selection.beta * log_r.abs()  # [B, T]
             loss_tok = torch.where(sel, kl_tok, loss_tok)
-        else:  # clip_cov
+        elif kind == "clip_cov":
             loss_tok = torch.where(sel, torch.zeros_like(loss_tok), loss_tok)
-        return loss_tok, {k: float(v) for k, v in batch.info.items() if k.startswith("token_selection/")}
+        elif kind == "entropy":  # only the high-entropy (forking) tokens keep the policy gradient
+            loss_tok = torch.where(sel, loss_tok, torch.zeros_like(loss_tok))
+        else:  # archer: the high-entropy class's clip (the ratio is per token: ratio token, bound clip, validated)
+            s = self.token_selection
+            high, high_bounded, _ = bounded_surrogate(log_r, log_r, adv, "clip", s.high_entropy_clip_low,
+                                                      s.high_entropy_clip_high, self.dual_clip)
+            loss_tok = torch.where(sel, high, loss_tok)
+            bounded = torch.where(sel, high_bounded, bounded.expand_as(sel))
+        return loss_tok, {k: float(v) for k, v in batch.info.items() if k.startswith("token_selection/")}, bounded

@@ -1,6 +1,8 @@
 """Step-wide token selection for the policy-gradient objective (`grpo.token_selection`): KL-Cov and Clip-Cov
 (Cui et al. 2025, The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models, arXiv 2505.22617;
-ALGORITHMS.md section 14).
+ALGORITHMS.md section 14), by a covariance; the 80/20 high-entropy update (Wang et al. 2025, arXiv 2506.01939) and
+Archer's dual-token constraints (Wang et al. 2025, arXiv 2507.15778; ALGORITHMS.md section 15), by the entropy
+(the second half of this file).
 
 Over the N loss tokens of the WHOLE STEP (every micro-batch, every rank),
     Cov_t = (log pi(y_t) - mean_t log pi) * (A_t - mean_t A),
@@ -79,6 +81,7 @@ class TokenSelection(Component):
     step's loss tokens; `select` gathers them (every rank), computes Cov_t and keeps this rank's part."""
 
     acts: ClassVar[bool] = True  # False: no selection (the objective's loss as without it)
+    by_entropy: ClassVar[bool] = False  # what it selects by: the covariance Cov_t (False) or the entropy H_t (True)
 
     def capabilities(self) -> Capabilities:
         """A selection that acts is a per-token mask over the whole step's tokens, read by every micro-batch."""
@@ -95,19 +98,39 @@ class TokenSelection(Component):
 
     # ---- the referee's formulas (DESIGN.md section 10): written again in plain Python, sharing nothing above
 
-    def reference_problem(self, cov: list[float], chosen: list[bool]) -> str | None:
+    def reference_problem(self, cov: list[float], chosen: list[bool], rows: list[int] | None = None) -> str | None:
         """Why the run's choice `chosen` [N] over the step's N loss tokens (row-major) is not this selection's at the
-        covariances `cov` [N] the referee recomputed, or None when it is."""
+        statistic the referee recomputed (`cov` [N]: Cov_t, or H_t for an entropy selection; `rows` [N]: each token's
+        row, for a selection per response), or None when it is."""
         raise NotImplementedError
 
     def reference_token(self, adv: float, d: float) -> tuple[float, float]:
-        """(l_t, d l_t / d log pi) of a selected token at the advantage `adv` and log-ratio d = log pi - log pi_old."""
+        """(l_t, d l_t / d log pi) of a token whose loss the selection replaces (`reference_replaces`) at the advantage
+        `adv` and log-ratio d = log pi - log pi_old."""
         raise NotImplementedError
 
-    def select(self, logp: Tensor, adv: Tensor, mask: Tensor, tokens: Tensor) -> tuple[Tensor, dict[str, float]]:
+    def reference_replaces(self, selected: bool) -> bool:
+        """The token's loss is the selection's own (`reference_token`): a selected token, by default."""
+        return selected
+
+    def reference_clip(self, selected: bool, clip_low: float, clip_high: float) -> tuple[float, float]:
+        """The clip epsilons (low, high) of a token the selection does not replace: the term's own, by default."""
+        return clip_low, clip_high
+
+    def reference_kl_coef(self, selected: bool, kl_coef: float) -> float:
+        """The KL coefficient of a token: the term's own, by default."""
+        return kl_coef
+
+    def selected_kl_coef(self) -> float | None:
+        """The KL coefficient of the selected tokens in place of the term's, or None (the term's: the default)."""
+        return None
+
+    def select(self, logp: Tensor, adv: Tensor, mask: Tensor, tokens: Tensor,
+               entropy: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
         """logp [B, T] (the step's starting log-probs), adv [B] (the rows' advantages), mask [B, T] bool (the loss
-        tokens), tokens [B, T] -> (selected [B, T] bool, facts over the whole step: tokens N, selected, and the
-        kind's own counts). The statistic and the choice are over every rank's loss tokens."""
+        tokens), tokens [B, T] (entropy [B, T]: read by an entropy selection) -> (selected [B, T] bool, facts over the
+        whole step: tokens N, selected, and the kind's own counts). The statistic and the choice are over every
+        rank's loss tokens."""
         a = adv.detach().to(torch.float64)[:, None].expand(mask.shape)  # [B, T]
         local = torch.stack([logp.detach().to(torch.float64)[mask], a[mask], tokens.to(torch.float64)[mask]], -1)
         full, offset = gather_rows(local)  # [N, 3]
@@ -152,7 +175,7 @@ class KlCov(TokenSelection):
         chosen[top] = True
         return chosen, {}
 
-    def reference_problem(self, cov, chosen):
+    def reference_problem(self, cov, chosen, rows=None):
         n = len(cov)
         count = max(1, math.floor(self.k * n)) if n else 0
         order = sorted(range(n), key=lambda i: (-cov[i], i))  # largest first, ties by position
@@ -212,7 +235,7 @@ class ClipCov(TokenSelection):
         chosen[pick] = True
         return chosen, {"candidates": float(cand.numel())}
 
-    def reference_problem(self, cov, chosen):
+    def reference_problem(self, cov, chosen, rows=None):
         n = len(cov)
         band = {i for i in range(n) if self.omega_low < cov[i] < self.omega_high}
         count = min(max(1, math.floor(self.r * n)) if n else 0, len(band))
@@ -231,4 +254,189 @@ class ClipCov(TokenSelection):
                 "loss and no gradient")
 
 
-AnyTokenSelection = Annotated[Union[NoSelection, KlCov, ClipCov], Field(discriminator="kind")]
+
+
+# ------------------------------------------------------------------------------------------------ by the entropy
+#
+# H_t = -sum_v pi_old(v | y_<t) log pi_old(v | y_<t): the entropy of the full next-token distribution that predicted
+# the response token at t, under the policy at the step's START (the weights before the step's first update: the old
+# policy of the ratio), at the loss's temperature (the rollout's sampling temperature, as the log-probs). The step
+# computes it once, by a no-grad forward with the full logits, where the advantages are (composer/step.py, part 2:
+# `batch.old_entropy`, when the objective's `wants_old_entropy`), and the selection is made there over the whole
+# step (every micro-batch; every rank for `scope: step`), stored as `batch.token_select` and read by every
+# micro-batch's loss, like the covariance above.
+#
+# Intended difference from both papers' code (verl forks): there H_t comes from the actor's update forward, per
+# micro-batch, of the CURRENT policy, so with several updates per step (Archer: 3 epochs x 2 mini-batches; the 80/20
+# recipe: 16 mini-batches) a token's class moves from one update to the next and the 80/20 top-20% depends on how the
+# step is cut into micro-batches. Here it is the old policy's, once per step: the same as theirs at the step's first
+# update on-policy, and independent of micro-batching and DDP. The referee recomputes H_t by a fresh forward of the
+# weights recorded at the step's start.
+
+ENTROPY_TIE = 1e-4  # the referee's H_t (a fresh float32 forward, another layout) may differ from the run's by float
+# noise: a token this close to the cut (the k-th entropy, Archer's quantile) may fall on either side
+
+
+class EntropySelection(TokenSelection):
+    """Base of the selections by the entropy H_t of the old policy's next-token distribution: `choose_entropy(h [n]
+    float64) -> [n] bool` over one unit of tokens (the whole step, or one response), `select` reads batch.old_entropy."""
+
+    by_entropy: ClassVar[bool] = True
+
+    def choose_entropy(self, h: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def units(self, rows: list[int] | None, n: int) -> list[list[int]]:
+        """The referee's units of the N tokens (row-major): every token (scope: step), or each row's tokens."""
+        if self.scope == "step" or rows is None:
+            return [list(range(n))]
+        out: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            out.setdefault(r, []).append(i)
+        return list(out.values())
+
+    def select(self, logp, adv, mask, tokens, entropy=None):
+        if entropy is None:
+            raise ValueError(f"token_selection {self.kind}: needs batch.old_entropy, the entropy of the policy's "
+                             "next-token distribution at the step's start; the step computes it before the advantages "
+                             "when the objective's wants_old_entropy is true (composer/step.py, part 2)")
+        h = entropy.detach().to(torch.float64)  # [B, T]
+        local = h[mask]  # [n] this rank's loss tokens, row-major
+        if self.scope == "step":  # one cut over every rank's tokens, in rank order
+            full, offset = gather_rows(local[:, None])
+            mine = self.choose_entropy(full[:, 0].cpu())[offset: offset + local.numel()]
+        else:  # each response on its own: a row is never split across micro-batches or ranks
+            parts = [self.choose_entropy(h[i][mask[i]].cpu()) for i in range(mask.shape[0])]
+            mine = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
+        mine = mine.to(mask.device)
+        sums = torch.stack([torch.tensor(float(local.numel()), dtype=torch.float64, device=h.device),
+                            mine.sum().to(torch.float64), local.sum(), local[mine].sum()])[None]  # [1, 4]
+        n, k, h_sum, h_sel = gather_rows(sums)[0].sum(0).tolist()  # over every rank
+        sel = torch.zeros_like(mask)
+        sel[mask] = mine
+        return sel, {"tokens": n, "selected": k, "entropy_mean": h_sum / max(n, 1.0),
+                     "selected_entropy_mean": h_sel / max(k, 1.0)}
+
+
+@register("token_selection")
+class Entropy(EntropySelection):
+    """The 80/20 high-entropy update (Wang et al. 2025, Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive
+    Effective Reinforcement Learning for LLM Reasoning, arXiv 2506.01939): only the "forking" tokens, the top rho of
+    the step's loss tokens by H_t, keep their policy-gradient loss; the others get l_t = 0 and still count in the
+    normaliser (the paper's J: the indicator 1[H_t >= tau_rho] inside DAPO's sum over every token / sum_i |o_i|).
+
+      count = max(1, ceil(rho n)) (the release: int(rho n + 0.9999)) over the unit's n tokens (the step, or a
+      response), the largest H_t first (ties: first by position); l_t = 0 on the others. The KL term, if any, keeps
+      every token (the release's kl_loss over the response mask).
+    """
+
+    kind: Literal["entropy"] = Field("entropy", description="Component kind.")
+    rho: float = Field(0.2, gt=0, le=1, description="Fraction of the tokens that keep their policy-gradient loss: the top max(1, ceil(rho n)) by the old policy's entropy H_t (paper: 0.2, the top 20% 'forking' tokens; the release's entropy_top_ratio).")
+    scope: Literal["step", "response"] = Field("step", description="The tokens the top rho is taken over: the whole step's loss tokens (step: the paper's batch-wide threshold tau_rho^B, over every micro-batch and rank) or each response's own (response).")
+
+    def count(self, n: int) -> int:
+        return max(1, int(self.rho * n + 0.9999)) if n else 0
+
+    def choose_entropy(self, h):
+        n = h.numel()
+        chosen = torch.zeros(n, dtype=torch.bool)
+        chosen[torch.sort(h, descending=True, stable=True).indices[: self.count(n)]] = True
+        return chosen
+
+    def reference_problem(self, cov, chosen, rows=None):
+        h = cov  # the entropies H_t the referee recomputed, row-major
+        for unit in self.units(rows, len(h)):
+            count = max(1, math.floor(self.rho * len(unit) + 0.9999))
+            order = sorted(unit, key=lambda i: (-h[i], i))  # largest first
+            want, got = set(order[:count]), {i for i in unit if chosen[i]}
+            if len(got) != count:
+                return f"the run kept {len(got)} of {len(unit)} tokens, max(1, ceil({self.rho:g} x {len(unit)})) = {count}"
+            kth = h[order[count - 1]]
+            bad = [i for i in want ^ got if abs(h[i] - kth) > ENTROPY_TIE]  # only near-ties at the cut may differ
+            if bad:
+                return (f"the top {count} of {len(unit)} tokens by entropy differ from the run's at {len(bad)} tokens "
+                        f"(e.g. H {h[bad[0]]:.6g} against the cut {kth:.6g})")
+        return None
+
+    def reference_replaces(self, selected):
+        return not selected  # the tokens below the cut: no policy-gradient loss
+
+    def reference_token(self, adv, d):
+        return 0.0, 0.0
+
+    def describe(self) -> str:
+        n, where = ("N", "the step's N loss tokens") if self.scope == "step" else ("n", "each response's n loss tokens")
+        return (f"80/20 high-entropy update: only the top max(1, ceil({self.rho:g} {n})) of {where} by the old policy's "
+                "entropy H_t (the full next-token distribution at the step's start) keep the policy-gradient loss; "
+                "the others get 0 and still count in the normaliser")
+
+
+@register("token_selection")
+class Archer(EntropySelection):
+    """Archer's dual-token constraints (Wang et al. 2025, Stabilizing Knowledge, Promoting Reasoning: Dual-Token
+    Constraints for RLVR, arXiv 2507.15778): within one term and one normaliser, each token's clip range and KL
+    coefficient by its entropy class.
+
+      tau = the `quantile` (0.8) of the response's H_t (linear interpolation, torch.nanquantile; the release's
+      token_entropy_quantile per response); H_t > tau: high-entropy ("reasoning"), the others low-entropy
+      ("knowledge"). High: clip [1 - high_entropy_clip_low, 1 + high_entropy_clip_high] (0.5, 0.5) and KL coefficient
+      high_entropy_kl_coef (0); low: the term's own clip (clip / clip_low / clip_high, Archer 0.2) and kl_coef
+      (Archer 0.001, k3). The dual clip, the aggregation and the normaliser are the term's, for every token.
+    """
+
+    kind: Literal["archer"] = Field("archer", description="Component kind.")
+    quantile: float = Field(0.8, gt=0, lt=1, description="The class cut: a token is high-entropy when its H_t is above this quantile of its unit's entropies (linear interpolation; Archer: 0.8, the top 20% are high-entropy; the release's token_entropy_quantile).")
+    scope: Literal["response", "step"] = Field("response", description="The unit the quantile is taken over: each response's loss tokens (response: Archer's release, torch.nanquantile per row) or the whole step's (step: every micro-batch and rank).")
+    high_entropy_clip_low: float = Field(0.5, ge=0, description="Lower clip epsilon of the high-entropy tokens: their ratio is clipped at 1 - this (Archer: 0.5, high_entropy_clip_ratio_low); low-entropy tokens keep the term's clip_low.")
+    high_entropy_clip_high: float = Field(0.5, ge=0, description="Upper clip epsilon of the high-entropy tokens: 1 + this (Archer: 0.5, high_entropy_clip_ratio_high); low-entropy tokens keep the term's clip_high.")
+    high_entropy_kl_coef: float = Field(0.0, ge=0, description="KL coefficient of the high-entropy tokens in place of the term's kl_coef (Archer: 0, no KL on reasoning tokens; the release's high_entropy_kl_loss_scale_coef); low-entropy tokens keep kl_coef.")
+
+    def threshold(self, h: list[float]) -> float:
+        """The quantile of the values h (plain, float64): v[j] + f (v[j+1] - v[j]) at q (n - 1) = j + f."""
+        v = sorted(h)
+        pos = self.quantile * (len(v) - 1)
+        j = math.floor(pos)
+        return v[j] + (pos - j) * (v[min(j + 1, len(v) - 1)] - v[j])
+
+    def choose_entropy(self, h):
+        n = h.numel()
+        if n == 0:
+            return torch.zeros(0, dtype=torch.bool)
+        v = torch.sort(h).values
+        pos = self.quantile * (n - 1)
+        j = math.floor(pos)
+        tau = torch.lerp(v[j], v[min(j + 1, n - 1)], pos - j)
+        return h > tau
+
+    def reference_problem(self, cov, chosen, rows=None):
+        h = cov
+        for unit in self.units(rows, len(h)):
+            tau = self.threshold([h[i] for i in unit])
+            bad = [i for i in unit if bool(chosen[i]) != (h[i] > tau) and abs(h[i] - tau) > ENTROPY_TIE]
+            if bad:
+                return (f"{len(bad)} tokens of a unit of {len(unit)} are in the other entropy class than the run's "
+                        f"(e.g. H {h[bad[0]]:.6g}, the {self.quantile:g}-quantile {tau:.6g}, the run: "
+                        f"{'high' if chosen[bad[0]] else 'low'})")
+        return None
+
+    def reference_replaces(self, selected):
+        return False  # every token keeps the clipped surrogate, with its class's epsilons
+
+    def reference_clip(self, selected, clip_low, clip_high):
+        return (self.high_entropy_clip_low, self.high_entropy_clip_high) if selected else (clip_low, clip_high)
+
+    def reference_kl_coef(self, selected, kl_coef):
+        return self.high_entropy_kl_coef if selected else kl_coef
+
+    def selected_kl_coef(self):
+        return self.high_entropy_kl_coef
+
+    def describe(self) -> str:
+        where = "its response's" if self.scope == "response" else "the step's"
+        return (f"Archer dual-token constraints: tokens whose old-policy entropy H_t is above the {self.quantile:g}-"
+                f"quantile of {where} entropies are high-entropy: clip [1-{self.high_entropy_clip_low:g}, "
+                f"1+{self.high_entropy_clip_high:g}] and KL coefficient {self.high_entropy_kl_coef:g}; the others keep "
+                "the term's clip and kl_coef (one term, one normaliser)")
+
+
+AnyTokenSelection = Annotated[Union[NoSelection, KlCov, ClipCov, Entropy, Archer], Field(discriminator="kind")]

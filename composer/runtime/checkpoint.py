@@ -621,7 +621,7 @@ def _literal_key(key, where: str, ast) -> tuple:
 
 BATCH_ROWS = ("group", "control", "rewards", "seq_weight", "prompt_index", "guided", "row_mask")
 BATCH_TOKENS = ("origin", "behavior_logprobs", "teacher_logprobs", "initial_logprobs", "behavior_known",
-                "old_logprobs", "token_select", "values", "returns")
+                "old_logprobs", "token_select", "old_entropy", "values", "returns")
 
 
 def _buffer(value, expected: Expected) -> None:

@@ -350,6 +350,13 @@ class RunContext:
 
         return batch_logprobs(self.forward_model(self.initial_policy()), batch)
 
+    def old_entropy(self, batch) -> torch.Tensor:
+        """[B, T] the entropy of the policy's next-token distribution at each token under the weights now: in the
+        step's part 2, before its first update, the old policy's (an entropy token selection: grpo's entropy, archer)."""
+        from composer.runtime.models import batch_entropy
+
+        return batch_entropy(self.forward_model(self.policy), batch)
+
     def forward_model(self, model: torch.nn.Module):
         """`model` for log-prob forward passes: compiled once when train.compile is set."""
         return self.models.forward_model(model, self.spec is not None and self.spec.train.compile)

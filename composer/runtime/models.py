@@ -601,6 +601,16 @@ def policy_view(policy, batch, want_logits: bool = False, read: torch.Tensor | N
 
 
 @torch.no_grad()
+def batch_entropy(model, batch) -> torch.Tensor:
+    """[B, T] the entropy of `model`'s full next-token distribution at each position of the batch (0 at t = 0), at the
+    batch's temperature, no gradient, on the batch's device (the old policy's H_t of an entropy token selection)."""
+    device = next(model.parameters()).device
+    _, _, ent = token_logprobs(model, batch.tokens.to(device), batch.attention_mask.to(device),
+                               batch.info.get("temperature", 1.0), prefix_len=batch.prompt_len.to(device))
+    return ent.to(batch.tokens.device)
+
+
+@torch.no_grad()
 def batch_logprobs(model, batch) -> torch.Tensor:
     """[B, T] log-probs of the batch's tokens under `model` (frozen weights: the initial policy), on the batch's
     device."""
