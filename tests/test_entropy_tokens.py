@@ -109,7 +109,7 @@ def test_entropy_top_rho_by_hand():
     t5, 0 elsewhere. rho 0.25: ceil(2.5) = 3 tokens, row 1 t1 (0.5) too: l = +0.5 -> (-0.64 - 0.5 + 0.5) / 10."""
     obj = _obj({"kind": "entropy", "rho": 0.2}, clip_low=0.2, clip_high=0.28)
     b = _batch()
-    loss, grad, m, adv = _run(obj, b, CUR)
+    loss, grad, m, _adv = _run(obj, b, CUR)
     want_sel = torch.zeros(2, 6, dtype=torch.bool)
     want_sel[0, 2] = want_sel[0, 5] = True
     assert torch.equal(b.token_select, want_sel)
@@ -143,7 +143,7 @@ def test_entropy_reference_problem_by_hand():
     """The referee's own choice (plain Python): 10 entropies, rho 0.2 keeps 2: the 2.0 and the 0.9; a run that kept
     the 0.5 instead, or 3 tokens, is told apart; two tokens tied at the cut may go either way."""
     h = [0.1, 2.0, 0.3, 0.05, 0.9, 0.5, 0.2, 0.0, 0.35, 0.4]
-    pick = lambda *idx: [i in idx for i in range(10)]  # noqa: E731
+    pick = lambda *idx: [i in idx for i in range(10)]
     e = Entropy(rho=0.2)
     assert e.reference_problem(h, pick(1, 4)) is None
     assert "differ from the run's at 1 tokens" in e.reference_problem(h, pick(1, 5))  # the 0.5 (the 0.9 sits at the cut)
@@ -214,7 +214,7 @@ def test_archer_reference_problem_and_threshold_by_hand():
     assert a.threshold([0.1, 2.0, 0.3, 0.05, 0.9]) == pytest.approx(1.12)
     h = [0.1, 2.0, 0.3, 0.05, 0.9, 0.5, 0.2, 0.0, 0.35, 0.4]
     rows = [0] * 5 + [1] * 5
-    pick = lambda *idx: [i in idx for i in range(10)]  # noqa: E731
+    pick = lambda *idx: [i in idx for i in range(10)]
     assert a.reference_problem(h, pick(1, 5), rows) is None
     assert "other entropy class" in a.reference_problem(h, pick(1, 4, 5), rows)
     # scope: step: one cut over all 10 at 0.8 x 9 = 7.2: sorted[7] = 0.5, sorted[8] = 0.9 -> tau = 0.58 -> {2.0, 0.9}
