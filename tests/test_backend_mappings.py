@@ -34,6 +34,8 @@ NON_DEFAULT = {
         "clip_low": "0.1",
         "clip_high": "0.28",
         "dual_clip": "3.0",
+        "sapo_tau_pos": "2.0",
+        "sapo_tau_neg": "2.0",
         "std_norm": "false",
         "loss_agg": "seq-mean-token-mean",
         "norm_const": "100",

@@ -34,6 +34,11 @@ MECHANISM = {  # spec -> text explain must show
     "ppo-rm.yaml": "score with 'rm' (reward model toy:reward on the rollout's token ids, score at the last token)",
     "luffy.yaml": "1 of each prompt's 8 rows are traces the policy did not write (the reference text of 'reference' + "
                   "EOS",
+    "sapo.yaml": "bound: SAPO soft gate -(4/tau) sigmoid(tau (rho - 1)) A, tau 1 for A > 0 and 1.05 otherwise",
+    "nsr.yaml": "advantage: sign-weighted, no baseline (NSR): A = 0 for a success (reward >= 0.5), -1 for a failure",
+    "psr.yaml": "advantage: sign-weighted, no baseline (PSR): A = +1 for a success (reward >= 0.5), 0 for a failure",
+    "w-reinforce.yaml": "advantage: sign-weighted, no baseline (W-REINFORCE, lambda 0.1): A = +0.1 for a success "
+                        "(reward >= 0.5), -1 for a failure",
 }
 MECHANISM_MORE = {  # further lines explain must show
     "luffy.yaml": ["all in one advantage group, the traces scored by the same reward",
@@ -47,7 +52,8 @@ MECHANISM_MORE = {  # further lines explain must show
 HOT = {n: ["data.train_tiers=[6]", "rollout.max_new_tokens=48"] for n in ("cispo.yaml", "dr-grpo.yaml", "gspo.yaml", "rloo.yaml",
                                               "reinforce-pp-baseline.yaml", "kdrl.yaml", "srpo.yaml", "kdrl-mask.yaml",
                                               "prorl.yaml", "topr.yaml", "gmpo.yaml", "gpg.yaml",
-                                              "kl-cov.yaml", "clip-cov.yaml", "luffy.yaml", "ppo.yaml", "ppo-rm.yaml")}
+                                              "kl-cov.yaml", "clip-cov.yaml", "luffy.yaml", "ppo.yaml", "ppo-rm.yaml",
+                                              "sapo.yaml", "nsr.yaml", "psr.yaml", "w-reinforce.yaml")}
 
 HOT["archer.yaml"] = HOT["kl-cov.yaml"]  # Archer's classes act only where the groups are mixed (A != 0)
 

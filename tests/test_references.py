@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from components.objectives.advantage_regression import AdvantageRegression
-from components.objectives.estimators import (ControlMean, GroupMean, LeaveOneOut, ReinforcePPBaseline, SoftValue,
-                                              soft_value_reference)
+from components.objectives.estimators import (ControlMean, GroupMean, LeaveOneOut, ReinforcePPBaseline, SignWeighted,
+                                              SoftValue, soft_value_reference)
 from components.objectives.grpo import Grpo
 from composer.lang.curves import Schedule, reference_value
 from composer.registry import kinds, load_builtins
@@ -76,7 +76,9 @@ def _random_batch(seed: int):
 
 ESTIMATORS = [GroupMean(), GroupMean(std="batch"), GroupMean(std="none"), GroupMean(eps=0.1), LeaveOneOut(),
               ReinforcePPBaseline(), ReinforcePPBaseline(eps=0.01), SoftValue(), SoftValue(beta1=0),
-              SoftValue(beta1=math.inf), SoftValue(beta1=0.3), ControlMean()]
+              SoftValue(beta1=math.inf), SoftValue(beta1=0.3), ControlMean(),
+              SignWeighted(), SignWeighted(positive_weight=0.1), SignWeighted(positive_weight=0.0),
+              SignWeighted(negative_weight=0.0, success_threshold=0.25)]
 
 
 def test_every_registered_estimator_has_a_reference_in_this_test():
@@ -96,6 +98,7 @@ def test_estimator_reference_equals_its_implementation(est, seed):
 
 @pytest.mark.parametrize("obj", [Grpo(), Grpo(valid_rows_scale=True, std_norm=False),
                                  Grpo(estimator={"kind": "soft_value", "beta1": 0}),
+                                 Grpo(estimator={"kind": "sign_weighted", "positive_weight": 0.1}),
                                  AdvantageRegression(), AdvantageRegression(beta1=1.0),
                                  AdvantageRegression(baseline="control")], ids=repr)
 @pytest.mark.parametrize("seed", range(4))
@@ -148,12 +151,13 @@ LOSSES = [{"kind": "cross_entropy", "aggregation": a} for a in
     {"kind": "divergence", "estimator": "sampled", "aggregation": "seq-mean-token-mean"},
     *[{"kind": "grpo", "ratio": r, "bound": bd, "loss_agg": agg, "clip": 0.1}
       for r in ("token", "sequence", "sequence-token", "trajectory")
-      for bd in ("clip", "mask", "cispo", "topr", "none")
+      for bd in ("clip", "mask", "cispo", "topr", "none", "sapo")
       for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
       if not (r == "trajectory" and agg != "token-mean")],
     {"kind": "grpo", "ratio": "sequence", "bound": "log_clip", "clip_low": 0.05, "clip_high": 0.1},
     {"kind": "grpo", "ratio": "sequence", "bound": "log_clip", "loss_agg": "seq-mean-token-mean"},
     {"kind": "grpo", "dual_clip": 3.0, "clip": 0.05},
+    {"kind": "grpo", "bound": "sapo", "sapo_tau_pos": 4.0, "sapo_tau_neg": 0.3},
     {"kind": "grpo", "kl_coef": 0.1, "kl_estimator": "k1"}, {"kind": "grpo", "kl_coef": 0.1, "kl_estimator": "k2"},
     {"kind": "grpo", "kl_coef": 0.1, "kl_estimator": "k3", "clip_low": 0.1, "clip_high": 0.3},
     {"kind": "grpo", "loss_agg": "seq-mean-token-sum-norm", "norm_const": 7.0},

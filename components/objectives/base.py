@@ -69,6 +69,13 @@ class Objective(Component):
         (composer/checks/inert.py refuses those the spec sets; `explain` shows them all). Default: none."""
         return []
 
+    def group_baseline(self) -> bool:
+        """Whether this term's advantages subtract a baseline taken from the rows of each group (a group whose
+        rewards are all equal then trains nothing): one rollout per prompt zeroes every advantage, and a check of
+        the advantages must see groups of mixed rewards. Default: the class's `uses_group_baseline`; an objective
+        with an estimator part answers for the estimator in force."""
+        return type(self).uses_group_baseline
+
     def openrlhf_native(self) -> list[str]:
         """The mapping of this objective onto OpenRLHF's own PolicyLoss (its native flags; DESIGN.md section 11,
         "Backend mappings"): the settings that keep it off that route, each with why; [] when every field maps.

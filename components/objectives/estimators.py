@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Union
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from components.objectives.base import group_stats
 from composer.lazy import torch
@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 
 class Estimator(Component):
     """Base of every advantage estimator: `estimate(rewards [B], group [B], control [B] | None) -> A [B]`."""
+
+    # The advantage subtracts a baseline taken from the group's rows: a group whose rewards are all equal trains
+    # nothing, one rollout per prompt zeroes every advantage, and the referee must see groups of mixed rewards.
+    group_baseline: ClassVar[bool] = True
 
     def estimate(self, rewards: Tensor, group: Tensor, control: Tensor | None = None) -> Tensor:
         raise NotImplementedError
@@ -255,5 +259,60 @@ class ControlMean(Estimator):
         return soft_value_reference(rewards, group, math.inf, list(control) if control is not None else None)
 
 
-AnyEstimator = Annotated[Union[GroupMean, LeaveOneOut, ReinforcePPBaseline, SoftValue, ControlMean],
+@register("estimator")
+class SignWeighted(Estimator):
+    """Baseline-free advantages with a weight per outcome: NSR, PSR and W-REINFORCE (Zhu et al. 2025, "The
+    Surprising Effectiveness of Negative Reinforcement in LLM Reasoning", arXiv 2506.01347).
+
+    Each row's reward becomes r_i = +1 (a success: reward >= success_threshold) or -1 (a failure), and
+      A_i = w(r_i) r_i,  w(+1) = positive_weight,  w(-1) = negative_weight
+    with no baseline and no normalisation: A_i is +positive_weight or -negative_weight, whatever the rest of the
+    group did. With the grpo loss at one update per step (ratio 1) the gradient is -sum_i A_i grad log pi(y_i):
+      PSR          positive_weight 1, negative_weight 0:  -sum over correct rows of log pi
+      NSR          positive_weight 0, negative_weight 1:  +sum over incorrect rows of log pi
+      W-REINFORCE  positive_weight lambda (0.1), negative_weight 1:  lambda PSR + NSR
+    The authors' code (verl, `algorithm.adv_estimator=psr_nsr` with `advantage: positive | negative | weighted`,
+    `positive_advantage_weight`) makes the same numbers from 0/1 scores: r, r - 1, and lambda r for correct / -1
+    for incorrect rows. A row whose weight is 0 has advantage 0 and trains nothing (it still counts in a token-mean's
+    normaliser, as in their loss).
+    """
+
+    kind: Literal["sign_weighted"] = Field("sign_weighted", description="Component kind.")
+    positive_weight: float = Field(1.0, ge=0, description="w(+1): the advantage of a successful row (PSR 1, NSR 0, W-REINFORCE's lambda 0.1).")
+    negative_weight: float = Field(1.0, ge=0, description="w(-1): the advantage of a failed row is -negative_weight (NSR and W-REINFORCE 1, PSR 0).")
+    success_threshold: float = Field(0.5, description="A row is a success (reward +1) when its reward is at least this, else a failure (-1): a verifier's 0/1 (or +-1) reward maps to +-1 (the outcome_reward source's default threshold).")
+
+    group_baseline: ClassVar[bool] = False  # no baseline: a group whose rewards are all equal still trains
+
+    @model_validator(mode="after")
+    def _some_row_trains(self):
+        if self.positive_weight == 0 and self.negative_weight == 0:
+            raise ValueError("sign_weighted with positive_weight 0 and negative_weight 0 gives every row advantage 0: "
+                             "nothing trains (PSR: positive_weight 1, negative_weight 0; NSR: 0 and 1)")
+        return self
+
+    def estimate(self, rewards, group, control=None):
+        r = rewards.detach()
+        pos = torch.full_like(r, self.positive_weight)
+        neg = torch.full_like(r, -self.negative_weight)
+        return torch.where(r >= self.success_threshold, pos, neg)  # [B]
+
+    def describe(self) -> str:
+        name = {(1.0, 0.0): " (PSR)", (0.0, 1.0): " (NSR)"}.get((self.positive_weight, self.negative_weight), "")
+        if not name and self.negative_weight == 1.0 and 0 < self.positive_weight < 1:
+            name = f" (W-REINFORCE, lambda {self.positive_weight:g})"
+        pos = f"+{self.positive_weight:g}" if self.positive_weight else "0"
+        neg = f"-{self.negative_weight:g}" if self.negative_weight else "0"
+        return (f"sign-weighted, no baseline{name}: A = {pos} for a success (reward >= {self.success_threshold:g}), "
+                f"{neg} for a failure")
+
+    def reference(self, rewards, group, control):
+        out = []
+        for x in rewards:  # each row alone: r = +1 or -1, A = w(r) r
+            r = 1.0 if float(x) >= self.success_threshold else -1.0
+            out.append((self.positive_weight if r > 0 else self.negative_weight) * r)
+        return out
+
+
+AnyEstimator = Annotated[Union[GroupMean, LeaveOneOut, ReinforcePPBaseline, SoftValue, ControlMean, SignWeighted],
                          Field(discriminator="kind")]

@@ -87,7 +87,8 @@ def sequence_log_ratio(logp: Tensor, old: Tensor, mask: Tensor, level: str) -> T
 
 
 def bounded_surrogate(logp: Tensor, log_ratio: Tensor, adv: Tensor, bound: str, clip_low: float, clip_high: float,
-                      dual_clip: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                      dual_clip: float | None = None,
+                      sapo_tau: tuple[float, float] = (1.0, 1.05)) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token policy-gradient loss of an importance ratio rho = exp(log_ratio) and its bound.
 
     logp [B, T] (the current log-probs), log_ratio [B, T] or [B, 1], adv [B, 1] -> (loss [B, T], bounded [B, T]
@@ -103,12 +104,21 @@ def bounded_surrogate(logp: Tensor, log_ratio: Tensor, adv: Tensor, bound: str, 
              2503.14286): positive trajectories train as SFT, negative ones with a truncated IS weight.
       none:  -A log pi                              plain policy gradient, no ratio (GPG, Chu et al. 2025, arXiv
              2504.02546); log_ratio is not read (bounded is all False, rho is 1).
+      sapo:  -(4 / tau) sigmoid(tau (rho - 1)) A    SAPO's soft gate (Gao et al. 2025, arXiv 2511.20347), tau =
+             sapo_tau[0] for A > 0, sapo_tau[1] otherwise: d l / d rho = -4 s (1 - s) A, s = sigmoid(tau (rho - 1)),
+             the gate's weight 4 s (1 - s) is 1 at rho = 1 and decays smoothly away from it (no hard edge); bounded:
+             where that weight differs from 1 by more than 1e-3.
     The log-ratio is clamped to +-20 before exp (verl), which only matters for absurd ratios.
     """
     if bound == "none":
         return -(adv * logp), torch.zeros_like(logp, dtype=torch.bool), torch.ones_like(logp)
     ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
     lo, hi = 1.0 - clip_low, 1.0 + clip_high
+    if bound == "sapo":
+        tau = torch.where(adv > 0, torch.full_like(adv, sapo_tau[0]), torch.full_like(adv, sapo_tau[1]))  # [B, 1]
+        s = torch.sigmoid(tau * (ratio - 1.0))  # [B, T] or [B, 1]
+        weight = (4.0 * s * (1.0 - s)).detach()  # d gate / d rho: 1 at rho = 1
+        return -(4.0 / tau) * s * adv, (weight - 1.0).abs() > 1e-3, ratio
     if bound == "topr":
         w = torch.where(adv >= 0, torch.ones_like(ratio), ratio.clamp(0.0, 1.0)).detach()
         return -(w * adv * logp), (adv < 0) & (ratio > 1.0), ratio
@@ -174,10 +184,11 @@ class Grpo(Objective):
 
       L = agg_t( l_t(rho, A) ) + kl_coef * agg_t( k(log pi_theta - log pi_init) )
     A from `estimator` (default: group mean / group std), rho the importance ratio at `ratio` level to the
-    old log-prob, l_t the `bound` (clip, dual clip, mask, CISPO). The old log-prob is the policy's at the
+    old log-prob, l_t the `bound` (clip, dual clip, mask, CISPO, SAPO's soft gate). The old log-prob is the policy's at the
     start of the step's first pass when the step makes several updates (train.epochs x train.mini_batches),
     else the behaviour log-prob of the sampler (the same weights on-policy). GSPO, Dr. GRPO, DAPO's
-    objective, RLOO, REINFORCE++-baseline and CISPO are settings of these fields (specs/methods/).
+    objective, RLOO, REINFORCE++-baseline, CISPO, SAPO and NSR / PSR / W-REINFORCE are settings of these fields
+    (specs/methods/).
     `token_selection` picks tokens of the whole step whose l_t changes: by a covariance (KL-Cov, Clip-Cov) or by the
     old policy's entropy (the 80/20 update keeps only the top 20%; Archer gives high-entropy tokens their own clip and
     KL coefficient). Loss tokens the policy
@@ -186,14 +197,16 @@ class Grpo(Objective):
     """
 
     kind: Literal["grpo"] = Field("grpo", description="Component kind.")
-    estimator: Optional[AnyEstimator] = Field(None, description="Advantage estimator (group_mean, leave_one_out, reinforce_pp_baseline, soft_value, control_mean); omitted: group_mean with std by group, or none when std_norm is false, eps std_eps.")
+    estimator: Optional[AnyEstimator] = Field(None, description="Advantage estimator (group_mean, leave_one_out, reinforce_pp_baseline, soft_value, control_mean, sign_weighted); omitted: group_mean with std by group, or none when std_norm is false, eps std_eps.")
     ratio: Literal["token", "sequence", "sequence-token", "trajectory"] = Field("token", description="Importance ratio level: per token (PPO/GRPO), per sequence as exp of the length-normalised log-ratio (GSPO), its value with per-token gradients (GSPO-token), or the trajectory ratio pi(tau)/mu(tau) = exp(sum_t log rho_t) (TOPR).")
-    bound: Literal["clip", "mask", "cispo", "topr", "log_clip", "none"] = Field("clip", description="How the ratio is bounded: PPO clip of the surrogate; masking of tokens outside [1-clip_low, 1+clip_high]; CISPO's truncated stop-gradient weight sg(clip(rho, 1-clip_low, 1+clip_high)) on a REINFORCE term; TOPR's asymmetric truncation (weight 1 for A >= 0, sg(clip(rho, 0, 1)) for A < 0, on A log pi); GMPO's per-token clip of the log-ratio to [-clip_low, clip_high] inside the geometric-mean sequence ratio (ratio: sequence), loss -A s; or none: plain policy gradient -A log pi with no ratio (GPG).")
+    bound: Literal["clip", "mask", "cispo", "topr", "log_clip", "none", "sapo"] = Field("clip", description="How the ratio is bounded: PPO clip of the surrogate; masking of tokens outside [1-clip_low, 1+clip_high]; CISPO's truncated stop-gradient weight sg(clip(rho, 1-clip_low, 1+clip_high)) on a REINFORCE term; TOPR's asymmetric truncation (weight 1 for A >= 0, sg(clip(rho, 0, 1)) for A < 0, on A log pi); GMPO's per-token clip of the log-ratio to [-clip_low, clip_high] inside the geometric-mean sequence ratio (ratio: sequence), loss -A s; none: plain policy gradient -A log pi with no ratio (GPG); or sapo: SAPO's soft gate, loss -(4/tau) sigmoid(tau (rho - 1)) A with tau sapo_tau_pos (A > 0) or sapo_tau_neg, whose gradient weight 4 s (1 - s) is 1 at rho = 1 and decays smoothly (no clip fields read).")
     valid_rows_scale: bool = Field(False, description="Multiply the advantages by alpha = B / B_valid, the step's rows over those whose advantage is not 0 (GPG, Chu et al. 2025, arXiv 2504.02546), counted over the whole step (every rank).")
     clip: float = Field(0.2, ge=0, description="Symmetric ratio clip epsilon.")
     clip_low: float | None = Field(None, ge=0, description="Lower clip epsilon (DAPO clip-higher); overrides `clip` below 1.")
     clip_high: float | None = Field(None, ge=0, description="Upper clip epsilon (DAPO: 0.28); overrides `clip` above 1.")
     dual_clip: float | None = Field(None, gt=1, description="Dual-clip PPO constant c (> 1, e.g. 3): with a negative advantage the loss is at most -c A. bound: clip only.")
+    sapo_tau_pos: float = Field(1.0, gt=0, description="bound: sapo only: the soft gate's temperature tau for tokens of rows with A > 0 (Gao et al. 2025, arXiv 2511.20347: 1.0; TRL sapo_temperature_pos).")
+    sapo_tau_neg: float = Field(1.05, gt=0, description="bound: sapo only: the soft gate's temperature for rows with A <= 0 (paper: 1.05, above tau_pos so the gradient of negative tokens decays faster; TRL sapo_temperature_neg).")
     std_norm: bool = Field(True, description="Divide group-centred rewards by the group std (False: Dr. GRPO). Shorthand for estimator: {kind: group_mean, std: group | none}.")
     loss_agg: Aggregation = Field("token-mean", description="Loss aggregation (verl default token-mean; the paper's form is seq-mean-token-mean; Dr. GRPO seq-mean-token-sum-norm).")
     norm_const: float | None = Field(None, gt=0, description="C of seq-mean-token-sum-norm (Dr. GRPO: the maximum generation length); default: the batch's padded length T.")
@@ -295,6 +308,10 @@ class Grpo(Objective):
             return self.estimator
         return GroupMean(std="group" if self.std_norm else "none", eps=self.std_eps)
 
+    def group_baseline(self) -> bool:
+        """The estimator's: a baseline from the group's rows (group_mean, leave_one_out, ...) or none (sign_weighted)."""
+        return self.est.group_baseline
+
     def anchors(self) -> dict[str, str]:
         weighted = self.weighted_origins()
         return {o: (f"weight {self.off_policy_weight.describe()} of the current policy's probability (the trace's "
@@ -328,7 +345,9 @@ class Grpo(Objective):
         t = spec.train
         what = {"clip": f"the PPO clip [1-{lo:g}, 1+{hi:g}]", "mask": f"the mask [1-{lo:g}, 1+{hi:g}]",
                 "cispo": f"CISPO's truncation [1-{lo:g}, 1+{hi:g}]", "topr": "TOPR's truncation [0, 1]",
-                "log_clip": f"the log-ratio clip [-{lo:g}, {hi:g}]"}.get(self.bound)  # none: no bound to act
+                "log_clip": f"the log-ratio clip [-{lo:g}, {hi:g}]",
+                "sapo": f"SAPO's soft gate (tau {self.sapo_tau_pos:g} / {self.sapo_tau_neg:g}; its gradient weight is "
+                        "1 at ratio 1)"}.get(self.bound)  # none: no bound to act
         one = t.epochs * t.mini_batches == 1 and spec.sync.every == 1
         # engine-aware (DESIGN.md section 11): at one update per step the ratio's denominator is the sampler's log-prob,
         # so the ratio is 1 only where the sampler is the trainer (float32 weights in the hf engine); with vLLM or
@@ -342,12 +361,25 @@ class Grpo(Objective):
                "ratio at the weights that sampled the rollouts, unrounded (the hf engine, rollout.precision not "
                "bf16), so it is 1 up to float32 rounding")
         if what is not None and ratio_one:
-            field = next((f for f in ("clip", "clip_low", "clip_high", "dual_clip") if f in set_), "clip")
+            names = ("sapo_tau_pos", "sapo_tau_neg", "bound") if self.bound == "sapo" else \
+                ("clip", "clip_low", "clip_high", "dual_clip")
+            field = next((f for f in names if f in set_), names[-1] if self.bound == "sapo" else "clip")
             out.append(InertSetting(field, f"{what}{' and the dual clip' if self.dual_clip else ''} cannot act: "
                                     f"{why}, and the loss is the plain policy gradient",
                                     "to make the bound act, update several times per step (train.mini_batches: 2 "
                                     "or train.epochs: 2) or lag the sampler (sync.every > 1); else remove the "
-                                    "clip settings", severity="warning"))
+                                    + ("bound" if self.bound == "sapo" else "clip settings"), severity="warning"))
+        if self.bound != "sapo":
+            for name in ("sapo_tau_pos", "sapo_tau_neg"):
+                if name in set_:
+                    out.append(InertSetting(name, f"{name} is the temperature of SAPO's soft gate, and bound is "
+                                            f"{self.bound}: it is never read", "set bound: sapo, or remove " + name))
+        else:
+            for name in ("clip", "clip_low", "clip_high", "dual_clip"):
+                if name in set_ and getattr(self, name) is not None:
+                    out.append(InertSetting(name, f"bound: sapo replaces the clip by a soft gate of temperature "
+                                            f"sapo_tau_pos / sapo_tau_neg and reads no clip: {name} is never used",
+                                            f"remove {name} (SAPO's gate is shaped by sapo_tau_pos, sapo_tau_neg)"))
         sel = self.token_selection
         if sel.kind == "kl_cov" and sel.beta > 0 and ratio_one:
             out.append(InertSetting("token_selection", f"kl_cov's penalty {sel.beta:g} |log pi_theta - log pi_old| "
@@ -421,7 +453,9 @@ class Grpo(Objective):
                  "topr": "TOPR: A log pi for A >= 0, sg(clip(rho, 0, 1)) A log pi for A < 0",
                  "log_clip": f"GMPO: each token's log-ratio clipped to [-{lo:g}, {hi:g}] (by the sign of A) inside "
                              f"the geometric mean s = exp(mean_t log rho_t); loss -A s",
-                 "none": "none: plain policy gradient -A log pi (no ratio)"}[self.bound]
+                 "none": "none: plain policy gradient -A log pi (no ratio)",
+                 "sapo": f"SAPO soft gate -(4/tau) sigmoid(tau (rho - 1)) A, tau {self.sapo_tau_pos:g} for A > 0 and "
+                         f"{self.sapo_tau_neg:g} otherwise (gradient weight 4 s (1 - s): 1 at rho = 1, no hard clip)"}[self.bound]
         if self.bound == "none":
             ratio = "none"
         if self.token_selection.acts:
@@ -467,7 +501,8 @@ class Grpo(Objective):
             loss_tok = -(ratio * adv)  # [B, 1]
         else:
             log_r = sequence_log_ratio(cur.logprobs, old, on, self.ratio)  # [B, T] or [B, 1]
-            loss_tok, bounded, ratio = bounded_surrogate(cur.logprobs, log_r, adv, self.bound, lo, hi, self.dual_clip)
+            loss_tok, bounded, ratio = bounded_surrogate(cur.logprobs, log_r, adv, self.bound, lo, hi, self.dual_clip,
+                                                         (self.sapo_tau_pos, self.sapo_tau_neg))
         loss_tok = loss_tok.expand_as(cur.logprobs)  # [B, T]
         sel_metrics, off_metrics = {}, {}
         if self.token_selection.acts:
@@ -526,6 +561,8 @@ class Grpo(Objective):
           each token's own gradient), sum_t d_t (trajectory); rho = exp(x) (x clamped to +-20: no gradient there)
           clip  -min(rho A, clip(rho) A), dual clip c: at most -c A for A < 0;  mask  -rho A on [lo, hi], else 0
           cispo -clip(rho) A log pi;  topr -w A log pi, w = 1 (A >= 0) or clip(rho, 0, 1);  none -A log pi
+          sapo  -(4/tau) sigmoid(tau (rho - 1)) A, tau sapo_tau_pos (A > 0) or sapo_tau_neg (acted: gate weight
+                4 s (1 - s) differs from 1 by more than 1e-3)
           log_clip (GMPO)  -A exp(mean_t k_t), k_t = d_t clipped to [-clip_low, clip_high] on the side sgn(A) binds
         plus kl_coef x agg(k(log pi - log pi_init)) on the policy's tokens. A token of the step's selection
         (`inputs["token_select"]` [B, T], the run's choice once the referee has checked it against the selection's
@@ -626,6 +663,11 @@ class Grpo(Objective):
                     keep = 1 - lo <= rho <= 1 + hi
                     acted["bound"] += not keep
                     l_val, dl_drho = (-rho * A, -A) if keep else (0.0, 0.0)
+                elif self.bound == "sapo":  # -(4/tau) sigmoid(tau (rho - 1)) A, d/d rho = -4 s (1 - s) A
+                    tau = self.sapo_tau_pos if A > 0 else self.sapo_tau_neg
+                    sg = 1.0 / (1.0 + math.exp(-tau * (rho - 1.0)))
+                    acted["bound"] += abs(4.0 * sg * (1.0 - sg) - 1.0) > 1e-3  # the gate's weight, told from 1
+                    l_val, dl_drho = -(4.0 / tau) * sg * A, -4.0 * sg * (1.0 - sg) * A
                 else:  # clip, with the dual clip; a selection may give the token its class's epsilons (Archer)
                     clo, chi = self.token_selection.reference_clip(picked, lo, hi) if sel is not None else (lo, hi)
 

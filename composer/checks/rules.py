@@ -184,7 +184,7 @@ def group_baseline_needs_groups(spec, segment):
         return []
     out = []
     for base, sig, obj in _pairs_with_paths(spec):
-        if obj is not None and type(obj).uses_group_baseline and getattr(sig, "kind", "") == "reward":
+        if obj is not None and obj.group_baseline() and getattr(sig, "kind", "") == "reward":
             out.append(_d("group_baseline_needs_groups",
                           f"{obj.kind_name()} uses a group baseline, but samples_per_prompt is 1: every advantage "
                           "is zero", ("rollout", "samples_per_prompt"), "sample several responses per prompt (GRPO: 8-64)"))
