@@ -131,14 +131,33 @@ class LocalModel:
 
 
 class HFEngine(LocalModel):
-    """The rollout engine on any device: a separate copy of the policy, refreshed only by `sync`."""
+    """The rollout engine on any device: a separate copy of the policy, refreshed only by `sync`.
 
-    def __init__(self, policy: torch.nn.Module, tokenizer, batch_size: int = 256, compiled: bool = False):
+    precision "bf16" (rollout.precision): the copy's floating-point weights are rounded to bfloat16 at every sync
+    (kept in their dtype, so the sampler computes in float32 on bf16 weights): the sampler is then not the trainer,
+    and its behaviour log-probs differ from the trainer's by that rounding (the training-inference mismatch)."""
+
+    def __init__(self, policy: torch.nn.Module, tokenizer, batch_size: int = 256, compiled: bool = False,
+                 precision: str = "auto"):
+        if precision not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"rollout.precision: unknown precision {precision!r} (known: auto, fp32, bf16)")
         super().__init__(copy.deepcopy(policy).eval().requires_grad_(False), tokenizer, batch_size, compiled)
+        self.precision = precision
+        self.exact_logprobs = True  # the behaviour log-probs are those of the (rounded) weights that sampled
+        self._round()
         self.last_sync = 0
         # The engine is built in LightningModule.setup, before the Trainer moves the policy to its
         # device; the rollout copy follows the policy's device (never its weights) when it samples.
         self._policy = policy
+
+    @torch.no_grad()
+    def _round(self) -> None:
+        """bf16: every floating-point parameter of the rollout copy rounded to bfloat16 (round to nearest even)."""
+        if self.precision != "bf16":
+            return
+        for t in self.model.parameters():  # weights only: buffers (rotary frequencies) are not served weights
+            if t.is_floating_point() and t.dtype != torch.bfloat16:
+                t.copy_(t.to(torch.bfloat16).to(t.dtype))
 
     def _follow_device(self) -> None:
         try:
@@ -150,6 +169,7 @@ class HFEngine(LocalModel):
 
     def sync(self, policy: torch.nn.Module, step: int) -> None:
         self.model.load_state_dict(policy.state_dict())
+        self._round()
         self.last_sync = step
 
     def generate(self, prompts, max_new_tokens, sampling):
@@ -266,7 +286,7 @@ def make_engine(kind: str, policy, tokenizer, rollout_cfg=None, compiled: bool =
             except Exception as e:
                 log.warning("rollout engine: auto -> hf (vLLM did not start: %s: %s); set rollout.engine: vllm "
                             "to make this an error", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-                return HFEngine(policy, tokenizer, compiled=compiled)
+                return HFEngine(policy, tokenizer, compiled=compiled, precision=_precision(rollout_cfg))
         if kind == "vllm":
             hint = ("install it on a GPU machine with `pip install -e '.[gpu]'`" if "not installed" in why
                     else "vLLM needs a CUDA GPU, or its CPU build: `make setup-vllm`")
@@ -275,7 +295,12 @@ def make_engine(kind: str, policy, tokenizer, rollout_cfg=None, compiled: bool =
         log.info("rollout engine: auto -> hf (%s, so vLLM is not used)", why)
     else:
         log.info("rollout engine: hf")
-    return HFEngine(policy, tokenizer, compiled=compiled)
+    return HFEngine(policy, tokenizer, compiled=compiled, precision=_precision(rollout_cfg))
+
+
+def _precision(rollout_cfg) -> str:
+    """rollout.precision (auto without a rollout config: the hf engine's weights as they are)."""
+    return getattr(rollout_cfg, "precision", "auto") if rollout_cfg is not None else "auto"
 
 
 def engine_note(rollout_cfg) -> str:
