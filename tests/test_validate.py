@@ -317,6 +317,11 @@ CASES = [
     Case("epochs_without_ratio", HEAD + "  teacher: {kind: policy_model, model: big}\n"
          "signal: {kind: distillation, teacher: teacher}\nobjective: {kind: divergence}\ntrain: {epochs: 2}\n",
          "train.epochs", 7, "no importance ratio", rule="several_updates_need_a_ratio"),
+    Case("gate_the_filter_empties_is_a_warning", HEAD + "rollout: {filter: {equal_groups: drop}}\nterms:\n"
+         "  - {signal: {kind: reward, source: verifier}, objective: {kind: grpo}}\n"
+         "  - {name: b, signal: {kind: reward, source: verifier}, objective: {kind: grpo}, gate: {outcome: failure, "
+         "sibling_success: false}}\n", "terms[1].gate", 7, "removes exactly those groups", rule="gate_under_filter",
+         exit=0),
     Case("negative_term_weight_is_a_warning", HEAD + "terms:\n  - {signal: {kind: reward, source: verifier}, "
          "objective: {kind: grpo}, weight: -1}\n", "terms[0].weight", 5, "maximised", rule="term_weight_positive",
          exit=0),
