@@ -17,6 +17,7 @@ class Example:
     tier: Optional[int] = None  # difficulty tier (toy: chain length)
     row: int = -1  # row number in the source file (for error messages)
     meta: dict[str, Any] = field(default_factory=dict)
+    conversation: Any = None  # a `messages` row (composer/conversations.py Conversation): SFT trains its assistant turns
 
     def __post_init__(self):
         if not self.problem:

@@ -226,7 +226,8 @@ def render_task(task, fmt: PromptFormat) -> None:
     if fmt.mode == "task":
         return
     for ex in list(task.train) + [e for exs in task.eval.values() for e in exs]:
-        ex.prompt = fmt.prompt(ex)
+        if getattr(ex, "conversation", None) is None:  # a conversation's prompt: composer/conversations.py `bind`
+            ex.prompt = fmt.prompt(ex)
 
 
 def _sentinel(name: str) -> str:

@@ -123,26 +123,48 @@ def kwargs_problem(tokenizer, kwargs: dict) -> str | None:
     return None
 
 
+class _Limits:
+    """The time limit of one render (a trace function checks the deadline while the compiled template runs)."""
+
+    def __enter__(self):
+        install()
+        deadline = time.monotonic() + SECONDS
+        count = [0]
+
+        def tracer(frame, event, arg):
+            count[0] += 1
+            if count[0] & 255 == 0 and time.monotonic() > deadline:
+                raise TemplateLimitError(f"the chat template took more than {SECONDS:g}s to render one prompt")
+            return tracer
+
+        self.old = sys.gettrace()
+        sys.settrace(tracer)
+        return self
+
+    def __exit__(self, *exc):
+        sys.settrace(self.old)
+        return False
+
+
 def render(tokenizer, messages: list, kwargs: dict, add_generation_prompt: bool = True) -> str:
     """apply_chat_template(messages, add_generation_prompt) under the time and size limits (a finished conversation,
     e.g. a reward model's input: add_generation_prompt False)."""
-    install()
-    deadline = time.monotonic() + SECONDS
-    count = [0]
-
-    def tracer(frame, event, arg):
-        count[0] += 1
-        if count[0] & 255 == 0 and time.monotonic() > deadline:
-            raise TemplateLimitError(f"the chat template took more than {SECONDS:g}s to render one prompt")
-        return tracer
-
-    old = sys.gettrace()
-    sys.settrace(tracer)
-    try:
+    with _Limits():
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              **kwargs)
-    finally:
-        sys.settrace(old)
     if isinstance(text, str) and len(text) > MAX_CHARS:
         raise TemplateLimitError(f"the chat template rendered {len(text)} characters (limit {MAX_CHARS})")
     return text
+
+
+def assistant_mask(tokenizer, messages: list, kwargs: dict) -> tuple[list[int], list[int]]:
+    """(ids, mask) of a finished conversation under the time and size limits: transformers' apply_chat_template with
+    return_assistant_tokens_mask (1 on the tokens the template's {% generation %} blocks render), for a template
+    that has such blocks (composer/conversations.py)."""
+    with _Limits():
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False, **kwargs)
+        if isinstance(text, str) and len(text) > MAX_CHARS:
+            raise TemplateLimitError(f"the chat template rendered {len(text)} characters (limit {MAX_CHARS})")
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=False,
+                                            return_assistant_tokens_mask=True, **kwargs)
+    return list(out["input_ids"]), list(out["assistant_masks"])

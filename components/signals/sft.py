@@ -84,8 +84,10 @@ class SftSignal(Signal):
         return "SFT targets from guided rollouts (policy prefix + intervention)"
 
     def make_batch(self, ctx, examples):
-        """prompt + the reference solution + EOS per example, the target tokens of origin `demonstration`;
-        offline guided targets: the next train.prompts_per_step of the cached targets."""
+        """prompt + the reference solution + EOS per example, the target tokens of origin `demonstration`; a
+        conversation (a `messages` row): its assistant turns, each through its end of turn, are the demonstration
+        tokens, the other turns prompt tokens; offline guided targets: the next train.prompts_per_step of the
+        cached targets."""
         from composer.protocol import Trace
         from composer.trajectory import assemble
 
@@ -95,6 +97,11 @@ class SftSignal(Signal):
         ref = ctx.source(self.target)
         traces = []
         for ex in examples:
+            if ex.conversation is not None:  # a messages row: every assistant turn (composer/conversations.py)
+                from composer.conversations import trace as conversation_trace
+
+                traces.append(conversation_trace(ctx, ex))
+                continue
             trace = Trace(ctx.prompt_ids(ex))
             trace.add(ctx.encode(ref.example_text(ex)) + [ctx.eos_id], "demonstration")
             traces.append(trace)

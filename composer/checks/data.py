@@ -158,6 +158,9 @@ def _row_problem(ex, fields, context, where, pattern, tokenizer_name):
     from composer.runtime.binding import TOO_LONG, _error
 
     src = (ex.meta or {}).get("file", "<data>")
+    conv = getattr(ex, "conversation", None)
+    if conv is not None:  # a messages row: every message's text (composer/conversations.py)
+        return _conversation_problem(ex, src, conv, context, where, pattern, tokenizer_name)
     for field, attr in fields:
         text = getattr(ex, attr, None)
         if not isinstance(text, str):
@@ -174,11 +177,32 @@ def _row_problem(ex, fields, context, where, pattern, tokenizer_name):
     return None
 
 
+def _conversation_problem(ex, src, conv, context, where, pattern, tokenizer_name):
+    """_row_problem of a conversation: its messages' text together longer than the context holds, or a message
+    spelling a control token (a forged turn: `<|im_end|>` inside a user message would end it)."""
+    from composer.conversations import FIELD
+    from composer.runtime.binding import TOO_LONG, _error
+
+    total = sum(len(m["content"]) for m in conv.messages)
+    if context is not None and total > row_limit(context):
+        return _error(src, ex.row, FIELD, f"{total} characters of messages, more than the policy's context ({context} "
+                      f"tokens, {where}) can hold at {CHARS_PER_TOKEN} characters a token ({row_limit(context)} "
+                      "characters); refused before it is tokenised", TOO_LONG)
+    for j, m in enumerate(conv.messages, start=1):
+        hit = pattern.search(m["content"]) if pattern is not None else None
+        if hit:
+            return _error(src, ex.row, FIELD, f"message {j} ({m['role']}) holds {hit.group(0)!r}, a control token of "
+                          f"the policy tokenizer {tokenizer_name}: rendered by the chat template it would be read as "
+                          "that token (e.g. a forged turn), not as text", CONTROL_TOKEN)
+    return None
+
+
 # ------------------------------------------------------------------------------------------ validation
 
 
-def check(loaded, spec) -> list[Diagnostic]:
-    """Validation's data checks (see the module docstring): errors and warnings, located in the spec."""
+def check(loaded, spec, segments=()) -> list[Diagnostic]:
+    """Validation's data checks (see the module docstring): errors and warnings, located in the spec. `segments`:
+    the spec's phases and stages (a source of messages rows is refused for a segment that is not SFT)."""
     d = spec.data
     if d.train is None:
         return []
@@ -187,7 +211,7 @@ def check(loaded, spec) -> list[Diagnostic]:
     for key in ("train", "eval"):
         name = getattr(d, key)
         if name:
-            out += _source(loaded, spec, key, name, context, where)
+            out += _source(loaded, spec, key, name, context, where, segments)
     return out
 
 
@@ -215,7 +239,7 @@ def _max_new_tokens(loaded, spec, context, where) -> list[Diagnostic]:
                   "context, less the longest prompt", "warning", at=(path, ("policy", "model")))]
 
 
-def _source(loaded, spec, key: str, name: str, context, where) -> list[Diagnostic]:
+def _source(loaded, spec, key: str, name: str, context, where, segments=()) -> list[Diagnostic]:
     """The checks of one data source (data.train or data.eval)."""
     from composer.runtime.datafiles import SourceError, kind_of, locate, mixed_formats
     from composer.runtime.paths import data_path_problem
@@ -239,11 +263,96 @@ def _source(loaded, spec, key: str, name: str, context, where) -> list[Diagnosti
     columns, rows = head(real, kind, spec.data.split if key == "train" else spec.data.eval_split)
     if columns is None:
         return []
+    from composer import conversations
+
+    if conversations.are_columns(columns, spec.data):  # messages rows: SFT data (composer/conversations.py)
+        return _conversation_source(loaded, spec, key, name, rows, context, where, segments)
     out = _columns(loaded, spec, key, name, columns)
     if not out and context is not None:
         out += _row_sizes(loaded, spec, key, name, rows, context, where)
     if not out:
         out += _row_controls(loaded, spec, key, name, rows)
+    return out
+
+
+def declared_chat_template(tokenizer: str | None) -> bool | None:
+    """Whether a local tokenizer folder has a chat template (tokenizer_config.json's chat_template, or a
+    chat_template.jinja / chat_template.json file beside it), read without loading it; None when it cannot be told
+    here (the toy's has none: False)."""
+    name = tokenizer or "toy:student"
+    if name.startswith("toy:"):
+        return False
+    folder = Path(name)
+    if not folder.is_dir():
+        return None
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file() or \
+            (folder / "additional_chat_templates").is_dir():
+        return True
+    try:
+        cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return bool(cfg.get("chat_template")) if isinstance(cfg, dict) else None
+
+
+def _conversation_source(loaded, spec, key: str, name: str, rows, context, where, segments) -> list[Diagnostic]:
+    """The checks of a source of messages rows: the spec trains them with SFT only, the data settings that
+    apply to prompt rows are not set, the policy tokenizer has a chat template, and the first rows are
+    conversations (roles, content, an assistant turn) that fit the context and spell no control token."""
+    from composer import conversations
+
+    d, policy, out = spec.data, spec.policy, []
+    bad = conversations.settings_problem(d)
+    if bad:
+        out.append(_diag(loaded, f"{name} holds messages rows (conversations): {bad[1]}", ("data", bad[0]),
+                         f"drop data.{bad[0]}", at=(("data", bad[0]), ("data", key))))
+    if key == "train":
+        for seg in list(segments) or [None]:
+            sp = spec if seg is None else seg.spec
+            why = conversations.spec_problem(sp)
+            if why:
+                label = "" if seg is None or not seg.origin else f"in segment '{seg.name}': "
+                out.append(_diag(loaded, f"{label}{name}: {why}", ("signal",), "train messages rows with an SFT spec "
+                                 "(signal: {kind: sft, target: <a reference_solution source>}, e.g. specs/sft.yaml), "
+                                 "or give this method prompt rows (prompt, answer fields)",
+                                 at=(("signal",), ("terms",), ("data", key))))
+                break
+    tok = policy.tokenizer or policy.model
+    if declared_chat_template(tok) is False:
+        out.append(_diag(loaded, f"{name} holds messages rows (conversations), rendered with the policy tokenizer's "
+                         f"chat template, but {tok or 'the toy testbed tokenizer'} has none",
+                         ("policy", "tokenizer" if policy.tokenizer else "model"), "give policy.tokenizer (or "
+                         "policy.model) a tokenizer whose tokenizer_config.json has a chat_template (an instruct "
+                         "model's), or write the rows as prompt and solution fields",
+                         at=(("policy", "tokenizer"), ("policy", "model"), ("data", key))))
+    if out:
+        return out
+    severity = "warning" if d.on_bad_row == "skip" else "error"
+    skip = "or set data.on_bad_row: skip (such rows are then skipped and counted)"
+    pattern = control_pattern(declared_controls(tok))
+    for row, fields in rows:
+        if conversations.FIELD not in fields:
+            return [_diag(loaded, f"{name}: row {row}: field '{conversations.FIELD}': missing (the row has fields: "
+                          f"{', '.join(map(str, fields)) or 'none'}), but row 1 is a conversation", ("data", key),
+                          f"keep messages rows and prompt rows in separate files, {skip}", severity)]
+        try:
+            messages = conversations.check(fields[conversations.FIELD])
+        except conversations.Problem as p:
+            return [_diag(loaded, f"{name}: row {row}: field '{conversations.FIELD}': {p.what}", ("data", key),
+                          p.hint, severity)]
+        total = sum(len(m["content"]) for m in messages)
+        if context is not None and total > row_limit(context):
+            return [_diag(loaded, f"{name}: row {row}: field '{conversations.FIELD}' is {total} characters, more than "
+                          f"the policy's context ({context} tokens, {where}) can hold at {CHARS_PER_TOKEN} characters "
+                          "a token", ("data", key), f"shorten or split the conversation, {skip}", severity)]
+        for j, m in enumerate(messages, start=1):
+            hit = pattern.search(m["content"]) if pattern is not None else None
+            if hit:
+                return [_diag(loaded, f"{name}: row {row}: field '{conversations.FIELD}': message {j} ({m['role']}) "
+                              f"holds {hit.group(0)!r}, a control token of the policy tokenizer: the chat template's "
+                              "rendering would read it as that token (a forged turn), not as text", ("data", key),
+                              f"rewrite the text so it does not spell the token (e.g. '< |im_end| >'), {skip}",
+                              severity)]
     return out
 
 

@@ -416,7 +416,7 @@ def _rules_layer(spec, segments: list[Segment], loaded: LoadedSpec, warnings: li
                 x.message = f"in {_label(seg)}: {x.message}"
         diags += _locate(d, loaded, seg.origin)
     diags += inert.check(loaded, segments)  # settings that can never act where they stand
-    diags += data_checks.check(loaded, spec)  # data files, their columns and rows against the context
+    diags += data_checks.check(loaded, spec, segments)  # data files, their columns and rows against the context
     errors = [d for d in _dedupe(diags) if d.severity == "error"]
     found = [d for d in _dedupe(diags) if d.severity == "warning"]
     if errors:

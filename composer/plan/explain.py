@@ -46,6 +46,8 @@ def data_lines(plan: dict) -> list[str]:
     if plan.get("testbed") == "toy" or not found.get("train"):
         return []
     lines = [f"train data: {found['train']}"]
+    for role, line in (plan.get("data_format") or {}).items():  # messages rows (composer/conversations.py)
+        lines.append(f"{role} data format: {line}")
     t = plan.get("train") or {}
     if found.get("eval"):
         k = t.get("eval_k") or 0

@@ -150,12 +150,33 @@ def bind_task(spec) -> Task:
         for k in task.eval:
             task.eval[k], n = validate_answers(task.eval[k], name, d.on_bad_row, file=eval_file(d), field=d.answer_field)
             counts[UNPARSABLE_ANSWER] += n
-    _set_counts(task, counts)
     try:  # each prompt rendered once, here: chat template / system prompt / prompt template (data.prompt_format)
         render_task(task, fmt)
     except PromptFormatError as e:
         raise DataError(str(e), file=str(d.train), field="prompt_format") from None
+    trains = any(ex.conversation is not None for ex in task.train)  # messages rows: SFT on their assistant turns
+    if trains or any(ex.conversation is not None for exs in task.eval.values() for ex in exs):
+        from composer.runtime.conversations import bind
+
+        _conversations_apply(spec, d, trains)
+        counts += bind(task, spec, fmt)  # tokens and assistant spans, before training
+    _set_counts(task, counts)
     return task
+
+
+def _conversations_apply(spec, d, trains: bool = True) -> None:
+    """DataError when messages rows cannot be used by this spec (only SFT trains on them) or these data settings."""
+    from composer import conversations
+
+    why = conversations.spec_problem(spec) if trains else None
+    bad = conversations.settings_problem(d)
+    if why or bad:
+        field = bad[0] if bad and not why else "messages"
+        raise DataError(f"{d.train}: {why or bad[1]}\n    hint: " + (
+            "train these rows with an SFT spec (signal: {kind: sft, target: <a reference_solution source>}, e.g. "
+            "specs/sft.yaml), or give prompt rows (prompt, answer) for this method" if why else
+            f"drop data.{bad[0]} for messages rows"), file=str(d.train), field=field,
+            reason=conversations.BAD_CONVERSATION)
 
 
 def eval_file(d) -> str | None:
@@ -277,7 +298,10 @@ def load_examples_counted(file: str, d, split: str | None = None, role: str = "t
         try:
             if isinstance(row, DataError):
                 raise row
-            out.append(_example(where, i, row, d))
+            ex = _example(where, i, row, d)
+            if out and (ex.conversation is None) != (out[0].conversation is None):  # one format a source
+                raise _mixed(where, out[0], ex, d)
+            out.append(ex)
         except DataError as e:
             skips.bad(e)
     skips.report(where)
@@ -285,6 +309,17 @@ def load_examples_counted(file: str, d, split: str | None = None, role: str = "t
         raise DataError(f"{where}: no usable rows" + (f" ({skips.total} skipped: {dict(skips.counts)})"
                                                       if skips.total else ""), file=str(file))
     return out, skips.counts
+
+
+def _mixed(where, first: Example, ex: Example, d) -> DataError:
+    """A row of the other format than the source's first row (messages rows and prompt rows in one source)."""
+    from composer.conversations import BAD_CONVERSATION, FIELD
+
+    kinds = {True: f"a conversation ('{FIELD}')", False: f"a prompt row ('{d.prompt_field}')"}
+    return _error(where, ex.row, FIELD if first.conversation is not None else d.prompt_field,
+                  f"{kinds[ex.conversation is not None]}, but row {first.row} is {kinds[first.conversation is not None]}:"
+                  " a source holds one format\n    hint: keep messages rows and prompt rows in separate files, or "
+                  "data.on_bad_row=skip to train on the rows of the first row's format", BAD_CONVERSATION)
 
 
 def load_examples(file: str, d) -> tuple[list[Example], int]:
@@ -315,6 +350,12 @@ def _text(path, i, fld, value, numbers_ok: bool) -> str:
 def _example(path: Path, i: int, row, d) -> Example:
     if not isinstance(row, dict):
         raise _error(path, i, None, f"expected an object with fields, got {type(row).__name__}", NOT_OBJECT)
+    from composer.conversations import is_row
+
+    if is_row(row, d):  # a `messages` row: a conversation (composer/conversations.py)
+        from composer.runtime.conversations import example
+
+        return example(path, i, row, d)
     for fld in (d.prompt_field, d.answer_field):
         if fld not in row or row[fld] is None:
             have = ", ".join(map(str, row)) or "none"

@@ -22,7 +22,23 @@ def machine_notes(v) -> dict:
     from composer.runtime.vllm_engine import engine_note
 
     return {"rollout_engine": engine_note(v.spec.rollout), "data_files": data_files(v.spec.data),
+            "data_format": data_format(v.spec.data),
             "prompts": example_prompts(v.spec, [s.spec for s in v.segments]), "stop_tokens": stop_note(v.spec)}
+
+
+def data_format(d) -> dict:
+    """{"train": ..., "eval": ...}: the data format of each source that is not prompt rows, in words (messages rows:
+    `messages: N conversations (M assistant turns), assistant turns trained`, composer/runtime/conversations.py); {} for
+    prompt rows and the toy testbed."""
+    if d.train is None:
+        return {}
+    from composer.runtime.conversations import summary
+
+    out = {"train": summary(d.train, d.split, d, "train")}
+    source = d.eval or (d.train if d.eval_split else None)
+    if source:
+        out["eval"] = summary(source, d.eval_split, d, "eval")
+    return {k: v for k, v in out.items() if v}
 
 
 def stop_note(spec) -> str:
@@ -98,7 +114,15 @@ def example_prompts(spec, segment_specs=()) -> dict:
     try:
         fmt = policy_format(spec)
         example, where, task = first_example(spec)
-        if fmt.mode != "task":
+        if example.conversation is not None:  # a messages row: the whole conversation, its trained tokens marked
+            from composer.conversations import describe_example
+            from composer.runtime.conversations import no_template
+
+            if fmt.mode != "chat":
+                raise ValueError(no_template(fmt, spec.data).split("\n")[0])
+            example.prompt = describe_example(example, fmt, spec)
+            where += " (a conversation: the tokens SFT trains between \u27e6 and \u27e7)"
+        elif fmt.mode != "task":
             example.prompt = fmt.prompt(example)
     except Exception as e:  # noqa: BLE001 - explain shows why, the run stops with the same error
         from composer.runtime.binding import DataError
@@ -112,6 +136,14 @@ def example_prompts(spec, segment_specs=()) -> dict:
         return out
     out = {"format": fmt.to_json(), "describe": fmt.describe(), "example": where, "policy": example.prompt,
            "sources": {}}
+    if example.conversation is not None:
+        from composer.conversations import template_generation
+
+        how = ("its {% generation %} blocks (return_assistant_tokens_mask)" if template_generation(fmt.tokenizer)
+               else "rendering each turn's prefix")
+        out["describe"] = (f"messages rows: the chat template of {fmt.tokenizer_name or 'the policy tokenizer'} renders "
+                           f"each conversation{', ' + str(fmt.kwargs) if fmt.kwargs else ''}; assistant turns found by "
+                           f"{how}")
     for seg in list(segment_specs) or [spec]:
         guide = seg.rollout.guide
         judges = {c.source: c for c in guide.model_calls(seg)} if hasattr(guide, "model_calls") else {}

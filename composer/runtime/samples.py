@@ -94,17 +94,18 @@ def rows_of(batch, tokenizer, step: int, segment: str = "", term: str = "") -> l
         for tok, code in zip(tokens[i], origin[i]):
             if code == CODE["pad"]:
                 continue
-            if code == CODE["prompt"]:
+            if code == CODE["prompt"] and not spans:  # a conversation's later turns are prompt spans between answers
                 prompt_ids.append(tok)
             elif spans and spans[-1][0] == code:
                 spans[-1][1].append(tok)
             else:
                 spans.append((code, [tok]))
         ex = batch.examples[i] if i < len(batch.examples or []) else None
+        conv = ex is not None and getattr(ex, "conversation", None) is not None  # a messages row: up to its 1st answer
         row = {
             "step": int(step), "segment": segment, "term": term, "row": i,
-            "prompt": ex.prompt if ex is not None else decode(prompt_ids),
-            "response": decode([t for _c, ids in spans for t in ids]),
+            "prompt": (tokenizer.decode(prompt_ids) if conv else ex.prompt) if ex is not None else decode(prompt_ids),
+            "response": decode([t for c, ids in spans if c != CODE["prompt"] for t in ids]),
             "spans": [{"origin": ORIGINS[c], "text": decode(ids), "tokens": len(ids)} for c, ids in spans],
             "reward": _num(rewards[i]) if rewards is not None else None,
         }

@@ -158,10 +158,13 @@ def write_data(v, out: Path, eos: str | None) -> tuple[dict, Inputs]:
         rng.shuffle(block)
         order += block
     rows = [train[i] for i in order[:n]]
+    convs = train[0].conversation is not None  # messages rows: written as messages (OpenRLHF's multiturn SFT)
     with open(data / "train.jsonl", "w") as f:
         for ex in rows:
             rec = {"prompt": ex.prompt, "label": encode_label(label_of(ex))}
-            if ex.solution is not None:
+            if convs:
+                rec = {"messages": ex.conversation.messages}
+            elif ex.solution is not None:
                 rec["target"] = ex.solution + (eos or "")
             f.write(json.dumps(rec) + "\n")
     eval_file = None
@@ -171,7 +174,9 @@ def write_data(v, out: Path, eos: str | None) -> tuple[dict, Inputs]:
             for source, exs in evals.items():
                 for ex in exs[:spec.train.eval_samples]:  # as the Lightning backend: the first eval_samples rows
                     rec = {"prompt": ex.prompt, "label": encode_label(label_of(ex, eval=True)), "datasource": source}
-                    if ex.solution is not None:  # train_sft evaluates its loss on the reference solution
+                    if ex.conversation is not None:
+                        rec["messages"] = ex.conversation.messages
+                    elif ex.solution is not None:  # train_sft evaluates its loss on the reference solution
                         rec["target"] = ex.solution + (eos or "")
                     f.write(json.dumps(rec) + "\n")
     every = rows + [e for exs in evals.values() for e in exs]
@@ -179,14 +184,41 @@ def write_data(v, out: Path, eos: str | None) -> tuple[dict, Inputs]:
                     eval_file=eval_file, max_prompt_chars=max(len(e.prompt) for e in every),
                     max_solution_chars=max(len(e.solution or "") for e in every), sft_eos=eos,
                     toy=spec.data.train is None, max_problem_chars=max(len(e.problem or e.prompt) for e in every),
-                    eval_targets=bool(evals) and all(e.solution is not None for exs in evals.values()
-                                                     for e in exs[:spec.train.eval_samples]))
+                    eval_targets=bool(evals) and all(e.solution is not None and (e.conversation is not None) == convs
+                                                     for exs in evals.values() for e in exs[:spec.train.eval_samples]))
+    if convs:
+        inputs.conversations = conversation_mapping(fmt, spec, train, evals)
+        inputs.max_conversation_chars = max(len(fmt.tokenizer.decode(e.conversation.ids)) for e in every
+                                            if e.conversation is not None)
     if fmt is not None and fmt.mode != "task":  # the prompts above are rendered: say how, and what it adds
         inputs.prompt_format = fmt.describe()
         inputs.prompt_overhead_chars = len(fmt.wrap(""))
         inputs.prompt_example = rows[0].prompt
         inputs.prompt_note = round_trip_problem(fmt, [e.prompt for e in rows[:8]])
     return {"train": len(rows), "eval": sum(len(x) for x in evals.values())}, inputs, fmt
+
+
+def conversation_mapping(fmt, spec, train: list, evals: dict) -> str:
+    """"native" when OpenRLHF's multiturn SFT (train_sft --data.multiturn --data.apply_chat_template) trains exactly
+    the tokens the composer trains on every conversation the bundle writes (each assistant turn through its end of
+    turn, with the same ids before it: composer/conversations.py `openrlhf_difference`, a copy of OpenRLHF 0.11.2's
+    masking); else why not, naming the first row where it differs. Templates that write text after an end of turn
+    (ChatML's newline) differ: OpenRLHF trains that text too."""
+    from composer.conversations import openrlhf_difference
+
+    if fmt.kwargs:
+        return (f"data.chat_template_kwargs {fmt.kwargs}: OpenRLHF's multiturn SFT renders the chat template without "
+                "them")
+    seen = set()
+    for ex in list(train) + [e for exs in evals.values() for e in exs[:spec.train.eval_samples]]:
+        if ex.conversation is None or id(ex) in seen:
+            continue
+        seen.add(id(ex))
+        why = openrlhf_difference(fmt.tokenizer, ex.conversation)
+        if why:
+            where = (ex.meta or {}).get("file", spec.data.train)
+            return f"on row {ex.row} of {where}, {why}"
+    return "native"
 
 
 def _models(v) -> tuple[str, dict[str, str]]:
@@ -646,6 +678,11 @@ def readme(v, plan, runs: list[Run], layout: Layout, inputs: Inputs, warnings: d
     lines += ["## Prompts", ""]
     if inputs.toy:
         lines += ["The toy testbed's own prompts (no chat template), as the Lightning backend sees them.", ""]
+    elif inputs.conversations == "native":  # messages rows: OpenRLHF renders them itself (checked at compile time)
+        lines += [("Conversations (`messages` rows), written into data/*.jsonl as they are: OpenRLHF renders each "
+                   "with the policy tokenizer's chat template (`--data.apply_chat_template --data.multiturn`) and "
+                   "trains every assistant turn through its end of turn; on every row written it trains the tokens "
+                   "the Lightning backend trains (checked at compile time)."), ""]
     else:
         lines += [(f"Rendered by the composer at compile time ({inputs.prompt_format}), exactly as the Lightning "
                    "backend renders them, and written into data/*.jsonl as text. OpenRLHF's "

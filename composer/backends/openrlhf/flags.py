@@ -94,6 +94,9 @@ class Inputs:
     prompt_note: str | None = None  # a problem with the rendered prompts worth a note in the README
     critic_paths: dict[str, str] = field(default_factory=dict)  # "critic" -> a ppo critic's own checkpoint, resolved
     eval_targets: bool = False  # every eval row has a reference solution (`target`: what train_sft evaluates on)
+    conversations: str | None = None  # messages rows: "native" (train_sft's multiturn trains exactly their assistant
+    # turns, the rows are written as `messages`), else why it does not (bundle.py `conversation_mapping`)
+    max_conversation_chars: int = 0  # the longest conversation as the chat template renders it
 
 
 @dataclass
@@ -448,24 +451,44 @@ def _sft_flags(a: _Args, run, spec, specs, where, layout: Layout, inputs: Inputs
     if pps % gpus:
         raise Unsupported(("train", "prompts_per_step"), f"{pps} demonstrations per step do not split over {gpus} GPUs",
                           f"use a multiple of {gpus}")
+    if inputs.conversations not in (None, "native"):  # messages rows train_sft would not train exactly
+        raise Unsupported(("data", "train"), "messages rows (conversations): OpenRLHF's multiturn SFT (--data.multiturn)"
+                          f" would not train exactly their assistant turns: {inputs.conversations}",
+                          "train this spec on lightning (`composer run`), which trains each assistant turn through "
+                          "its end of turn and nothing else")
     run.nproc = gpus
     a.add("model.model_name_or_path", model)
     a.add("data.dataset", inputs.train_file)
-    a.add("data.input_key", "prompt")
-    a.add("data.output_key", "target")
-    a.add("data.input_template", "{}")
+    if inputs.conversations == "native":  # OpenRLHF's own multiturn SFT: it renders and masks the turns itself
+        a.add("data.input_key", "messages")
+        a.add("data.apply_chat_template")
+        a.add("data.multiturn")
+    else:
+        a.add("data.input_key", "prompt")
+        a.add("data.output_key", "target")
+        a.add("data.input_template", "{}")
     a.add("data.max_samples", n)
-    a.add("data.max_len", inputs.max_prompt_chars + inputs.max_solution_chars + 8)
+    a.add("data.max_len", (inputs.max_conversation_chars if inputs.conversations else
+                           inputs.max_prompt_chars + inputs.max_solution_chars) + 8)
     a.add("train.batch_size", pps)
     a.add("train.micro_batch_size", _divisor_at_most(pps // gpus, spec.train.micro_batch_size))
     a.add("train.max_epochs", 1)
     _common(a, run, spec, layout, "")
     _sft_eval_flags(a, run, spec, where, inputs)
-    run.native += [f"SFT (token-mean cross-entropy on the demonstrations, prompt tokens masked) through "
-                   f"openrlhf.cli.train_sft on {gpus} GPU(s), {pps} demonstrations per step, {spec.train.steps} steps",
-                   f"data fields: prompt and target (the reference solution) of {inputs.train_file}, {n} rows",
-                   _prompt_line(inputs)]
-    if inputs.sft_eos is None:
+    if inputs.conversations == "native":
+        run.native += [(f"SFT on conversations (token-mean cross-entropy on every assistant turn through its end of "
+                        f"turn, the other turns masked) through openrlhf.cli.train_sft --data.multiturn on {gpus} "
+                        f"GPU(s), {pps} conversations per step, {spec.train.steps} steps"),
+                       (f"data field: messages of {inputs.train_file}, {n} rows, rendered by OpenRLHF with the "
+                        "policy tokenizer's chat template (--data.apply_chat_template); checked at compile time to "
+                        "train the same tokens as the composer on every row written")]
+    else:
+        run.native += [(f"SFT (token-mean cross-entropy on the demonstrations, prompt tokens masked) through "
+                        f"openrlhf.cli.train_sft on {gpus} GPU(s), {pps} demonstrations per step, {spec.train.steps} "
+                        "steps"),
+                       f"data fields: prompt and target (the reference solution) of {inputs.train_file}, {n} rows",
+                       _prompt_line(inputs)]
+    if inputs.sft_eos is None and not inputs.conversations:
         run.notes.append("the tokenizer was not readable at compile time: OpenRLHF appends ' ' + eos to each target")
 
 
