@@ -27,8 +27,9 @@ VPY ?= python3.11
 VVENV := .venv-vllm
 VBIN := $(VVENV)/bin
 VSTAMP := $(VVENV)/.installed
+VOSTAMP := $(VVENV)/.openrlhf-installed
 
-setup-vllm: $(VSTAMP)
+setup-vllm: $(VSTAMP) $(VOSTAMP)
 
 $(VSTAMP): pyproject.toml
 	test -x $(VBIN)/python || $(VPY) -m venv $(VVENV)
@@ -39,6 +40,15 @@ $(VSTAMP): pyproject.toml
 	$(VBIN)/python -m pip install -q -e '.[dev]'
 	$(VBIN)/python -c "import vllm, transformers, composer"
 	touch $(VSTAMP)
+
+# OpenRLHF's own vLLM actors on the real engine (tests/test_openrlhf_vllm_real.py): the same Ray, DeepSpeed and
+# OpenRLHF as .venv (the openrlhf-cpu extra, then openrlhf --no-deps) beside vLLM's CPU build; none moves torch or
+# transformers. Its own stamp, so an environment built before it gets it too.
+$(VOSTAMP): $(VSTAMP)
+	$(VBIN)/python -m pip install -q -e '.[dev,openrlhf-cpu]'
+	$(VBIN)/python -m pip install -q --no-deps openrlhf==0.11.2
+	$(VBIN)/python -c "import ray, deepspeed, openrlhf, vllm, composer"
+	touch $(VOSTAMP)
 
 validate: $(STAMP)
 	$(BIN)/composer validate specs/*.yaml specs/hybrids/*.yaml specs/methods/*.yaml
@@ -51,10 +61,11 @@ run: validate
 # marked cluster: Ray, DeepSpeed, OpenRLHF) goes out first, as one unit, to one worker and its Ray head, while the
 # other worker takes the suite's tests at nice 19, on the CPU the tier's jobs leave idle (tests/conftest.py)
 # Then the real vLLM engine's tier (tests/test_vllm_real.py) in .venv-vllm, which `make test` builds when missing
-# (`make setup-vllm`: about 2 minutes and a 1 GB download, once; the tier about 1.5 minutes).
-test: $(STAMP) $(VSTAMP)
+# (`make setup-vllm`: about 2 minutes and a 1 GB download, once; the tier about 1.5 minutes), and OpenRLHF's own
+# job on that engine (tests/test_openrlhf_vllm_real.py, about 2 minutes).
+test: $(STAMP) $(VSTAMP) $(VOSTAMP)
 	$(BIN)/python -m pytest -n 2 -m "not slow and not benchmark"
-	$(VBIN)/python -m pytest -m vllm tests/test_vllm_real.py
+	$(VBIN)/python -m pytest -m vllm tests/test_vllm_real.py tests/test_openrlhf_vllm_real.py
 
 clean:
 	rm -rf $(VENV) $(VVENV) runs

@@ -23,6 +23,18 @@ The patches (nothing else of OpenRLHF, Ray, DeepSpeed or transformers is changed
   P9 EMA copy       DeepspeedStrategy.moving_average on "cpu" (OpenRLHF's actor asks for "cuda")
   P8 shm all-reduce DeepSpeed's optional CPU shared-memory all-reduce kernel (a JIT compile) is not built:
                     DeepSpeed then uses torch.distributed's gloo collectives, as where the kernel is unavailable
+  P6r/P11 the real engine (only with COMPOSER_REAL_VLLM=1: tests/test_openrlhf_vllm_real.py, in .venv-vllm with vLLM's
+                    CPU build; P6 is then not installed and the vllm import stub is off the path): OpenRLHF's own
+                    RolloutRayActor builds the real vllm.AsyncLLMEngine (V1 AsyncLLM, its engine core and worker in
+                    processes of their own). P6r: enable_sleep_mode False (vLLM's CPU platform has no sleep mode:
+                    config validation refuses it), OpenRLHF's sleep / wake_up calls kept as a state that generate
+                    enforces (as P5: no accelerator memory to free), a KV cache of kv_cache_memory_bytes (64 MiB)
+                    instead of gpu_memory_utilization x the machine's RAM, and a record of what reached the engine.
+                    P11: WorkerWrap.update_weight_cuda_ipc, in vLLM's worker process, rebuilds each parameter from
+                    the trainer's handle as is (a CPU tensor's handle has no CUDA device id to rewrite: upstream
+                    writes args[6]) and at the sync's last parameter loads the whole set through vLLM's own
+                    reload_weights (the CPU build repacks linear weights: upstream's model.load_weights no longer
+                    reaches them), a tied head named as lm_head.weight too (the reload refreshes it only then)
   P10 no mlflow     `mlflow` reads as not installed in these processes (None in sys.modules: its import fails,
                     importlib.util.find_spec answers None), as on a cluster without it. DeepSpeed's autotuner
                     imports it at `import deepspeed` whenever it is installed (the project's `loggers` extra
@@ -175,6 +187,90 @@ def p6_vllm(vllm) -> None:
     vllm.AsyncEngineArgs, vllm.AsyncLLMEngine, vllm.LLM = hf_vllm.EngineArgs, hf_vllm.HFEngine, hf_vllm.LLM
 
 
+KV_BYTES = 64 * 2**20  # P6r: the real engine's KV cache on CPU (the toy: 1 KiB a token in bf16)
+
+
+def _engine_note(**rec) -> None:
+    """The harness's record of what reached the real engine (engine.jsonl, one JSON line per event)."""
+    out = os.environ.get("COMPOSER_REAL_OUT")
+    if out:
+        with open(os.path.join(out, "engine.jsonl"), "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "engine": "vllm", **rec}) + "\n")
+
+
+def p6_real_vllm(vllm) -> None:
+    """P6r (COMPOSER_REAL_VLLM=1): the real vllm.AsyncLLMEngine with the CPU platform's settings (module doc)."""
+    Args, Engine = vllm.AsyncEngineArgs, vllm.AsyncLLMEngine
+
+    def engine_args(*args, **kwargs):
+        kwargs["enable_sleep_mode"] = False
+        if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kwargs.setdefault("kv_cache_memory_bytes", KV_BYTES)
+        _engine_note(event="start", version=vllm.__version__, dtype=kwargs.get("dtype"),
+                     logprobs_mode=kwargs.get("logprobs_mode"), enforce_eager=kwargs.get("enforce_eager"))
+        return Args(*args, **kwargs)
+
+    class CpuEngine(Engine):
+        _asleep: frozenset = frozenset()
+        _version = 0
+
+        async def is_sleeping(self) -> bool:
+            return bool(self._asleep)
+
+        async def sleep(self, level: int = 1, **kw):
+            self._asleep = frozenset({"weights", "kv_cache"})
+
+        async def wake_up(self, tags=None):
+            self._asleep = self._asleep - frozenset(tags or ["weights", "kv_cache"])
+            return True
+
+        async def generate(self, prompt, sampling_params, *args, **kwargs):
+            if self._asleep:
+                raise RuntimeError(f"vLLM: generate while {sorted(self._asleep)} sleep (wake_up() first)")
+            _engine_note(event="request", version=self._version, prompt_tokens=len(prompt["prompt_token_ids"]),
+                         temperature=sampling_params.temperature, logprobs=sampling_params.logprobs)
+            async for out in super().generate(prompt, sampling_params, *args, **kwargs):
+                yield out
+
+        async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            if "weights" in self._asleep:
+                raise RuntimeError(f"vLLM: {method} while the weights sleep (wake_up(tags=['weights']) first)")
+            out = await super().collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+            if method == "update_weight_cuda_ipc" and args[4]:  # empty_cache: the sync's last parameter
+                self._version += 1
+                _engine_note(event="sync", version=self._version)
+            return out
+
+    vllm.AsyncEngineArgs, vllm.AsyncLLMEngine = engine_args, CpuEngine
+
+
+def p11_worker_wrap(mod) -> None:
+    """P11 (COMPOSER_REAL_VLLM=1): OpenRLHF's weight sync into the real engine through vLLM's reload path."""
+
+    def update_weight_cuda_ipc(self, name, dtype, shape, ipc_handles=None, empty_cache=False):
+        from openrlhf.trainer.ray.utils import get_physical_gpu_id
+
+        assert dtype == self.model_config.dtype, f"mismatch dtype: src {dtype}, dst {self.model_config.dtype}"
+        func, args = ipc_handles[get_physical_gpu_id()]
+        weight = func(*args)
+        assert tuple(weight.shape) == tuple(shape), (name, tuple(weight.shape), tuple(shape))
+        pending = self.__dict__.setdefault("_composer_sync", [])
+        pending.append((name, weight.detach().clone()))
+        if empty_cache:  # the last parameter: the whole set through vLLM's own in-place reload
+            names = dict(pending)
+            if getattr(self.model_config.hf_config, "tie_word_embeddings", False) and "lm_head.weight" not in names \
+                    and "model.embed_tokens.weight" in names:
+                # the trainer's named_parameters hold a tied head once (as the embedding); the CPU build's reload
+                # refreshes the head only when it is named (measured on the toy: without it vLLM's log-probs of
+                # moved weights are 4x further from the trainer's, mean 0.05 nats against 0.012 in bf16)
+                pending.append(("lm_head.weight", names["model.embed_tokens.weight"]))
+            self.reload_weights(weights_iterator=pending)
+            _engine_note(event="reloaded", params=len(pending), where="worker")
+            self._composer_sync = []
+
+    mod.WorkerWrap.update_weight_cuda_ipc = update_weight_cuda_ipc
+
+
 def p_actor(mod) -> None:
     p4_gpu_id(mod)  # ppo_actor binds get_physical_gpu_id by name
     p5_offload(mod)
@@ -204,7 +300,8 @@ def record_fits(mod) -> None:
         module = self.actor.model.module
         gas = int(self.strategy.accumulated_gradient)
         rec = {"pid": os.getpid(), "weights_before": fingerprint(module.named_parameters()),
-               "gas": gas, "rows": len(self.replay_buffer.items), "samples": samples(self)}
+               "gas": gas, "rows": len(self.replay_buffer.items), "samples": samples(self),
+               "behaviour": _safe(behaviour, self)}
         exp = make_experience_batch(list(self.replay_buffer.items), False)
         # optimizer steps of one pass over the step's rows: more than one (mini-batches of shuffled rows) has no
         # Lightning figure (Lightning's mini-batches are whole groups in order)
@@ -267,6 +364,42 @@ def samples(trainer) -> list[dict]:
                     "tag": meta.get("tag", ""), "weight": meta.get("weight"), "solution": meta.get("solution"),
                     "tokens": [t for t, m in zip(seq, item.attention_mask.reshape(-1).tolist()) if m],  # sampled
                     "teacher_weight": meta.get("teacher_weight")})
+    return out
+
+
+def _safe(fn, *args):
+    """A record that must not stop the job it records: the error, as the record."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - reported; the test names it
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def behaviour(trainer) -> dict | None:
+    """The engine's behaviour log-probs (Experience.rollout_log_probs, with is_correction_level != off) against the
+    training actor's forward of the same tokens (action_log_probs: OpenRLHF's make-experience log-probs of the
+    weights the step starts from, which the engine holds after every step's sync) and against the initial weights'
+    (base_action_log_probs, the reference actor): |difference| over the action tokens. None without them."""
+    import torch
+
+    cur, ini = [], []
+    for item in trainer.replay_buffer.items:
+        if getattr(item, "rollout_log_probs", None) is None:
+            return None
+        mask = item.action_mask.reshape(-1).bool()
+        rollout = item.rollout_log_probs.reshape(-1).float()
+        if rollout.shape != mask.shape:
+            return {"error": f"shapes {tuple(rollout.shape)} {tuple(mask.shape)}"}
+        cur.append((rollout - item.action_log_probs.reshape(-1).float()).abs()[mask])
+        if item.base_action_log_probs is not None:
+            ini.append((rollout - item.base_action_log_probs.reshape(-1).float()).abs()[mask])
+    if not cur:
+        return None
+    cur = torch.cat(cur)
+    out = {"tokens": int(cur.numel()), "mean_vs_current": float(cur.mean()), "max_vs_current": float(cur.max())}
+    if ini:
+        ini = torch.cat(ini)
+        out.update(mean_vs_initial=float(ini.mean()), max_vs_initial=float(ini.max()))
     return out
 
 
@@ -480,6 +613,8 @@ HOOKS = {
 
 def install() -> None:
     sys.modules.setdefault("mlflow", None)  # P10
+    if os.environ.get("COMPOSER_REAL_VLLM") == "1":  # the real engine: P6r and P11 instead of P6
+        HOOKS.update({"vllm": p6_real_vllm, "openrlhf.trainer.ray.vllm_worker_wrap": p11_worker_wrap})
     pending = {}
     for name, hook in HOOKS.items():
         if name in sys.modules:
