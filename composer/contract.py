@@ -68,6 +68,13 @@ class Source(Component):
     scored_by_model: ClassVar[bool] = False  # its rewards are a model's scores (the referee rescores its checkpoint)
     decides_success: ClassVar[bool] = False  # its verdicts say which rollouts succeeded (a spec's default for gates)
 
+    def openrlhf_reward_part(self, weight: float, response_cap: int) -> dict | None:
+        """The engine mapping of this source as a `plus` part of a reward signal (DESIGN.md section 11): OpenRLHF's
+        flags that add it to every sample's reward, {"flags": [(flag, *values)], "note": words}, or
+        {"refused": why, "hint": fix} for a setting its flags cannot carry; None: no flag adds it (a second reward,
+        which OpenRLHF's one reward function per sample cannot carry)."""
+        return None
+
     def preflight(self, ctx, name: str) -> None:
         """Checks that must fail before any training (nothing by default)."""
 
@@ -191,6 +198,13 @@ class Signal(Component):
     def makes_batch(self) -> bool:
         """True when the term trains on a batch this signal builds itself instead of a rollout."""
         return False
+
+    def openrlhf_trainer(self) -> str | None:
+        """The engine mapping (DESIGN.md section 11): the OpenRLHF trainer that runs this signal's batch as it is:
+        "ppo" (its own reward from the bundle's verifier, OpenRLHF's PolicyLoss route), "sft" (train_sft on fixed
+        demonstrations), or None (the composer's own step in the plugin). The mapping is the class's own: a subclass
+        (a plugin that changes the signal) has none unless it declares it."""
+        return None
 
     def origins(self, guide: Guide) -> set[str]:
         """Token origins present in this term's batch: the prompt, the policy's tokens and the guide's."""

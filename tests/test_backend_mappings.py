@@ -174,3 +174,14 @@ def test_an_sft_temperature_is_refused_on_train_sft_with_the_field():
     with pytest.raises(Unsupported) as e:
         build_runs(v, Layout(), _inputs())
     assert "signal.temperature" in str(e.value) and "train_sft has no flag" in str(e.value)
+
+
+def test_no_backend_branches_on_a_component_kind():
+    """A backend never names a kind (DESIGN.md section 10): the OpenRLHF route is chosen by the parts' own mappings
+    (`openrlhf_native`, `openrlhf_trainer`, `openrlhf_sft`, `openrlhf_reward_part`, `openrlhf_flags`)."""
+    import re
+
+    pattern = re.compile(r"kind_name\(\)\s*[!=]=|\.kind\s*[!=]=\s*[\"']|kind_name\(\)\s+(not\s+)?in\s")
+    found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in sorted((ROOT / "composer" / "backends").rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, "\n".join(found)

@@ -76,6 +76,11 @@ class Objective(Component):
         with an estimator part answers for the estimator in force."""
         return type(self).uses_group_baseline
 
+    def openrlhf_sft(self) -> bool:
+        """The engine mapping for fixed demonstrations: OpenRLHF's train_sft computes exactly this loss (its token-mean
+        cross-entropy on the target tokens). Default: no."""
+        return False
+
     def openrlhf_native(self) -> list[str]:
         """The mapping of this objective onto OpenRLHF's own PolicyLoss (its native flags; DESIGN.md section 11,
         "Backend mappings"): the settings that keep it off that route, each with why; [] when every field maps.

@@ -37,6 +37,10 @@ class CrossEntropy(Objective):
     needs: ClassVar = ("sft_target",)
     several_updates: ClassVar = "maximum likelihood of fixed targets (SFT epochs)"
 
+    def openrlhf_sft(self) -> bool:
+        """train_sft's loss is this class's (a plugin subclass may change it: no mapping)."""
+        return type(self) is CrossEntropy
+
     def capabilities(self) -> Capabilities:
         """Not on-policy only: maximum likelihood of fixed targets holds whatever weights sampled them."""
         return Capabilities(on_policy_only=False)

@@ -34,6 +34,10 @@ class RewardSignal(Signal):
             out += " plus " + " + ".join(f"{w:g} x '{n}' ({spec.sources[n].kind_name()})" for n, w in self.plus.items())
         return out
 
+    def openrlhf_trainer(self) -> str | None:
+        """OpenRLHF's PPO trainer takes the reward as the bundle's reward function gives it (this class only)."""
+        return "ppo" if type(self) is RewardSignal else None
+
     def reference_reward(self, base: list[float], parts: dict[str, list[float]]) -> list[float]:
         """The referee's reward (DESIGN.md section 10), in plain float arithmetic: r_i = base_i + sum_k w_k part_k(i),
         base the source's rewards of the rows, parts[name] each `plus` source's (recomputed by the referee)."""

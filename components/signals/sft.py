@@ -39,6 +39,11 @@ class SftSignal(Signal):
         return self
     usage: ClassVar[str] = "target"
 
+    def openrlhf_trainer(self) -> str | None:
+        """A reference target is a fixed set of demonstrations: OpenRLHF's train_sft runs it (this class only);
+        guided targets are built from the step's rollouts: the composer's step."""
+        return "sft" if type(self) is SftSignal and self.target != "guided" else None
+
     def ref_names(self) -> dict[str, list[str]]:
         return {} if self.target == "guided" else {"target": [self.target]}
 

@@ -42,6 +42,19 @@ class OverlongPenalty(Source):
     provides: ClassVar = ("sequence_reward",)
     pi: ClassVar[str] = "posterior"
 
+    def openrlhf_reward_part(self, weight: float, response_cap: int) -> dict | None:
+        """OpenRLHF's DAPO overlong penalty (--reward.overlong_buffer_len / overlong_penalty_factor): the same
+        formula, capped at the run's response length, applied to every sample's reward before the advantage step
+        (this class only: a plugin subclass may change the formula)."""
+        if type(self) is not OverlongPenalty:
+            return None
+        if self.max_tokens not in (None, response_cap):
+            return {"refused": f"OpenRLHF's overlong penalty caps at the run's max_new_tokens ({response_cap}), and "
+                               f"this source caps at {self.max_tokens}", "hint": "leave its max_tokens unset"}
+        return {"flags": [("reward.overlong_buffer_len", min(self.buffer, response_cap)),
+                          ("reward.overlong_penalty_factor", weight * self.factor)],
+                "note": f"OpenRLHF's DAPO overlong penalty (buffer {self.buffer}, factor {weight * self.factor:g})"}
+
     def rewards(self, ctx, batch):
         cap = self.max_tokens or ctx.max_new_tokens  # the cap generation actually ran under
         return overlong_penalty(response_lengths(batch), cap, min(self.buffer, cap), self.factor)

@@ -120,7 +120,8 @@ def _terms(spec):
 
 
 def _is_reference_sft(sig, obj) -> bool:
-    return sig.kind_name() == "sft" and sig.target != "guided" and obj.kind_name() == "cross_entropy"
+    """Fixed demonstrations trained by train_sft: the signal's and the objective's own mappings say so."""
+    return sig.openrlhf_trainer() == "sft" and obj.openrlhf_sft()
 
 
 def _native_grpo(spec) -> bool:
@@ -140,7 +141,7 @@ def native_blockers(spec) -> list[str]:
         return [f"{len(terms)} terms (OpenRLHF's PolicyLoss trains one)"]
     _, sig, obj, w = terms[0]
     out = list(obj.openrlhf_native())
-    if sig.kind_name() != "reward":
+    if sig.openrlhf_trainer() != "ppo":
         out.append(f"signal {sig.kind_name()} (OpenRLHF's PolicyLoss trains on the reward)")
     if w != 1.0:
         out.append(f"term weight {w}")
@@ -170,20 +171,19 @@ def _shaping_and_filter_flags(a: _Args, run: Run, spec, terms, where: tuple, inp
         base = where + (("terms", i) if spec.terms else ()) + ("signal", "plus")
         for name, w in plus.items():
             src = spec.sources[name]
-            if src.kind_name() != "overlong_penalty":
+            part = src.openrlhf_reward_part(w, max_new)  # the part's own engine mapping (its file)
+            if part is None:
                 raise Unsupported(base + (name,), f"OpenRLHF carries one reward per sample (reward.py's one verifier); "
                                   f"'{name}' ({src.kind_name()}) would be a second reward", "train it on the Lightning "
                                   "backend, or drop it from `plus`")
-            if src.max_tokens not in (None, max_new):
-                raise Unsupported(base + (name,), f"OpenRLHF's overlong penalty caps at the run's max_new_tokens ({max_new}), "
-                                  f"and this source caps at {src.max_tokens}", "leave its max_tokens unset")
+            if "refused" in part:
+                raise Unsupported(base + (name,), part["refused"], part["hint"])
             if any(g is not None for g in gates(spec)):
                 raise Unsupported(base + (name,), "on OpenRLHF a term gate reads success from the sample's reward, "
-                                  "which the overlong penalty has already changed", "train it on the Lightning backend")
-            a.add("reward.overlong_buffer_len", min(src.buffer, max_new))
-            a.add("reward.overlong_penalty_factor", w * src.factor)
-            run.native.append(f"reward shaping: OpenRLHF's DAPO overlong penalty (buffer {src.buffer}, factor "
-                              f"{_fmt(w * src.factor)}) = the composer's overlong_penalty '{name}'")
+                                  "which the reward part has already changed", "train it on the Lightning backend")
+            for flag, *values in part["flags"]:
+                a.add(flag, *values)
+            run.native.append(f"reward shaping: {part['note']} = the composer's {src.kind_name()} '{name}'")
     flt = spec.rollout.filter
     if flt.equal_groups == "drop":
         from composer.filters import filter_source
@@ -1051,7 +1051,7 @@ def _reward_model_source(spec) -> str | None:
     """The reward_model source a term's reward signal reads (None: none)."""
     for _b, sig, _o, _w in _terms(spec):
         for name in (sig.ref_names().get("source", []) if sig is not None else []):
-            if spec.sources[name].kind_name() == "reward_model":
+            if spec.sources[name].scored_by_model:
                 return name
     return None
 
