@@ -457,10 +457,14 @@ def test_oapl_pope_guided_rows_come_from_prefixed_prompts(oapl_pope_job):
 
 
 # MInTRL's self-judge ablation: the policy, shown the reference solution, reviews its own chunks on the rollout
-# engine (the agent's "policy" calls); the Proxy anchor on intervention tokens; the guide on for both steps
+# engine (the agent's "policy" calls); the Proxy anchor on intervention tokens; the guide on for both steps. At
+# temperature 1: its objective reads the behaviour log-probs of intervention tokens, which OpenRLHF's engines give
+# only untempered (compile refuses another temperature; tests/test_openrlhf.py); the toy's middle tier (6), where
+# the student's rollouts at temperature 1 still disagree, so the losses are not all ~0
 mintrl_self_proxy_job, test_mintrl_self_proxy_losses_equal_lightning = _method(
     "mintrl_self_proxy", "specs/hybrids/mintrl-self-proxy.yaml",
-    [*SMALL, "rollout.guide.control_samples=2", "phases[0].until=2", "phases[1].until=3", "train.micro_batch_size=4"], 2)
+    [*SMALL, "rollout.temperature=1.0", "data.train_tiers=[6]", "rollout.guide.control_samples=2", "phases[0].until=2",
+     "phases[1].until=3", "train.micro_batch_size=4"], 2)
 
 
 def test_mintrl_self_proxy_judge_is_the_policy(mintrl_self_proxy_job):
@@ -480,8 +484,8 @@ def test_mintrl_self_proxy_judge_is_the_policy(mintrl_self_proxy_job):
 # step 1 only (the phase switch to plain rollouts at step 2, as the spec's half)
 judge_proxy_half_job, test_judge_proxy_half_losses_equal_lightning = _method(
     "judge_proxy_half", "specs/hybrids/judge-proxy-half.yaml",
-    [*SMALL, "rollout.guide.control_samples=2", "phases[0].until=1", "phases[1].until=2", "data.train_tiers=[2]"], 2,
-    gpus=2)
+    [*SMALL, "rollout.temperature=1.0", "rollout.guide.control_samples=2", "phases[0].until=1", "phases[1].until=2",
+     "data.train_tiers=[2]"], 2, gpus=2)
 
 
 def test_judge_proxy_half_external_judge_served_the_reviews(judge_proxy_half_job):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -248,7 +249,10 @@ def _list_terminal(entries) -> None:
     from composer import registry
     from composer.lang import reference
 
-    console = Console(highlight=False)
+    # the width from this process's COLUMNS as it is now: rich's Console reads a mapping it captured when first
+    # imported, which a library that rebinds os.environ (seen in the test suite) leaves stale
+    columns = os.environ.get("COLUMNS", "")
+    console = Console(highlight=False, width=int(columns) if columns.isdigit() and int(columns) > 0 else None)
     if entries is None:
         reference.render_overview(console)
     for e in entries or []:
