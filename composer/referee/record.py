@@ -292,13 +292,17 @@ class Recorder:
 
     def check_behaviour(self, batch, engine, step, segment):
         """Behaviour log-probs = a fresh forward of the rollout weights at the spec's sampling temperature."""
-        temp = float(segment_spec(self.v, segment).rollout.temperature)
+        rollout = segment_spec(self.v, segment).rollout
+        temp = float(rollout.temperature)
         fresh = fresh_logprobs(engine.model, batch.tokens, batch.attention_mask, temp)
         self.sampler_lp[id(batch.tokens)] = fresh
         self.keep.append(batch.tokens)
         known = batch.known_mask & batch.response_mask
         err = (fresh - batch.behavior_logprobs.cpu()).abs()[known.cpu()]
-        if getattr(engine, "dtype", None) == "bfloat16":  # another engine's bf16 kernels: agreement to bf16 noise
+        # declared: vLLM serving bf16 weights computes with its own bf16 kernels, so agreement to bf16 noise only (the
+        # hf engine rounds its weights and computes in float32: exact); the tolerance follows the spec, never the
+        # engine's own report of its dtype (a sampler that silently ran another precision fails the sampler checks)
+        if rollout.engine == "vllm" and rollout.precision == "bf16":
             self.bf16_errors.append((step, float(err.mean()) if err.numel() else 0.0,
                                      float(err.max()) if err.numel() else 0.0, int(err.numel())))
             if err.numel() and (float(err.mean()) > BF16_MEAN or float(err.max()) > BF16_MAX):
