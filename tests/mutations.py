@@ -207,6 +207,13 @@ def m_opd_doubled(undo):
                  "adv = (-2 * kl_coef * (behavior_logp - teacher_logp)).detach()")
 
 
+def m_verdict_shifted(undo):
+    from components.sources.outcome_reward import RewardScorer
+
+    patch_source(undo, RewardScorer, "verdicts", "zip(texts, batch.examples)",
+                 "zip(texts, batch.examples[1:] + batch.examples[:1])")
+
+
 # name -> (description, mutation, spec, extra overrides)
 MUTATIONS = {
     "k3_k1": ("KL estimator k3 <-> k1 (kl_coef 0.001)", m_k3_k1, "specs/grpo.yaml", []),
@@ -253,6 +260,8 @@ MUTATIONS = {
     "opd_doubled": ("OPD's sampled estimator's coefficient doubled", m_opd_doubled, "specs/opd.yaml", []),
     "schedule_step": ("a schedule one step ahead (KDRL's KD weight, a 4-step ramp)", m_schedule_off_by_one,
                       "specs/methods/kdrl.yaml", ["terms.1.weight.steps=4", "terms.1.weight.end=0.5"]),
+    "verdict_shifted": ("each response scored against the next row's example (the verifier's inputs off by one row)",
+                        m_verdict_shifted, "specs/grpo.yaml", []),
 }
 SECOND = ["opt_kept_stage", "periodic_ref", "lr_not_stepped", "weight_dropped", "clip_skipped", "entropy_sign",
           "weight_decay", "overlong_sign", "ema_rate", "prefix_long"]

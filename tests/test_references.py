@@ -293,7 +293,7 @@ def test_declared_parts_and_their_references():
     assert references(parts["objective"]) == ["reference_advantages", "reference_loss"]
     assert references(parts["objective.off_policy_weight"]) == ["reference"]
     assert set(references(parts["rollout.guide"])) == {"reference_control", "reference_trace"}
-    assert references(OutcomeReward(verifier="math")) == []  # checked from its recorded verdicts, not a formula
+    assert references(OutcomeReward(verifier="math")) == ["reference_verdicts"]  # the verifier run again on the text
 
 
 def test_check_coverage_names_an_idle_part_and_what_makes_it_act(tmp_path):
@@ -324,3 +324,29 @@ def test_an_objective_without_a_reference_loss_fails_as_not_covered(tmp_path, mo
     rep = referee(ROOT / "specs" / "sft.yaml", tmp_path)
     assert not rep.ok and any(f.startswith("loss covered:") and "declares no reference_loss" in f
                               for f in rep.failures()), rep.table()
+
+
+def test_outcome_reward_reference_verdicts_by_hand():
+    """The verifier source's reference runs the declared verifier on the texts it is given (the registry's, by name;
+    `auto` is the task's): the toy verifier's '#<answer>' last line, an exact verifier's equality, by hand."""
+    from components.sources.outcome_reward import OutcomeReward
+    from composer.data import Example
+
+    ex = Example(prompt="p", answer="7")
+    src = OutcomeReward()  # auto: the task's verifier
+    assert src.reference_verdicts(["3+4=7\n#7", "3+4=8\n#8", "no answer line"], [ex] * 3, "toy") == [
+        (1.0, True), (0.0, True), (0.0, False)]
+    assert OutcomeReward(verifier="exact").reference_verdicts(["7", "8"], [ex, ex], "toy") == [(1.0, True), (0.0, True)]
+
+
+def test_a_verdict_scored_against_another_row_fails_re_verification(tmp_path):
+    """The referee decodes each scored row again and runs the declared verifier on it: a scorer that pairs each
+    response with the next row's example (tests/mutations.py verdict_shifted) fails `verdicts re-verified`, a check
+    no other one makes (the rewards, gates and advantages all read the verdicts as the run returned them)."""
+    import mutations
+    from composer.referee import referee
+
+    with mutations.mutated("verdict_shifted"):
+        rep = referee(ROOT / "specs" / "grpo.yaml", tmp_path)
+    failed = [f.partition(":")[0] for f in rep.failures()]
+    assert failed == ["verdicts re-verified"], rep.table()

@@ -38,6 +38,19 @@ class OutcomeReward(Source):
     def build(self, ctx, name: str):
         return RewardScorer(self, ctx.verifier(self.verifier))
 
+    def reference_verdicts(self, texts: list[str], examples: list, task_verifier: str) -> list[tuple[float, bool]]:
+        """The referee's verdicts (DESIGN.md section 10): the declared verifier (`verifier`; `auto` is the task's own,
+        `task_verifier`) run again on each response's text as the referee decoded it, looked up in the registry by
+        name (never the run's scorer): [(reward r_i, parsed_i)] per row, r_i = verifier(text_i, example_i).reward."""
+        from composer.registry import VERIFIERS
+
+        fn = VERIFIERS[task_verifier if self.verifier == "auto" else self.verifier].load()
+        out = []
+        for text, example in zip(texts, examples):
+            verdict = fn(text, example)
+            out.append((float(verdict.reward), bool(verdict.parsed)))
+        return out
+
 
 class RewardScorer:
     """Scores finished rollouts with the verifier; unreadable answers are counted, never silent."""

@@ -163,6 +163,8 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
         rep.expect("verifier parsed answers", any(ps), f"segment {seg}: the verifier parsed 0 of {len(ps)} answers")
         rep.note("verifier parsed answers", ", ".join(f"{s}: {sum(p)}/{len(p)}" for s, p in by_seg.items()))
 
+    _check_verdicts(rep, rec)
+
     # ---- gates, recomputed from the verifier's rewards and the spec's thresholds
     gated_rows: dict = {}
     gate_of: dict[int, list] = {}  # id(term event) -> the referee's rows (None: no gate)
@@ -555,6 +557,32 @@ def _per_row(rows, fn):
             return None
         out.append(cache[id(r)][i])
     return out
+
+
+def _check_verdicts(rep, rec) -> None:
+    """Every verdict the run's scorer returned, recomputed: the row's response (every token after its prompt, as the
+    recorded batch holds it) decoded by the referee and the declared verifier run on it again through the source's
+    own `reference_verdicts` (its file), looked up by name in the registry; the reward and `parsed` must agree. A
+    source that returns verdicts without that reference is "not covered"."""
+    if not rec.verified or rec.tokenizer is None:
+        return
+    prompt = CODE["prompt"]
+    done: dict = {}
+    for step, cfg, task_verifier, tokens, origins, example, got in rec.verified:
+        if not hasattr(cfg, "reference_verdicts"):
+            rep.expect("verdicts re-verified", False, f"source {cfg.kind_name()} returns verdicts but declares no "
+                       "reference_verdicts in its file: its rewards are not covered")
+            continue
+        text = rec.tokenizer.decode([t for t, o in zip(tokens, origins) if o != prompt], skip_special_tokens=True)
+        key = (id(cfg), task_verifier, text, id(example))
+        if key not in done:
+            done[key] = cfg.reference_verdicts([text], [example], task_verifier)[0]
+        want = done[key]
+        rep.expect("verdicts re-verified", abs(got[0] - want[0]) <= 1e-9 and got[1] == want[1],
+                   f"step {step}: the run's verdict (reward {got[0]:g}, parsed {got[1]}) is not the declared verifier's "
+                   f"on the row's decoded response (reward {want[0]:g}, parsed {want[1]}): {text[-60:]!r}")
+    rep.note("verdicts re-verified", f"{len(rec.verified)} responses, each decoded again and scored by the declared "
+             "verifier")
 
 
 def _check_filters(rep, filtered: dict, term_events) -> None:

@@ -100,6 +100,9 @@ def rows(v, rep) -> list[dict]:
             elif hasattr(part, "reference_control") and "reference_control" in row["references"]:
                 c = rep.checks.get("control rows as declared")
                 row["exercised"] = f"control rows of {c.passed} rollouts checked" if c and c.passed else ""
+            elif "reference_verdicts" in row["references"]:
+                c = rep.checks.get("verdicts re-verified")
+                row["exercised"] = f"{c.passed + c.failed} verdicts re-verified" if c and c.passed + c.failed else ""
             out.append(row)
     return out
 

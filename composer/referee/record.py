@@ -164,6 +164,8 @@ class Recorder:
         self.tokenizer = None
         self.verdicts: dict[tuple, tuple] = {}  # (verifier, row tokens) -> (reward, parsed)
         self.verdict_log: list[tuple] = []  # (step, segment, verifier, parsed)
+        self.verified: list[tuple] = []  # (step, source config, the task's verifier, row tokens, origins, example,
+        #                                  (reward, parsed) as the run returned them): re-verified by the referee
         self.critic_scratch: dict = {}  # term -> a copy of its critic's network (own) or head (shared)
         self.updates = None  # composer/referee/optim.py's UpdateWatch on the run's optimiser
         self.judged: dict[tuple, bool] = {}  # (problem, text) -> the verifier's success, for texts a guide judged
@@ -253,11 +255,17 @@ class Recorder:
         for req, gens in zip(requests, answers):
             self.written.extend((model, tuple(req.tokens), tuple(g.tokens)) for g in gens)
 
-    def on_verdicts(self, verifier: str, step: int, segment: str, batch, verdicts) -> None:
+    def on_verdicts(self, verifier: str, step: int, segment: str, batch, verdicts, cfg=None,
+                    task_verifier: str | None = None) -> None:
         for i, vd in enumerate(verdicts):
             key = (verifier, row_key(batch, i))
             if key not in self.verdicts:
                 self.verdict_log.append((step, segment, verifier, bool(vd.parsed)))
+                if cfg is not None:  # the row as the batch holds it (tokens, origins, its example), not its text
+                    keep = batch.attention_mask[i].bool()
+                    self.verified.append((step, cfg, task_verifier, batch.tokens[i][keep].tolist(),
+                                          batch.origin[i][keep].tolist(), batch.examples[i],
+                                          (float(vd.reward), bool(vd.parsed))))
             self.verdicts[key] = (float(vd.reward), bool(vd.parsed))
 
     def check_sampled(self, batch, step):
@@ -338,7 +346,7 @@ def run_recorded(path: Path, out_dir: Path, extra=(), as_declared: bool = False)
 
     def verdicts(self, ctx, batch):  # the verifier's verdicts as it returned them
         out = real_verdicts(self, ctx, batch)
-        rec.on_verdicts(self.cfg.verifier, ctx.step, ctx.segment, batch, out)
+        rec.on_verdicts(self.cfg.verifier, ctx.step, ctx.segment, batch, out, self.cfg, ctx.task.verifier)
         return out
 
     from composer.backends.lightning.module import ComposerModule
