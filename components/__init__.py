@@ -1,3 +1,3 @@
 """The built-in component library. Importing it registers every built-in kind."""
 
-from components import guides, objectives, signals, sources, tasks  # noqa: F401
+from components import environments, guides, objectives, signals, sources, tasks  # noqa: F401

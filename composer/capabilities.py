@@ -31,6 +31,7 @@ FEATURES = {
     "periodic_reset": "replaces the reference weights and the optimizer state inside a run",
     "sampled_eval": "evaluation by pass@k over sampled answers",
     "scheduled_entropy": "an entropy bonus whose coefficient follows a schedule",
+    "episodes": "rollouts of several policy turns with an environment's answers between them (rollout.environment)",
 }
 
 
@@ -72,6 +73,7 @@ def parts(spec):
            (("rollout", "filter"), spec.rollout.filter)]
     comps = [(("sources", name), src) for name, src in spec.sources.items()]
     comps.append((("rollout", "guide"), spec.rollout.guide))
+    comps.append((("rollout", "environment"), spec.rollout.environment))
     if spec.terms:
         for i, t in enumerate(spec.terms):
             comps += [(("terms", i, "signal"), t.signal), (("terms", i, "objective"), t.objective)]

@@ -22,6 +22,13 @@ optional hook declared here with its default, so backends call hooks and never p
              teacher_source            the policy_model source it reads log-probs from
   Objective  components/objectives/base.py: advantages(batch) over whole groups, then
              loss(batch, view, advantages) per micro-batch
+  Environment active                   whether rollouts alternate policy and environment turns
+             session()                 one episode's environment: reset(example) -> text, step(text) -> (text,
+                                       reward or None, done); pure text, no backend object (composer/episodes.py
+                                       drives it on both backends)
+             stop_strings(), render_plain(text), role   how a policy turn ends and how an answer is shown
+             reference_replies(example, turns)          the referee's replay of the environment's answers
+             preflight(ctx)
 
 Nothing here imports torch.
 """
@@ -30,6 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar, final
+
+from pydantic import Field
 
 from composer.registry import Component
 
@@ -273,3 +282,73 @@ class Signal(Component):
     def apply(self, ctx, batch):
         """Fill what this signal provides into the batch (a term's own view of the rollout)."""
         return batch
+
+
+class Environment(Component):
+    """Base of every rollout environment (`rollout.environment`, DESIGN.md section 11 "Environments"): who answers the
+    policy between its turns. An active environment makes a rollout an episode (composer/episodes.py): the policy
+    writes a turn (up to a stop string or its end of turn), the environment answers (origin `environment`: never
+    loss), until the policy answers without a call, the environment ends the episode, or a budget is reached.
+
+    The environment itself is pure text (no backend object): `session()` returns one episode's state with
+    `reset(example) -> str` (text shown before the policy's first turn; '' for none) and
+    `step(text) -> (answer text, reward or None, done)`, so the same part runs in the Lightning driver and in
+    OpenRLHF's agent function. A user's environment is a kind registered in this section (the plugin route,
+    docs/plugins.md): a subclass with its fields and a `session()`.
+    """
+
+    active: ClassVar[bool] = False  # False only for `none`: rollouts are one policy turn
+    role: ClassVar[str] = "user"  # the chat role of the environment's messages under chat prompts (tools: `tool`)
+
+    def session(self):
+        """One episode's environment (reset / step); see the class docstring."""
+        raise NotImplementedError(f"environment {self.kind_name()} has no session")
+
+    def stop_strings(self) -> tuple[str, ...]:
+        """Text that ends a policy turn besides its end of turn (kept as the turn's last text: the Hermes format's
+        `</tool_call>`). None by default: a turn ends at the policy's end of turn or its budget."""
+        return ()
+
+    def render_plain(self, text: str) -> str:
+        """The environment's answer as it is appended to a plain-text rollout (no chat template). Default: as is."""
+        return text
+
+    def describe(self, spec) -> str:
+        """What the environment does, in a few words, for `explain`."""
+        return f"the {self.kind_name()} environment answers between policy turns"
+
+    def extra_tokens(self) -> int:
+        """Tokens the environment may add to a rollout beyond rollout.max_new_tokens (backends size contexts)."""
+        return int(getattr(self, "max_env_tokens", 0)) if self.active else 0
+
+    def reference_replies(self, example, turns: list[str]) -> list[tuple[str, float | None, bool]] | None:
+        """The referee's replay (DESIGN.md section 10): what the environment answers to the policy's turns `turns`
+        (each turn's decoded text), from a fresh session: [(answer, reward, done)] per turn it answered. A kind
+        may write its answers again plainly (the tools environment: the calculator); default: a fresh session of
+        its own (the environment's answers depend on nothing but the example and the turns)."""
+        s = self.session()
+        s.reset(example)
+        return [s.step(t) for t in turns]
+
+    def facts(self, session) -> dict[str, float]:
+        """Counts of one finished episode for the step's metrics (env/<name>, averaged per row): the tools
+        environment's tool_calls and tool_errors. None by default."""
+        return {}
+
+    def preflight(self, ctx) -> None:
+        """Checks that must fail before any training (a tool's sandbox); nothing by default."""
+
+    def capabilities(self):
+        """An active environment needs a backend that runs episodes (composer/capabilities.py `episodes`)."""
+        from composer.capabilities import Capabilities, Need
+
+        return Capabilities(on_policy_only=False, needs=(Need("episodes", ("kind",)),) if self.active else ())
+
+
+class EpisodeEnvironment(Environment):
+    """An active environment with the episode's limits (the base of `tools` and of a user's environment kind)."""
+
+    active: ClassVar[bool] = True
+    max_turns: int = Field(4, ge=1, le=64, description="Most policy turns per episode: after the last one the episode ends, answered or not (a tool call in it is not executed).")
+    max_env_tokens: int = Field(256, ge=0, le=65536, description="Most environment tokens per episode (the sum of its answers as rendered): an answer that would pass it ends the episode instead (counted in env/ended_env_budget). Contexts are sized prompt + rollout.max_new_tokens + this.")
+    turn_reward_weight: float = Field(0.0, description="Per-turn rewards the environment returns (step's reward) are summed over the episode, times this weight, into the row's reward (0: ignored; the tools environment returns none).")

@@ -133,7 +133,13 @@ class Trace:
 
 def plain_row(ctx, example) -> Program:
     """The program of one unguided rollout: the policy continues the prompt up to max_new_tokens (the `none` guide's
-    row, and an evaluation row on every backend)."""
+    row, and an evaluation row on every backend); under an active rollout.environment, an episode of policy turns and
+    environment turns (composer/episodes.py)."""
+    env = getattr(getattr(getattr(ctx, "spec", None), "rollout", None), "environment", None)
+    if env is not None and env.active:
+        from composer.episodes import episode_row
+
+        return (yield from episode_row(ctx, example, env))
     trace = Trace(ctx.prompt_ids(example))
     [gen] = yield Sample(trace.prompt, ctx.max_new_tokens)
     trace.add(gen.tokens, "policy", gen.logprobs)

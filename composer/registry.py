@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from composer.capabilities import Capable
 
 SECTIONS = ("sources", "guide", "signal", "objective", "estimator", "token_selection", "off_policy_weight",
-            "correction")
+            "correction", "environment")
 ENTRY_POINT_GROUP = "composer.components"
 ALLOW_PLUGINS_ENV = "COMPOSER_ALLOW_PLUGINS"
 TRUST_REMOTE_CODE_ENV = "COMPOSER_TRUST_REMOTE_CODE"

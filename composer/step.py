@@ -32,7 +32,9 @@ from components.objectives.base import zero_advantage_fraction
 from composer import filters, gates  # by module: a patched function (tests/mutations.py) is the one that runs
 from composer.batch import PolicyView, TrajectoryBatch, concat
 from composer.checks.terms import rolls_out, scored_origins
+from composer.episodes import facts as episode_facts
 from composer.lazy import torch
+from composer.origins import NEVER_LOSS
 from composer.protocol import POLICY, Score, fill_scores, plain_row
 
 # ------------------------------------------------------------------------------------------- part 1: rows
@@ -310,7 +312,7 @@ def mismatch(batch: TrajectoryBatch, view: PolicyView) -> dict[str, float]:
 def entropy_bonus(at, first: TrajectoryBatch, view: PolicyView, metrics: dict):
     """train.entropy_coef x the policy's token-mean entropy on the first batch's response tokens (0 without a
     coefficient); logs `entropy` (and the coefficient, when scheduled)."""
-    mask = first.response_mask & first.attention_mask
+    mask = first.response_mask & first.attention_mask & ~first.mask(NEVER_LOSS)  # never an environment's token
     ent = (view.entropy * mask).sum() / mask.sum().clamp(min=1)
     if at.entropy_scheduled:
         metrics["entropy_coef"] = float(at.entropy_coef)
@@ -358,7 +360,8 @@ def step_facts(at, batches: list[TrajectoryBatch]) -> dict[str, float]:
 
 
 def batch_facts(batch: TrajectoryBatch) -> dict[str, float]:
-    """Per-step facts about the data: reward, length, off-policy tokens, groups with no signal."""
+    """Per-step facts about the data: reward, length, off-policy tokens, groups with no signal; under an environment,
+    its episodes' facts (composer/episodes.py `facts`: env/turns, env/tool_calls, env/tool_errors, env/env_tokens)."""
     out = {}
     resp = batch.response_mask
     n_resp = resp.sum().clamp(min=1)
@@ -366,6 +369,7 @@ def batch_facts(batch: TrajectoryBatch) -> dict[str, float]:
     out["response_tokens"] = float(resp.sum())  # so that shares over many steps can be weighted by tokens
     off = batch.mask(("guide_prefix", "guide_intervention", "demonstration")) & resp
     out["offpolicy_token_frac"] = float(off.sum() / n_resp)
+    out.update(episode_facts(batch.notes))  # env/turns, env/tool_calls, env/tool_errors, env/env_tokens, ...
     if batch.rewards is not None:
         r = batch.rewards
         out["reward_mean"] = float(r.mean())

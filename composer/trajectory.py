@@ -54,6 +54,19 @@ def assemble(traces: list[Trace], examples: list[Example], prompt_index: list[in
 
 
 def response_texts(batch: TrajectoryBatch, tokenizer) -> list[str]:
-    """Decoded response (every non-prompt, non-pad token) of each row, without special tokens."""
+    """Decoded response (every non-prompt, non-pad token) of each row, without special tokens; in an episode
+    (rollout.environment) its final answer: the tokens after the last environment turn the policy answered
+    (composer/episodes.py `answer_span`), which is what a verifier reads."""
+    from composer.episodes import answer_span
+    from composer.origins import ORIGINS
+
     mask = batch.response_mask
-    return [tokenizer.decode(batch.tokens[i][mask[i]].tolist(), skip_special_tokens=True) for i in range(batch.size)]
+    env = batch.mask(("environment",)).any(-1).tolist()
+    out = []
+    for i in range(batch.size):
+        ids = batch.tokens[i][mask[i]].tolist()
+        if env[i]:
+            s, e = answer_span([ORIGINS[c] for c in batch.origin[i][mask[i]].tolist()])
+            ids = ids[s:e]
+        out.append(tokenizer.decode(ids, skip_special_tokens=True))
+    return out

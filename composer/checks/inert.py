@@ -319,7 +319,7 @@ def _rollout_inert(spec, field: str) -> tuple[str, str] | None:
 @inert_check("rollout_settings")
 def rollout_settings(spec, seg) -> Iterable[Finding]:
     r = spec.rollout
-    written = [f for f in sorted(r.model_fields_set) if f not in ("guide", "filter")]
+    written = [f for f in sorted(r.model_fields_set) if f not in ("guide", "filter", "environment")]
     written += [f"filter.{f}" for f in sorted(r.filter.model_fields_set)] if _samples_nothing(spec) else []
     for field in written:
         why = _rollout_inert(spec, field)

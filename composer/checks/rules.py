@@ -617,3 +617,56 @@ def buffer_needs_reuse(spec, segment):
 
 
 from composer.checks import names as _names  # noqa: E402,F401  (registers names_are_words)
+
+
+@rule("environment_tokens_never_loss")
+def environment_tokens_never_loss(spec, segment):
+    """No objective trains on tokens an environment wrote (composer/origins.py NEVER_LOSS)."""
+    from composer.origins import NEVER_LOSS
+
+    out = []
+    for base, _sig, obj in _pairs_with_paths(spec):
+        bad = [o for o in getattr(obj, "loss_tokens", None) or [] if o in NEVER_LOSS]
+        if bad:
+            keep = [o for o in obj.loss_tokens if o not in NEVER_LOSS] or ["policy"]
+            out.append(_d("environment_tokens_never_loss", f"loss_tokens names {', '.join(bad)}: "
+                          f"{NEVER_LOSS[bad[0]]}", base + ("objective", "loss_tokens"),
+                          f"leave it out: loss_tokens: [{', '.join(keep)}]"))
+    return out
+
+
+@rule("environment_fits_rollout")
+def environment_fits_rollout(spec, segment):
+    """An active rollout.environment needs rollouts the guide leaves to the policy (guide none: the episode is the
+    row's program) and a term that trains on rollouts (SFT on references samples nothing for it to answer); its
+    python tool needs the code sandbox's Linux namespaces."""
+    from composer.checks.terms import rolls_out
+
+    env = spec.rollout.environment
+    if not env.active:
+        return []
+    where = ("rollout", "environment")
+    out = []
+    if not rolls_out(spec):
+        signals = ", ".join(sorted({sig.kind_name() for _b, sig, _o in _pairs_with_paths(spec) if sig is not None}))
+        out.append(_d("environment_fits_rollout", f"rollout.environment {env.kind_name()}: this spec samples no "
+                      f"rollouts (its {signals} signal trains on a batch it builds itself, e.g. SFT on references), so "
+                      "no episode ever runs", where + ("kind",),
+                      "remove rollout.environment, or train on rollouts (signal: {kind: reward, source: ...} with "
+                      "objective: {kind: grpo})"))
+    if not spec.rollout.guide.plain:
+        out.append(_d("environment_fits_rollout", f"rollout.environment {env.kind_name()} with guide "
+                      f"{spec.rollout.guide.kind_name()}: the guide writes each rollout's program itself, and an "
+                      "episode is a program of its own (policy and environment turns); the two do not compose",
+                      where + ("kind",), "use guide: {kind: none} with an environment, or drop the environment"))
+    if "python" in (getattr(env, "tools", None) or []):
+        import shutil
+        import sys
+
+        if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
+            out.append(_d("environment_fits_rollout", "the python tool runs programs in the code sandbox, which needs "
+                          f"Linux namespaces and `unshare` (this machine: {sys.platform}, unshare "
+                          f"{'missing' if shutil.which('unshare') is None else 'found'}): code never runs without it",
+                          where + ("tools",), "drop python from tools (keep calculator), or run on Linux with "
+                          "util-linux's unshare", "warning"))
+    return out

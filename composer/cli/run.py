@@ -233,7 +233,8 @@ def samples(run_dir, step, limit):
         click.echo(f"({bad} unreadable line{'s' if bad > 1 else ''} skipped)", err=True)
 
 
-GUIDE_STYLES = {"guide_prefix": "bold cyan", "guide_intervention": "bold magenta", "demonstration": "bold green"}
+GUIDE_STYLES = {"guide_prefix": "bold cyan", "guide_intervention": "bold magenta", "demonstration": "bold green",
+                "environment": "bold yellow"}  # environment: a tool's answer (rollout.environment)
 
 
 def _print_samples(rows: list[dict], total: int, step: int, steps: list[int]) -> None:
@@ -247,14 +248,15 @@ def _print_samples(rows: list[dict], total: int, step: int, steps: list[int]) ->
     styled = console.is_terminal
     head = f"step {step}: {len(rows)} of {total} samples (steps with samples: {steps[0]}..{steps[-1]}, {len(steps)} in all)"
     if styled:
-        legend = Text("guide-written: ")
+        legend = Text("guide- or environment-written: ")
         for i, (origin, style) in enumerate(GUIDE_STYLES.items()):
             legend.append(("" if not i else ", ") + origin, style=style)
         console.print(Text(head, style="bold"))
         console.print(legend)
     else:
         click.echo(head)
-        click.echo("[[...]]: tokens the guide wrote (guide_prefix, guide_intervention, demonstration)")
+        click.echo("[[...]]: tokens the guide wrote (guide_prefix, guide_intervention, demonstration); <<...>>: tokens "
+                   "the environment wrote")
     p = s.printable  # a prompt or response may hold escape sequences: never sent to the terminal raw
     for r in rows:
         if styled:

@@ -183,6 +183,10 @@ def component_entry(section: str, builtins_only: bool = False) -> Entry:
     text = {"sources": "`sources:` privileged-information sources, each a named entry `name: {kind: ..., ...}`; "
                        "signals, guides and other sources refer to them by name.",
             "guide": "`rollout.guide:` who else writes tokens into rollouts (default `{kind: none}`).",
+            "environment": "`rollout.environment:` who answers the policy between its turns (default `{kind: none}`: "
+                           "one policy turn); an active environment makes each rollout an episode whose answers are "
+                           "`environment` tokens, never trained. A plugin registers its own kind (reset / step, text "
+                           "in and out).",
             "signal": "`signal:` (or a term's `signal`): where the learning signal comes from.",
             "objective": "`objective:` (or a term's `objective`): how the signal becomes a loss.",
             "estimator": "`objective.estimator:` (grpo): how rewards and groups become advantages.",
@@ -212,19 +216,23 @@ def section_entry(key: str, builtins_only: bool = False) -> Entry:
     spec = spec_model(builtins_only=builtins_only)
     f = spec.model_fields[key]
     if key in _MODELS:
-        fields = fields_of(_MODELS[key], skip=("guide",))
+        fields = fields_of(_MODELS[key], skip=("guide", "environment"))
         for name, mf in _MODELS[key].model_fields.items():  # a nested settings block (policy.lora): its fields too
             try:
                 sub = _item_model(mf.annotation)
             except TypeError:
                 continue
-            if name != "guide":
+            if name not in ("guide", "environment"):
                 fields += [FieldDoc(f"{name}.{d.name}", d.type, d.allowed, d.default, d.description)
                            for d in fields_of(sub)]
         if key == "rollout":
             guide = spec.model_fields["rollout"].annotation.model_fields["guide"]
             kinds = [k for k, c in sorted(registry.kinds("guide").items()) if _included(c, builtins_only)]
             fields.append(FieldDoc("guide", "guide component", kinds, _default(guide), guide.description or ""))
+            env = spec.model_fields["rollout"].annotation.model_fields["environment"]
+            kinds = [k for k, c in sorted(registry.kinds("environment").items()) if _included(c, builtins_only)]
+            fields.append(FieldDoc("environment", "environment component", kinds, _default(env),
+                                   env.description or ""))
         return Entry(key, f.description or "", fields=fields)
     if key in _ITEM_OF:
         note = {"phases": ("Each phase is merged over the base spec for the steps from the previous phase's "
@@ -282,7 +290,7 @@ def gate_entry() -> Entry:
 
 
 def topics() -> list[str]:
-    return [*SPEC_KEYS, "guide", "estimator", "token_selection", "off_policy_weight", "correction", "gate",
+    return [*SPEC_KEYS, "guide", "environment", "estimator", "token_selection", "off_policy_weight", "correction", "gate",
             "verifiers"]
 
 
@@ -301,7 +309,7 @@ def entries_for(topic: str, builtins_only: bool = False) -> list[Entry]:
         return [gate_entry()]
     if "/" in topic:
         section, kind = topic.split("/", 1)
-        section = "guide" if section == "rollout.guide" else section
+        section = {"rollout.guide": "guide", "rollout.environment": "environment"}.get(section, section)
         if section not in COMPONENT_SECTIONS:
             raise UnknownTopic(f"'{section}' has no kinds; sections with kinds: {', '.join(COMPONENT_SECTIONS)}",
                                section, COMPONENT_SECTIONS)
@@ -381,6 +389,7 @@ def markdown(builtins_only: bool = True) -> str:
             out += _md_entry(e, 2)
         if key == "rollout":
             out += _md_entry(component_entry("guide", builtins_only), 2)
+            out += _md_entry(component_entry("environment", builtins_only), 2)
         if key == "objective":  # the kinds of grpo's `estimator` field
             out += _md_entry(component_entry("estimator", builtins_only), 2)
             out += _md_entry(component_entry("token_selection", builtins_only), 2)  # and of its `token_selection`

@@ -128,6 +128,7 @@ class Rollout(Strict):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM only: fraction of GPU memory the engine may take.")
     tensor_parallel_size: int = Field(1, ge=1, le=1024, description="vLLM only: tensor-parallel degree of the rollout engine.")
     guide: Any = Field(None, description="Who else writes tokens into rollouts (none, prefix, intervention).")
+    environment: Any = Field(None, description="Who answers the policy between its turns (none, tools, a plugin's kind): an active environment makes each rollout an episode of policy turns and environment turns.")
     filter: RolloutFilter = Field(default_factory=RolloutFilter, description="Which rollouts a step trains on, decided after rewards and before advantages: drop prompts whose rewards are all equal and sample more (DAPO dynamic sampling), keep / mask / drop responses cut at max_new_tokens (overlong filtering).")
 
 
@@ -294,8 +295,11 @@ def _segment_models(term, builtins_only: bool) -> tuple[type[BaseModel], type[Ba
     each one over the base spec and validates the result with the full model, so only the schema gets types."""
     source_p, guide_p = _partial_union("sources", builtins_only), _partial_union("guide", builtins_only)
     signal_p, objective_p = _partial_union("signal", builtins_only), _partial_union("objective", builtins_only)
+    env_p = _partial_union("environment", builtins_only)
     rollout_p = _partial(Rollout, "RolloutPartial", "Partial rollout settings, merged over the base spec's rollout.",
-                         guide=(guide_p, Field(None, description="Who else writes tokens into rollouts (partial).")))
+                         guide=(guide_p, Field(None, description="Who else writes tokens into rollouts (partial).")),
+                         environment=(env_p, Field(None, description="Who answers the policy between its turns "
+                                                   "(partial).")))
     sync_p = _partial(Sync, "SyncPartial", "Partial sync settings, merged over the base spec's sync.")
     train_stage = _partial(Train, "TrainPartial", "Partial train settings, merged over the base spec's train.")
     train_phase = _partial(Train, "PhaseTrainPartial", "Partial train settings of a phase (not `steps`: phases "
@@ -336,10 +340,14 @@ def spec_model(builtins_only: bool = False) -> type[BaseModel]:
     source_u, guide_u = _component_union("sources", builtins_only), _component_union("guide", builtins_only)
     signal_u, objective_u = _component_union("signal", builtins_only), _component_union("objective", builtins_only)
     none_guide = registry.lookup("guide", "none")
+    env_u, none_env = _component_union("environment", builtins_only), registry.lookup("environment", "none")
 
     rollout = create_model(
         "Rollout", __base__=Rollout,
         guide=(guide_u, Field(default_factory=none_guide, description="Who else writes tokens into rollouts.")),
+        environment=(env_u, Field(default_factory=none_env, description="Who answers the policy between its turns: "
+                                  "none (default: one policy turn), tools (declared tools answer Hermes-format tool "
+                                  "calls), or a plugin's kind (reset / step with text in and out).")),
     )
     term = create_model(
         "Term", __base__=Strict,

@@ -114,6 +114,8 @@ def _behaviour(origin: str, spec) -> str | None:
         return "none read: tokens the policy did not write (a reference's or a teacher's text), teacher-forced"
     if origin == "policy":
         return "exact: the sampling log-probs of the rollout weights that wrote them"
+    if origin == "environment":
+        return "none: the environment wrote them (never loss; the trainer's forward reads them as context)"
     if origin in scored_origins(spec):
         return "exact: scored by the rollout weights at rollout time (one forward pass per step)"
     return "not recorded: no objective of this segment reads them"
@@ -128,7 +130,9 @@ def _origins(spec) -> list[dict]:
         if obj is None or sig is None:
             continue
         anchors = obj.anchors()
-        present = sig.origins(guide)
+        present = set(sig.origins(guide))
+        if spec.rollout.environment.active and not sig.makes_batch:  # episodes: the environment's turns
+            present.add("environment")
         table = {o: {"present": o in present, "loss": o in obj.loss_tokens and o in present,
                      "anchor": anchors.get(o) if o in present else None,
                      "behaviour": _behaviour(o, spec) if o in present else None}
@@ -145,8 +149,11 @@ def _dataflow(spec) -> list[str]:
     flow = [f"sample {spec.train.prompts_per_step} prompts"]
     if rolls_out(spec):
         g = spec.rollout.guide.kind_name()
+        env = spec.rollout.environment
         flow.append(f"rollout: {spec.rollout.samples_per_prompt} samples per prompt" +
-                    ("" if g == "none" else f", guide {g}"))
+                    ("" if g == "none" else f", guide {g}") +
+                    (f", episodes with the {env.kind_name()} environment (up to {env.max_turns} policy turns)"
+                     if env.active else ""))
         if spec.rollout.filter.active:
             flow.append("filter: " + spec.rollout.filter.describe())
     for (name, sig, obj, _w), gate in zip(terms(spec), gates(spec)):
@@ -183,6 +190,9 @@ def _writers(spec) -> list[str]:
         guide = spec.rollout.guide.describe(spec)
         if guide:
             out.append(guide)
+        env = spec.rollout.environment.describe(spec)
+        if env:
+            out.append(env + " (origin environment: never loss)")
     return out
 
 
@@ -205,6 +215,7 @@ def _segment(seg: Segment) -> dict:
     return {
         "name": seg.name, "start": seg.start, "end": seg.end, "stage": seg.stage, "origin": list(seg.origin),
         "guide": _component(spec.rollout.guide) if rolls_out(spec) else None,
+        "environment": _component(spec.rollout.environment) if rolls_out(spec) else None,
         "terms": [{"name": n, "weight": schedule_json(w), "signal": _component(s) if s else None,
                    "objective": _component(o) if o else None,
                    "gate": None if g is None else {**g.model_dump(mode="json", exclude_none=True),

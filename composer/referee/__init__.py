@@ -114,6 +114,11 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
         rep.expect("gradient only on trained origins", e["grad_origins"] <= trained,
                    f"{e['term']} at step {e['step']}: gradient on {e['grad_origins'] - trained}")
 
+    # ---- episodes (rollout.environment): environment tokens never trained, its answers and the final answer's reward
+    from composer.referee.episodes import check_episodes
+
+    check_episodes(rep, v, plan, rec, events, term_events)
+
     # ---- every declared context with a text for a row is in the prompt the model saw
     prompts = [e for k, e in events if k == "prompt"]
     for e in prompts:
@@ -561,19 +566,22 @@ def _per_row(rows, fn):
 
 def _check_verdicts(rep, rec) -> None:
     """Every verdict the run's scorer returned, recomputed: the row's response (every token after its prompt, as the
-    recorded batch holds it) decoded by the referee and the declared verifier run on it again through the source's
+    recorded batch holds it; an episode's final answer) decoded by the referee and the declared verifier run on it again through the source's
     own `reference_verdicts` (its file), looked up by name in the registry; the reward and `parsed` must agree. A
     source that returns verdicts without that reference is "not covered"."""
     if not rec.verified or rec.tokenizer is None:
         return
-    prompt = CODE["prompt"]
+    from composer.referee.episodes import final_answer
+
     done: dict = {}
     for step, cfg, task_verifier, tokens, origins, example, got in rec.verified:
         if not hasattr(cfg, "reference_verdicts"):
             rep.expect("verdicts re-verified", False, f"source {cfg.kind_name()} returns verdicts but declares no "
                        "reference_verdicts in its file: its rewards are not covered")
             continue
-        text = rec.tokenizer.decode([t for t, o in zip(tokens, origins) if o != prompt], skip_special_tokens=True)
+        # the response, or in an episode its final answer (composer/referee/episodes.py `final_answer`: the tokens
+        # after the last environment turn the policy answered); the same tokens without an environment token
+        text = rec.tokenizer.decode(final_answer(list(tokens), list(origins)), skip_special_tokens=True)
         key = (id(cfg), task_verifier, text, id(example))
         if key not in done:
             done[key] = cfg.reference_verdicts([text], [example], task_verifier)[0]

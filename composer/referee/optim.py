@@ -30,6 +30,8 @@ from __future__ import annotations
 import copy
 import math
 
+from composer.origins import NEVER_LOSS
+
 EPS = 1e-8  # torch.optim.AdamW's default (the spec does not expose it)
 GRAD_TOL = 5e-3  # relative: float32 forwards of one batch in two layouts (flat vs padded)
 STEP_TOL = 1e-3  # relative to the update's size: float32 AdamW against this float64 one
@@ -227,7 +229,7 @@ class UpdateWatch:
             if i == 0:
                 coef = float(reference_value(spec.train.entropy_coef, step))
                 if coef:
-                    m = (b.response_mask & b.attention_mask.bool()).cpu()
+                    m = (b.response_mask & b.attention_mask.bool() & ~b.mask(NEVER_LOSS)).cpu()  # not the environment's
                     total = total - coef * (ent * m).sum() / m.sum().clamp(min=1)
         if not torch.is_tensor(total):
             return None

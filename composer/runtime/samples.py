@@ -1,7 +1,7 @@
 """Rollout samples a run keeps: `samples.jsonl` in the run folder, one JSON object per rollout.
 
 Each object: step, segment, term, row, prompt, response, the response as `spans` [{origin, text, tokens}]
-(policy / guide_prefix / guide_intervention / demonstration), reward, the verifier's verdict (parsed,
+(policy / guide_prefix / guide_intervention / demonstration / environment), reward, the verifier's verdict (parsed,
 detail) when it gave one, `truncated` for the rows the policy sampled (cut at max_new_tokens), and for
 guided rollouts what the guide did (the judge's verdicts and corrections, reviews). Written at every
 `train.samples_every`-th step, at evaluation steps and at the last step; `composer samples RUN` prints them.
@@ -129,6 +129,8 @@ def rows_of(batch, tokenizer, step: int, segment: str = "", term: str = "") -> l
         guide = {k: _plain(notes[k]) for k in GUIDE_NOTES if k in notes}
         if guide:
             row["guide"] = guide
+        if isinstance(notes.get("env"), dict):  # an episode (rollout.environment): its turns, calls, why it ended
+            row["environment"] = _plain(notes["env"])
         out.append(row)
     return out
 
@@ -321,10 +323,19 @@ class SampleLog:
 # ------------------------------------------------------------------------------------------ showing them
 
 
+ENV_MARKS = ("<<", ">>")  # environment-written spans (a tool's answer) in plain text
+
+
 def marked(row: dict, open_mark: str = "[[", close_mark: str = "]]") -> str:
-    """The response with guide-written spans between markers."""
-    return "".join(f"{open_mark}{s.get('text', '')}{close_mark}" if s.get("origin") in GUIDE_ORIGINS else s.get("text", "")
-                   for s in row.get("spans", []))
+    """The response with guide-written spans between markers, and environment-written spans (rollout.environment:
+    a tool's answer) between << and >>."""
+    def one(s):
+        if s.get("origin") in GUIDE_ORIGINS:
+            return f"{open_mark}{s.get('text', '')}{close_mark}"
+        if s.get("origin") == "environment":
+            return f"{ENV_MARKS[0]}{s.get('text', '')}{ENV_MARKS[1]}"
+        return s.get("text", "")
+    return "".join(one(s) for s in row.get("spans", []))
 
 
 def row_header(row: dict) -> str:
@@ -356,6 +367,11 @@ def guide_lines(row: dict) -> list[str]:
         out.append("judge verdicts: " + "; ".join(map(str, g["verdicts"])))
     if g.get("corrections"):
         out.append("judge corrections: " + "; ".join(json.dumps(c, ensure_ascii=False) for c in g["corrections"]))
+    e = row.get("environment") or {}
+    if e:
+        counts = ", ".join(f"{k} {e[k]}" for k in sorted(e) if isinstance(e[k], (int, float)) and k != "rewards")
+        out.append(f"environment: {counts}; ended: {e.get('ended', '?')}"
+                   + (f"; turn rewards {e['rewards']}" if e.get("rewards") else ""))
     v = row.get("verifier") or {}
     if v.get("answer") is not None:
         out.append(f"verifier read: {v['answer']}")
@@ -372,7 +388,7 @@ def markdown(rows: list[dict]) -> str:
         extra = "\n".join(guide_lines(r))
         parts.append(f"**{row_header(r)}**\n\n```\n{body.replace('```', '` ` `')}\n```"
                      + (f"\n\n{extra}" if extra else ""))
-    return "\n\n---\n\n".join(parts) + "\n\n(`[[...]]`: tokens the guide wrote)"
+    return "\n\n---\n\n".join(parts) + "\n\n(`[[...]]`: tokens the guide wrote; `<<...>>`: tokens the environment wrote)"
 
 
 def log_text(logger, rows: list[dict], step: int) -> None:

@@ -96,6 +96,7 @@ class ComposerModule(L.LightningModule):
             for name, cfg in s.spec.sources.items():
                 cfg.preflight(self.ctx, name)
             s.spec.rollout.guide.preflight(self.ctx)
+            s.spec.rollout.environment.preflight(self.ctx)  # a tool's sandbox
             for term in self.plan.at(s.start).terms:
                 term.signal.preflight(self.ctx)
         self.ctx.spec = spec

@@ -59,6 +59,9 @@ LACKS = {
                      "set train.eval_k: 0, and evaluate the exported model with `composer eval MODEL --k N`"),
     "scheduled_entropy": ("OpenRLHF's entropy bonus is its own flag (--actor.entropy_coef), one number for the run; it "
                           "has no schedule", "use a number on the openrlhf backend, or train on lightning"),
+    "episodes": ("the bundle's agent function does not run environment episodes yet (issue 55, item 5: the same "
+                 "episode program, composer/episodes.py, inside OpenRLHF's agent.py)",
+                 "train it on the lightning backend"),
 }
 
 

@@ -1,0 +1,184 @@
+"""Episodes: rollouts that alternate policy turns and environment turns (`rollout.environment`, issue 55).
+
+The program of one episode (composer/protocol.py), run by the Lightning driver in lockstep with the step's other
+rows and by OpenRLHF's agent one row at a time:
+
+    trace = prompt
+    opening = env.reset(example)                      (environment tokens, when not empty)
+    repeat up to max_turns:
+        the policy writes a turn: up to its end of turn, a stop string of the environment (`</tool_call>`: the
+            turn is cut right after the token that completes it; what the sampler wrote after is dropped, as a stop
+            string in vLLM drops it), or the end of its budget (rollout.max_new_tokens over the whole episode)
+        answer, reward, done = env.step(the turn's text)
+        the answer is appended as `environment` tokens: plain prompts get `env.render_plain(answer)`; chat prompts
+            the chat template's rendering of a message of role `env.role` after the policy's turn (the template's
+            end of turn, the message, the next generation prompt)
+        stop when done, when the answer is empty (the policy answered without a call), when the answer would pass
+            max_env_tokens, or after the last turn (a call in it is never executed)
+
+The environment is pure text (composer/contract.py `Environment`); nothing here imports torch. What the episode did
+is in `trace.notes["env"]` (turns, environment tokens, why it ended, the environment's facts such as tool calls and
+tool errors, the per-turn rewards); `facts` averages them over a batch for the step's metrics (env/*).
+
+The verifier of an episode reads its final answer: the response's text after the last environment turn that the
+policy answered (`answer_span`), which is the whole response when no environment token is in it.
+"""
+
+from __future__ import annotations
+
+from composer.protocol import Sample, Trace
+
+PROBE = "Zq7EnvironmentProbe"  # an assistant message's text, found again in the rendered conversation
+
+
+def episode_row(ctx, example, env):
+    """The program of one episode of `example` with the environment part `env` (an active Environment)."""
+    trace = Trace(ctx.prompt_ids(example))
+    session = env.session()
+    notes = {"turns": 0, "env_tokens": 0, "env_turns": 0, "ended": "turns", "rewards": []}
+    policy_left, env_left = ctx.max_new_tokens, env.max_env_tokens
+    opening = session.reset(example) or ""
+    if opening:
+        ids = ctx.encode(opening)
+        if len(ids) > env_left:
+            notes["ended"] = "env_budget"
+            trace.notes["env"] = {**notes, **env.facts(session)}
+            return trace
+        trace.add(ids, "environment")
+        env_left -= len(ids)
+        notes["env_tokens"] += len(ids)
+    stops = env.stop_strings()
+    for turn in range(env.max_turns):
+        if policy_left <= 0:
+            notes["ended"] = "budget"
+            break
+        [gen] = yield Sample(trace.tokens, policy_left)
+        tokens, lps, hit = cut_at_stop(ctx.decode, gen.tokens, gen.logprobs, stops)
+        trace.add(tokens, "policy", lps)
+        policy_left -= len(tokens)
+        notes["turns"] += 1
+        if not hit and not gen.finished:  # cut by the budget in the middle of a turn
+            notes["ended"] = "budget"
+            break
+        if turn == env.max_turns - 1:  # the last turn: never answered (a call in it is not executed)
+            notes["ended"] = "turns" if hit else "answered"
+            break
+        answer, reward, done = session.step(ctx.decode(tokens))
+        if reward is not None:
+            notes["rewards"].append(float(reward))
+        if not answer:  # nothing to say: the policy answered without a call (or the environment ended it silently)
+            notes["ended"] = "answered" if not hit else "environment"
+            break
+        ids = answer_ids(ctx, env, answer)
+        if len(ids) > env_left:
+            notes["ended"] = "env_budget"
+            break
+        trace.add(ids, "environment")
+        env_left -= len(ids)
+        notes["env_tokens"] += len(ids)
+        notes["env_turns"] += 1
+        if done:
+            notes["ended"] = "environment"
+            break
+    trace.notes["env"] = {**notes, **env.facts(session)}
+    return trace
+
+
+def cut_at_stop(decode, tokens: list[int], logprobs, stops) -> tuple[list[int], list | None, bool]:
+    """(the turn's tokens up to and including the token that completes the first stop string, their log-probs,
+    whether a stop string ended it). The sampler's log-probs of the kept tokens are unchanged: a stop string only
+    drops what follows it."""
+    if not stops:
+        return list(tokens), logprobs, False
+    text = ""
+    for k in range(len(tokens)):
+        text = decode(tokens[: k + 1])
+        if any(s in text for s in stops):
+            return list(tokens[: k + 1]), None if logprobs is None else list(logprobs[: k + 1]), True
+    return list(tokens), logprobs, False
+
+
+def chat_mode(ctx) -> bool:
+    """Prompts are rendered with the policy's chat template."""
+    return ctx.prompt_format().mode == "chat"
+
+
+def answer_ids(ctx, env, answer: str) -> list[int]:
+    """The environment tokens of `answer`: plain prompts `env.render_plain(answer)`; chat prompts the template's
+    rendering of a message of role `env.role` after an assistant turn (see `chat_suffix`)."""
+    if chat_mode(ctx):
+        fmt = ctx.prompt_format()
+        return ctx.encode(chat_suffix(ctx.tokenizer, env.role, answer, fmt.kwargs))
+    return ctx.encode(env.render_plain(answer))
+
+
+def chat_suffix(tokenizer, role: str, content: str, kwargs: dict | None = None) -> str:
+    """What the chat template writes between the end of an assistant's text and the next assistant turn's first
+    token when a message (`role`, `content`) follows it: the assistant's end of turn, the message, the generation
+    prompt. Found by rendering a conversation with a probe as the assistant's text, with and without the message."""
+    from composer.template_limits import render
+
+    base = [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": PROBE}]
+    before = render(tokenizer, base, dict(kwargs or {}), add_generation_prompt=False)
+    after = render(tokenizer, base + [{"role": role, "content": content}], dict(kwargs or {}),
+                   add_generation_prompt=True)
+    if PROBE not in before or PROBE not in after:
+        raise ValueError("the chat template drops the assistant's text: the environment's message cannot be placed "
+                         "after it")
+    cut = after.index(PROBE) + len(PROBE)
+    if after[:cut] != before[: before.index(PROBE) + len(PROBE)]:
+        raise ValueError(f"the chat template renders the conversation before a {role} message differently: the "
+                         "environment's message cannot be appended to the policy's turn")
+    return after[cut:]
+
+
+# ------------------------------------------------------------------------------------------ reading episodes
+
+
+def answer_span(origins: list[str]) -> tuple[int, int]:
+    """[start, end) of a response's final answer among its tokens' origins: the tokens after the last environment
+    turn that the policy answered (the last run of non-environment tokens holding a policy token); the whole response
+    when it holds no environment token (or no such run)."""
+    if "environment" not in origins:
+        return 0, len(origins)
+    runs, start = [], None
+    for i, o in enumerate(origins + ["environment"]):
+        if o != "environment" and start is None:
+            start = i
+        elif o == "environment" and start is not None:
+            runs.append((start, i))
+            start = None
+    for s, e in reversed(runs):
+        if any(o == "policy" for o in origins[s:e]):
+            return s, e
+    return 0, len(origins)
+
+
+def turns_of(tokens: list[int], origins: list[str]) -> list[tuple[str, list[int]]]:
+    """A response as its turns: [(origin group, tokens)], 'environment' runs and the runs between them ('policy')."""
+    out: list[tuple[str, list[int]]] = []
+    for t, o in zip(tokens, origins):
+        who = "environment" if o == "environment" else "policy"
+        if out and out[-1][0] == who:
+            out[-1][1].append(t)
+        else:
+            out.append((who, [t]))
+    return out
+
+
+def facts(notes: list) -> dict[str, float]:
+    """Per-row means over a batch's episodes (rows whose notes hold `env`): env/turns (policy turns), env/env_turns
+    (environment answers), env/env_tokens, every count the environment reports (env/tool_calls, env/tool_errors),
+    env/turn_reward (the sum of per-turn rewards), and the fraction of episodes ended by each cause
+    (env/ended_<why>: answered, environment, turns, budget, env_budget). {} when no row is an episode."""
+    eps = [n["env"] for n in notes if isinstance(n, dict) and isinstance(n.get("env"), dict)]
+    if not eps:
+        return {}
+    out: dict[str, float] = {}
+    keys = sorted({k for e in eps for k, v in e.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    for k in keys:
+        out[f"env/{k}"] = sum(float(e.get(k, 0)) for e in eps) / len(eps)
+    out["env/turn_reward"] = sum(sum(e.get("rewards", [])) for e in eps) / len(eps)
+    for why in ("answered", "environment", "turns", "budget", "env_budget"):
+        out[f"env/ended_{why}"] = sum(e.get("ended") == why for e in eps) / len(eps)
+    return out
