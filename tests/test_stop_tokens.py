@@ -10,9 +10,12 @@ the next token is a function of the current one, and the unembedding maps each t
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import itertools
 import json
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -312,3 +315,79 @@ def test_an_openrlhf_bundle_ends_sft_targets_with_the_end_of_turn(m, tmp_path, c
     assert rows and all(row["target"].endswith("}.<|im_end|>") for row in rows)  # not the eos, <|endoftext|>
     plan = json.loads((out / "plan.json").read_text())
     assert plan["stop_tokens"].endswith(f"targets end with {m['turn']}")
+
+
+# ------------------------------------------------------------------------------------------ OpenRLHF's own rollouts
+
+
+def no_turn_in_generation_config(m: dict, root: Path) -> str:
+    """The model with a generation_config that lists the tokenizer's eos only: the end of turn is known from the chat
+    template alone, so vLLM, asked nothing, would generate past it."""
+    import shutil
+
+    folder = root / "model-eos-only"
+    shutil.copytree(m["model"], folder)
+    cfg = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**cfg, "eos_token_id": m["eos"]}))
+    return str(folder)
+
+
+@pytest.mark.parametrize("where", ["openrlhf_fit/standins.py:CpuLLM", "openrlhf_real/hf_vllm.py:HFEngine"])
+def test_the_vllm_stand_ins_stop_where_vllm_does(m, tmp_path, where, monkeypatch):
+    """The CPU stand-ins of vLLM that OpenRLHF's jobs run here (the fit loop's and the real cluster tier's) stop as
+    vLLM 0.32 does: at the tokenizer's eos, at generation_config's eos_token_id and at SamplingParams.stop_token_ids;
+    so with generation_config listing the eos only and nothing asked, they write past the end of turn."""
+    path, name = where.split(":")
+    spec = importlib.util.spec_from_file_location(f"standin_{name}", Path(__file__).parent / path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    engine = getattr(module, name)
+
+    @dataclasses.dataclass
+    class SP:  # vLLM's SamplingParams, the fields the stand-in reads
+        max_tokens: int = 16
+        temperature: float = 0.0
+        min_tokens: int = 0
+        stop_token_ids: list | None = None
+
+    prompt = realmodel.chat("x")
+    both = engine({"model": m["model"], "max_model_len": 512, "dtype": "float32"})
+    ids = both.tok.encode(prompt, add_special_tokens=False)
+    assert both._generate(ids, SP(), None).outputs[0].token_ids == m["answer"]  # generation_config names the turn
+    eos_only = engine({"model": no_turn_in_generation_config(m, tmp_path), "max_model_len": 512, "dtype": "float32"})
+    out = eos_only._generate(ids, SP(), None).outputs[0]
+    assert out.token_ids == m["chain"][1:] and out.finish_reason == "stop"  # past <|im_end|>, to <|endoftext|>
+    out = eos_only._generate(ids, SP(stop_token_ids=[m["turn"]]), None).outputs[0]
+    assert out.token_ids == m["answer"] and out.finish_reason == "stop"
+    out = eos_only._generate(ids, SP(stop_token_ids=[m["turn"]], min_tokens=len(m["answer"]) + 1), None).outputs[0]
+    assert m["turn"] not in out.token_ids[: len(m["answer"])]  # min_tokens masks every stop token, as vLLM's
+
+
+@pytest.mark.skipif(importlib.util.find_spec("openrlhf") is None, reason="needs openrlhf (make setup)")
+def test_openrlhf_native_rollouts_and_evaluation_stop_at_the_end_of_turn(m, tmp_path):
+    """A GRPO bundle on OpenRLHF's own route (reward.py, no agent: OpenRLHF's SingleTurnAgentExecutor samples) with a
+    model whose generation_config lists only the tokenizer's eos: OpenRLHF's fit loop (tests/openrlhf_fit/driver.py,
+    vLLM's stand-in stopping where vLLM does) samples every training and evaluation rollout up to <|im_end|>, since
+    the hooks ask vLLM for every stop token; the evaluation reads the turn's \\boxed{19} (reward 1)."""
+    from test_openrlhf_fit import drive
+
+    from composer.backends.openrlhf.bundle import compile_bundle
+    from composer.backends.openrlhf.flags import Layout
+    from composer.checks.validate import validate_loaded
+    from composer.lang.loader import load_text
+
+    model = no_turn_in_generation_config(m, tmp_path)
+    text = spec_text({**m, "model": model}, EXACT.replace("eval_every: 0", "eval_every: 1"))
+    v = validate_loaded(load_text(text.replace("steps: 1,", "steps: 2,")))
+    assert v.spec.signal.kind == "reward"
+    bundle = tmp_path / "bundle"
+    compile_bundle(v, bundle, Layout(nodes=1, gpus_per_node=1, cluster_dir=str(tmp_path / "cluster")))
+    assert not (bundle / "agent.py").exists()  # OpenRLHF's own executor samples
+    out = drive(bundle, tmp_path)
+    train = [s for r in out["rollouts"] if not r["eval"] for s in r["samples"]]
+    evals = [s for r in out["rollouts"] if r["eval"] for s in r["samples"]]
+    assert len(train) == 8 and evals
+    for s in train + evals:
+        assert s["response"] == m["answer"] and not s["truncated"], s  # ends with <|im_end|>, nothing after it
+    assert all(s["reward"] == 1.0 for s in evals)  # the eval rows answer 19: read in the turn, not after it

@@ -15,7 +15,8 @@ The stand-ins are in standins.py.
 The report (JSON, --out) holds what crossed the Ray boundary and what the trainer did, step by step:
   trainer_steps  every train_step: the step in, the step out, status['composer/synced']
   rollouts       every generate_responses call: the step in its label, the engine's weights fingerprint,
-                 and per sample the label's provenance (control, guided, weight, origins) and reward
+                 and per sample the label's provenance (control, guided, weight, origins), reward, the trained
+                 (action) tokens and whether it was cut at max_tokens
   fits           every PolicyModelActor.fit: the steps its experiences were sampled at, the actor's weights
                  before / after, the loss DeepSpeed back-propagated (sum over micro-batches of loss / gas),
                  and the Lightning backend's loss of the same step (composer/step.py `loss` over one
@@ -118,7 +119,9 @@ class Recorder:
                 samples.append({"control": m.get("control"), "guided": m.get("guided"), "tag": m.get("tag"),
                                 "weight": m.get("weight"), "origins": sorted({o for _, _, o in m.get("spans") or []}),
                                 "reward": r.get("reward"), "tokens": len(r["observation_tokens"]),
-                                "action_tokens": sum(e - s for s, e in r["action_ranges"])})
+                                "action_tokens": sum(e - s for s, e in r["action_ranges"]),
+                                "response": [t for s, e in r["action_ranges"] for t in r["observation_tokens"][s:e]],
+                                "truncated": bool(r.get("truncated"))})
             self.rollouts[-1]["samples"] = samples
         if handle._role == "actor" and name == "execute_batch" and args[0] == "append":
             data = args[1]

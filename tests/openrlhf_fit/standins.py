@@ -10,7 +10,8 @@ Replaced (each a small class or function below, installed by `install`):
                   results like Ray. Placement groups are records (no GPUs to reserve).
   vLLM's engine   `vllm.AsyncEngineArgs` / `vllm.AsyncLLMEngine` (added to the import stub): `CpuLLM` loads the
                   checkpoint in the engine's dtype (bfloat16) and samples on CPU with temperature, top-k, top-p,
-                  min_tokens and EOS, returning vLLM's RequestOutput shape (token_ids, text, per-token logprobs
+                  min_tokens and vLLM's stop tokens (the tokenizer's EOS, generation_config.json's eos_token_id,
+                  SamplingParams.stop_token_ids), returning vLLM's RequestOutput shape (token_ids, text, per-token logprobs
                   dicts, prompt_logprobs, finish_reason); sleep / wake_up are tracked and enforced; the weight
                   sync RPCs of OpenRLHF's WorkerWrap (update_weight over a broadcast group, update_weight_cuda_ipc)
                   load the trainer's tensors by name, with WorkerWrap's dtype check. OpenRLHF's RolloutRayActor
@@ -20,7 +21,8 @@ Replaced (each a small class or function below, installed by `install`):
                   `deepspeed.initialize` -> `EngineStandIn`: ZeRO-2 semantics on one rank (fp32 master weights
                   and gradient accumulation, loss / gradient_accumulation_steps in backward, the optimizer step
                   at the accumulation boundary only, global-norm clipping, AdamW from the config's optimizer
-                  section, the lr scheduler factory). OpenRLHF's DeepspeedStrategy itself is the real class.
+                  section, the lr scheduler factory; save_checkpoint writes the module's weights and the client
+                  state, as after an evaluation's new best). OpenRLHF's DeepspeedStrategy itself is the real class.
   CUDA            torch.cuda.current_device / synchronize / set_device / current_stream / empty_cache, and
                   OpenRLHF's get_physical_gpu_id (the CUDA-IPC handle key), answer for the CPU.
   torchdata       StatefulDataLoader: torch's DataLoader with state_dict / load_state_dict (the import stub
@@ -363,6 +365,18 @@ def fingerprint(params) -> str:
     return h.hexdigest()[:16]
 
 
+def generation_eos(model: str) -> set:
+    """eos_token_id of the model folder's generation_config.json (an int or a list), as vLLM reads it with
+    `generation_config="auto"` and adds to every request's stop tokens; none without the file."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    except OSError:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos or ())
+
+
 class CpuLLM:
     """vllm.AsyncLLMEngine on CPU (see the module docstring)."""
 
@@ -381,6 +395,7 @@ class CpuLLM:
         self.model.eval()
         self.tok = AutoTokenizer.from_pretrained(kw["model"])
         self.eos = self.tok.eos_token_id
+        self.stops = ({self.eos} | generation_eos(kw["model"])) - {None}  # what vLLM stops at unasked
         self.max_model_len = int(kw["max_model_len"])
         self.generator = torch.Generator().manual_seed(int(kw.get("seed", 0)))
         self.logprobs_mode = kw.get("logprobs_mode") or "raw_logprobs"
@@ -448,11 +463,12 @@ class CpuLLM:
     async def generate(self, prompt, sampling_params, request_id=None):
         yield self._generate(list(prompt["prompt_token_ids"]), sampling_params, request_id)
 
-    def _process(self, logits: torch.Tensor, sp, n_out: int) -> torch.Tensor:
-        """Temperature, min_tokens (EOS masked), top-k, top-p: the distribution that is sampled."""
+    def _process(self, logits: torch.Tensor, sp, n_out: int, stops=()) -> torch.Tensor:
+        """Temperature, min_tokens (every stop token masked, as vLLM masks all_stop_token_ids), top-k, top-p: the
+        distribution that is sampled."""
         x = logits.clone()
         if n_out < (getattr(sp, "min_tokens", 0) or 0):
-            x[self.eos] = float("-inf")
+            x[sorted(set(stops) | self.stops)] = float("-inf")
         t = sp.temperature if sp.temperature and sp.temperature > 0 else 1.0
         x = x / t
         k = getattr(sp, "top_k", -1) or -1
@@ -497,8 +513,9 @@ class CpuLLM:
             prompt_lps = [None] + [self._logprob_entry(lps[i], t) for i, t in enumerate(ids[1:])]
         cache, logits = self._cache(out), out.logits[0, -1].float()
         toks, entries, finish = [], [], "length"
+        stops = self.stops | set(getattr(sp, "stop_token_ids", None) or ())
         for _ in range(max_tokens):
-            x = self._process(logits, sp, len(toks))
+            x = self._process(logits, sp, len(toks), stops)
             if greedy:
                 tok = int(torch.argmax(x))
             else:
@@ -506,7 +523,7 @@ class CpuLLM:
             if getattr(sp, "logprobs", None) is not None:
                 entries.append(self._logprob_entry(torch.log_softmax(x if processed else logits, -1), tok))
             toks.append(tok)
-            if tok == self.eos:
+            if tok in stops:
                 finish = "stop"
                 break
             if len(toks) == max_tokens:
@@ -634,6 +651,21 @@ class EngineStandIn(torch.nn.Module):
     def reload_states(self, non_blocking=True):
         self.reloads += 1
 
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
+        """DeepSpeedEngine.save_checkpoint (OpenRLHF saves one after an evaluation that set a new best: `best_*`):
+        the module's weights and the client state under save_dir/tag, enough for a test to see it happened."""
+        import json
+
+        folder = os.path.join(save_dir, str(tag or f"global_step{self.global_steps}"))
+        os.makedirs(folder, exist_ok=True)
+        torch.save(self.module.state_dict(), os.path.join(folder, "module.pt"))
+        with open(os.path.join(folder, "client_state.json"), "w") as f:
+            json.dump(client_state or {}, f, default=str)
+        if save_latest:
+            with open(os.path.join(save_dir, "latest"), "w") as f:
+                f.write(os.path.basename(folder))
+        return True
+
 
 def ds_initialize(model=None, optimizer=None, model_parameters=None, lr_scheduler=None, config=None, args=None,
                   dist_init_required=None, **_kw):
@@ -658,6 +690,7 @@ def patch_deepspeed() -> None:
 
     deepspeed.initialize = ds_initialize
     deepspeed.init_distributed = ds_init_distributed
+    deepspeed.DeepSpeedEngine = EngineStandIn  # DeepspeedStrategy.save_ckpt asserts the engine's class
     ds_mod.init_device_mesh = lambda device_type, shape, mesh_dim_names=None: init_device_mesh(
         "cpu", shape, mesh_dim_names=mesh_dim_names)
 

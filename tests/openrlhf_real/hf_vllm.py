@@ -9,8 +9,9 @@ process) builds `vllm.AsyncLLMEngine.from_engine_args(vllm.AsyncEngineArgs(...))
 Interface assumptions it makes (pinned by tests/test_vllm_interface.py, checked against real vLLM on a GPU by
 examples/cluster/vllm_interface_check.py and against vLLM 0.32's CPU build by tests/test_vllm_real.py):
   A1 sampling: logits / temperature, then top-k, then top-p (nucleus over the tempered distribution);
-     `min_tokens` masks EOS; greedy when temperature == 0; stops at EOS (finish_reason "stop") or max_tokens
-     ("length"); EOS is part of `token_ids`.
+     `min_tokens` masks every stop token; greedy when temperature == 0; stops (finish_reason "stop") at the first
+     stop token: the tokenizer's EOS, generation_config.json's eos_token_id (vLLM's update_from_generation_config)
+     and `SamplingParams.stop_token_ids`; else at max_tokens ("length"); the stop token is part of `token_ids`.
   A2 `logprobs_mode="processed_logprobs"` (what OpenRLHF asks for with is_correction_level != off): the
      per-token log-probs are of the tempered, top-k/top-p-filtered distribution; "raw_logprobs" of the
      model's own. Each position's dict holds the sampled token (and the top-1 when it differs).
@@ -81,11 +82,12 @@ def fingerprint(params) -> str:
     return h.hexdigest()[:16]
 
 
-def process(logits: torch.Tensor, sp, n_out: int, eos: int) -> torch.Tensor:
-    """A1: temperature, min_tokens (EOS masked), top-k, top-p -> the logits that are sampled. [V] -> [V]"""
+def process(logits: torch.Tensor, sp, n_out: int, eos) -> torch.Tensor:
+    """A1: temperature, min_tokens (the stop tokens `eos`, one id or several, masked), top-k, top-p -> the logits
+    that are sampled. [V] -> [V]"""
     x = logits.clone()
     if n_out < (getattr(sp, "min_tokens", 0) or 0):
-        x[eos] = float("-inf")
+        x[[eos] if isinstance(eos, int) else sorted(eos)] = float("-inf")
     t = sp.temperature if sp.temperature and sp.temperature > 0 else 1.0
     x = x / t
     k = getattr(sp, "top_k", -1) or -1
@@ -97,6 +99,18 @@ def process(logits: torch.Tensor, sp, n_out: int, eos: int) -> torch.Tensor:
         probs = torch.softmax(srt, -1)
         x[idx[probs.cumsum(-1) - probs > p]] = float("-inf")
     return x
+
+
+def generation_eos(model: str) -> set:
+    """eos_token_id of the model folder's generation_config.json (an int or a list), as vLLM reads it with
+    `generation_config="auto"` and adds to every request's stop tokens (A1); none without the file."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    except OSError:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos or ())
 
 
 class HFEngine:
@@ -114,6 +128,7 @@ class HFEngine:
         self.model.eval()
         self.tok = AutoTokenizer.from_pretrained(kw["model"])
         self.eos = self.tok.eos_token_id
+        self.stops = ({self.eos} | generation_eos(kw["model"])) - {None}  # A1: what vLLM stops at unasked
         self.max_model_len = int(kw["max_model_len"])
         self.generator = torch.Generator().manual_seed(int(kw.get("seed", 0)))
         self.processed = (kw.get("logprobs_mode") or "raw_logprobs").startswith("processed")
@@ -215,14 +230,15 @@ class HFEngine:
             prompt_lps = [None] + [self._entry(lps[i], tok) for i, tok in enumerate(ids[1:])]
         cache, logits = self._cache(out), out.logits[0, -1].float()
         toks, entries, finish = [], [], "length"
+        stops = self.stops | set(getattr(sp, "stop_token_ids", None) or ())  # A1
         for _ in range(max_tokens):
-            x = process(logits, sp, len(toks), self.eos)
+            x = process(logits, sp, len(toks), stops)
             tok = int(torch.argmax(x)) if greedy else int(torch.multinomial(torch.softmax(x, -1), 1,
                                                                             generator=generator))
             if getattr(sp, "logprobs", None) is not None:  # A2
                 entries.append(self._entry(torch.log_softmax(x if self.processed else logits, -1), tok))
             toks.append(tok)
-            if tok == self.eos:
+            if tok in stops:
                 finish = "stop"
                 break
             if len(toks) == max_tokens:

@@ -12,8 +12,11 @@ What is patched, and only when the run's plugin section asks for it:
                      top_k into vLLM's SamplingParams; generate_samples: the run ends at its declared steps, a
                      step that cannot be filled fails; _generate_vllm: the rollouts in dispatch order (dispatch_order)
   agent              (always) SingleTurnAgentExecutor.execute (rollout engine, runs without a guide): each sample's
-                     vLLM request seeded from (seed, global step, prompt, draw): see sample_seeds. The
-                     composer's agent (agent.py) seeds its own requests the same way
+                     vLLM request seeded from (seed, global step, prompt, draw): see sample_seeds, and stopped at
+                     every one of the policy's stop tokens (composer/stops.py: OpenRLHF's SamplingParams carry
+                     none, so vLLM would stop only at the tokenizer's and generation_config's eos, never at a chat
+                     template's end of turn listed in neither): see stop_ids. The composer's agent (agent.py)
+                     seeds and stops its own requests the same way
   ppo_trainer        BasePPOTrainer.train_step / broadcast_to_vllm / init_checkpoint_states: weights reach
                      vLLM after the steps the Plan's schedule names; the step counter; save_logs_and_checkpoints:
                      checkpoints only where a resume keeps the sync schedule; prepare_datasets: the prompt
@@ -278,13 +281,29 @@ def sample_seeds(prompt: str, label, counts: dict):
     return request_seeds(at.spec.train.seed, at.step, prompt, draw), draw
 
 
+def stop_ids(tokenizer, label, cache: dict) -> tuple:
+    """The policy's stop tokens (composer/stops.py) for the sample of `label` (the Plan at its step: its prompt
+    format), read with OpenRLHF's tokenizer; computed once per segment (`cache`, the executor's)."""
+    from composer.backends.openrlhf.batch import decode_label
+    from composer.stops import for_spec
+
+    spec = _at(int(decode_label(label).get("step", 0))).spec
+    if id(spec) not in cache:
+        cache[id(spec)] = for_spec(tokenizer, spec).ids if tokenizer is not None else ()
+    return cache[id(spec)]
+
+
 def _patch_single_turn(mod) -> None:
     cls = mod.SingleTurnAgentExecutor
     orig = cls.execute
 
     async def execute(self, prompt, label, sampling_params, *args, **kwargs):
+        from composer.backends.openrlhf.agent import _with_stops
+
         seeds, _draw = sample_seeds(prompt, label, self.__dict__.setdefault("_composer_draws", {}))
-        sp = copy.deepcopy(sampling_params)
+        tok = kwargs.get("hf_tokenizer", args[1] if len(args) > 1 else None)  # execute(.., max_length, hf_tokenizer, ..)
+        sp = copy.deepcopy(_with_stops(sampling_params, stop_ids(tok, label, self.__dict__.setdefault(
+            "_composer_stops", {}))))
         sp.seed = seeds()
         return await orig(self, prompt, label, sp, *args, **kwargs)
 

@@ -16,4 +16,5 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     seed: int | None = None
+    stop_token_ids: list | None = None  # besides the eos of the tokenizer and generation_config (vLLM's own)
     extra: dict = field(default_factory=dict)
