@@ -306,8 +306,8 @@ def spec_problem(spec) -> str | None:
 
     for sig, _obj in signal_objective_pairs(spec):
         kind = getattr(sig, "kind", None)
-        if kind != "sft" or getattr(sig, "target", None) == "guided":
-            what = f"signal '{kind}'" + (" with target guided" if kind == "sft" else "")
+        if kind != "sft" or getattr(sig, "target", None) in ("guided", "rollouts"):
+            what = f"signal '{kind}'" + (f" with target {sig.target}" if kind == "sft" else "")
             return (f"messages rows (conversations) are SFT data: SFT trains their assistant turns, but this spec's "
                     f"{what} needs prompt rows (prompt, answer fields)")
     return None

@@ -185,3 +185,71 @@ def test_no_backend_branches_on_a_component_kind():
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in sorted((ROOT / "composer" / "backends").rglob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert not found, "\n".join(found)
+
+
+# PPO with a critic runs on OpenRLHF's own critic (flags.py _critic_objective / _critic_flags): one non-default value
+# per field of ppo and of its critic; each changes the launch or is refused with the reason (VAPO's decoupled and
+# length-adaptive lambdas are refused: OpenRLHF has one --algo.advantage.lambd for advantages and returns)
+PPO = ROOT / "specs" / "methods" / "ppo.yaml"
+PPO_NON_DEFAULT = {
+    "objective.loss_tokens": "[policy,prompt]",
+    "objective.gamma": "0.9",
+    "objective.lambd": "adaptive",
+    "objective.length_alpha": "0.1",
+    "objective.critic_lambda": "1.0",
+    "objective.whiten": "mean",
+    "objective.kl_coef": "0.05",
+    "objective.kl_estimator": "k3",
+    "objective.clip": "0.3",
+    "objective.clip_low": "0.1",
+    "objective.clip_high": "0.28",
+    "objective.loss_agg": "seq-mean-token-mean",
+    "objective.critic.network": "shared",
+    "objective.critic.model": "/models/critic",
+    "objective.critic.lr": "1.0e-3",
+    "objective.critic.value_clip": "0.5",
+    "objective.critic.value_coef": "0.5",
+    "objective.critic.trust_remote_code": "true",
+}
+
+
+def test_every_field_of_the_ppo_route_is_enumerated():
+    from components.objectives.critic import Critic
+
+    ppo = {f"objective.{f}" for f in set(kinds("objective")["ppo"].model_fields) - {"kind", "critic"}}
+    critic = {f"objective.critic.{f}" for f in Critic.model_fields}
+    assert set(PPO_NON_DEFAULT) == ppo | critic
+
+
+def _ppo_route(overrides: list[str]):
+    try:
+        v = validate_file(PPO, ["policy.model=/models/policy", *overrides])
+        run, = build_runs(v, Layout(nodes=1, gpus_per_node=2), _inputs())
+    except SpecError as e:
+        return "refused", str(e)
+    except Unsupported as e:
+        return "refused", f"{'.'.join(map(str, e.path))}: {e}"
+    assert not run.plugin["loss"]  # a critic runs only on OpenRLHF's own PolicyLoss: never the composer's loss
+    return "native", run.argv
+
+
+def test_the_ppo_spec_runs_on_openrlhfs_critic():
+    route, argv = _ppo_route([])
+    assert route == "native" and "--critic.model_name_or_path" in argv
+
+
+@pytest.mark.parametrize("field", sorted(PPO_NON_DEFAULT))
+def test_a_non_default_ppo_field_changes_the_launch_or_is_refused(field):
+    _, base = _ppo_route([])
+    route, what = _ppo_route([f"{field}={PPO_NON_DEFAULT[field]}"])
+    if route == "native":
+        assert what != base, f"{field}: the same OpenRLHF launch as the default"
+    else:
+        assert what, field
+
+
+@pytest.mark.parametrize("field,words", [("lambd", "no lambda per response length"),
+                                         ("critic_lambda", "cannot take their own lambda")])
+def test_vapos_lambdas_are_refused_with_the_reason(field, words):
+    route, why = _ppo_route([f"objective.{field}={PPO_NON_DEFAULT['objective.' + field]}"])
+    assert route == "refused" and f"objective.{field}" in why and words in why, why

@@ -39,8 +39,16 @@ MECHANISM = {  # spec -> text explain must show
     "psr.yaml": "advantage: sign-weighted, no baseline (PSR): A = +1 for a success (reward >= 0.5), 0 for a failure",
     "w-reinforce.yaml": "advantage: sign-weighted, no baseline (W-REINFORCE, lambda 0.1): A = +0.1 for a success "
                         "(reward >= 0.5), -1 for a failure",
+    "vapo.yaml": "advantage: GAE gamma 1, lambda_policy = 1 - 1/(0.05 l) per response (length-adaptive, VAPO; l its "
+                 "action tokens; clamped to [0, 1]) over the critic's old values",
 }
 MECHANISM_MORE = {  # further lines explain must show
+    "vapo.yaml": ["critic targets: G = A^c + V_old, A^c GAE at its own lambda 1 (decoupled GAE",
+                  "bound: PPO clip [1-0.2, 1+0.28]; aggregation: token-mean",
+                  "nll: sft -> cross_entropy (weight 0.1)", "SFT on the policy's own rollouts of the step",
+                  "gate: only rows where the rollout succeeded",
+                  "policy: frozen (train.freeze_policy): no policy loss and no policy update; the critic alone learns",
+                  "critic: ppo: carried on from the previous phase (weights, AdamW state, update count)"],
     "luffy.yaml": ["all in one advantage group, the traces scored by the same reward",
                    "tokens the policy did not write (demonstration): loss -A w(pi), w = pi / (pi + 0.1) (LUFFY's policy "
                    "shaping), no ratio, no clip", "aggregation: token-mean; no KL loss"],
@@ -55,6 +63,7 @@ HOT = {n: ["data.train_tiers=[6]", "rollout.max_new_tokens=48"] for n in ("cispo
                                               "kl-cov.yaml", "clip-cov.yaml", "luffy.yaml", "ppo.yaml", "ppo-rm.yaml",
                                               "sapo.yaml", "nsr.yaml", "psr.yaml", "w-reinforce.yaml")}
 
+HOT["vapo.yaml"] = ["data.train_tiers=[4,6]", "rollout.max_new_tokens=48"]  # successes for its NLL term
 HOT["archer.yaml"] = HOT["kl-cov.yaml"]  # Archer's classes act only where the groups are mixed (A != 0)
 
 

@@ -50,7 +50,9 @@ LIGHTNING_ONLY = {"specs/hybrids/fkl-plus-sft.yaml": ("terms[1].signal", "cannot
                   # the same for a selection by the old policy's entropy (the 80/20 update, Archer's classes)
                   "specs/methods/entropy-8020.yaml": ("objective.token_selection",
                                                       "a per-token mask has no carrier there"),
-                  "specs/methods/archer.yaml": ("objective.token_selection", "a per-token mask has no carrier there")}
+                  "specs/methods/archer.yaml": ("objective.token_selection", "a per-token mask has no carrier there"),
+                  # PPO with a second (gated) term: OpenRLHF's critic runs with its own PolicyLoss alone (VAPO)
+                  "specs/methods/vapo.yaml": ("terms[0].objective", "one objective: other terms")}
 # the teacher whose generations give PrefixRL its prefixes takes a GPU of its own: 4 + 1 per node
 GPUS_PER_NODE = {"specs/methods/prefixrl.yaml": 5}
 SPECS = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("specs/*.yaml"), *ROOT.glob("specs/hybrids/*.yaml"),

@@ -8,7 +8,10 @@ OpenRLHF 0.11.2 and TRL's PPOTrainer compute it (ALGORITHMS.md section 14). The 
 Per token of the loss mask (the policy's actions; position t predicts tokens[b, t]):
   r_t   = -beta KL_t, plus the sequence reward R at the row's last action token; KL_t = k(log pi_old - log pi_ref)
   delta_t = r_t + gamma V_{t+1} - V_t  (V past the last action token is 0)
-  A_t   = sum_l (gamma lambda)^l delta_{t+l};   G_t = A_t + V_t   (old values)
+  A_t   = sum_l (gamma lambda)^l delta_{t+l};   G_t = A^c_t + V_t   (old values; A^c the same sum at the critic's
+          lambda, `critic_lambda`, VAPO's decoupled GAE: 1.0 for the critic, the policy's own for A)
+  lambda (the policy's) a number, or `adaptive`: per row 1 - 1/(alpha l), l its action tokens (VAPO, Yue et al.
+          2025, arXiv 2504.05118, section 3.2, alpha 0.05), clamped to [0, 1]
   A     whitened over the step's action tokens (mean and std, or the mean only, or not at all)
   L_pi  = agg( -min(rho_t A_t, clip(rho_t, 1 - eps_lo, 1 + eps_hi) A_t) )
   L_V   = token-mean( 0.5 max((V - G)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - G)^2) )
@@ -18,9 +21,9 @@ from __future__ import annotations
 
 import math
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Optional, Union
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from components.objectives.base import Aggregation, InertSetting, Objective, Reduction, aggregate, masked_mean
 from components.objectives.critic import Critic
@@ -56,13 +59,14 @@ def token_rewards(seq_reward: Tensor, mask: Tensor, kl: Tensor | None, kl_coef: 
     return r
 
 
-def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lambd: float) -> tuple[Tensor, Tensor]:
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lambd: float | Tensor) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over each row's action tokens, in order (GAE, Schulman et al. 2016):
 
       delta_j = r_j + gamma V_{j+1} - V_j,   A_j = delta_j + gamma lambda A_{j+1},   G_j = A_j + V_j
     with j running over the row's action positions (a position off the mask is skipped, not a step of the
-    recursion) and V, A past the last action 0. rewards, values [B, T], mask [B, T] bool -> (A [B, T], G [B, T]),
-    0 off the mask. float32, as OpenRLHF's get_advantages_and_returns."""
+    recursion) and V, A past the last action 0. rewards, values [B, T], mask [B, T] bool, lambd a number or [B] (one
+    per row: VAPO's length-adaptive lambda) -> (A [B, T], G [B, T]), 0 off the mask. float32, as OpenRLHF's
+    get_advantages_and_returns."""
     B, T = mask.shape
     n = mask.sum(1)  # [B]
     L = int(n.max()) if B else 0
@@ -76,15 +80,24 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lambd: floa
     adv = torch.zeros((B, L), dtype=torch.float32, device=mask.device)
     running = torch.zeros(B, dtype=torch.float32, device=mask.device)
     next_v = torch.zeros(B, dtype=torch.float32, device=mask.device)
+    decay = gamma * lambd if not torch.is_tensor(lambd) else gamma * lambd.to(mask.device, torch.float32)  # or [B]
     for j in reversed(range(L)):
         delta = r[:, j] + gamma * next_v - v[:, j]
-        running = delta + gamma * lambd * running
+        running = delta + decay * running
         adv[:, j] = running
         next_v = v[:, j]
     adv = torch.where(valid, adv, torch.zeros_like(adv))
     out_a = out_a.scatter(1, order, adv)  # positions off the mask receive the invalid slots' zeros
     ret = torch.where(mask, out_a + values.float(), torch.zeros_like(out_a))
     return out_a, ret
+
+
+def adaptive_lambda(mask: Tensor, alpha: float) -> Tensor:
+    """VAPO's length-adaptive GAE lambda (Yue et al. 2025, arXiv 2504.05118, eq. 7): lambda = 1 - 1/(alpha l) per row,
+    l its action tokens, clamped to [0, 1] (below l = 1/alpha the formula is negative; the paper's responses are
+    thousands of tokens long and never reach it). mask [B, T] bool -> [B] float32."""
+    n = mask.sum(1).to(torch.float32)  # [B]
+    return (1.0 - 1.0 / (alpha * n.clamp(min=1.0))).clamp(0.0, 1.0)
 
 
 def whiten(adv: Tensor, mask: Tensor, how: str) -> Tensor:
@@ -127,7 +140,8 @@ class Ppo(Objective):
     """PPO with a learned critic (Schulman et al. 2017, arXiv 1707.06347; GAE, Schulman et al. 2016, arXiv 1506.02438;
     KL in the per-token reward as InstructGPT, Ouyang et al. 2022, OpenRLHF and TRL):
 
-      r_t = -kl_coef KL_t (+ R at the last action token);  A = GAE(gamma, lambd) over V_old from `critic`
+      r_t = -kl_coef KL_t (+ R at the last action token);  A = GAE(gamma, lambd) over V_old from `critic`, lambd a
+      number or VAPO's length-adaptive 1 - 1/(length_alpha l); the critic's targets at critic_lambda (decoupled GAE)
       L = agg(-min(rho A_t, clip(rho) A_t)) [+ value_coef L_V with a shared network]
     The critic (`critic`) learns L_V = 0.5 max((V - G)^2, (V_old + clip(V - V_old) - G)^2), G = A + V_old, on the
     same mini-batches and epochs as the policy. Reads a sequence reward (an outcome_reward or a reward_model
@@ -137,7 +151,9 @@ class Ppo(Objective):
     kind: Literal["ppo"] = Field("ppo", description="Component kind.")
     critic: Critic = Field(default_factory=Critic, description="The value model: own network (default: the policy's weights + a scalar head) or a head on the policy; its lr and value clip.")
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount gamma (recipe 1).")
-    lambd: float = Field(0.95, ge=0, le=1, description="GAE lambda (recipe 0.95; OpenRLHF --algo.advantage.lambd).")
+    lambd: Union[Annotated[float, Field(ge=0, le=1)], Literal["adaptive"]] = Field(0.95, description="GAE lambda of the policy's advantages (recipe 0.95; OpenRLHF --algo.advantage.lambd), or `adaptive`: VAPO's length-adaptive lambda 1 - 1/(length_alpha l) per response, l its action tokens, clamped to [0, 1].")
+    length_alpha: float = Field(0.05, gt=0, allow_inf_nan=False, description="With `lambd: adaptive`: alpha of lambda = 1 - 1/(alpha l) (VAPO 0.05: lambda 0 at 20 tokens, 0.95 at 400, 0.995 at 4000).")
+    critic_lambda: Optional[Annotated[float, Field(ge=0, le=1)]] = Field(None, description="GAE lambda of the critic's targets G = A + V_old, apart from the policy's (VAPO's decoupled GAE: 1.0, the Monte-Carlo return with gamma 1); null: the policy's lambd (one GAE for both, as OpenRLHF and TRL).")
     whiten: Literal["mean_std", "mean", "none"] = Field("mean_std", description="Normalise the advantages over the step's action tokens: mean and std (OpenRLHF, TRL), the mean only (OpenRLHF no_std_norm), or not at all.")
     kl_coef: float = Field(0.01, ge=0, allow_inf_nan=False, description="beta of the KL penalty in the per-token reward, r_t = -beta KL_t (OpenRLHF --algo.kl.init_coef 0.01; TRL 0.05); 0: no KL and no reference model.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="KL_t of the reward: k1 = log pi_old - log pi_ref (OpenRLHF and TRL default), k2, k3; clamped to [-10, 10].")
@@ -151,6 +167,12 @@ class Ppo(Objective):
     policy_gradient: ClassVar = True
     several_updates: ClassVar = ("importance ratio to the old log-prob (the policy at the start of the step's first "
                                  "pass); the value loss clipped to the old values")
+
+    @model_validator(mode="after")
+    def _alpha_with_adaptive(self):
+        if "length_alpha" in self.model_fields_set and self.lambd != "adaptive":
+            raise ValueError(f"length_alpha applies to `lambd: adaptive` (this objective's lambda is {self.lambd:g})")
+        return self
 
     @field_validator("critic")
     @classmethod
@@ -168,6 +190,19 @@ class Ppo(Objective):
     def wants_initial(self) -> bool:
         return self.kl_coef > 0
 
+    def policy_lambda(self, mask: Tensor) -> float | Tensor:
+        """The policy's GAE lambda: the number, or [B] per row (`adaptive`) from the rows' action tokens (mask [B, T])."""
+        return adaptive_lambda(mask, self.length_alpha) if self.lambd == "adaptive" else self.lambd
+
+    @property
+    def decoupled(self) -> bool:
+        """The critic's targets take their own lambda (VAPO's decoupled GAE)."""
+        return self.critic_lambda is not None and self.critic_lambda != self.lambd
+
+    def lambda_words(self) -> str:
+        return (f"lambda_policy = 1 - 1/({self.length_alpha:g} l) per response (length-adaptive, VAPO; l its action "
+                "tokens; clamped to [0, 1])" if self.lambd == "adaptive" else f"lambda {self.lambd:g}")
+
     def bounds(self) -> tuple[float, float]:
         return (self.clip if self.clip_low is None else self.clip_low,
                 self.clip if self.clip_high is None else self.clip_high)
@@ -184,8 +219,11 @@ class Ppo(Objective):
                   "mean": "centred (mean) over the step's action tokens", "none": "not normalised"}[self.whiten]
         kl = (f"r_t = -{self.kl_coef:g} x {self.kl_estimator}(log pi_old - log pi_ref) + R at the last token"
               if self.kl_coef else "r_t = R at the last token (no KL)")
-        return [f"advantage: GAE gamma {self.gamma:g}, lambda {self.lambd:g} over the critic's old values; {kl}; "
-                f"{whiten}",
+        targets = (f"critic targets: G = A^c + V_old, A^c GAE at its own lambda {self.critic_lambda:g} (decoupled GAE; "
+                   "the policy's advantages keep theirs)" if self.decoupled else
+                   "critic targets: G = A + V_old (one GAE for both)")
+        return [f"advantage: GAE gamma {self.gamma:g}, {self.lambda_words()} over the critic's old values; {kl}; "
+                f"{whiten}", targets,
                 f"ratio: per token; bound: PPO clip [1-{lo:g}, 1+{hi:g}]; aggregation: {self.loss_agg}",
                 self.critic.describe()]
 
@@ -229,7 +267,13 @@ class Ppo(Objective):
             kl = reward_kl(batch.behavior_logprobs, batch.initial_logprobs, self.kl_estimator)  # [B, T]
             batch.info["reward_kl"] = float(masked_mean(kl, mask))
         r = token_rewards(batch.rewards, mask, kl, self.kl_coef)  # [B, T]
-        adv, ret = gae(r, batch.values, mask, self.gamma, self.lambd)  # [B, T] each
+        lam = self.policy_lambda(mask)  # a number, or [B] (adaptive)
+        adv, ret = gae(r, batch.values, mask, self.gamma, lam)  # [B, T] each
+        if self.decoupled:  # the critic's targets from their own lambda (VAPO: 1.0, the Monte-Carlo return)
+            _, ret = gae(r, batch.values, mask, self.gamma, self.critic_lambda)
+        if torch.is_tensor(lam):
+            has = mask.any(1)
+            batch.info["lambda_policy"] = float(lam[has].mean()) if bool(has.any()) else 0.0
         batch.returns = ret
         return whiten(adv, mask, self.whiten)
 
@@ -239,8 +283,9 @@ class Ppo(Objective):
         mask = self.loss_mask(batch)
         out = {"values_mean": float(masked_mean(batch.values.float(), mask)),
                "returns_mean": float(masked_mean(batch.returns.float(), mask))}
-        if "reward_kl" in batch.info:
-            out["reward_kl"] = batch.info["reward_kl"]
+        for key in ("reward_kl", "lambda_policy"):
+            if key in batch.info:
+                out[key] = batch.info[key]
         return out
 
     def loss(self, batch: TrajectoryBatch, cur: PolicyView, adv: Tensor) -> tuple[Tensor, dict[str, float]]:
@@ -270,9 +315,11 @@ class Ppo(Objective):
     def reference_gae(self, rewards: list[float], behaviour, ref, values, mask) -> tuple:
         """(A [B, T] whitened, G [B, T]): per-token rewards r_t = -kl_coef k(log pi_behaviour - log pi_ref) (k1 d,
         k2 d^2 / 2, k3 exp(-d) + d - 1 with d clamped to +-20, the value clamped to +-10) plus the sequence reward at
-        the last action; delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lambda A_{t+1}, G_t = A_t + V_t
-        over each row's action positions; then `whiten` over the step's action tokens (mean, or mean and std with
-        the variance floored at 1e-8). behaviour, ref, values [B, T] (ref None without a KL), mask [B, T] bool."""
+        the last action; delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lambda A_{t+1} over each row's
+        action positions, lambda the row's (a number, or 1 - 1/(length_alpha n) clamped to [0, 1] with n the row's
+        action count); G_t = C_t + V_t with C the same recursion at critic_lambda (A itself without one); then
+        `whiten` over the step's action tokens (mean, or mean and std with the variance floored at 1e-8). behaviour,
+        ref, values [B, T] (ref None without a KL), mask [B, T] bool."""
         import torch
 
         def k(d: float) -> float:
@@ -298,12 +345,18 @@ class Ppo(Objective):
                 r = [-self.kl_coef * k(float(beh[i, p] - ref[i, p])) for p in pos]
             r[-1] += rewards[i]
             v = [float(values[i, p]) for p in pos]
-            running, nxt = 0.0, 0.0
+            if self.lambd == "adaptive":
+                lam = min(1.0, max(0.0, 1.0 - 1.0 / (self.length_alpha * len(pos))))
+            else:
+                lam = self.lambd
+            lam_c = lam if self.critic_lambda is None else self.critic_lambda
+            running, running_c, nxt = 0.0, 0.0, 0.0
             for j in reversed(range(len(pos))):
                 delta = r[j] + self.gamma * nxt - v[j]
-                running = delta + self.gamma * self.lambd * running
+                running = delta + self.gamma * lam * running
+                running_c = delta + self.gamma * lam_c * running_c
                 A[i, pos[j]] = running
-                G[i, pos[j]] = running + v[j]
+                G[i, pos[j]] = running_c + v[j]
                 nxt = v[j]
         xs = A[mask]
         if self.whiten != "none" and xs.numel():

@@ -48,7 +48,8 @@ class RewardSignal(Signal):
 
     def apply(self, ctx, batch):
         """Fill batch.rewards [B]: the source's reward plus each `plus` source's times its weight; with parts,
-        each part's mean (unweighted) is logged as reward/<name>."""
+        each part's mean (unweighted) is logged as reward/<name>. Under an environment with a turn_reward_weight
+        (rollout.environment), plus that weight times the sum of the rewards its turns returned (reward/environment)."""
         r = ctx.source(self.source).rewards(ctx, batch)  # [B]
         if self.plus:
             ctx.log(**{f"reward/{self.source}": float(r.float().mean())})
@@ -56,5 +57,13 @@ class RewardSignal(Signal):
                 part = ctx.source(name).rewards(ctx, batch).to(r.dtype)  # [B]
                 ctx.log(**{f"reward/{name}": float(part.mean())})
                 r = r + w * part
+        env = ctx.spec.rollout.environment if ctx.spec is not None else None
+        if env is not None and env.active and env.turn_reward_weight:  # the environment's per-turn rewards, summed
+            from composer.lazy import torch
+
+            turns = torch.tensor([sum(n.get("env", {}).get("rewards", [])) if isinstance(n, dict) else 0.0
+                                  for n in batch.notes], dtype=r.dtype, device=r.device)  # [B]
+            ctx.log(**{"reward/environment": float(turns.mean())})
+            r = r + env.turn_reward_weight * turns
         batch.rewards = r
         return batch

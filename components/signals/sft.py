@@ -1,4 +1,6 @@
-"""SFT signal: teacher-forced targets, from a reference solution or from guided rollouts (InT)."""
+"""SFT signal: teacher-forced targets, from a reference solution, from guided rollouts (InT), or the policy's own
+rollouts of the step (`rollouts`: with a gate `outcome: success`, VAPO's positive-example NLL, Yue et al. 2025, arXiv
+2504.05118, section 3.3: L = -(1/|T|) sum over the tokens of the step's correct rollouts of log pi(y_t), weight 0.1)."""
 
 from __future__ import annotations
 
@@ -10,12 +12,17 @@ from composer.contract import Signal
 from composer.registry import register
 
 
+ROLLOUTS = "rollouts"  # target: the policy's own rollouts of the step
+
+
 @register("signal")
 class SftSignal(Signal):
-    """Demonstrations as training targets: a reference solution, or `guided` (policy prefix + intervention, InT)."""
+    """Demonstrations as training targets: a reference solution, `guided` (policy prefix + intervention, InT), or
+    `rollouts` (the policy's own responses of the step, whole: self-imitation; a term gate picks which, e.g. VAPO's
+    NLL on correct rollouts with `gate: {outcome: success}`)."""
 
     kind: Literal["sft"] = Field("sft", description="Component kind.")
-    target: str = Field(..., description="A reference_solution source, or `guided`: the policy prefix plus the intervention of guided rollouts, truncated after it.")
+    target: str = Field(..., description="A reference_solution source; `guided`: the policy prefix plus the intervention of guided rollouts, truncated after it; or `rollouts`: the policy's own responses of the step, whole (the rollout the other terms see; a term gate chooses which rows, VAPO: `gate: {outcome: success}`).")
     filter_samples: int = Field(8, ge=0, description="With `guided`: keep a target only if at least one of this many continuations from it succeeds (InT used 32); 0 keeps all.")
     targets: Literal["offline", "online"] = Field("offline", description="With `guided`: `offline` (InT as published) builds the targets once, when the segment starts, from the weights at that point: rollout.samples_per_prompt attempts at each of `problems` training problems, the guide's interventions on the failed ones, the filters; cached in the run folder, then SFT on them. `online` builds them from every step's rollouts by the weights being trained.")
     problems: int | None = Field(None, ge=1, description="With `targets: offline`: training problems the targets are built from (default: the segment's steps x train.prompts_per_step, the problems an online run would see).")
@@ -31,8 +38,12 @@ class SftSignal(Signal):
         `problems` with online targets."""
         guided_only = {"filter_samples", "targets", "problems", "leak_filter"} & self.model_fields_set
         if self.target != "guided" and guided_only:
+            what = ("the policy's own rollouts" if self.target == ROLLOUTS else f"the reference '{self.target}'")
             raise ValueError(f"{', '.join(sorted(guided_only))} apply to `target: guided` only (this signal "
-                             f"trains on the reference '{self.target}')")
+                             f"trains on {what})")
+        if self.target == ROLLOUTS and "temperature" in self.model_fields_set:
+            raise ValueError("temperature: with `target: rollouts` the cross-entropy reads the rollout's own forward "
+                             "at the sampler's temperature (rollout.temperature), shared with the other terms")
         if self.targets == "online" and "problems" in self.model_fields_set:
             raise ValueError("`problems` applies to `targets: offline` (online targets come from each step's "
                              "rollouts)")
@@ -42,15 +53,17 @@ class SftSignal(Signal):
     def openrlhf_trainer(self) -> str | None:
         """A reference target is a fixed set of demonstrations: OpenRLHF's train_sft runs it (this class only);
         guided targets are built from the step's rollouts: the composer's step."""
-        return "sft" if type(self) is SftSignal and self.target != "guided" else None
+        return "sft" if type(self) is SftSignal and self.target not in ("guided", ROLLOUTS) else None
 
     def ref_names(self) -> dict[str, list[str]]:
-        return {} if self.target == "guided" else {"target": [self.target]}
+        return {} if self.target in ("guided", ROLLOUTS) else {"target": [self.target]}
 
     @property
     def makes_batch(self) -> bool:
         """A reference target, or offline guided targets, need no rollout at each step: the batch is the
-        demonstrations themselves."""
+        demonstrations themselves. The policy's own rollouts (`rollouts`) are the step's rollout."""
+        if self.target == ROLLOUTS:
+            return False
         return self.target != "guided" or self.targets == "offline"
 
     @property
@@ -58,9 +71,10 @@ class SftSignal(Signal):
         return self.target == "guided" and self.targets == "offline"
 
     @property
-    def loss_temperature(self) -> float:
-        """Cross-entropy at `temperature` (1: plain SFT), whatever the sampling temperature of the attempts."""
-        return self.temperature
+    def loss_temperature(self) -> float | None:
+        """Cross-entropy at `temperature` (1: plain SFT), whatever the sampling temperature of the attempts; on the
+        policy's own rollouts, the rollout's forward at the sampler's temperature (None)."""
+        return None if self.target == ROLLOUTS else self.temperature
 
     def start(self, ctx) -> None:
         """Offline InT targets: built once from the weights at the segment's start (see `offline_targets`)."""
@@ -75,11 +89,16 @@ class SftSignal(Signal):
         return (self.problems or steps * spec.train.prompts_per_step) * spec.rollout.samples_per_prompt
 
     def origins(self, guide) -> set[str]:
+        if self.target == ROLLOUTS:
+            return {"prompt", "policy", *guide.writes_now()}
         if self.target != "guided":
             return {"prompt", "demonstration"}
         return {"prompt", "policy", *guide.writes_now()}
 
     def describe(self, spec) -> str:
+        if self.target == ROLLOUTS:
+            return ("SFT on the policy's own rollouts of the step (each response whole, teacher-forced on the "
+                    "tokens it sampled; a term gate picks the rows)")
         if self.target != "guided":
             return f"SFT targets from '{self.target}' (teacher-forced; no rollout)"
         if self.builds_ahead:
@@ -87,6 +106,19 @@ class SftSignal(Signal):
             return (f"SFT on guided targets built once at the start from {n} problems x "
                     f"{spec.rollout.samples_per_prompt} attempts (policy prefix + intervention; teacher-forced)")
         return "SFT targets from guided rollouts (policy prefix + intervention)"
+
+    def reference_targets(self, rollout, rows: list[int]) -> list | None:
+        """The referee's targets (DESIGN.md section 10) with `target: rollouts`: row i of the term's batch is row
+        rows[i] of the step's recorded rollout, written again as (tokens, origins) of its real (non-padding) positions,
+        so the cross-entropy is teacher-forced on what the policy sampled. None for the other targets (references and
+        InT's targets are checked as the losses' inputs)."""
+        if self.target != ROLLOUTS:
+            return None
+        out = []
+        for j in rows:
+            real = rollout.attention_mask[j].bool()
+            out.append((rollout.tokens[j][real].tolist(), rollout.origin[j][real].tolist()))
+        return out
 
     def make_batch(self, ctx, examples):
         """prompt + the reference solution + EOS per example, the target tokens of origin `demonstration`; a

@@ -347,14 +347,20 @@ def _stage_index(seg) -> int | None:
 def train_settings(spec, seg) -> Iterable[Finding]:
     """Settings of stages on a spec without them (or on its first stage), and periodic resets that never
     happen or reset nothing."""
+    from composer.checks.terms import terms
+
     t, k = spec.train, _stage_index(seg)
     stage_only = {"optimizer_at_stage": "the optimizer state at the start of a stage", "reference": "which weights "
-                  "the frozen reference holds in a later stage"}
+                  "the frozen reference holds in a later stage", "critic_at_stage": "a learned critic at the start "
+                  "of a stage"}
     for field, what in stage_only.items():
         if field not in t.model_fields_set:
             continue
         if k is None:
             why = f"train.{field} sets {what}, and this spec has no stages: the run starts once, from its first weights"
+        elif field == "critic_at_stage" and not any(o is not None and o.value_model() is not None
+                                                    for _n, _s, o, _w in terms(spec)):
+            why = "train.critic_at_stage says what becomes of a learned critic, and no term of this stage has one"
         elif field == "reference" and not _reads_reference(spec):
             why = ("train.reference chooses the frozen reference weights, and nothing here reads them (no KL term, "
                    "no anchor, no `weights: initial` teacher, judge or guide)")

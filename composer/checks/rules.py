@@ -619,6 +619,27 @@ def buffer_needs_reuse(spec, segment):
 from composer.checks import names as _names  # noqa: E402,F401  (registers names_are_words)
 
 
+@rule("freeze_policy_needs_critic")
+def freeze_policy_needs_critic(spec, segment):
+    """train.freeze_policy (VAPO's value pre-training) freezes the policy so that a learned critic trains alone: a
+    segment without a critic of its own network would train nothing."""
+    if not spec.train.freeze_policy:
+        return []
+    critics = [(base, obj.value_model()) for base, _sig, obj in _pairs_with_paths(spec)
+               if obj is not None and obj.value_model() is not None]
+    if not critics:
+        return [_d("freeze_policy_needs_critic", "train.freeze_policy freezes the policy so that a learned critic "
+                   "trains alone (value pre-training), and no term here has a critic: nothing would learn",
+                   ("train", "freeze_policy"), "add a ppo term (its critic learns on the frozen policy's rollouts), "
+                   "or remove train.freeze_policy")]
+    if not any(c.separate for _b, c in critics):
+        base = critics[0][0]
+        return [_d("freeze_policy_needs_critic", "train.freeze_policy: this critic is a head on the policy's network "
+                   "(network: shared), trained through the policy's loss, which a frozen policy does not have",
+                   base + ("objective", "critic", "network"), "use critic.network: own (its own value model)")]
+    return []
+
+
 @rule("environment_tokens_never_loss")
 def environment_tokens_never_loss(spec, segment):
     """No objective trains on tokens an environment wrote (composer/origins.py NEVER_LOSS)."""

@@ -187,7 +187,7 @@ def load_plugins(loaded: LoadedSpec) -> tuple[list[Diagnostic], list[Diagnostic]
 # What a phase or stage may set under `train:` and `rollout:`: everything the step reads from the segment
 # in force. The rest is fixed for the run (the engine, devices, the seed, checkpointing).
 SEGMENT_TRAIN = ("prompts_per_step", "lr", "betas", "weight_decay", "warmup_steps", "lr_schedule", "grad_clip",
-                 "entropy_coef", "eval_every", "reference", "reset_every", "reset_what")
+                 "entropy_coef", "eval_every", "reference", "reset_every", "reset_what", "freeze_policy")
 RUN_ROLLOUT = ("engine", "precision", "gpu_memory_utilization", "tensor_parallel_size")
 
 
@@ -200,7 +200,7 @@ def _segment_settings(loaded: LoadedSpec, origin: tuple, staged: bool) -> list[D
     train = part.get("train") if isinstance(part.get("train"), dict) else {}
     rollout = part.get("rollout") if isinstance(part.get("rollout"), dict) else {}
     what = "stage" if staged else "phase"
-    allowed = SEGMENT_TRAIN + (("steps", "optimizer_at_stage") if staged else ())
+    allowed = SEGMENT_TRAIN + (("steps", "optimizer_at_stage", "critic_at_stage") if staged else ())
     for key in train:
         if key not in allowed and key in Train.model_fields:
             out.append(Diagnostic("semantics", f"train.{key} is a setting of the whole run; a {what} cannot change it",

@@ -164,7 +164,10 @@ def _dataflow(spec) -> list[str]:
             flow.append(f"gate {name}: only rows where {gate.describe()}")
         flow.append(f"{obj.kind_name()} loss")
     t = spec.train
-    if t.epochs * t.mini_batches > 1:
+    if t.freeze_policy:
+        flow.append(f"policy frozen (train.freeze_policy): no policy loss or update; the critic's {t.epochs} epoch(s) x "
+                    f"{t.mini_batches} mini-batch(es) of value updates only")
+    elif t.epochs * t.mini_batches > 1:
         flow.append(f"old log-probs of the policy, then {t.epochs} epoch(s) x {t.mini_batches} mini-batch(es) of "
                     f"whole groups: {t.epochs * t.mini_batches} optimizer steps")
     else:

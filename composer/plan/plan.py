@@ -85,6 +85,16 @@ class StepPlan:
         return self.schedule.optimizer_reset(self.step)
 
     @property
+    def critic_reset(self) -> bool:
+        """Every critic starts afresh before this step (a stage's start with train.critic_at_stage: reset)."""
+        return self.schedule.critic_reset(self.step)
+
+    @property
+    def policy_frozen(self) -> bool:
+        """The policy is frozen at this step (train.freeze_policy): no policy loss or update; critics learn."""
+        return self.schedule.policy_frozen(self.step)
+
+    @property
     def sampler_version(self) -> int:
         """The weights the sampler holds while this step samples (optimizer steps done at its last sync)."""
         return self.schedule.sampler_version(self.step)

@@ -84,6 +84,9 @@ class Range:
     terms: tuple[TermPlan, ...] = field(default_factory=tuple)
     optimizer_resets: tuple[int, ...] = ()  # global steps before which the optimizer state starts fresh
     reference_resets: tuple[int, ...] = ()  # global steps before which the frozen reference becomes the policy
+    critics: tuple[str, ...] = ()  # the terms with a learned critic (ppo)
+    critic_resets: tuple[int, ...] = ()  # global steps before which every critic starts fresh (critic_at_stage: reset)
+    policy_frozen: bool = False  # train.freeze_policy: no policy update in this range (only critics learn)
 
     def syncs(self) -> list[int]:
         """Every `done` count inside this range after which the sampler is refreshed."""
@@ -103,7 +106,9 @@ class Schedule:
                              r["sync_at_end"], r["initial_from"], LR(**r["lr"]),
                              tuple(Call(**c) for c in r.get("calls", ())),
                              tuple(TermPlan(**t) for t in r.get("terms", ())),
-                             tuple(r.get("optimizer_resets", ())), tuple(r.get("reference_resets", ())))
+                             tuple(r.get("optimizer_resets", ())), tuple(r.get("reference_resets", ())),
+                             tuple(r.get("critics", ())), tuple(r.get("critic_resets", ())),
+                             bool(r.get("policy_frozen", False)))
                        for r in data["ranges"]]
         self.total_steps = self.ranges[-1].end if self.ranges else 0
 
@@ -148,6 +153,14 @@ class Schedule:
         """Whether the optimizer state starts fresh before step `step` (a stage's start with
         train.optimizer_at_stage: reset, or a periodic reset of train.reset_every)."""
         return step in self.at(step).optimizer_resets
+
+    def critic_reset(self, step: int) -> bool:
+        """Whether every critic starts fresh before step `step` (a stage's start with train.critic_at_stage: reset)."""
+        return step in self.at(step).critic_resets
+
+    def policy_frozen(self, step: int) -> bool:
+        """Whether the policy is frozen at step `step` (train.freeze_policy: only critics learn)."""
+        return self.at(step).policy_frozen
 
     def optimizer_resets(self) -> list[int]:
         """Every step before which the optimizer state starts fresh, in order."""
@@ -210,6 +223,8 @@ def _terms(seg) -> list[TermPlan]:
 
 def compile_schedule(segments, models_of) -> dict:
     """plan["schedule"] for the validated segments; `models_of(spec)` is the Plan's model list of a segment."""
+    from composer.checks.terms import terms
+
     ranges = []
     for i, seg in enumerate(segments):
         nxt = segments[i + 1] if i + 1 < len(segments) else None
@@ -221,10 +236,13 @@ def compile_schedule(segments, models_of) -> dict:
         opt = ([seg.start] if seg.stage is not None and seg.start == stage_start and seg.start > 0
                and t.optimizer_at_stage == "reset" else []) + (periodic if "optimizer" in t.reset_what else [])
         ref = periodic if "reference" in t.reset_what else []
+        critics = tuple(n for n, _s, o, _w in terms(seg.spec) if o is not None and o.value_model() is not None)
+        critic_reset = ([seg.start] if seg.stage is not None and seg.start == stage_start and seg.start > 0
+                        and t.critic_at_stage == "reset" and critics else [])
         ranges.append(asdict(Range(i, seg.name, seg.stage, seg.start, seg.end, seg.spec.sync.every, stage_end,
                                    initial, LR(t.lr, t.warmup_steps, t.lr_schedule),
                                    tuple(_calls(seg, models_of(seg.spec))), tuple(_terms(seg)),
-                                   tuple(opt), tuple(ref))))
+                                   tuple(opt), tuple(ref), critics, tuple(critic_reset), bool(t.freeze_policy))))
     return {"rule": RULE, "ranges": ranges}
 
 
@@ -239,7 +257,14 @@ def lines(plan: dict) -> list[str]:
              (", cosine" if r.lr.decay == "cosine" else "")
         out.append(f"  steps {r.start}-{r.end - 1} ({r.name}): sync after {shown or 'none'} step(s) done; {lr}; "
                    f"initial weights = policy after {r.initial_from} step(s)")
-        out.append("    optimizer: " + _optimizer_words(r, sched.ranges[r.index - 1] if r.index else None))
+        prev = sched.ranges[r.index - 1] if r.index else None
+        out.append("    optimizer: " + _optimizer_words(r, prev))
+        if r.policy_frozen:
+            out.append("    policy: frozen (train.freeze_policy): no policy loss and no policy update; the critic"
+                       + ("s" if len(r.critics) > 1 else "") + " alone learn" + ("" if len(r.critics) > 1 else "s")
+                       + " on the frozen policy's rollouts (value pre-training)")
+        if r.critics:
+            out.append("    critic: " + _critic_words(r, prev))
         if r.reference_resets:
             out.append("    reference reset (initial weights <- the policy) before step(s) " + _steps(r.reference_resets))
         out.append("    calls: " + ", ".join(f"{c.call} reads {c.weights}" for c in r.calls))
@@ -251,6 +276,26 @@ def lines(plan: dict) -> list[str]:
 def _steps(xs) -> str:
     xs = list(xs)
     return ", ".join(map(str, xs[:8])) + (f", ... ({len(xs)} in all)" if len(xs) > 8 else "")
+
+
+def _critic_words(r: Range, prev: Range | None) -> str:
+    """Where each critic of a range comes from (explain): fresh, carried on, or reset at a stage's start."""
+    names = ", ".join(r.critics)
+    if r.start in r.critic_resets:
+        return (f"{names}: a fresh critic at this stage's start (train.critic_at_stage: reset: new weights, AdamW "
+                "state and update count)")
+    if prev is None:
+        return f"{names}: a fresh critic at the run's start"
+    carried = [n for n in r.critics if n in prev.critics]
+    fresh = [n for n in r.critics if n not in prev.critics]
+    what = "stage" if r.stage is not None and r.stage != prev.stage else "phase"
+    out = []
+    if carried:
+        out.append(f"{', '.join(carried)}: carried on from the previous {what} (weights, AdamW state, update count"
+                   + ("; train.critic_at_stage: keep)" if what == "stage" else ")"))
+    if fresh:
+        out.append(f"{', '.join(fresh)}: a fresh critic (the previous {what} has no critic for this term)")
+    return "; ".join(out)
 
 
 def _optimizer_words(r: Range, prev: Range | None) -> str:

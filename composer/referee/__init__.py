@@ -250,6 +250,14 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
                 bad = [(i, got_r[i], want_r[i]) for i in range(b.size) if abs(got_r[i] - want_r[i]) > 1e-5 * (1 + abs(want_r[i]))]
                 rep.expect("rewards recomputed", not bad, f"step {step} {e['term']}: rewards (row, run, the source's "
                            f"(a verifier's verdicts, a reward model's scores) and the declared parts) differ: {bad[:4]}")
+        targets = getattr(sig, "reference_targets", None)  # a signal training on the rollout's own rows (its file)
+        if callable(targets) and rollout is not None:
+            want_t = targets(rollout, where or [])  # None: the signal's targets are not the rollout's rows
+            if want_t is not None:
+                got_t = [(b.tokens[i][b.attention_mask[i].bool()].tolist(), b.origin[i][b.attention_mask[i].bool()]
+                          .tolist()) for i in range(b.size)]
+                rep.expect("targets are the rollout's rows", where is not None and got_t == want_t,
+                           f"step {step} {e['term']}: the term's rows are not the step's rollout rows as sampled")
         adv = None
         if b.advantages is not None and b.advantages.dim() == 1:  # per-token advantages (a critic): check_critics
             r, g = b.rewards.double().tolist(), b.group.tolist()
@@ -344,7 +352,8 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
     check_critics(v, plan, rec, rep, events, term_events)
 
     # ---- every stage moved the weights, and the sampler check could tell syncs apart
-    _check_stages(plan, rec, rep)
+    _check_stages(plan, rec, rep, v)
+    _check_frozen(v, rec, rep, events)
     if len(rec.rollout_at) >= 2:
         rep.expect("weights moved", len(set(rec.policy_at.values())) >= 2,
                    "the policy's weights never moved: the sync checks saw nothing")
@@ -707,10 +716,13 @@ def _check_teacher(v, plan, rec, rep, e, spec, sig, seen, cache) -> None:
     seen["teacher"] += bool(m.any())
 
 
-def _check_stages(plan, rec, rep) -> None:
-    """Each stage moved the weights: its start's weights differ from the next stage's start (or the run's end)."""
+def _check_stages(plan, rec, rep, v=None) -> None:
+    """Each stage moved the weights: its start's weights differ from the next stage's start (or the run's end); a
+    stage whose every segment freezes the policy (train.freeze_policy) is checked by `_check_frozen` instead."""
     from composer.referee.record import fingerprint
 
+    frozen = {s.stage for s in (v.segments if v is not None else []) if s.stage is not None} - {
+        s.stage for s in (v.segments if v is not None else []) if not s.spec.train.freeze_policy}
     stages = []
     for s in plan["segments"]:
         if s.get("stage") is not None and (not stages or stages[-1][0] != s["stage"]):
@@ -718,6 +730,8 @@ def _check_stages(plan, rec, rep) -> None:
         elif stages and s.get("stage") is not None:
             stages[-1][2] = s["end"]
     for name, start, end in stages:
+        if name in frozen:
+            continue
         a = rec.policy_at.get(start)
         b = rec.policy_at.get(end) if end in rec.policy_at else (fingerprint(rec.final) if rec.final else None)
         if a is None or b is None:
@@ -725,3 +739,32 @@ def _check_stages(plan, rec, rep) -> None:
             continue
         rep.expect("every stage moved the weights", a != b,
                    f"stage {name}: the weights did not move over its {end - start} step(s)")
+
+
+def _check_frozen(v, rec, rep, events) -> None:
+    """A segment (phase or stage) with train.freeze_policy: the policy's recorded weights at each of its steps' start
+    and after its last step are those it started with (`frozen policy did not move`), and each critic's weights at
+    its steps' start and after them differ (`frozen policy: the critic learned`); from the spec's segments and the
+    recorded weights only."""
+    from composer.referee.record import fingerprint
+
+    last = max(rec.policy_at) if rec.policy_at else -1
+    for seg in v.segments:
+        if not seg.spec.train.freeze_policy:
+            continue
+        prints = [rec.policy_at[s] for s in range(seg.start, seg.end + 1) if s in rec.policy_at]
+        if seg.end > last and rec.final is not None:  # the run ended with this segment
+            prints.append(fingerprint(rec.final))
+        rep.expect("frozen policy did not move", len(prints) >= 2 and len(set(prints)) == 1,
+                   f"segment {seg.name} (train.freeze_policy): the policy's weights changed over steps "
+                   f"{seg.start}-{seg.end - 1}" if len(prints) >= 2 else
+                   f"segment {seg.name}: fewer than two recorded weights of the policy ({len(prints)})")
+        states: dict = {}
+        for kind, e in events:
+            if kind == "critic_values" and seg.start <= e["step"] <= seg.end:
+                states.setdefault(e["term"], []).append(e["state"])
+            if kind == "critic_stepped" and seg.start <= e["step"] < seg.end:
+                states.setdefault(e["term"], []).append(e["state"])
+        moved = {t: any(any(not a[k].equal(b[k]) for k in a) for a, b in zip(xs, xs[1:])) for t, xs in states.items()}
+        rep.expect("frozen policy: the critic learned", bool(moved) and all(moved.values()),
+                   f"segment {seg.name} (train.freeze_policy): no critic's weights moved ({moved or 'no critic seen'})")

@@ -190,6 +190,11 @@ def expected_rewards(rec, spec, sig, b, task_cap, step: int | None = None) -> tu
             return None
         parts[name] = part
     out = sig.reference_reward(base, parts)  # the signal's own sum (its file)
+    env = spec.rollout.environment
+    if env.active and env.turn_reward_weight:  # the environment's per-turn rewards, from its replay (its reference)
+        from composer.referee.episodes import turn_rewards
+
+        out = [r + env.turn_reward_weight * t for r, t in zip(out, turn_rewards(env, b, rec.tokenizer))]
     return out, sum(1 for r, r0 in zip(out, base) if r != r0)
 
 

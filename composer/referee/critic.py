@@ -45,6 +45,16 @@ def _action_mask(plan, step: int, term: str, b):
     return m
 
 
+def critic_resets(v) -> set:
+    """The steps before which the spec declares every critic fresh: the first step of a stage after the first whose
+    train.critic_at_stage is `reset` (from the validated segments, not the Plan)."""
+    first: dict = {}
+    for seg in v.segments:
+        if seg.stage is not None:
+            first.setdefault(seg.stage, seg)
+    return {seg.start for seg in first.values() if seg.start > 0 and seg.spec.train.critic_at_stage == "reset"}
+
+
 def referee_values(rec, e) -> "object":
     """[B, T] V(tokens[b, :t]) of event e's batch by a fresh forward of the recorded weights (0 at t = 0)."""
     import torch
@@ -170,6 +180,7 @@ def check_critics(v, plan, rec, rep, events, term_events) -> None:
     critic_terms = {n for seg in v.segments for n in _terms_with_critics(seg.spec)}
     if not critic_terms:
         return
+    resets = critic_resets(v)
     seen = {"values": 0, "gae": 0, "updates": 0, "clip_bound": 0, "clip_tokens": 0, "policy": 0, "moved": 0,
             "heads": 0}
     want_of: dict = {}  # (step, term) -> {row key: (A row, G row, V_old row)}
@@ -188,13 +199,15 @@ def check_critics(v, plan, rec, rep, events, term_events) -> None:
         seen["values"] += 1
         states.setdefault(term, []).append((step, e["state"]))
         crit = obj.value_model()
-        if len(states[term]) == 1 and e["network"] == "own" and crit.model is None and step in rec.weights_at:
+        if (len(states[term]) == 1 or step in resets) and e["network"] == "own" and crit.model is None \
+                and step in rec.weights_at:
             policy = rec.weights_at[step]
             prefix = rec.critic_scratch[term].base_model_prefix + "."
             keys = [k for k in e["state"] if k.startswith(prefix)]
             same = bool(keys) and all(k in policy and torch.equal(e["state"][k], policy[k]) for k in keys)
             rep.expect("critic starts from the policy's weights", same,
-                       f"step {step} {term}: the critic's backbone is not the policy's weights at its first use")
+                       f"step {step} {term}: the critic's backbone is not the policy's weights at its first use"
+                       + (" (a stage's start with train.critic_at_stage: reset)" if step in resets else ""))
         # GAE from the fresh values, the rewards, the fresh reference
         ref = None
         if obj.kl_coef:
@@ -213,7 +226,7 @@ def check_critics(v, plan, rec, rep, events, term_events) -> None:
         errG = float((G - b.returns.detach().cpu().double()).abs()[mask].max()) if mask.any() else 0.0
         scale = 1.0 + (float(A[mask].abs().max()) if mask.any() else 0.0)
         rep.expect("GAE advantages recomputed", errA <= 1e-3 * scale,
-                   f"step {step} {term}: advantages differ from GAE(gamma {obj.gamma:g}, lambda {obj.lambd:g}) with "
+                   f"step {step} {term}: advantages differ from GAE(gamma {obj.gamma:g}, {obj.lambda_words()}) with "
                    f"{obj.whiten} whitening by {errA:.3g}")
         rep.expect("GAE returns recomputed", errG <= 1e-3 * (1 + float(G[mask].abs().max()) if mask.any() else 1),
                    f"step {step} {term}: returns differ from A + V_old by {errG:.3g}")
@@ -343,7 +356,10 @@ def _check_critic_steps(v, plan, rec, rep, events, want_of, seen) -> None:
             by_key.setdefault((e["step"], e["term"], e["update"]), {})[kind] = e
     moments: dict = {}  # term -> the referee's AdamW state
     grad_nets: dict = {}
+    resets = critic_resets(v)
     for (step, term, k), parts in sorted(by_key.items(), key=lambda x: (x[0][0], x[0][2])):
+        if step in resets and k == 0:  # a fresh critic (train.critic_at_stage: reset): fresh AdamW moments
+            moments.pop(term, None)
         u, g, after = parts.get("critic_update"), parts.get("critic_grads"), parts.get("critic_stepped")
         if u is None or g is None or after is None or u["network"] != "own":
             continue

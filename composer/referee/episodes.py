@@ -101,3 +101,26 @@ def _render(env, text: str, tok, spec, chat: bool) -> list[int]:
         return tok.encode(chat_suffix(tok, env.role, text, spec.data.chat_template_kwargs), add_special_tokens=False)
     return tok.encode(env.render_plain(text), add_special_tokens=False)
 
+
+
+def turn_rewards(env, b, tok) -> list[float]:
+    """Each row's sum of the per-turn rewards the environment gives, replayed from the spec: the policy turns the
+    episode program hands to the environment (each turn but the max_turns-th that ended at a stop string of the
+    environment or at a stop token) answered by `env.reference_replies`; rewards None count 0."""
+    from composer.stops import of
+
+    stops, ends = env.stop_strings(), set(of(tok).ids)
+    out = []
+    for i in range(b.size):
+        live = b.attention_mask[i].bool()
+        codes, ids = b.origin[i][live].tolist(), b.tokens[i][live].tolist()
+        start = next((k for k, c in enumerate(codes) if c != CODE["prompt"]), len(codes))
+        turns = [t for who, t in _turns(ids[start:], [ORIGINS[c] for c in codes[start:]]) if who == "policy"]
+        stepped = []
+        for k, t in enumerate(turns[: max(env.max_turns - 1, 0)]):
+            text = tok.decode(t, skip_special_tokens=True)
+            if (t and t[-1] in ends) or any(s in text for s in stops):
+                stepped.append(text)
+        replies = env.reference_replies(b.examples[i], stepped) if stepped else []
+        out.append(sum(float(r) for _a, r, _d in replies if r is not None))
+    return out

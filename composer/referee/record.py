@@ -30,7 +30,9 @@ HARD = ["data.train_tiers=[6]", "rollout.max_new_tokens=48"]
 # SRPO: its distillation term trains failed rows with a successful sibling, and its EMA teacher must be seen after
 # it moved: 8 prompts a step give such rows at more than the first step)
 HOT: dict[str, list[str]] = {"int": ["train.prompts_per_step=8", "rollout.max_new_tokens=48"],
-                             "srpo": [*HARD, "train.prompts_per_step=8"]}
+                             "srpo": [*HARD, "train.prompts_per_step=8"],
+                             # VAPO: its NLL term trains only correct rollouts: 4-step chains beside the 6-step ones
+                             "vapo": ["data.train_tiers=[4,6]", "rollout.max_new_tokens=48", "train.prompts_per_step=8"]}
 GUIDE_ORIGINS = ("guide_prefix", "guide_intervention", "demonstration")  # tokens a guide wrote (the traces guide:
 # demonstration)
 TOL = 2e-3  # float32 forward passes of different shapes (KV cache vs one pass)

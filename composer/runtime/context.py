@@ -315,8 +315,18 @@ class RunContext:
 
     def critic(self, term: str, cfg):
         """The built runtime of term `term`'s critic (a `value_model()` config, components/objectives/critic.py),
-        built once per config when first used; a resumed run's checkpointed state is loaded into it."""
+        built when first used; a resumed run's checkpointed state is loaded into it. A critic of the same term and
+        network built under other settings (a later phase or stage that changes its lr or value_clip,
+        train.critic_at_stage: keep) is carried on under the new settings; `reset_critics` drops them all."""
         key = ("critic", term, cfg.model_dump_json())
+        if key not in self.state.runtimes:
+            same = [k for k, rt in self.state.runtimes.items() if k[:2] == ("critic", term)
+                    and getattr(rt, "cfg", None) is not None and rt.cfg.network == cfg.network
+                    and rt.cfg.model == cfg.model and rt.cfg.trust_remote_code == cfg.trust_remote_code]
+            if same:
+                rt = self.state.runtimes.pop(same[0])
+                rt.cfg = cfg
+                self.state.runtimes[key] = rt
         if key not in self.state.runtimes:
             rt = cfg.build(self, term)
             state = self.state.pending_runtime_state.get(repr(key))
@@ -326,6 +336,14 @@ class RunContext:
                 restore_runtime(rt, state, repr(key), self.run_dir)
             self.state.runtimes[key] = rt
         return self.state.runtimes[key]
+
+    def reset_critics(self) -> None:
+        """Every critic starts afresh when next used (a stage's start with train.critic_at_stage: reset): the built
+        critics and any checkpointed critic state waiting for them are dropped."""
+        for k in [k for k in self.state.runtimes if k[0] == "critic"]:
+            del self.state.runtimes[k]
+        for k in [k for k in self.state.pending_runtime_state if k.startswith("('critic',")]:
+            del self.state.pending_runtime_state[k]
 
     def critic_values(self, term: str, objective, batch) -> torch.Tensor:
         """[B, T] the values of term `term`'s critic on `batch` before the step's update (no gradient)."""

@@ -9,7 +9,10 @@ An objective with a value model (`Objective.value_model()`, PPO's critic) gets, 
   with_critic_values  a head on the policy's network: its values with gradient, in the policy view of the loss;
   step_heads      that head's optimizer step, after every policy backward.
 The critic's runtime (weights, AdamW state, update count) lives in ctx.state.runtimes and is checkpointed with
-them. Nothing here names a method: it reads the objective's contract and the critic's runtime.
+them; it is carried across phases, and across stages under train.critic_at_stage: keep (`RunContext.critic`), and
+dropped at a stage's start under reset (`RunContext.reset_critics`). A segment with train.freeze_policy runs
+`train_critics` alone (the Lightning module skips the policy's loss and optimizer step). Nothing here names a method:
+it reads the objective's contract and the critic's runtime.
 """
 
 from __future__ import annotations

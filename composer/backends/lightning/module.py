@@ -71,7 +71,9 @@ class ComposerModule(L.LightningModule):
         self.reward_watch = RewardWatch()  # warns after training of a segment whose verifier read nothing
         # Several optimizer steps per rollout batch (train.epochs x train.mini_batches) step the optimizer by hand;
         # a run whose every segment makes one update per step keeps Lightning's automatic optimization as it was.
-        self.automatic_optimization = all(s.spec.train.epochs * s.spec.train.mini_batches == 1 for s in self.segments)
+        # A frozen policy (train.freeze_policy) takes the manual path too: its steps count without an optimizer step.
+        self.automatic_optimization = all(s.spec.train.epochs * s.spec.train.mini_batches == 1
+                                          and not s.spec.train.freeze_policy for s in self.segments)
 
     # ---- setup ----
     def segment_at(self, step: int):
@@ -152,6 +154,9 @@ class ComposerModule(L.LightningModule):
         if at.optimizer_reset:  # train.optimizer_at_stage: reset, or train.reset_every
             getattr(optimizer, "optimizer", optimizer).state.clear()  # AdamW re-creates moments and step count
             ctx.record("optimizer_reset")
+        if at.critic_reset:  # train.critic_at_stage: reset: every critic starts afresh when next used
+            ctx.reset_critics()
+            ctx.record("critic_reset")
         t = ctx.spec.train
         for group in optimizer.param_groups:
             group.update(betas=tuple(t.betas), weight_decay=t.weight_decay)
@@ -175,7 +180,9 @@ class ComposerModule(L.LightningModule):
         truncation = mark_truncated(batches, ctx.stop_ids)
         batches = to_device(batches, self.device)
         lr = optimizer.param_groups[0]["lr"]  # this step's (the manual path steps the scheduler inside _updates)
-        if self.automatic_optimization:
+        if at.policy_frozen:  # train.freeze_policy: no policy loss, no policy update; the critics learn below
+            loss, metrics = self._frozen(at, batches)
+        elif self.automatic_optimization:
             loss, metrics = self._loss(at, ctx.forward_model(self.policy), batches)
             self._check_finite(loss, step)
         else:
@@ -281,6 +288,26 @@ class ComposerModule(L.LightningModule):
         metrics["updates"] = float(n)
         return torch.tensor(sum(losses) / n), metrics
 
+    def _frozen(self, at, batches):
+        """A step of a frozen policy (train.freeze_policy, VAPO's value pre-training): no policy forward, loss or
+        optimizer step (its weights and AdamW state stay as they are), yet the step counts (Lightning's step
+        counter and the LR program advance as after an update), so phases, syncs and schedules see steps as
+        declared. Returns (0, the data's facts and each critic term's advantage metrics)."""
+        metrics = {"policy_frozen": 1.0, **run_step.step_facts(at, batches)}
+        for term, b in zip(at.terms, batches):
+            metrics.update({(f"{term.name}/{k}" if at.many else k): v
+                            for k, v in term.objective.advantage_metrics(b).items()})
+        if self._trainer is not None:
+            progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+            progress.increment_ready()
+            progress.increment_completed()
+            import warnings
+
+            with warnings.catch_warnings():  # torch warns of a scheduler step before any optimizer step: intended here
+                warnings.simplefilter("ignore", UserWarning)
+                self.lr_schedulers().step()
+        return torch.zeros(()), metrics
+
     # ---- several ranks (DDP) ----
     def _shares(self, at, batches) -> dict | None:
         """Each term's share of its step-wide normaliser on this rank, times the number of ranks: DDP averages
@@ -347,7 +374,8 @@ class ComposerModule(L.LightningModule):
         the run stops with) when some part of it never acted."""
         import logging
 
-        self.tally.moved = vacuous.fingerprint(self.policy) != self._fingerprint
+        moved = vacuous.fingerprint(self.policy) != self._fingerprint
+        self.tally.moved = None if self.plan.at(self.tally.start).policy_frozen else moved  # frozen: declared
         text = self.tally.report()
         self.tally, self._fingerprint = None, None
         if not text:

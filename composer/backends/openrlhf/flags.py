@@ -304,6 +304,35 @@ def _check_optimizer(spec, where: tuple, later_stage: bool) -> None:
                           "lightning backend")
 
 
+def _freezing_steps(run: Run, segs) -> None:
+    """train.freeze_policy (a critic-only segment, VAPO's value pre-training) as OpenRLHF's --critic.freezing_steps:
+    its trainer skips the actor's fit while global_step <= freezing_steps (global_step counts from 0), so the frozen
+    phases must be the run's first ones, K steps in all -> K - 1. Its critic and actor each run their own LR
+    scheduler over their own updates; the composer's LR program restarts at each phase: equal only without warm-up
+    or decay."""
+    frozen = [s.spec.train.freeze_policy for s in segs]
+    if not any(frozen):
+        return
+    k = frozen.index(False) if False in frozen else len(frozen)
+    if any(frozen[k:]):
+        seg = segs[k + frozen[k:].index(True)]
+        raise Unsupported(tuple(seg.origin) + ("train", "freeze_policy"), "OpenRLHF freezes the actor only for the "
+                          "first steps of a run (--critic.freezing_steps): this segment comes after one that trains "
+                          "the policy", "freeze the policy in the first phases only, or train on the lightning backend")
+    for seg in segs:
+        t = seg.spec.train
+        if t.warmup_steps or t.lr_schedule != "constant":
+            raise Unsupported(tuple(seg.origin) + ("train", "warmup_steps" if t.warmup_steps else "lr_schedule"),
+                              "with train.freeze_policy the composer's LR program restarts at the phase that trains "
+                              "the policy, while OpenRLHF's actor and critic schedulers each count their own updates "
+                              "over the run", "use a constant LR without warm-up, or train on the lightning backend")
+    steps = segs[k - 1].end - segs[0].start
+    run.argv += ["--critic.freezing_steps", str(steps - 1)]
+    run.native.append(f"train.freeze_policy: the actor frozen for the run's first {steps} step(s), the critic trains "
+                      f"alone (--critic.freezing_steps {steps - 1}: OpenRLHF skips the actor while global_step <= it, "
+                      "counting from 0)")
+
+
 def _run(name, group, segs, layout: Layout, inputs: Inputs, model: str) -> Run:
     specs = [s.spec for s in segs]
     where = [tuple(s.origin) for s in segs]
@@ -348,6 +377,7 @@ def _run(name, group, segs, layout: Layout, inputs: Inputs, model: str) -> Run:
                               f"({', '.join(diff)}), which are fixed for a run",
                               "keep these settings equal across phases, or use `stages`")
     run.argv = args[0].argv
+    _freezing_steps(run, segs)
     run.native.append("optimizer state: fresh AdamW at this run's start" + (
         " (this stage is a new OpenRLHF run: train.optimizer_at_stage reset)" if model != inputs.policy_path else ""))
     _check_initial_calls(segs, specs, where)
@@ -985,6 +1015,14 @@ def _critic_objective(specs, where, later_stage: bool):
     if obj.loss_agg not in NATIVE_AGG:
         raise Unsupported(path + ("loss_agg",), f"OpenRLHF's --actor.loss_agg_mode takes {', '.join(NATIVE_AGG)}",
                           "use one of them, or the lightning backend")
+    if obj.lambd == "adaptive":
+        raise Unsupported(path + ("lambd",), "OpenRLHF's GAE takes one number for every row (--algo.advantage.lambd): "
+                          "it has no lambda per response length", "give lambd a number, or train on the lightning backend")
+    if obj.decoupled:
+        raise Unsupported(path + ("critic_lambda",), "OpenRLHF computes the advantages and the critic's returns in one "
+                          "GAE pass with one --algo.advantage.lambd (get_advantages_and_returns): the critic's targets "
+                          "cannot take their own lambda", "drop critic_lambda (or set it to lambd), or train on the "
+                          "lightning backend")
     c = obj.value_model()
     if c.network != "own":
         raise Unsupported(path + ("critic", "network"), "OpenRLHF's critic is a model of its own (CriticModelActor "
@@ -998,10 +1036,11 @@ def _critic_objective(specs, where, later_stage: bool):
     if spec.rollout.filter.truncated != "keep":
         raise Unsupported(w + ("rollout", "filter", "truncated"), "masking rows takes the composer's loss, and "
                           "OpenRLHF's critic runs only with its own PolicyLoss", "use truncated: keep")
-    if later_stage:
-        raise Unsupported(path + ("critic",), "each stage is a new OpenRLHF run, whose critic would start again from "
-                          "the stage's model, while the lightning backend carries the critic on from stage to stage",
-                          "put PPO in the first stage, or train on the lightning backend")
+    if later_stage and spec.train.critic_at_stage == "keep":
+        raise Unsupported(w + ("train", "critic_at_stage"), "each stage is a new OpenRLHF run, whose critic starts again "
+                          "from the stage's model, while train.critic_at_stage: keep carries the previous stage's critic "
+                          "on", "set train.critic_at_stage: reset in this stage (a fresh critic from the stage's starting "
+                          "policy on both backends), put PPO in the first stage, or train on the lightning backend")
     return obj
 
 

@@ -58,3 +58,6 @@ class LengthPenalizedGrpo(Grpo):
         """The GRPO loss (clip, KL) of the parent kind, with the advantages of the shaped rewards."""
         loss, metrics = super().loss(batch, cur, adv)
         return loss, {**metrics, "length_penalty/policy_tokens": float(batch.policy_mask.sum(-1).float().mean())}
+
+
+from length_penalty import retry_env  # noqa: E402,F401 - registers the example environment kind `retry`
