@@ -62,10 +62,11 @@ run: validate
 # other worker takes the suite's tests at nice 19, on the CPU the tier's jobs leave idle (tests/conftest.py)
 # Then the real vLLM engine's tier (tests/test_vllm_real.py) in .venv-vllm, which `make test` builds when missing
 # (`make setup-vllm`: about 2 minutes and a 1 GB download, once; the tier about 1.5 minutes), and OpenRLHF's own
-# job on that engine (tests/test_openrlhf_vllm_real.py, about 2 minutes).
+# job on that engine (tests/test_openrlhf_vllm_real.py, about 2 minutes); the stop tokens on it
+# (tests/test_stop_tokens_vllm.py, about 2 minutes).
 test: $(STAMP) $(VSTAMP) $(VOSTAMP)
 	$(BIN)/python -m pytest -n 2 -m "not slow and not benchmark"
-	$(VBIN)/python -m pytest -m vllm tests/test_vllm_real.py tests/test_openrlhf_vllm_real.py
+	$(VBIN)/python -m pytest -m vllm tests/test_vllm_real.py tests/test_stop_tokens_vllm.py tests/test_openrlhf_vllm_real.py
 
 clean:
 	rm -rf $(VENV) $(VVENV) runs
