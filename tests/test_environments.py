@@ -276,3 +276,23 @@ def test_tool_grpo_runs_and_passes_the_referee(tmp_path):
     rep = referee(ROOT / "specs" / "methods" / "tool-grpo.yaml", tmp_path, [])
     assert rep.ok, "\n".join(rep.failures()) + "\n" + rep.table()
     assert "environment tokens never trained" in rep.table()
+
+
+def test_feedback_reads_the_environment_messages(tmp_path):
+    """The feedback source's `detail: environment` text of a row: its environment turns decoded, one per line; a spec
+    without an environment is refused."""
+    from components.sources.feedback import environment_text
+    from composer.trajectory import assemble
+
+    ctx = ScriptedCtx()
+    env = ToolEnvironment()
+    [a] = drive([episode_row(ctx, example(), env)], scripted(ctx, [CALL, CALL, "#4<eos>"])[0])
+    [b] = drive([episode_row(ctx, example(), env)], scripted(ctx, ["#3<eos>"])[0])
+    batch = assemble([a, b], [example(), example()], [0, 0], ctx.tokenizer.pad_token_id)
+    assert environment_text(ctx, batch, 0) == "<tool_response>4</tool_response>\n<tool_response>4</tool_response>"
+    assert environment_text(ctx, batch, 1) is None  # never answered
+    spec = BASE.replace("rollout: {samples_per_prompt: 4, environment: {kind: tools}}", "rollout: {samples_per_prompt: 4}")
+    spec = spec.replace("sources: {verifier: {kind: outcome_reward}}",
+                        "sources: {verifier: {kind: outcome_reward}, fb: {kind: feedback, from: verifier, "
+                        "detail: environment}}")
+    assert "it would never have a text" in _errors(tmp_path, spec)

@@ -691,3 +691,14 @@ def environment_fits_rollout(spec, segment):
                           where + ("tools",), "drop python from tools (keep calculator), or run on Linux with "
                           "util-linux's unshare", "warning"))
     return out
+
+
+@rule("environment_feedback_needs_environment")
+def environment_feedback_needs_environment(spec, segment):
+    """A feedback source that reads the environment's messages (detail: environment) needs an active environment."""
+    if spec.rollout.environment.active:
+        return []
+    return [_d("environment_feedback_needs_environment", f"source '{name}' reads the environment's messages (detail: "
+               "environment), and this spec has no rollout.environment: it would never have a text",
+               ("sources", name, "detail"), "add rollout.environment (e.g. {kind: tools}), or use detail: step")
+            for name, src in spec.sources.items() if getattr(src, "detail", None) == "environment"]
