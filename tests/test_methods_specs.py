@@ -12,6 +12,8 @@ from composer.checks.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 MECHANISM = {  # spec -> text explain must show
+    "tool-grpo.yaml": "the policy may call calculator (Hermes <tool_call> JSON; a turn stops at </tool_call>) and reads "
+                      "the answer as environment tokens",
     "srpo.yaml": "gate: distill trains only on rows where the rollout failed and another rollout of its group",
     "hpt.yaml": "gate: sft trains only on rows where no rollout of its group succeeded",
     "kdrl-mask.yaml": "gate: kd trains only on rows where the rollout failed",
@@ -61,9 +63,10 @@ HOT = {n: ["data.train_tiers=[6]", "rollout.max_new_tokens=48"] for n in ("cispo
                                               "reinforce-pp-baseline.yaml", "kdrl.yaml", "srpo.yaml", "kdrl-mask.yaml",
                                               "prorl.yaml", "topr.yaml", "gmpo.yaml", "gpg.yaml",
                                               "kl-cov.yaml", "clip-cov.yaml", "luffy.yaml", "ppo.yaml", "ppo-rm.yaml",
-                                              "sapo.yaml", "nsr.yaml", "psr.yaml", "w-reinforce.yaml")}
+                                              "sapo.yaml", "nsr.yaml", "psr.yaml", "w-reinforce.yaml", "grpo-dpo.yaml")}
 
 HOT["vapo.yaml"] = ["data.train_tiers=[4,6]", "rollout.max_new_tokens=48"]  # successes for its NLL term
+HOT["tool-grpo.yaml"] = HOT["kl-cov.yaml"]  # episodes on 6-step chains: mixed groups whether or not it calls the tool
 HOT["archer.yaml"] = HOT["kl-cov.yaml"]  # Archer's classes act only where the groups are mixed (A != 0)
 
 
