@@ -312,6 +312,8 @@ CASES = [
          rule="bound_fields"),
     Case("epochs_with_16_mixed", HEAD + GRPO + "train: {epochs: 2, precision: 16-mixed}\n", "train.precision", 6,
          "loss scaler", rule="several_updates_precision"),
+    Case("freeze_policy_without_a_critic", HEAD + GRPO + "train: {freeze_policy: true}\n", "train.freeze_policy", 6,
+         "no term here has a critic", rule="freeze_policy_needs_critic"),
     Case("more_mini_batches_than_groups", HEAD + GRPO + "train: {mini_batches: 9, prompts_per_step: 8}\n",
          "train.mini_batches", 6, "whole groups", rule="mini_batches_fit_groups"),
     Case("epochs_without_ratio", HEAD + "  teacher: {kind: policy_model, model: big}\n"
