@@ -296,3 +296,26 @@ def test_feedback_reads_the_environment_messages(tmp_path):
                         "sources: {verifier: {kind: outcome_reward}, fb: {kind: feedback, from: verifier, "
                         "detail: environment}}")
     assert "it would never have a text" in _errors(tmp_path, spec)
+
+
+QWEN_LIKE = (  # Qwen2.5's rendering of a tool message: a user turn holding <tool_response> lines
+    "{% for m in messages %}{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n"
+    "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_chat_prompts_render_the_tool_message_with_the_template():
+    """Under chat prompts the answer is what the template writes after the assistant's turn: its end of turn, the
+    tool message as the template renders it (here Qwen2.5's user turn with <tool_response> lines), the next generation
+    prompt; the episode then continues after it."""
+    from composer.episodes import chat_suffix
+    from composer.prompts import PromptFormat
+
+    ctx = ScriptedCtx()
+    ctx.tokenizer.chat_template = QWEN_LIKE
+    want = "<|im_end|>\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert chat_suffix(ctx.tokenizer, "tool", "4") == want
+    ctx.prompt_format = lambda: PromptFormat("chat", ctx.tokenizer)
+    [t] = drive([episode_row(ctx, example(), ToolEnvironment())], scripted(ctx, [CALL, "#4<eos>"])[0])
+    assert [(p.origin, ctx.tokenizer.decode(p.tokens)) for p in t.pieces] == [
+        ("policy", CALL), ("environment", want), ("policy", "#4<eos>")]
