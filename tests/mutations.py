@@ -150,7 +150,25 @@ def m_prefix_too_long(undo):
 def m_ppo_lambda(undo):
     import components.objectives.ppo as ppo
 
-    patch_source(undo, ppo, "gae", "running = delta + gamma * lambd * running", "running = delta + gamma * running")
+    patch_source(undo, ppo, "gae", "running = delta + decay * running", "running = delta + gamma * running")
+
+
+def m_vapo_critic_lambda(undo):
+    from components.objectives.ppo import Ppo
+
+    patch_source(undo, Ppo, "advantages", "if self.decoupled:", "if False:")
+
+
+def m_vapo_unclamped(undo):
+    import components.objectives.ppo as ppo
+
+    patch_source(undo, ppo, "adaptive_lambda", ".clamp(0.0, 1.0)", ".clamp(max=1.0)")
+
+
+def m_frozen_policy_trains(undo):
+    from composer.backends.lightning.module import ComposerModule
+
+    patch_source(undo, ComposerModule, "step_loss", "if at.policy_frozen:", "if False:")
 
 
 def m_ppo_value_clip(undo):
@@ -250,6 +268,13 @@ MUTATIONS = {
     "ppo_lambda": ("PPO's GAE ignores lambda (lambda 1)", m_ppo_lambda, "specs/methods/ppo.yaml", []),
     "ppo_value_clip": ("PPO's value clip dropped", m_ppo_value_clip, "specs/methods/ppo.yaml", []),
     "critic_frozen": ("the critic's optimizer never steps", m_critic_frozen, "specs/methods/ppo.yaml", []),
+    # VAPO's parts (issue 54, item 5)
+    "vapo_critic_lambda": ("VAPO's critic targets at the policy's lambda (decoupled GAE dropped)", m_vapo_critic_lambda,
+                           "specs/methods/vapo.yaml", []),
+    "vapo_unclamped": ("VAPO's length-adaptive lambda not clamped at 0 (negative below 1/alpha tokens)",
+                       m_vapo_unclamped, "specs/methods/vapo.yaml", []),
+    "frozen_policy_trains": ("train.freeze_policy ignored: the policy trains in VAPO's value pre-training",
+                             m_frozen_policy_trains, "specs/methods/vapo.yaml", []),
     "rm_position": ("the reward model read one token before the last", m_rm_position, "specs/methods/ppo-rm.yaml", []),
     # the referee evaluates schedules itself (issue 52): an off-by-one in the Plan's Schedule.at
     "old_from_sampler": ("the ratio's old log-probs taken from the lagged sampler, not the step's start (GRPO, 2 epochs, "
