@@ -182,3 +182,32 @@ def facts(notes: list) -> dict[str, float]:
     for why in ("answered", "environment", "turns", "budget", "env_budget"):
         out[f"env/ended_{why}"] = sum(e.get("ended") == why for e in eps) / len(eps)
     return out
+
+
+def episode_generations(ctx, env, examples: list, n: int, generate) -> list:
+    """Evaluation under an environment: n episodes per example (in order), each policy turn written by
+    `generate(prompts, max_new_tokens) -> [Generation]` (the evaluated weights, greedy or sampled), each returned as a
+    Generation of its final answer's tokens (`answer_span`: what the verifier reads), finished when its last policy
+    turn ended at a stop token. One `generate` call per round of turns, at the round's largest budget, each row cut to
+    its own (a sample cut at a budget is a sample under that budget)."""
+    from composer.protocol import Generation, drive
+
+    def serve(key, requests):
+        cap = max(r.max_tokens for r in requests)
+        gens = generate([r.tokens for r in requests], cap)
+        out = []
+        for r, g in zip(requests, gens):
+            cut = len(g.tokens) > r.max_tokens
+            toks = list(g.tokens[: r.max_tokens])
+            out.append([Generation(toks, g.finished and not cut, None if g.logprobs is None else g.logprobs[: len(toks)])])
+        return out
+
+    traces = drive([episode_row(ctx, ex, env) for ex in examples for _ in range(n)], serve)
+    stops = set(ctx.stop_ids)
+    out = []
+    for t in traces:
+        origins = [p.origin for p in t.pieces for _ in p.tokens]
+        s, e = answer_span(origins)
+        toks = t.response[s:e]
+        out.append(Generation(toks, bool(toks) and toks[-1] in stops))
+    return out

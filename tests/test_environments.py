@@ -13,7 +13,7 @@ import pytest
 
 from components.environments.tools import ToolEnvironment, calculate, parse_call, reference_calculate
 from composer.episodes import answer_span, episode_row, facts
-from composer.protocol import Generation, drive
+from composer.protocol import Generation, Sample, drive
 
 ROOT = Path(__file__).resolve().parent.parent
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "(7+3-5+9)%10"}}</tool_call>'
@@ -319,3 +319,19 @@ def test_chat_prompts_render_the_tool_message_with_the_template():
     [t] = drive([episode_row(ctx, example(), ToolEnvironment())], scripted(ctx, [CALL, "#4<eos>"])[0])
     assert [(p.origin, ctx.tokenizer.decode(p.tokens)) for p in t.pieces] == [
         ("policy", CALL), ("environment", want), ("policy", "#4<eos>")]
+
+
+def test_evaluation_runs_episodes_and_reads_the_final_answer():
+    """Evaluation under an environment: each answer is an episode (the scripted policy calls the tool, then answers),
+    and what the verifier gets is the final answer '#4<eos>' (finished)."""
+    from composer.episodes import episode_generations
+
+    ctx = ScriptedCtx()
+    ctx.stop_ids = (ctx.tokenizer.eos_token_id,)
+    serve, _said = scripted(ctx, [CALL, "#4<eos>"])
+
+    def generate(prompts, cap):  # the scripted policy as `generate`
+        return [g for [g] in serve(("sample",), [Sample(p, cap) for p in prompts])]
+
+    [g] = episode_generations(ctx, ToolEnvironment(), [example()], 1, generate)
+    assert ctx.tokenizer.decode(g.tokens) == "#4<eos>" and g.finished

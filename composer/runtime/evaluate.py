@@ -53,9 +53,17 @@ def _record(tier: str, e, text: str, verdict, sample: int | None = None, truncat
 
 @torch.no_grad()
 def _generate(ctx, policy, examples, sampling: Sampling, n: int = 1):
+    """n answers per example; under rollout.environment, n episodes each, returned as their final answers (what the
+    verifier reads: composer/episodes.py `episode_generations`)."""
     was_training = policy.training
     policy.eval()
     try:
+        env = getattr(getattr(ctx.spec, "rollout", None), "environment", None)
+        if env is not None and env.active:
+            from composer.episodes import episode_generations
+
+            return episode_generations(ctx, env, examples, n, lambda prompts, cap: hf_generate(
+                policy, ctx.tokenizer, prompts, cap, sampling))
         prompts = [ctx.encode(e.prompt) for e in examples for _ in range(n)]
         return hf_generate(policy, ctx.tokenizer, prompts, ctx.max_new_tokens, sampling)
     finally:
