@@ -68,8 +68,11 @@ class ToolEnvironment(EpisodeEnvironment):
         return value
 
     def describe(self, spec) -> str:
+        chat = spec.data.train is not None and spec.data.prompt_format != "plain"
+        how = ("a `tool` message through the chat template (when the tokenizer has one)" if chat else
+               repr(self.render_plain("RESULT")))
         return (f"the policy may call {', '.join(self.tools)} (Hermes <tool_call> JSON; a turn stops at </tool_call>) "
-                f"and reads the answer as environment tokens, up to {self.max_turns} turns and "
+                f"and reads the answer as environment tokens ({how}), up to {self.max_turns} turns and "
                 f"{self.max_env_tokens} environment tokens per episode")
 
     def stop_strings(self) -> tuple[str, ...]:
