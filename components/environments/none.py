@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -15,6 +15,8 @@ class NoEnvironment(Environment):
     """No environment: the policy writes the whole response in one turn (the default)."""
 
     kind: Literal["none"] = Field("none", description="Component kind.")
+
+    acts: ClassVar[bool] = False  # a setting that does nothing (composer check --coverage)
 
     def describe(self, spec) -> str:
         return ""

@@ -100,6 +100,12 @@ def rows(v, rep) -> list[dict]:
             elif hasattr(part, "reference_control") and "reference_control" in row["references"]:
                 c = rep.checks.get("control rows as declared")
                 row["exercised"] = f"control rows of {c.passed} rollouts checked" if c and c.passed else ""
+            elif "reference_replies" in row["references"]:  # an environment: its answers replayed
+                c = rep.checks.get("environment answers as declared")
+                n = c.passed + c.failed if c else 0
+                row["exercised"], row["idle"] = (f"{n} environment answers replayed", False) if n else (
+                    "not exercised: the environment never answered (no tool call in the short run: a policy that "
+                    "calls its tools, e.g. toy:tools on data.toy_task: tools)", True)
             elif "reference_verdicts" in row["references"]:
                 c = rep.checks.get("verdicts re-verified")
                 row["exercised"] = f"{c.passed + c.failed} verdicts re-verified" if c and c.passed + c.failed else ""
