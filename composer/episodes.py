@@ -88,14 +88,16 @@ def cut_at_stop(decode, tokens: list[int], logprobs, stops) -> tuple[list[int], 
     """(the turn's tokens up to and including the token that completes the first stop string, their log-probs,
     whether a stop string ended it). The sampler's log-probs of the kept tokens are unchanged: a stop string only
     drops what follows it."""
-    if not stops:
+    if not stops or not any(s in decode(list(tokens)) for s in stops):
         return list(tokens), logprobs, False
-    text = ""
-    for k in range(len(tokens)):
-        text = decode(tokens[: k + 1])
-        if any(s in text for s in stops):
-            return list(tokens[: k + 1]), None if logprobs is None else list(logprobs[: k + 1]), True
-    return list(tokens), logprobs, False
+    lo, hi = 1, len(tokens)  # the shortest prefix whose text holds a stop string (holding one only grows with k)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in decode(list(tokens[:mid])) for s in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    return list(tokens[:lo]), None if logprobs is None else list(logprobs[:lo]), True
 
 
 def chat_mode(ctx) -> bool:

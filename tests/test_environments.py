@@ -335,3 +335,16 @@ def test_evaluation_runs_episodes_and_reads_the_final_answer():
 
     [g] = episode_generations(ctx, ToolEnvironment(), [example()], 1, generate)
     assert ctx.tokenizer.decode(g.tokens) == "#4<eos>" and g.finished
+
+
+def test_cut_at_stop_keeps_the_shortest_prefix_with_the_stop_string():
+    """The turn is cut right after the token that completes '</tool_call>' (its log-probs kept with it); a turn without
+    it is kept whole."""
+    from composer.episodes import cut_at_stop
+
+    ctx = ScriptedCtx()
+    ids = ctx.encode("a</tool_call>bc")
+    toks, lps, hit = cut_at_stop(ctx.decode, ids, list(range(len(ids))), ("</tool_call>",))
+    assert ctx.decode(toks) == "a</tool_call>" and lps == list(range(13)) and hit  # 1 + 12 characters
+    assert cut_at_stop(ctx.decode, ids[:5], None, ("</tool_call>",)) == (ids[:5], None, False)
+    assert cut_at_stop(ctx.decode, ids, None, ()) == (ids, None, False)
