@@ -229,7 +229,8 @@ def check_critics(v, plan, rec, rep, events, term_events) -> None:
                    f"step {step} {term}: advantages differ from GAE(gamma {obj.gamma:g}, {obj.lambda_words()}) with "
                    f"{obj.whiten} whitening by {errA:.3g}")
         rep.expect("GAE returns recomputed", errG <= 1e-3 * (1 + float(G[mask].abs().max()) if mask.any() else 1),
-                   f"step {step} {term}: returns differ from A + V_old by {errG:.3g}")
+                   f"step {step} {term}: returns differ from G = A + V_old (A^c + V_old, A^c at critic_lambda "
+                   f"{obj.critic_lambda}, where it is set) by {errG:.3g}")
         seen["gae"] += 1
         rows = {}
         for i in range(b.size):
