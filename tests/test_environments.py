@@ -348,3 +348,30 @@ def test_cut_at_stop_keeps_the_shortest_prefix_with_the_stop_string():
     assert ctx.decode(toks) == "a</tool_call>" and lps == list(range(13)) and hit  # 1 + 12 characters
     assert cut_at_stop(ctx.decode, ids[:5], None, ("</tool_call>",)) == (ids[:5], None, False)
     assert cut_at_stop(ctx.decode, ids, None, ()) == (ids, None, False)
+
+
+def test_the_referee_catches_an_answer_the_environment_did_not_give(tmp_path):
+    """The referee's replay of a recorded episode: the calculator's answer as the run wrote it passes; the same
+    episode with its environment tokens saying 5 instead of 4 fails 'environment answers as declared'."""
+    from types import SimpleNamespace
+
+    from composer.origins import CODE
+    from composer.referee.checks import Report
+    from composer.referee.episodes import check_episodes
+    from composer.trajectory import assemble
+
+    v = _validate(BASE, tmp_path)
+    ctx = ScriptedCtx()
+    [t] = drive([episode_row(ctx, example(), ToolEnvironment())], scripted(ctx, [CALL, "#4<eos>"])[0])
+    batch = assemble([t], [example()], [0], ctx.tokenizer.pad_token_id)
+    events = [("rollout", {"batch": batch, "segment": v.segments[0].name, "step": 0})]
+    rec = SimpleNamespace(tokenizer=ctx.tokenizer)
+    rep = Report()
+    check_episodes(rep, v, {}, rec, events, [])
+    assert rep.ok, rep.table()
+    four = ((batch.origin[0] == CODE["environment"]) & (batch.tokens[0] == ctx.encode("4")[0])).nonzero().flatten()
+    assert len(four) == 1  # the answer's one digit
+    batch.tokens[0, four[0]] = ctx.encode("5")[0]
+    rep = Report()
+    check_episodes(rep, v, {}, rec, events, [])
+    assert [f.partition(":")[0] for f in rep.failures()] == ["environment answers as declared"]
