@@ -388,3 +388,31 @@ def test_the_rollout_targets_reference():
     got = SftSignal(target="rollouts").reference_targets(r, [2, 0])
     assert [t for t, _o in got] == [r.tokens[2][r.attention_mask[2]].tolist(), r.tokens[0][r.attention_mask[0]].tolist()]
     assert SftSignal(target="reference").reference_targets(r, [0]) is None
+
+
+def test_a_critic_is_carried_across_settings_and_dropped_by_a_reset(monkeypatch):
+    """RunContext.critic: the same term's critic of the same network built under other settings (a later phase or a
+    kept stage that changes critic.lr) is carried on under the new settings; another network is a fresh critic;
+    reset_critics (train.critic_at_stage: reset) drops every built critic and any checkpointed critic state waiting."""
+    from components.objectives.critic import Critic
+    from composer.runtime.context import RunContext
+
+    built = []
+
+    class Built:
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+    monkeypatch.setattr(Critic, "build", lambda self, ctx, name: built.append(self) or Built(self))
+    ctx = RunContext(task=None, tokenizer=None, policy=None, engine=None)
+    a = ctx.critic("ppo", Critic(lr=1e-3))
+    b = ctx.critic("ppo", Critic(lr=2e-3))
+    assert b is a and b.cfg.lr == 2e-3 and len(built) == 1
+    assert ctx.critic("other", Critic(lr=2e-3)) is not a  # another term: its own critic
+    assert ctx.critic("ppo", Critic(network="shared")) is not a and len(built) == 3
+    ctx.state.pending_runtime_state["('critic', 'ppo', '{}')"] = {"weights": {}}
+    ctx.state.pending_runtime_state["('source', 'verifier', '{}')"] = {}
+    ctx.reset_critics()
+    assert not [k for k in ctx.state.runtimes if k[0] == "critic"]
+    assert list(ctx.state.pending_runtime_state) == ["('source', 'verifier', '{}')"]
+    assert ctx.critic("ppo", Critic(lr=2e-3)) is not a and len(built) == 4
