@@ -259,10 +259,10 @@ objective: {kind: cross_entropy, loss_tokens: [demonstration]}
     assert "guide prefix" in msg and "do not compose" in msg
 
 
-def test_openrlhf_refuses_episodes_until_mapped(tmp_path):
+def test_openrlhf_maps_episodes(tmp_path):
     from composer.backends.openrlhf.flags import LACKS
 
-    assert "episodes" in LACKS  # issue 55 item 5 maps it onto the agent function
+    assert "episodes" not in LACKS  # issue 55 item 5: the agent function runs them (tests/test_openrlhf_episodes.py)
 
 
 # ------------------------------------------------------------------------------------------ a real run, refereed

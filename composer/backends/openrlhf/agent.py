@@ -13,6 +13,13 @@ The finished trace becomes OpenRLHF's sample: the tokens, `action_ranges` from t
 loss tokens (never empty: a row with nothing to train keeps one token at sequence weight 0, so that no
 micro-batch divides by a token count of 0), every token's behaviour log-prob, the reward, and the
 provenance in the label (batch.py).
+
+Episodes (rollout.environment, issue 55): the row program is then composer/episodes.py's episode, the same part code
+as on Lightning; the environment's answers are `environment` tokens, outside `action_ranges` (OpenRLHF's action_mask
+0: no loss, no KL, not in the ratio). The reward is the declared verifier's over the final answer (the response after
+the last environment turn the policy answered, as Lightning's `response_texts`), plus turn_reward_weight x the sum of
+the per-turn rewards the environment returned (training rows; an evaluation row is the verifier's alone, as
+Lightning's pass@1); the episode's counts go to extra_logs as the env/* metrics Lightning logs.
 """
 
 from __future__ import annotations
@@ -64,6 +71,8 @@ class ComposerAgent:
             ctx = RunContext(task=task_of(self.plan, self.run, spec), tokenizer=tok, policy=None, engine=None,
                              spec=spec)
             ctx.state.memo = self.memo
+            if spec.rollout.environment.active:  # the environment's own checks, in this worker (the python tool's
+                spec.rollout.environment.preflight(ctx)  # sandbox: never run code without it), before any episode
             self.contexts[key] = ctx
         return self.contexts[key]
 
@@ -155,7 +164,10 @@ class ComposerAgent:
                 await self._prepare(ctx, spec.rollout.guide, example, serve, engines, initial_ok)
             trace, weight = await run_async(the_step.row_program(ctx, at, example, idx, plain=bool(meta.get("eval"))),
                                             serve)
-        reward = self._reward(ctx, example, hf_tokenizer.decode(trace.response, skip_special_tokens=True))
+        reward = self._reward(ctx, example, hf_tokenizer.decode(final_answer(trace), skip_special_tokens=True))
+        env = spec.rollout.environment
+        if env.active and env.turn_reward_weight and not meta.get("eval"):  # the per-turn rewards (Lightning's
+            reward += env.turn_reward_weight * sum(trace.notes.get("env", {}).get("rewards", []))  # RewardSignal)
         return self._result(ctx, prompt, meta, trace, weight, reward)
 
     def _serve_for(self, ctx, example, engines, initial_ok: bool, seeds=None):
@@ -164,8 +176,11 @@ class ComposerAgent:
         llm_engine, sp, max_length, tok = engines
         sp = _with_stops(sp, ctx.stop_ids)
         n = len(tok.encode(example.prompt, add_special_tokens=False))
-        # one position spare: scoring guide tokens (prompt_logprobs) asks vLLM for one more token
-        room = min(sp.max_tokens or max_length, ctx.max_new_tokens, max_length - n - 1)
+        # one position spare: scoring guide tokens (prompt_logprobs) asks vLLM for one more token. An episode's
+        # response also holds the environment's answers (at most its max_env_tokens; the episode keeps the policy's
+        # own tokens within max_new_tokens)
+        extra = ctx.spec.rollout.environment.extra_tokens()
+        room = min(min(sp.max_tokens or max_length, ctx.max_new_tokens) + extra, max_length - n - 1)
         if seeds is None:
             seeds = request_seeds(ctx.spec.train.seed, ctx.step, example.prompt, "prepare")
         return self.server(llm_engine, sp, max_length, room, n, initial_ok, seeds)
@@ -291,8 +306,33 @@ class ComposerAgent:
             "truncated": not (trace.response and trace.response[-1] in ctx.stop_ids),
             "extra_logs": {"composer_guided": float(trace.guided), "composer_control": float(trace.control),
                            "composer_offpolicy_frac": off / max(len(trace.response), 1),
-                           "composer_reviews": float(trace.notes.get("reviews", 0))},  # the guide's reviews
+                           "composer_reviews": float(trace.notes.get("reviews", 0)),  # the guide's reviews
+                           **episode_logs(ctx.spec, trace)},
         }
+
+
+def final_answer(trace: Trace) -> list[int]:
+    """The response tokens a verifier reads: in an episode the final answer (composer/episodes.py `answer_span`: after
+    the last environment turn the policy answered), else the whole response."""
+    from composer.episodes import answer_span
+
+    s, e = answer_span([p.origin for p in trace.pieces for _ in p.tokens])
+    return trace.response[s:e]
+
+
+def episode_logs(spec, trace: Trace) -> dict[str, float]:
+    """One row's env/* metrics (composer/episodes.py `facts` of this row alone; OpenRLHF averages Experience.info over
+    the step, as Lightning averages them per row); {} without an active environment. Every row of a spec has the same
+    keys (OpenRLHF concatenates each key over the step's rows)."""
+    from composer.episodes import facts
+
+    if not spec.rollout.environment.active:
+        return {}
+    env = spec.rollout.environment
+    notes = dict(trace.notes)
+    notes.setdefault("env", {"turns": 0, "env_tokens": 0, "env_turns": 0, "ended": "budget", "rewards": [],
+                             **env.facts(env.session())})  # never taken: every episode writes its notes
+    return facts([notes])
 
 
 def _with_stops(sp, ids) -> object:

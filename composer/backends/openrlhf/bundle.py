@@ -11,7 +11,7 @@
                    the bundle imports them from its own folder (their third-party dependencies stay the cluster's)
     README.md      what the bundle does, what the cluster needs, native flags vs plugin
     reward.py      OpenRLHF reward function over the spec's verifier (runs without a guide)
-    agent.py       OpenRLHF AgentExecutor for the spec's guide (runs with one)
+    agent.py       OpenRLHF AgentExecutor for the spec's guide or environment (runs with one)
     data/          the prompts (and demonstrations) as jsonl with a JSON label per row
     composer_bundle.json  the files above (`files`): compiling into the folder again replaces only those
 """
@@ -607,7 +607,8 @@ def agent_file(name: str) -> str:
     return f'''"""OpenRLHF agent for spec '{name}' (written by `composer compile`).
 
 `--train.agent_func_path agent.py`: OpenRLHF instantiates AgentExecutor() in each vLLM engine actor; it
-runs the spec's guide (phases by the trainer's step) and scores the rollout with the spec's verifier.
+runs the spec's guide or its environment's episodes (phases by the trainer's step) and scores the rollout with the
+spec's verifier (an episode: its final answer).
 """
 
 from composer.backends.openrlhf.agent import executor_class

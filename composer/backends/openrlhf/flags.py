@@ -59,9 +59,6 @@ LACKS = {
                      "set train.eval_k: 0, and evaluate the exported model with `composer eval MODEL --k N`"),
     "scheduled_entropy": ("OpenRLHF's entropy bonus is its own flag (--actor.entropy_coef), one number for the run; it "
                           "has no schedule", "use a number on the openrlhf backend, or train on lightning"),
-    "episodes": ("the bundle's agent function does not run environment episodes yet (issue 55, item 5: the same "
-                 "episode program, composer/episodes.py, inside OpenRLHF's agent.py)",
-                 "train it on the lightning backend"),
 }
 
 
@@ -726,14 +723,18 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
                               f"'{gate_source(g, spec)}'", f"set the gate's source to '{p['reward_source']}'")
     _shaping_and_filter_flags(a, run, spec, terms, where, inputs)
     guided = any(not s.rollout.guide.plain for s in specs) or any(sig.targets_rows for _, sig, _, _ in terms)
-    if guided:
+    episodes = [s.rollout.environment for s in specs if s.rollout.environment.active]
+    if guided or episodes:
         p["agent"] = True
         a.add("train.agent_func_path", "agent.py")
         _check_guides(specs, [where] * len(specs), inputs)
+    if guided:
         run.via_plugin.append("guides: agent.py (an OpenRLHF AgentExecutor generated from the spec) runs the "
                               "guide through llm_engine.generate, returns trainable spans and the reward, and "
                               "carries per-sample provenance in the label / extra_logs; the guide follows the "
                               "trainer's step (phases)")
+    if episodes:
+        _environment_notes(run, specs, episodes)
     elif scorer is None:
         a.add("reward.remote_url", "reward.py")
         run.native.append(f"reward: reward.py (reward_func over the composer's '{p['verifier']}' verifier)"
@@ -801,6 +802,28 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
                          "(OpenRLHF clears its replay buffer every step, as the Lightning backend)")
 
 
+def _environment_notes(run: Run, specs, envs) -> None:
+    """How the bundle runs episodes (rollout.environment): agent.py runs composer/episodes.py's program with the spec's
+    own environment part, one rollout at a time, and hands OpenRLHF the policy's turns as `action_ranges` (environment
+    tokens get action_mask 0: no loss, no KL, no log-prob in the ratio), the reward of the declared verifier over the
+    final answer plus the per-turn rewards times turn_reward_weight, and the episode's counts as extra_logs (env/*)."""
+    kinds = ", ".join(dict.fromkeys(e.kind_name() for e in envs))
+    weights = {e.turn_reward_weight for e in envs if e.turn_reward_weight}
+    run.via_plugin.append(
+        f"environment: agent.py runs each rollout as an episode of policy turns and the '{kinds}' environment's "
+        "answers (composer/episodes.py, the same part code as on Lightning); the answers are environment tokens "
+        "outside OpenRLHF's action_ranges (action_mask 0: never in the loss); the reward is the verifier's over the "
+        "final answer (after the last environment turn)"
+        + (f" plus {'/'.join(f'{w:g}' for w in sorted(weights))} x the sum of the per-turn rewards" if weights else "")
+        + "; env/turns, env/tool_calls, env/tool_errors, env/env_tokens and why episodes ended are logged per step")
+    run.notes.append(f"data.max_len counts prompt + rollout.max_new_tokens + the environment's max_env_tokens "
+                     f"({max(e.extra_tokens() for e in envs)}): OpenRLHF cuts every sequence at data.max_len")
+    if any("python" in getattr(e, "tools", ()) for e in envs):
+        run.notes.append("the python tool runs programs in the code sandbox (Linux namespaces, rlimits, seccomp) "
+                         "inside the vLLM engine's Ray worker: the agent checks the sandbox when it starts and stops "
+                         "the job with the reason where a node lacks it (never runs code without it)")
+
+
 def _toy_cap(spec) -> int:
     from composer.registry import part
 
@@ -808,8 +831,10 @@ def _toy_cap(spec) -> int:
 
 
 def _guide_room(specs, inputs: Inputs) -> int:
-    """Tokens a guide may add on top of prompt + response (prefix in the prompt, judge corrections)."""
-    return max([s.rollout.guide.extra_tokens(s, inputs.max_solution_chars) for s in specs] + [0])
+    """Tokens a guide may add on top of prompt + response (prefix in the prompt, judge corrections), or an
+    environment's answers in an episode (rollout.environment: at most its max_env_tokens)."""
+    return max([s.rollout.guide.extra_tokens(s, inputs.max_solution_chars) + s.rollout.environment.extra_tokens()
+                for s in specs] + [0])
 
 
 def _context_limit(path: str | None) -> int | None:
