@@ -31,6 +31,7 @@ FEATURES = {
     "periodic_reset": "replaces the reference weights and the optimizer state inside a run",
     "sampled_eval": "evaluation by pass@k over sampled answers",
     "scheduled_entropy": "an entropy bonus whose coefficient follows a schedule",
+    "coupled_rows": "a loss that couples the rows of a group (a pair term): every micro-batch and rank holds whole groups",
     "episodes": "rollouts of several policy turns with an environment's answers between them (rollout.environment)",
 }
 

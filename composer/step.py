@@ -12,6 +12,10 @@
                        `row_masks`), and each term's step-wide normaliser (`normalisers`).
   3. per micro-batch   `loss`: sum_k w_k c_k L_k(batch_k, view, A_k) minus the entropy bonus, c_k the part's share of
                        term k's normaliser (`shares`: micro-batches and ranks add up to the loss of the whole step).
+                       Every part holds whole groups (`mini_batches`; Lightning's DDP ranks take whole prompts), so a
+                       term whose loss couples the rows of a group (`Objective.couples_rows`: a DPO pair) sees its
+                       pairs together, and its normaliser (the pairs) adds up over the parts; a backend that splits
+                       groups lacks the capability `coupled_rows` and refuses such a term at compile.
 
 `at` is the Plan at the step (composer/plan/plan.py, `Plan.at(step)`): the segment's resolved spec and every number
 resolved at that step (term weights, objectives' coefficients, the entropy bonus). Lightning runs the parts in order
@@ -323,7 +327,8 @@ def entropy_bonus(at, first: TrajectoryBatch, view: PolicyView, metrics: dict):
 
 def mini_batches(batches: list[TrajectoryBatch], n: int) -> list[list[TrajectoryBatch]]:
     """The step's batches (one per term) split into `n` mini-batches of whole groups, in group order: [n][terms].
-    Terms that share a rollout are split the same way and keep sharing its tokens (one forward per rollout)."""
+    Terms that share a rollout are split the same way and keep sharing its tokens (one forward per rollout). Whole
+    groups keep every pair of a term that couples rows (`Objective.couples_rows`) inside one mini-batch."""
     if n == 1:
         return [batches]
     out: list[list[TrajectoryBatch]] = [[] for _ in range(n)]

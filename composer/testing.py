@@ -6,7 +6,8 @@
 What it checks of an objective, on synthetic batches that hold every token origin, padding, empty rows,
 sequence weights, several advantage groups and the fields a signal would fill:
   1. micro-batches add up: the step's loss equals sum_m loss(m) * normalizer(m) / normalizer(step) over
-     any split of the rows (OpenRLHF's micro-batches, DDP's ranks), advantages taken over whole groups;
+     any split of the rows (OpenRLHF's micro-batches, DDP's ranks), advantages taken over whole groups; any split
+     into whole groups for an objective whose loss couples the rows of a group (`couples_rows`: a pair term);
   2. the normaliser matches the aggregation: with a declared `reduction()` the normaliser is its
      `aggregate_count`, and the split into single rows adds up too (a loss that aggregates differently
      from what its normaliser says fails here);
@@ -94,6 +95,16 @@ def _split(n: int, parts: int) -> list[list[int]]:
     return [list(range(n))[k::parts] for k in range(parts)]  # interleaved: every micro-batch mixes groups
 
 
+def _parts(obj, batch, parts: int) -> list[list[int]]:
+    """The rows of each part of a split of `batch` into `parts`: interleaved rows, or for an objective whose loss
+    couples the rows of a group (`couples_rows`: a pair term) interleaved whole groups (at most one part per group),
+    as every backend that runs it splits (composer/step.py `mini_batches`, DDP's ranks)."""
+    if type(obj).couples_rows is None:
+        return _split(batch.size, parts)
+    ids = sorted(set(batch.group.tolist()))
+    return [[i for i, g in enumerate(batch.group.tolist()) if g in ids[k::parts]] for k in range(min(parts, len(ids)))]
+
+
 def _step_loss(obj, batch, logits):
     """The loss of the whole step as one batch (advantages over whole groups first)."""
     adv = obj.advantages(batch)
@@ -114,7 +125,7 @@ def check_micro_batches(obj, batch, logits, parts: int = 3) -> float:
     whole, adv = _step_loss(obj, batch, logits)
     norm = float(obj.normalizer(batch))
     total = 0.0
-    for rows in _split(batch.size, parts):
+    for rows in _parts(obj, batch, parts):
         mb = batch.select(rows)
         a = None if adv is None else adv[torch.as_tensor(rows)]
         mb = dataclasses.replace(mb, advantages=a)
@@ -149,7 +160,7 @@ def check_backends_agree(obj, batch, logits, micro: int = 2, gas: int = 2) -> No
     adv = step.advantages(at.terms[0], batch)  # the experience maker's step over every sample
     whole = step.normalisers(at, [batch])
     rlhf = 0.0
-    for rows in _split(batch.size, micro):
+    for rows in _parts(obj, batch, micro):
         mb = dataclasses.replace(batch.select(rows), advantages=None if adv is None else adv[torch.as_tensor(rows)])
         shares = step.shares(step.normalisers(at, [mb]), whole, parts=gas)  # x gas: DeepSpeed's accumulation
         view = view_of(mb, logits, rows)

@@ -121,6 +121,7 @@ def test_defaults_and_declared_features():
     ("specs/methods/prorl.yaml", ("train", "reset_every"), "periodic_reset"),
     ("specs/methods/gkd.yaml", ("signal", "off_policy"), "sequences_not_sampled"),
     ("specs/methods/dapo.yaml", ("rollout", "filter", "max_rounds"), "capped_refill"),
+    ("specs/methods/grpo-dpo.yaml", ("terms", 1, "objective"), "coupled_rows"),
 ])
 def test_shipped_specs_declare_what_they_need(spec, path, feature):
     got = needs(validate_file(ROOT / spec).spec)

@@ -30,6 +30,8 @@ OBJECTIVES += [("grpo", {"loss_tokens": ["policy", "guide_prefix", "guide_interv
 OBJECTIVES += [("grpo", {"loss_tokens": ["policy", "demonstration"], "off_policy_weight": {"kind": "shaped"},
                          "ratio": "sequence", "loss_agg": "seq-mean-token-mean"})]
 OBJECTIVES += [("ppo", {}), ("ppo", {"loss_agg": "seq-mean-token-mean", "whiten": "mean"})]  # a critic's GAE (issue 46)
+# a term over pairs of rows (issue 54): the kit splits it by whole groups
+OBJECTIVES += [("dpo_pair", {}), ("dpo_pair", {"pairs": "all_distinct", "beta": 0.5})]
 
 
 def test_the_list_covers_every_registered_objective():

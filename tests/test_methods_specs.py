@@ -41,6 +41,8 @@ MECHANISM = {  # spec -> text explain must show
     "psr.yaml": "advantage: sign-weighted, no baseline (PSR): A = +1 for a success (reward >= 0.5), 0 for a failure",
     "w-reinforce.yaml": "advantage: sign-weighted, no baseline (W-REINFORCE, lambda 0.1): A = +0.1 for a success "
                         "(reward >= 0.5), -1 for a failure",
+    "grpo-dpo.yaml": "online DPO pairs: the highest- and the lowest-reward rollout of each group (rewards distinct); "
+                     "loss -log sigmoid(0.1 ((log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l))))",
     "vapo.yaml": "advantage: GAE gamma 1, lambda_policy = 1 - 1/(0.05 l) per response (length-adaptive, VAPO; l its "
                  "action tokens; clamped to [0, 1]) over the critic's old values",
 }
@@ -63,7 +65,7 @@ HOT = {n: ["data.train_tiers=[6]", "rollout.max_new_tokens=48"] for n in ("cispo
                                               "reinforce-pp-baseline.yaml", "kdrl.yaml", "srpo.yaml", "kdrl-mask.yaml",
                                               "prorl.yaml", "topr.yaml", "gmpo.yaml", "gpg.yaml",
                                               "kl-cov.yaml", "clip-cov.yaml", "luffy.yaml", "ppo.yaml", "ppo-rm.yaml",
-                                              "sapo.yaml", "nsr.yaml", "psr.yaml", "w-reinforce.yaml", "grpo-dpo.yaml")}
+                                              "sapo.yaml", "nsr.yaml", "psr.yaml", "w-reinforce.yaml", "grpo-dpo.yaml", "grpo-dpo.yaml")}
 
 HOT["vapo.yaml"] = ["data.train_tiers=[4,6]", "rollout.max_new_tokens=48"]  # successes for its NLL term
 HOT["tool-grpo.yaml"] = HOT["kl-cov.yaml"]  # episodes on 6-step chains: mixed groups whether or not it calls the tool

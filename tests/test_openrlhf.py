@@ -52,7 +52,9 @@ LIGHTNING_ONLY = {"specs/hybrids/fkl-plus-sft.yaml": ("terms[1].signal", "cannot
                                                       "a per-token mask has no carrier there"),
                   "specs/methods/archer.yaml": ("objective.token_selection", "a per-token mask has no carrier there"),
                   # PPO with a second (gated) term: OpenRLHF's critic runs with its own PolicyLoss alone (VAPO)
-                  "specs/methods/vapo.yaml": ("terms[0].objective", "one objective: other terms")}
+                  "specs/methods/vapo.yaml": ("terms[0].objective", "one objective: other terms"),
+                  # a term over pairs of rows (online DPO): OpenRLHF's micro-batches are shuffled rows
+                  "specs/methods/grpo-dpo.yaml": ("terms[1].objective", "has no pairwise loss")}
 # the teacher whose generations give PrefixRL its prefixes takes a GPU of its own: 4 + 1 per node
 GPUS_PER_NODE = {"specs/methods/prefixrl.yaml": 5}
 SPECS = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("specs/*.yaml"), *ROOT.glob("specs/hybrids/*.yaml"),

@@ -51,7 +51,8 @@ class Objective(Component):
       loss(batch, view, adv) -> (loss, metrics) per micro-batch, where gradients are; `adv` holds the
                                                 rows' advantages from `advantages` (None if it has none)
     A backend calls both, never looks at the kind, and never calls `loss` without the advantages of
-    whole groups. Class-level flags and hooks below are read by validation rules and the backends; what the
+    whole groups; an objective whose loss couples rows (`couples_rows`: a pair term) gets whole groups in every
+    call of `loss` too. Class-level flags and hooks below are read by validation rules and the backends; what the
     objective can run with (on-policy only, exact origins, backend features) is its `capabilities()` record
     (composer/capabilities.py), on-policy only unless it says otherwise.
     """
@@ -63,6 +64,12 @@ class Objective(Component):
     # Why several optimizer steps on one rollout batch (train.epochs x train.mini_batches) stay sound for this
     # objective, in words; None: it assumes data from the current weights (refused unless sync.off_policy_ok).
     several_updates: ClassVar[str | None] = None
+    # Rows whose loss reads other rows: "group" (a pair term: one row's loss depends on another rollout of its
+    # group), None (each row's loss is its own). With "group", every part of a step handed to `loss` (a mini-batch,
+    # a DDP rank's rows, a micro-batch) holds whole groups, and the normaliser counts what the loss averages (the
+    # pairs), so the parts' losses scaled by their shares still add up to the whole step's (composer/step.py); a
+    # backend that cannot keep groups together lacks the feature `coupled_rows` (composer/capabilities.py).
+    couples_rows: ClassVar[str | None] = None
 
     def inert(self, spec) -> list["InertSetting"]:
         """Settings of this objective that cannot act (or are impossible) in a segment resolved as `spec`
@@ -199,6 +206,10 @@ class Objective(Component):
             raise TypeError(f"{type(self).__name__} declares no reduction() and does not override normalizer()")
         return aggregate_count(self.loss_mask(batch), r.mode, r.norm_const,
                                seq_weight=batch.weights() if r.weighted else None)
+
+    def normaliser_words(self) -> str | None:
+        """What an overridden `normalizer` counts, in words (the Plan's schedule, `explain`); None: the reduction's."""
+        return None
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs):

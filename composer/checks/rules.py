@@ -188,6 +188,11 @@ def group_baseline_needs_groups(spec, segment):
             out.append(_d("group_baseline_needs_groups",
                           f"{obj.kind_name()} uses a group baseline, but samples_per_prompt is 1: every advantage "
                           "is zero", ("rollout", "samples_per_prompt"), "sample several responses per prompt (GRPO: 8-64)"))
+        elif obj is not None and type(obj).couples_rows == "group" and getattr(sig, "kind", "") == "reward":
+            out.append(_d("group_baseline_needs_groups",
+                          f"{obj.kind_name()} trains on pairs of rollouts of one prompt, but samples_per_prompt is 1: "
+                          "no group holds two rows, so no pair ever forms", ("rollout", "samples_per_prompt"),
+                          "sample several responses per prompt (e.g. 8)"))
     return out
 
 

@@ -216,7 +216,8 @@ def _terms(seg) -> list[TermPlan]:
             continue
         groups = "prompt" if (type(guide).plain or (sig is not None and sig.makes_batch)) else "prompt x guide tag"
         r = obj.reduction()
-        norm = "its own normalizer()" if r is None else r.mode + (" (sequence-weighted)" if r.weighted else "")
+        norm = (obj.normaliser_words() or "its own normalizer()") if r is None else \
+            r.mode + (" (sequence-weighted)" if r.weighted else "")
         out.append(TermPlan(name, groups, norm))
     return out
 

@@ -18,6 +18,8 @@ from pydantic import BaseModel
 HINTS = {  # why a part the run did not exercise stayed idle, and what makes it act
     "bound": "the ratio stayed inside the bound on every token (one on-policy update per step keeps it at 1): "
              "train.epochs=2 or train.mini_batches=2 moves it",
+    "pairs": "no group held two rows of different rewards, so no pair formed: data tiers where the groups are mixed "
+             "(e.g. data.train_tiers=[6]) or more samples per prompt",
     "aggregation": "every row had the same number of loss tokens, so the aggregations agree: more varied prompts",
     "token_selection": "no token was selected on a batch that held its whole step",
     "off_policy_weight": "no loss token the policy did not write",
@@ -84,7 +86,7 @@ def rows(v, rep) -> list[dict]:
                 row["exercised"], row["idle"] = (f"{n} losses recomputed", False) if n else ("not exercised: no loss "
                                                                                                "recomputed", True)
                 out.append(row)
-                for field in ("bound", "aggregation"):
+                for field in ("bound", "aggregation", "pairs"):
                     value = getattr(part, field, None) or getattr(part, "loss_agg" if field == "aggregation" else "", None)
                     if value is not None and (term, field) in rep.acted:
                         out.append(_acted(f"{where}.{field}", str(value), term, field, rep)
@@ -116,7 +118,7 @@ def rows(v, rep) -> list[dict]:
 def _acted(path: str, kind: str, term: str, field: str, rep) -> dict:
     n = rep.acted.get((term, field), 0)
     if n:
-        what = "batches with rows of different lengths" if field == "aggregation" else "tokens"
+        what = {"aggregation": "batches with rows of different lengths", "pairs": "pairs"}.get(field, "tokens")
         return {"path": path, "kind": kind, "references": [], "exercised": f"acted: {n} {what}", "idle": False}
     return {"path": path, "kind": kind, "references": [], "exercised": f"not exercised: {HINTS.get(field, '')}",
             "idle": True}

@@ -59,6 +59,11 @@ LACKS = {
                      "set train.eval_k: 0, and evaluate the exported model with `composer eval MODEL --k N`"),
     "scheduled_entropy": ("OpenRLHF's entropy bonus is its own flag (--actor.entropy_coef), one number for the run; it "
                           "has no schedule", "use a number on the openrlhf backend, or train on lightning"),
+    "coupled_rows": ("the term's loss couples two rollouts of a group (a DPO pair: -log sigmoid(beta (s_w - s_l))). "
+                     "OpenRLHF's PPO trainer has no pairwise loss, and the composer's loss in the bundle's plugin sees "
+                     "the micro-batches OpenRLHF's replay buffer draws by shuffled rows, across ranks: a pair's two "
+                     "rows land in different micro-batches, so the pair's loss cannot be computed there",
+                     "train it on the lightning backend (its mini-batches and DDP ranks hold whole groups)"),
 }
 
 
