@@ -99,11 +99,12 @@ def test_with_skip_a_too_long_row_is_counted_and_the_rest_trains(real, tmp_path)
 
 
 def test_a_row_that_fits_the_bound_binds(real, tmp_path):
+    """(Row 65: past the first rows validation reads and counts with the tokenizer.)"""
     long_ok = dict(ROW, problem="x" * (1024 * 64))  # at the bound: the tokenizer decides later
-    train = write_jsonl(tmp_path / "train.jsonl", [ROW, long_ok])
+    train = write_jsonl(tmp_path / "train.jsonl", [ROW] * 64 + [long_ok])
     task = bind(spec_file(tmp_path, {"train": str(train), "prompt_field": "problem", "prompt_format": "plain"},
                           {"model": real["model"]}))
-    assert len(task.train) == 2 and task.skipped_rows == 0
+    assert len(task.train) == 65 and task.skipped_rows == 0
 
 
 # ------------------------------------------------------------------------------------------ control tokens
@@ -285,10 +286,53 @@ def test_validate_warns_when_prompt_and_max_new_tokens_cannot_fit(tmp_path):
     assert r.exit_code == 0 and "warning" not in r.output, r.output  # 200 + 24 fit 256
     spec.write_text(spec.read_text().replace("max_new_tokens: 24", "max_new_tokens: 100"))
     r = cli("validate", spec)
-    assert r.exit_code == 0 and "row 1: field 'prompt' is at least 200 tokens" in r.output, r.output
+    assert r.exit_code == 0 and "row 1: its prompt is at least 200 tokens" in r.output, r.output  # no tokenizer.json
     spec.write_text(spec.read_text().replace("max_new_tokens: 100", "max_new_tokens: 256"))
     r = cli("validate", spec)
     assert f"{spec}:{line_of(spec, 'max_new_tokens')}:" in r.output and "leave no room for a prompt" in r.output
+
+
+def run_prompt_tokens(spec: Path) -> list[int]:
+    """The token count of every training prompt as the run builds it (binding with the policy's format, the
+    tokenizer loaded by transformers): the peer of validation's own count."""
+    from composer.checks.validate import validate_file
+    from composer.runtime.binding import _encode_all, bind_task
+    from composer.runtime.models import load_tokenizer
+
+    v = validate_file(spec).spec
+    return _encode_all(load_tokenizer(v.policy.model), [ex.prompt for ex in bind_task(v).train])
+
+
+@pytest.mark.parametrize("fmt", ["chat", "plain"])
+def test_validate_counts_prompt_and_max_new_tokens_exactly_against_the_context(real, tmp_path, fmt):
+    """With the policy's tokenizer.json (read by `tokenizers`, no torch) validation counts each first row's prompt
+    as the run renders it (the chat template with a system prompt, or plain text with the prompt template): with
+    rollout.max_new_tokens = context - n the longest prompt fits, one more token and validate warns at the spec line,
+    naming n; a prompt longer than the context alone is an error, as the run refuses it."""
+    rows = [dict(ROW, problem="apples and pears " * k) for k in (3, 40, 7)]
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    data = {"train": str(train), "prompt_field": "problem", "prompt_format": fmt, "system_prompt": "Be brief.",
+            "prompt_template": "Solve: {prompt}"}
+    spec = spec_file(tmp_path, data, {"model": real["model"]})
+    counts = run_prompt_tokens(spec)
+    n, context = max(counts), 1024
+    assert len(set(counts)) == 3 and n > 100  # the rows differ; the longest is row 2
+    for budget, warned in ((context - n, False), (context - n + 1, True)):
+        spec.write_text(spec.read_text().replace("max_new_tokens: 24", f"max_new_tokens: {budget}"))
+        r = cli("validate", spec)
+        assert r.exit_code == 0, r.output
+        assert ("cannot fit the policy's context" in r.output) == warned, (budget, r.output)
+        if warned:
+            assert f"{spec}:{line_of(spec, 'data:')}:" in r.output and f"row 2: its prompt is {n} tokens" in r.output
+            assert f"lower rollout.max_new_tokens to {context - n} or less" in r.output
+        spec.write_text(spec.read_text().replace(f"max_new_tokens: {budget}", "max_new_tokens: 24"))
+    write_jsonl(train, rows + [dict(ROW, problem="apples and pears " * 400)])  # over 1024 tokens, 6800 characters
+    r = cli("validate", spec)
+    assert r.exit_code == 2 and "row 4: its prompt is " in r.output and "longer than the policy's context" in r.output
+    code = ("import sys\nfrom composer.cli.main import main\ntry:\n    main(['validate', sys.argv[1]])\n"
+            "except SystemExit as e:\n    assert 'torch' not in sys.modules, 'torch imported'\n    sys.exit(e.code)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(spec)], check=False, capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2 and "row 4: its prompt is " in r.stderr, r.stderr  # counted without torch
 
 
 def test_validate_never_imports_torch(tmp_path):
@@ -362,3 +406,32 @@ def test_a_chat_template_decides_the_bos_as_apply_chat_template_does(real, tmp_p
     want = want["input_ids"] if hasattr(want, "keys") else want
     assert task.prompt_format.mode == "chat" and task.prompt_format.bos == ""
     assert tok.encode(ex.prompt, add_special_tokens=False) == list(want)
+
+
+def test_a_run_warns_when_its_prompts_and_max_new_tokens_pass_the_context(tmp_path, caplog):
+    """The run counts every bound prompt (validation reads the first rows only) with the policy's tokenizer: the
+    longest prompt n and rollout.max_new_tokens past the context is a warning in the run's first lines, naming n;
+    context - n is quiet (composer/checks/data.py `generation_room`). On tests/test_stop_tokens.py's model, which
+    answers in 6 tokens whatever the budget, so the run is short."""
+    import logging
+
+    import test_stop_tokens as stops_model
+
+    from composer.backends.lightning.run import train
+    from composer.checks.data import generation_room
+    from composer.checks.validate import validate_loaded
+    from composer.lang.loader import load_text
+    from composer.runtime.binding import _encode_all, bind_task
+    from composer.runtime.models import load_tokenizer
+
+    m = stops_model.build(tmp_path / "m")
+    spec = validate_loaded(load_text(stops_model.spec_text(m, stops_model.EXACT))).spec
+    tok, task = load_tokenizer(m["model"]), bind_task(spec)
+    n = max(_encode_all(tok, [ex.prompt for ex in task.train + task.eval["eval"]]))
+    assert generation_room(task, tok, 512, 512 - n) is None
+    said = generation_room(task, tok, 512, 512 - n + 1)
+    assert f"the longest prompt is {n} tokens" in said and f"set rollout.max_new_tokens to {512 - n} or less" in said
+    body = stops_model.EXACT.replace("max_new_tokens: 64", f"max_new_tokens: {512 - n + 1}")
+    with caplog.at_level(logging.INFO, logger="composer"):
+        train(validate_loaded(load_text(stops_model.spec_text(m, body))), tmp_path / "run", progress=False)
+    assert f"positions in the policy's context (512 tokens; the longest prompt is {n} tokens)" in caplog.text

@@ -6,7 +6,11 @@ Two parts, neither imports torch:
     loading a model or a tokenizer: data.train / data.eval exist and are readable, a folder holds one format,
     the columns the spec names (prompt_field, answer_field, solution_field when set) are in the file's header or
     first row, and the first rows fit the policy's declared context (max_position_embeddings of the model
-    folder's config.json; the toy testbed's known context). Each problem is located at its spec line.
+    folder's config.json; the toy testbed's known context), alone and with rollout.max_new_tokens after them:
+    counted exactly where the policy tokenizer's folder has a tokenizer.json (read with `tokenizers`, the prompt
+    rendered as the run renders it: data.prompt_template, data.system_prompt, the chat template by transformers'
+    Jinja renderer under composer/template_limits.py's limits, the BOS the tokenizer adds), else bounded below at
+    CHARS_PER_TOKEN characters a token. Each problem is located at its spec line.
   `screen_task` (a run binding its data, before any row is rendered or tokenised): a row whose text is longer
     than the context can hold at CHARS_PER_TOKEN characters a token is refused (or skipped and counted) by its
     length in characters, so a 30 MiB row costs no tokenisation; a row whose text holds one of the policy
@@ -106,6 +110,98 @@ def declared_controls(tokenizer: str | None) -> tuple[str, ...]:
     return tuple(sorted(t for t in found if is_control(t, True)))
 
 
+class DeclaredTokenizer:
+    """The policy tokenizer as validation reads it, without transformers or torch: tokenizer.json through
+    `tokenizers`, the chat template and special-token texts from tokenizer_config.json (or chat_template.jinja).
+    `prompt_tokens(data, text)`: the token count of the prompt the run builds from a row's problem `text`."""
+
+    def __init__(self, tok, template: str | None, specials: dict, name: str):
+        self.tok, self.template, self.specials, self.name = tok, template, specials, name
+
+    def count(self, text: str) -> int:
+        return len(self.tok.encode(text, add_special_tokens=False).ids)
+
+    def chat(self, data) -> bool:
+        """Prompts are rendered with the chat template (data.prompt_format chat, or auto with a template)."""
+        return bool(self.template) and data.prompt_format != "plain"
+
+    def adds_bos(self) -> bool:
+        """The tokenizer puts its BOS first on its own (prompts.py `added_bos`: the run writes it under plain)."""
+        bos = self.specials.get("bos_token")
+        bos_id = self.tok.token_to_id(bos) if bos else None
+        if bos_id is None:
+            return False
+        with_, without = (self.tok.encode("x", add_special_tokens=on).ids[:1] for on in (True, False))
+        return with_ == [bos_id] and without != [bos_id]
+
+    def prompt_tokens(self, data, text: str) -> int:
+        """Tokens of the prompt the run renders for problem `text` (composer/prompts.py PromptFormat)."""
+        from composer.prompts import _format
+
+        user = _format(data.prompt_template, prompt=text)
+        if not self.chat(data):
+            body = (f"{data.system_prompt}\n\n" if data.system_prompt is not None else "") + user
+            return self.count(body) + int(self.adds_bos())
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        from composer.template_limits import _Limits
+
+        messages = ([{"role": "system", "content": data.system_prompt}] if data.system_prompt is not None else []) \
+            + [{"role": "user", "content": user}]
+        with _Limits():  # code from a model folder: rendered with time and size limits
+            rendered, _ = render_jinja_template(conversations=[messages], chat_template=self.template,
+                                                add_generation_prompt=True,
+                                                **{**self.specials, **(data.chat_template_kwargs or {})})
+        return self.count(rendered[0])
+
+
+def declared_tokenizer(name: str | None) -> DeclaredTokenizer | None:
+    """The policy tokenizer of a local folder (or a hub id's files in the local cache) for exact token counts at
+    validation; None when it has no tokenizer.json here (the toy's, a slow tokenizer) or it cannot be read."""
+    name = name or "toy:student"
+    if name.startswith("toy:"):
+        return None
+    folder = Path(name)
+
+    def file(n: str) -> Path | None:
+        if folder.is_dir():
+            return folder / n if (folder / n).is_file() else None
+        from composer.runtime.paths import HUB_ID
+
+        if not HUB_ID.fullmatch(name) or "/" not in name or name.startswith((".", "/")):
+            return None
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(name, n)
+        except Exception:  # noqa: BLE001 - not an id the hub library accepts
+            return None
+        return Path(found) if isinstance(found, str) else None
+
+    path = file("tokenizer.json")
+    if path is None:
+        return None
+    try:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(path))
+        cfg_path = file("tokenizer_config.json")
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path is not None else {}
+        jinja = file("chat_template.jinja")
+        template = jinja.read_text(encoding="utf-8") if jinja is not None else cfg.get("chat_template")
+    except Exception:  # noqa: BLE001 - a file `tokenizers` cannot read: the run loads and checks it
+        return None
+    if isinstance(template, list):  # [{"name": ..., "template": ...}]: the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    specials = {}
+    for key, value in (cfg.items() if isinstance(cfg, dict) else ()):
+        value = value.get("content") if isinstance(value, dict) else value
+        if key.endswith("_token") and isinstance(value, str):
+            specials[key] = value
+    return DeclaredTokenizer(tok, template if isinstance(template, str) else None, specials, name)
+
+
 def row_limit(context: int) -> int:
     """The most characters a row's text may have and still fit `context` tokens."""
     return context * CHARS_PER_TOKEN
@@ -195,6 +291,28 @@ def _conversation_problem(ex, src, conv, context, where, pattern, tokenizer_name
                           f"the policy tokenizer {tokenizer_name}: rendered by the chat template it would be read as "
                           "that token (e.g. a forged turn), not as text", CONTROL_TOKEN)
     return None
+
+
+def generation_room(task, tokenizer, context: int | None, max_new_tokens: int) -> str | None:
+    """A run's check of its bound prompts (train and eval, as rendered) against the policy's context with the
+    response budget after them: the warning to log when the longest prompt plus rollout.max_new_tokens exceeds the
+    context (validation sees the first rows only), else None. Prompts longer than the context alone were refused or
+    skipped before (runtime/binding.py `check_task_lengths`)."""
+    from composer.runtime.binding import _encode_all
+
+    if context is None or tokenizer is None:
+        return None
+    prompts = [ex.prompt for ex in task.train] + [ex.prompt for v in task.eval.values() for ex in v]
+    counts = _encode_all(tokenizer, prompts) if prompts else []
+    over = [n for n in counts if n + max_new_tokens > context]
+    if not over:
+        return None
+    longest = max(over)
+    return (f"WARNING: {len(over)} of {len(counts)} prompts leave fewer than rollout.max_new_tokens "
+            f"({max_new_tokens}) positions in the policy's context ({context} tokens; the longest prompt is {longest} "
+            "tokens): a response that runs long goes past the positions the model was trained on\n"
+            f"    hint: set rollout.max_new_tokens to {max(context - longest, 1)} or less to keep every response "
+            "inside the context")
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -377,27 +495,58 @@ def _columns(loaded, spec, key: str, name: str, columns: list[str]) -> list[Diag
 def _row_sizes(loaded, spec, key: str, name: str, rows: list[tuple[int, dict]], context: int,
                where: str) -> list[Diagnostic]:
     """First rows whose prompt cannot fit the context (an error, as the run refuses them; a warning with
-    on_bad_row skip), or cannot fit it with max_new_tokens after it (a warning)."""
-    d, budget = spec.data, spec.rollout.max_new_tokens
-    out = []
+    on_bad_row skip), or cannot fit it with max_new_tokens after it (a warning: the run starts, and every response
+    of such a prompt that runs long goes past the positions the model was trained on). Counted exactly with the
+    declared tokenizer (`declared_tokenizer`), else bounded below by characters."""
+    d, budget, policy = spec.data, spec.rollout.max_new_tokens, spec.policy
+    tok = declared_tokenizer(policy.tokenizer or policy.model)
+    skip = "or set data.on_bad_row: skip (the row is then skipped and counted)"
+    out, fits_alone, too_long = [], [], []
     for row, fields in rows:
         text = fields.get(d.prompt_field)
         if not isinstance(text, str):
             continue
-        at_least = -(-len(text) // CHARS_PER_TOKEN)  # tokens, at the fewest
         if len(text) > row_limit(context):
             severity = "warning" if d.on_bad_row == "skip" else "error"
             out.append(_diag(loaded, f"{name}: row {row}: field '{d.prompt_field}' is {len(text)} characters, more "
                              f"than the policy's context ({context} tokens, {where}) can hold at {CHARS_PER_TOKEN} "
                              "characters a token", ("data", key), "shorten or remove the row, use a policy with a "
-                             "longer context, or set data.on_bad_row: skip (the row is then skipped and counted)",
-                             severity))
-        elif budget < context and at_least + budget > context:
-            out.append(_diag(loaded, f"{name}: row {row}: field '{d.prompt_field}' is at least {at_least} tokens; "
-                             f"with rollout.max_new_tokens {budget} it cannot fit the policy's context ({context} "
-                             f"tokens, {where})", ("data", key), "shorten the row, or lower rollout.max_new_tokens",
-                             "warning"))
+                             f"longer context, {skip}", severity))
+            continue
+        exact = None
+        if tok is not None:
+            try:
+                exact = tok.prompt_tokens(d, text)
+            except Exception:  # noqa: BLE001 - a template that fails here: the run renders it and says why
+                tok = None
+        if exact is not None and exact > context:
+            severity = "warning" if d.on_bad_row == "skip" else "error"
+            out.append(_diag(loaded, f"{name}: row {row}: its prompt is {exact} tokens ({_counted(tok, d)}), longer "
+                             f"than the policy's context ({context} tokens, {where})", ("data", key),
+                             f"shorten or remove the row, use a policy with a longer context, {skip}", severity))
+        elif budget < context:
+            n = exact if exact is not None else -(-len(text) // CHARS_PER_TOKEN)  # else tokens, at the fewest
+            (fits_alone if n + budget <= context else too_long).append((row, n))
+    if too_long:
+        row, n = max(too_long, key=lambda x: x[1])
+        many = f"{len(too_long)} of the first {len(rows)} rows; the longest, row {row}," if len(too_long) > 1 else \
+            f"row {row}:"
+        size = f"{n} tokens ({_counted(tok, d)})" if tok is not None else f"at least {n} tokens"
+        out.append(_diag(loaded, f"{name}: {many} its prompt is {size}; with rollout.max_new_tokens {budget} it "
+                         f"cannot fit the policy's context ({context} tokens, {where}): a response that runs long "
+                         "goes past the positions the model was trained on", ("data", key),
+                         f"lower rollout.max_new_tokens to {max(context - n, 1)} or less, or shorten the rows",
+                         "warning", at=(("data", key), ("rollout", "max_new_tokens"))))
     return out
+
+
+def _counted(tok, d) -> str:
+    """How a prompt was counted, for a message."""
+    if tok is None:
+        return "its text"
+    if tok.chat(d):
+        return f"rendered with the chat template of {tok.name}, counted by its tokenizer.json"
+    return f"as plain text, counted by {tok.name}'s tokenizer.json"
 
 
 def _row_controls(loaded, spec, key: str, name: str, rows: list[tuple[int, dict]]) -> list[Diagnostic]:

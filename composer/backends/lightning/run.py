@@ -33,6 +33,7 @@ from composer.runtime.example_prompts import machine_notes
 from composer.stops import for_spec
 from composer.runtime.evaluate import prepare_records
 from composer.runtime.binding import bind_task, check_task_lengths, context_length
+from composer.checks.data import generation_room
 from composer.runtime.models import load_model, load_tokenizer, merged, prepare_policy
 from composer.runtime.samples import SampleLog
 
@@ -462,6 +463,8 @@ def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop:
     stops = for_spec(tokenizer, spec)  # every engine and target reads these (composer/stops.py)
     policy = prepare_policy(load_model(policy_name, spec.policy.dtype, trust_remote_code=trust), spec.policy)
     check_task_lengths(task, tokenizer, context_length(policy), spec.data.on_bad_row, spec.data.prompt_field)
+    budget = min(spec.rollout.max_new_tokens, task.max_new_tokens or spec.rollout.max_new_tokens)  # the toy's cap
+    room = generation_room(task, tokenizer, context_length(policy), budget)  # said below
     from composer.registry import VERIFIERS
 
     for name in sorted({getattr(s, "verifier", "") for seg in validated.segments for s in seg.spec.sources.values()}):
@@ -498,6 +501,8 @@ def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop:
         console_log()
         log.info(f"run folder: {out}")
         log.info(f"stop tokens: {stops.describe()}")
+        if room:  # prompts + rollout.max_new_tokens past the policy's context (composer/checks/data.py)
+            log.warning(room)
         # a progress bar only draws on a terminal: elsewhere (CI, nohup, --no-progress) one line per log_every steps
         callbacks.append(StepLog(t.log_every, validated.total_steps, show_steps=not (progress and _tty())))
     loggers = build_loggers(validated, out, resumed_at) if not child else []
