@@ -41,9 +41,9 @@ def test_tiny_throughput_runs_both_sides_through_the_modules_step(tmp_path, monk
     assert res["ours_error"] is None and res["trl_error"] is None, res
     assert len(res["ours_block_s"]) == 1 and len(res["trl_block_s"]) == 1
     assert res["ours_samples_per_s"] > 0 and res["trl_samples_per_s"] > 0
-    # the check step, the FLOP-counted step, then the timed block: the module's own step, run by Lightning's
-    # loop (global_step 0, 1, 2)
-    assert calls == [0, 1, 2]
+    # the first step (FLOP-counted, untimed, as TRL's first), then the timed block: the module's own step, run by
+    # Lightning's loop (global_step 0, 1)
+    assert calls == [0, 1]
     host = data["host"]  # what the ratios depend on, kept with them
     assert host["threads"] == 1 and host["mkl_gflops"] > 0 and host["isa"] and host["cpu"]
     assert bt.format_host(host).startswith("host: ")
@@ -234,10 +234,45 @@ def test_compare_names_the_rows_that_differ_and_ignores_the_timed_loop():
     assert compare({**ours, "completions per prompt": 2}, same) == ["completions per prompt"]  # one side lacks it
 
 
+TINY_SHAPE = {"L": 2, "h": 64, "H": 2, "kv": 1, "I": 128}  # tiny_random_checkpoint's Qwen3 (head_dim h / H)
+
+
+def _tiny_macs(vocab: int) -> tuple[int, int]:
+    """Multiply-adds per token of the tiny Qwen3's linears (q, k, v, o, gate, up, down per layer), and of its
+    LM head (h x vocab), by hand."""
+    L, h, H, kv, inter = (TINY_SHAPE[k] for k in ("L", "h", "H", "kv", "I"))
+    d = h // H
+    return L * (h * h + 2 * h * kv * d + h * h + 3 * h * inter), h * vocab
+
+
+def test_flop_counter_matches_a_hand_count_of_a_qwen3_forward_and_backward():
+    """count_flops on the tiny Qwen3: 2 x tokens x multiply-adds per linear forward, twice that backward (the
+    input's and the weight's gradients), and the CPU attention kernel torch's counter leaves at 0: 4 B H T^2 d
+    forward, 8 B H T^2 d backward per layer."""
+    import torch
+
+    from components.tasks.bootstrap import char_tokenizer, qwen3
+    from composer.bench.fair import count_flops
+
+    tok = char_tokenizer()
+    L, h, H, kv, inter = (TINY_SHAPE[k] for k in ("L", "h", "H", "kv", "I"))
+    model = qwen3(len(tok), layers=L, hidden=h, heads=H, kv_heads=kv, intermediate=inter, tok=tok)
+    B, T = 3, 10
+    ids = torch.randint(5, len(tok), (B, T), generator=torch.Generator().manual_seed(0))
+    box = {}
+    with count_flops(box):
+        model(input_ids=ids).logits.sum().backward()
+    body, head = _tiny_macs(len(tok))
+    d = h // H
+    assert box["flops"] == 3 * 2 * B * T * (body + head) + L * 12 * B * H * T * T * d
+    assert "counter" not in box  # the live counter is only there while counting
+
+
 def test_the_settings_tables_match_and_are_read_off_the_live_trainers(tmp_path, capsys, tiny):
     """Both tables come from the objects at train start; the values the bench asked for are what they hold:
-    checkpointing off on TRL's side (its config turns it on by default), the KV cache on, fused AdamW, the forced
-    length and the group size of the command line."""
+    checkpointing off on TRL's side (its config turns it on by default), fused AdamW, the forced length and the
+    group size of the command line, the data in order on both sides, fp32 training and rollouts. Rows that
+    cannot differ are gone (threads, the KV cache), and GKD has no 'completions per prompt' row."""
     from composer.bench import throughput as bt
 
     out = tmp_path / "tp.json"
@@ -246,35 +281,142 @@ def test_the_settings_tables_match_and_are_read_off_the_live_trainers(tmp_path, 
     o, t = r["settings_ours"], r["settings_trl"]
     assert r["settings_differ"] == []
     for s in (o, t):
-        assert s["gradient checkpointing"] is False and s["KV cache in generation"] is True
-        assert s["dtype"] == "float32" and s["threads"] == 1 and s["compiled"] == "eager"
+        assert s["gradient checkpointing"] is False and "KV cache in generation" not in s and "threads" not in s
+        assert s["dtype"] == "float32" and s["compiled"] == "eager" and s["training precision"] == "32-true"
         assert s["completions per prompt"] == 2 and s["rows per step"] == 4
         assert list(s["completion tokens (min, max)"]) == [4, 4]
-        assert s["optimizer"] == "AdamW (fused)"
+        assert s["optimizer"] == "AdamW (fused)" and s["data order"] == "in order"
+        assert s["rollout precision"] == "fp32"
     assert o["step timed"] == "lightning.Trainer step" and t["step timed"] == "HF Trainer step"
     text = capsys.readouterr().out
     assert "grpo (toy, onednn, matched): settings read at train start" in text
     assert "gradient checkpointing" in text and "<- differs" not in text
 
 
-def test_a_setting_trl_holds_differently_is_refused(tmp_path, capsys, monkeypatch, tiny):
-    """TRL's model checkpointed while ours is not (what the shipped bench timed): the bench reads it off TRL's
-    model, names the row, times nothing and exits 1."""
+def test_each_side_counts_its_own_work_and_the_table_shows_it_with_the_bound(tmp_path, capsys, tiny):
+    """Each side's FLOPs per step are counted on its own first step, against hand counts on the tiny Qwen3
+    (toy prompts of 14 characters, forced length 4, 2 prompts x 2):
+    - TRL's GRPO generation: 4 rows prefilled (14 tokens each), the LM head on each row's last position, then 3
+      decode steps of 4 rows attending to 14 + t positions;
+    - our generation: each of the 2 distinct prompts prefilled once, the LM head on the 4 rows, the same decode;
+    - SFT, TRL padding-free: the 2 rows flattened (N tokens), attention over all N, its fused LM head on the N - 1
+      shifted positions (two forward products, two backward); ours: the same N tokens, attention per row.
+    Each side's GFLOPS is its own count over its own time; the table has the work, peak and bound columns."""
+    from composer.bench import throughput as bt
+    from composer.runtime.models import load_tokenizer
+
+    out = tmp_path / "tp.json"
+    assert bt.main(["--pairs", "grpo,sft", "--modes", "matched", *tiny, "--json", str(out)]) == 0
+    grpo, sft = json.loads(out.read_text())["results"]
+    model = tiny[tiny.index("--model") + 1]
+    tok = load_tokenizer(model)
+    L, h, H = TINY_SHAPE["L"], TINY_SHAPE["h"], TINY_SHAPE["H"]
+    d = h // H
+    body, head = _tiny_macs(len(tok))
+    examples = bt.toy_examples(256, 0)
+    P = {len(tok.encode(e.prompt, add_special_tokens=False)) for e in examples[:2]}
+    assert P == {14}  # (the hand count below assumes equal prompts, no padding)
+    P, B, n = 14, 4, 4
+
+    def decode(rows):
+        return sum(2 * rows * (body + head) + L * 4 * rows * H * (P + t) * d for t in range(1, n))
+
+    trl_gen = 2 * B * P * body + 2 * B * head + L * 4 * B * H * P * P * d + decode(B)
+    ours_gen = 2 * 2 * P * body + 2 * B * head + L * 4 * 2 * H * P * P * d + decode(B)
+    assert grpo["trl_generation_flops"] == trl_gen and grpo["ours_generation_flops"] == ours_gen
+    assert grpo["trl_step_flops"] > grpo["ours_step_flops"] > ours_gen
+    lens = [len(tok.encode(e.prompt + e.solution, add_special_tokens=False)) + 1 for e in examples[:2]]  # + EOS
+    N = sum(lens)
+    assert sft["trl_step_flops"] == 6 * N * body + 4 * 2 * (N - 1) * head + L * 12 * H * N * N * d
+    assert sft["ours_step_flops"] == 6 * N * (body + head) + L * 12 * H * sum(x * x for x in lens) * d
+    for r in (grpo, sft):
+        for side in ("ours", "trl"):
+            blocks = r[f"{side}_block_s"]
+            assert r[f"{side}_gflops"] == pytest.approx(r[f"{side}_step_flops"] * len(blocks) / sum(blocks) / 1e9)
+        b = r["bound"]
+        assert b["ms"] == pytest.approx(b["train_ms"] + b["generation_ms"], abs=2e-3) and b["train_ms"] > 0
+        assert r["ours_over_bound"] > 0 and r["trl_over_bound"] > 0
+    assert grpo["bound"]["decode_positions"] == 4 and grpo["bound"]["decode_stream_ms"] > 0
+    assert sft["bound"]["generation_ms"] == 0
+    assert "mismatch/kl" not in grpo["ours_mismatch"] and "kl" in grpo["ours_mismatch"]
+    text = capsys.readouterr().out
+    for needle in ("ours GFLOP", "TRL GFLOP", "peak% ours/TRL", "bound ms (train + gen)", "ours/bound",
+                   "TRL/bound", "grpo: the work each side does: ours:", "sft: the work each side does:",
+                   "padding_free=True", "memory-read bandwidth", "at the host's floor the step takes",
+                   "our sampler against our trainer (mismatch/*"):
+        assert needle in text, needle
+
+
+@pytest.mark.parametrize(("arg", "value", "row", "says"), [
+    ("gradient_checkpointing", True, "gradient checkpointing", "ours False, TRL True"),  # what the bench once timed
+    ("train_sampling_strategy", "random", "data order", "ours in order, TRL shuffled (RandomSampler)"),
+    ("bf16", True, "training precision", "ours 32-true, TRL bf16-mixed"),
+])
+def test_a_setting_trl_holds_differently_is_refused(tmp_path, capsys, monkeypatch, tiny, arg, value, row, says):
+    """TRL's side set apart from ours (checkpointed, shuffled, bf16-mixed): the bench reads it off TRL's live
+    trainer, names the row, times nothing and exits 1."""
     from composer.bench import throughput as bt
 
     real = bt._common_trl_args
 
-    def checkpointed(*a, **k):
-        return {**real(*a, **k), "gradient_checkpointing": True}
+    def apart(*a, **k):
+        return {**real(*a, **k), arg: value}
 
-    monkeypatch.setattr(bt, "_common_trl_args", checkpointed)
+    monkeypatch.setattr(bt, "_common_trl_args", apart)
     out = tmp_path / "tp.json"
     assert bt.main(["--pairs", "sft", "--modes", "matched", *tiny, "--json", str(out)]) == 1
     (r,) = json.loads(out.read_text())["results"]
-    assert "SettingsMismatch" in r["trl_error"] and "gradient checkpointing: ours False, TRL True" in r["trl_error"]
+    assert "SettingsMismatch" in r["trl_error"] and f"{row}: {says}" in r["trl_error"]
     assert r["trl_block_s"] == [] and r["ours_block_s"] == []
-    assert r["settings_differ"] == ["gradient checkpointing"]
+    assert r["settings_differ"] == [row]
     assert "<- differs" in capsys.readouterr().out
+
+
+def test_bf16_mixed_trains_both_sides_in_bf16(tmp_path, tiny):
+    """--precision bf16-mixed: Lightning's bf16-mixed plugin on ours, bf16=True (accelerate's autocast) on TRL's,
+    read off both live trainers and equal; the peak is the host's bfloat16 one."""
+    from composer.bench import throughput as bt
+
+    out = tmp_path / "tp.json"
+    assert bt.main(["--pairs", "sft", "--modes", "matched", "--precision", "bf16-mixed", *tiny,
+                    "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    (r,) = data["results"]
+    assert r["settings_ours"]["training precision"] == r["settings_trl"]["training precision"] == "bf16-mixed"
+    assert r["settings_differ"] == [] and r["ours_block_s"] and r["trl_block_s"]
+    assert data["host"]["matmul_peak"]["dtype"] == "bfloat16"
+
+
+def test_rollout_bf16_mode_declares_bf16_rollouts_on_both_sides(tmp_path):
+    """The rollout-bf16 mode (compiled; too slow to run here): ours gets rollout.precision=bf16 (grpo, opd; not
+    sft) and train.compile, TRL generates under bfloat16 autocast and says so in its 'rollout precision' row."""
+    import types
+
+    import torch
+
+    from composer.bench import throughput as bt
+
+    args = bt.parse_args(["--modes", "rollout-bf16", "--model", "m", "--teacher", "t"])
+    args.mode = "rollout-bf16"
+    assert "rollout.precision=bf16" in bt.overrides_for("grpo", args)
+    assert "rollout.precision=bf16" in bt.overrides_for("opd", args)
+    assert "rollout.precision=bf16" not in bt.overrides_for("sft", args)
+    args.mode = "matched"
+    assert "rollout.precision=bf16" not in bt.overrides_for("grpo", args)
+    assert "rollout-bf16" in bt.COMPILED_MODES and "rollout-bf16" in bt.MODES
+
+    seen = []
+
+    class Model(torch.nn.Linear):
+        def generate(self, x):
+            seen.append(torch.is_autocast_enabled("cpu"))
+            return self(x)
+
+    trainer = types.SimpleNamespace(model=Model(4, 4))
+    record = {"trl_gen": {}}
+    bt._trl_generation(trainer, record, bf16=True)
+    assert trainer.model.generate(torch.ones(2, 4)).dtype == torch.bfloat16 and seen == [True]
+    assert trainer.bench_rollout_precision == "bf16"
 
 
 def test_trl_defaults_row_keeps_trls_checkpointing_and_is_not_refused(tmp_path, tiny):

@@ -18,7 +18,12 @@ leaves out is Lightning's own per-step bookkeeping (logging, progress bar, check
 
 TRL's side is its own `Trainer.train()` loop on CPU (use_cpu, fp32, no vLLM, no logging, no saving);
 a TrainerCallback runs our steps in between TRL's, so the two sides alternate block by block
-(ours, TRL, ours, TRL, ...) on the same cores, and the first block of each side (warm-up) is dropped.
+(ours, TRL, ours, TRL, ...) on the same cores. Each side's first step is untimed and FLOP-counted
+(FlopCounterMode over what that side runs: its padding, its rows, its generation, counted apart), then
+--warmup untimed steps on each side, then the timed blocks; both sides read the same examples in the same
+order (ours cycles through the list; TRL's sampler is sequential). The table shows each side's own FLOPs per
+step, its share of the host's measured matmul peak (its own count over its own time), and the step at the
+host's floor (fair.bound_ms: training at the peak, decode at the measured memory bandwidth).
 A TRL block is timed from the end of our previous block to TRL's `on_step_end`, so it holds all of
 TRL's per-step work (data loading, generation, reward, reference/teacher forward, loss, backward,
 optimiser, callbacks).
@@ -46,14 +51,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = {"grpo": "grpo.yaml", "opd": "opd.yaml", "sft": "sft.yaml"}
 TRL_NAME = {"grpo": "GRPOTrainer", "opd": "GKDTrainer", "sft": "SFTTrainer"}
-TARGET = {"matched": 2.0, "compiled": 2.0, "defaults": 1.0}  # ours/TRL the issue asks for, per comparison
-MODES = ("matched", "compiled", "defaults")
+TARGET = {"matched": 2.0, "compiled": 2.0, "rollout-bf16": 2.0, "defaults": 1.0}  # ours/TRL the issue asks for
+MODES = ("matched", "compiled", "rollout-bf16", "defaults")
+WORK = {  # what each side's step runs (the table's FLOPs count it), per pair: (ours, TRL)
+    "grpo": (("each distinct prompt prefilled once and its cache copied to the group's rows, every row decoded; "
+              "training forwards padding-free (composer/runtime/varlen.py) with a group's shared prompt run once "
+              "(shared_prefix_plan)"),
+             ("every row's prompt prefilled (G left-padded copies), every row decoded; training forwards on the "
+              "padded [rows, prompt + completion] grid")),
+    "opd": ("the same sampler as grpo; student and teacher forwards padding-free, a group's shared prompt run once",
+            ("every row's prompt prefilled (the dataset repeats each prompt G times), every row decoded; student "
+             "and teacher forwards on the padded grid")),
+    "sft": ("padding-free forwards (composer/runtime/varlen.py: the rows' real tokens only, attention per row)",
+            ("padding_free=True: the rows flattened into one sequence, attention under a block-causal mask over "
+             "the whole of it (counted at full length)")),
+}
 MODE_TITLE = {
-    "matched": "matched work (same model, batch, forced completion length, KL setting, threads, gradient "
-               "checkpointing, KV cache, optimiser, linear backend: read off both sides at train start)",
+    "matched": "matched work (same model, batch, data order, forced completion length, KL setting, gradient "
+               "checkpointing, training and rollout precision, optimiser, linear backend: read off both sides at "
+               "train start; TRL's SFT padding-free)",
     "compiled": "matched work as above, both sides compiled: ours with train.compile: true (the log-prob forwards "
                 "and the hf engine's decode step, compiled in the untimed warm-up), TRL with its own "
                 "TrainingArguments.torch_compile",
+    "rollout-bf16": "matched work as in compiled, rollouts in bf16 on both sides: ours with rollout.precision: bf16 "
+                    "(the hf engine's copy rounded to bfloat16 at each sync) and train.compile: true (its compiled "
+                    "decode step), TRL generating under bfloat16 autocast, with its torch_compile; our sampler's "
+                    "mismatch with the trainer (mismatch/*) in the row",
     "defaults": "TRL defaults (TRL's config defaults for the same spec: GRPO beta 0, so no reference model, and "
                 "generation stopping at EOS; gradient checkpointing on; SFTTrainer's defaults) vs our spec as "
                 "written (its KL term, EOS stops); settings printed, not required to match",
@@ -82,6 +105,7 @@ def cycler(examples):
             state["i"] += 1
         return out
 
+    sample_train.order = "in order"  # the settings row "data order" (TRL's sampler: sequential too)
     return sample_train
 
 
@@ -119,7 +143,7 @@ class Ours:
 
     def __init__(self, spec_path: str, overrides: list[str], examples, length: int | None, sampler: str,
                  compile_model: bool = False, rollouts: bool | None = None, device: str = "cpu",
-                 lightning: bool = False, root: str | None = None):
+                 lightning: bool = False, root: str | None = None, pair: str = "grpo"):
         import torch
 
         from composer.backends.lightning.module import ComposerModule
@@ -130,6 +154,10 @@ class Ours:
         from composer.checks.validate import validate_file
 
         self.torch, self.run_step = torch, run_step
+        self.pair = pair
+        self.mismatch: dict[str, list[float]] = {}  # mismatch/* of the timed steps (composer/step.py)
+        self.flops: dict = {}  # the counted step's: step, generation
+        self._box: dict | None = None  # the count_flops box while a step is counted
         v = validate_file(spec_path, overrides + (["train.compile=true"] if compile_model else []))
         spec = v.spec
         self.spec = spec
@@ -150,7 +178,8 @@ class Ours:
         if lightning:  # the whole Lightning step (fair.LightningLoop): Lightning builds the optimiser
             from composer.bench.fair import LightningLoop
 
-            self.loop = LightningLoop(self.module, root or tempfile.mkdtemp(prefix="bench-ours-"), device)
+            self.loop = LightningLoop(self.module, root or tempfile.mkdtemp(prefix="bench-ours-"), device,
+                                      precision=spec.train.precision)
             self.opt = self.lr_sched = None
         else:
             optim = self.module.configure_optimizers()
@@ -183,6 +212,7 @@ class Ours:
             def step_loss(step, optimizer):
                 loss, metrics = real(step, optimizer)
                 self._count(metrics["_batches"])
+                self._keep_mismatch(metrics)
                 return loss, metrics
 
             self.module.step_loss = step_loss
@@ -199,24 +229,37 @@ class Ours:
         else:  # every real token the step trains on
             self.tokens += int(first.attention_mask.sum())
 
+    def _keep_mismatch(self, metrics: dict) -> None:
+        if self.measuring:
+            for k, v in metrics.items():
+                if k.startswith("mismatch/"):
+                    self.mismatch.setdefault(k, []).append(float(v))
+
     def settings(self) -> dict:
         """This side's trainer settings, read off the live objects (composer/bench/fair.py)."""
         from composer.bench.fair import settings_ours
 
         return settings_ours(self, self.loop.trainer if self.loop is not None else None)
 
-    def count_flops(self) -> float:
-        """One untimed step with its matrix FLOPs counted (FlopCounterMode)."""
+    def count_flops(self) -> dict:
+        """One untimed step with its matrix FLOPs counted (FlopCounterMode): {'step': all of them,
+        'generation': those inside the rollout engine's generate}."""
         from composer.bench.fair import count_flops
 
         box: dict = {}
-        if self.loop is not None:
-            self.loop.count_box = box
-            self.loop.run(1)
-        else:
-            with count_flops(box):
-                self.step()
-        return float(box.get("flops", 0))
+        self._box = box
+        self.flops.clear()  # (the generate wrapper adds into this very dict)
+        try:
+            if self.loop is not None:
+                self.loop.count_box = box
+                self.loop.run(1)
+            else:
+                with count_flops(box):
+                    self.step()
+        finally:
+            self._box = None
+        self.flops.update(step=float(box.get("flops", 0)), generation=float(self.flops.get("generation", 0)))
+        return dict(self.flops)
 
     def _time(self, holder, name: str, label: str) -> None:
         """Time `holder.<name>` (what the module's step calls: composer.step's parts, the run context's initial
@@ -246,6 +289,10 @@ class Ours:
         fn = getattr(engine, name, None)
         if fn is None:
             return
+        if name == "generate":  # the counted step's generation FLOPs
+            from composer.bench.fair import generation_flops
+
+            fn = generation_flops(fn, lambda: self._box, self.flops)
 
         def wrapped(*a, **kw):
             with self._phase(f"engine.{name}"):
@@ -348,23 +395,33 @@ def compiled_graphs() -> int:
 def _trl_common(args, out: str, rows: int, spec) -> dict:
     mode = getattr(args, "mode", "matched")
     return _common_trl_args(out, rows, args.trl_steps, spec, args.threads,
-                            args.trl_compile or mode == "compiled", getattr(args, "device", "cpu"),
-                            matched=mode != "defaults", checkpointing=getattr(args, "checkpointing", "off") == "on")
+                            args.trl_compile or mode in COMPILED_MODES, getattr(args, "device", "cpu"),
+                            matched=mode != "defaults", checkpointing=getattr(args, "checkpointing", "off") == "on",
+                            bf16=getattr(args, "precision", "32-true") == "bf16-mixed")
+
+
+COMPILED_MODES = ("compiled", "rollout-bf16")
 
 
 def _common_trl_args(out: str, rows: int, steps: int, spec, threads: int, compile_model: bool = False,
-                     device: str = "cpu", matched: bool = True, checkpointing: bool = False) -> dict:
+                     device: str = "cpu", matched: bool = True, checkpointing: bool = False,
+                     bf16: bool = False) -> dict:
     """TrainingArguments for TRL's side. matched: the settings ours trains with (gradient checkpointing as
     `checkpointing`, which TRL's configs turn on by default; torch's fused AdamW, as ours); else TRL's defaults
-    for both (only the batch, LR, clip, betas and budget from the spec)."""
+    for both (only the batch, LR, clip, betas and budget from the spec). Always: the dataset in order (our side
+    cycles through the same list in order; GRPO's own sampler: shuffle_dataset=False in trl_grpo), and
+    bf16 (bf16-mixed training: accelerate's bfloat16 autocast) as `bf16`."""
     t = spec.train
-    same = dict(gradient_checkpointing=checkpointing, optim="adamw_torch_fused") if matched else {}
+    # ours takes torch's fused AdamW in full precision and the per-tensor one under Lightning's mixed precision
+    # (which refuses to clip an optimiser that unscales: composer/backends/lightning/module.py)
+    same = dict(gradient_checkpointing=checkpointing, optim="adamw_torch" if bf16 else "adamw_torch_fused") \
+        if matched else {}
     return dict(
         torch_compile=compile_model,
         output_dir=out, per_device_train_batch_size=rows, gradient_accumulation_steps=1, max_steps=steps,
         learning_rate=t.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=t.grad_clip or 0.0,
         adam_beta1=t.betas[0], adam_beta2=t.betas[1], weight_decay=t.weight_decay, **same,
-        use_cpu=device == "cpu", bf16=False, fp16=False, report_to="none", logging_strategy="no", save_strategy="no",
+        use_cpu=device == "cpu", bf16=bf16, fp16=False, report_to="none", train_sampling_strategy="sequential", logging_strategy="no", save_strategy="no",
         eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0, dataloader_pin_memory=False, seed=t.seed,
     )
 
@@ -388,7 +445,7 @@ def trl_grpo(args, spec, model_dir, examples, callback, out):
     if getattr(args, "mode", "matched") == "defaults":  # TRL's defaults; only batch, lr and budget from the spec
         cfg = GRPOConfig(**_trl_common(args, out, P * G, spec),
                          num_generations=G, max_completion_length=r.max_new_tokens, log_completions=False,
-                         model_init_kwargs={"dtype": "float32"}, **getattr(args, "trl_grpo_extra", {}))
+                         model_init_kwargs={"dtype": "float32"}, shuffle_dataset=False, **getattr(args, "trl_grpo_extra", {}))
         return GRPOTrainer(model=model_dir, reward_funcs=toy_reward, args=cfg, train_dataset=ds, processing_class=tok,
                            callbacks=[callback])
     cfg = GRPOConfig(
@@ -398,7 +455,10 @@ def trl_grpo(args, spec, model_dir, examples, callback, out):
         epsilon=obj.clip_low if obj.clip_low is not None else obj.clip,
         epsilon_high=obj.clip_high if obj.clip_high is not None else obj.clip,
         loss_type="dapo", scale_rewards="group" if obj.std_norm else "none", num_iterations=1,
-        steps_per_generation=1, log_completions=False, model_init_kwargs={"dtype": "float32"},
+        steps_per_generation=1, log_completions=False, model_init_kwargs={"dtype": "float32"}, shuffle_dataset=False,
+        # opt-in: transformers' continuous batching (paged KV cache, prompt blocks shared: the work of our
+        # sampler); off by default: on CPU its scheduler costs ~90 s a step on the tiny test model
+        **({"use_transformers_continuous_batching": True} if getattr(args, "trl_continuous_batching", False) else {}),
         **getattr(args, "trl_grpo_extra", {}),  # e.g. use_vllm (examples/gpu/throughput_vllm.py)
     )
     return GRPOTrainer(model=model_dir, reward_funcs=toy_reward, args=cfg, train_dataset=ds, processing_class=tok,
@@ -468,6 +528,7 @@ def trl_sft(args, spec, model_dir, examples, callback, out):
         return SFTTrainer(model=model_dir, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[callback])
     cfg = SFTConfig(**_trl_common(args, out, spec.train.prompts_per_step, spec),
                     completion_only_loss=True, packing=False, max_length=None, dataset_num_proc=None,
+                    padding_free=True,  # the rows flattened into one sequence (block-causal mask): no padding, as ours
                     model_init_kwargs={"dtype": "float32"})
     return SFTTrainer(model=model_dir, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[callback])
 
@@ -482,6 +543,11 @@ def _interleaver(ours, args, record, pair: str = "grpo"):
 
     class Interleave(TrainerCallback):
         trainer = None  # set by run_pair once the trainer is built
+
+        def on_step_begin(self, _args, state, *_a, **_k):
+            if state.global_step == 0 and record.get("count_trl"):  # TRL's first step: counted, untimed
+                box = record["trl_box"] = {}
+                record["counting"].enter_context(fair.count_flops(box))
 
         def on_train_begin(self, _args, _state, _control, optimizer=None, **_k):
             tr = self.trainer
@@ -504,8 +570,14 @@ def _interleaver(ours, args, record, pair: str = "grpo"):
         def on_step_end(self, _args, state, *_a, **_k):
             now = time.perf_counter()
             g = state.global_step
-            if g <= args.warmup:
-                if g == args.warmup:  # TRL's warm-up ends here
+            if g == 1 and record.get("count_trl"):
+                record["counting"].close()
+                box = record.pop("trl_box", {})
+                record["trl_flops"] = {"step": float(box.get("flops", 0)),
+                                       "generation": float(record["trl_gen"].get("generation", 0))}
+            untimed = 1 + args.warmup  # the first (counted) step and the warm-up, as on our side
+            if g <= untimed:
+                if g == untimed:  # TRL's warm-up ends here
                     record["mark"] = time.perf_counter()
                 return
             if (g - args.warmup) % args.steps == 0:
@@ -529,6 +601,10 @@ def overrides_for(pair: str, args) -> list[str]:
             o.append(f"rollout.samples_per_prompt={args.group}")
     if pair == "opd":
         o.append(f"sources.teacher.model={args.teacher}")
+    if pair != "sft" and getattr(args, "mode", "matched") == "rollout-bf16":
+        o.append("rollout.precision=bf16")
+    if getattr(args, "precision", "32-true") != "32-true":
+        o.append(f"train.precision={args.precision}")
     if args.prompts:
         o.append(f"train.prompts_per_step={args.prompts}")
     return o + list(args.override or [])
@@ -542,7 +618,7 @@ def run_pair(pair: str, args, mode: str = "matched") -> dict:
 
     args.mode = mode
     forced = mode != "defaults"
-    compiled = args.compile or mode == "compiled"
+    compiled = args.compile or mode in COMPILED_MODES
     spec_path = str(ROOT / "specs" / SPECS[pair])
     ovr = overrides_for(pair, args)
     spec = validate_file(spec_path, ovr).spec
@@ -566,24 +642,29 @@ def _run_pair(pair, args, mode, res, spec_path, ovr, spec, rollouts, rows, examp
     ours = None
     graphs_before = compiled_graphs()
     t_setup = time.perf_counter()
+    cache = getattr(args, "flops_cache", None)
+    if cache is None:
+        cache = args.flops_cache = {}
+    entry = cache.setdefault((res["size"], pair, mode == "defaults"), {})  # each side's counted step, per work
     try:
         ours = Ours(spec_path, ovr, examples, args.length if rollouts and forced else None, args.sampler, compiled,
-                    rollouts=rollouts, device=getattr(args, "device", "cpu"), lightning=True)
-        ours.block(1, measure=False)  # fails early if this spec does not run here
+                    rollouts=rollouts, device=getattr(args, "device", "cpu"), lightning=True, pair=pair)
+        # the first step, untimed (fails early if this spec does not run here): its matrix FLOPs counted, unless
+        # compiled (counted in the eager mode of the same work)
+        if "ours" not in entry and not compiled:
+            entry["ours"] = ours.count_flops()
+        else:
+            ours.block(1, measure=False)
         res["ours_first_step_s"] = time.perf_counter() - t_setup  # loading + the first step (compiling with it)
-        key = (res["size"], pair, mode == "defaults")
-        flops = getattr(args, "flops_cache", {})
-        if key not in flops and not compiled:  # our step's matrix FLOPs (one untimed, counted step)
-            flops[key] = ours.count_flops()
-            args.flops_cache = flops
-        res["ours_step_flops"] = flops.get(key)
     except Exception as e:  # reported, not raised: the TRL side still runs
         res["ours_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if ours is not None:
             ours.close()
         ours = None
-    record = {"trl": [], "ours": [], "mark": 0.0}
-    args.trl_steps = args.warmup + args.rounds * args.steps
+    trl_compiled = args.trl_compile or mode in COMPILED_MODES
+    record = {"trl": [], "ours": [], "mark": 0.0, "count_trl": "trl" not in entry and not trl_compiled,
+              "counting": contextlib.ExitStack(), "trl_gen": {}}
+    args.trl_steps = 1 + args.warmup + args.rounds * args.steps  # the first (counted) step, warm-up, timed blocks
     cb = _interleaver(ours, args, record, pair)
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as out:
         try:
@@ -594,8 +675,12 @@ def _run_pair(pair, args, mode, res, spec_path, ovr, spec, rollouts, rows, examp
             else:
                 trainer = trl_sft(args, spec, args.model, examples, cb, out)
             cb.trainer = trainer
+            _trl_generation(trainer, record, bf16=mode == "rollout-bf16")
             with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(sys.stderr if args.debug else devnull):
-                trainer.train()  # Trainer prints its summary dict; the bench prints its own
+                try:
+                    trainer.train()  # Trainer prints its summary dict; the bench prints its own
+                finally:
+                    record["counting"].close()  # never leave a FLOP counter on the stack (a failed step)
         except Exception as e:
             res["trl_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             if args.debug:
@@ -604,6 +689,8 @@ def _run_pair(pair, args, mode, res, spec_path, ovr, spec, rollouts, rows, examp
         # TRL failed before interleaving: measure ours alone
         for _ in range(args.rounds):
             record["ours"].append(ours.block(args.steps, measure=True))
+    if record.get("trl_flops"):
+        entry["trl"] = record["trl_flops"]
     res["trl_block_s"] = record["trl"]
     res["ours_block_s"] = record["ours"]
     res["settings_ours"], res["settings_trl"] = record.get("settings_ours"), record.get("settings_trl")
@@ -633,18 +720,84 @@ def _run_pair(pair, args, mode, res, spec_path, ovr, spec, rollouts, rows, examp
             res["ours_tokens_per_s"] = ours.tokens / total
         else:
             res["ours_mean_response_tokens"] = ours.tokens / max(ours.rows, 1)
+        if ours.mismatch:  # the sampler's mismatch with the trainer over the timed steps (composer/step.py)
+            res["ours_mismatch"] = {k.removeprefix("mismatch/"): (max(v) if k.endswith(("_max", "abs_max"))
+                                                                  else min(v) if k.endswith("_min")
+                                                                  else statistics.mean(v))
+                                    for k, v in ours.mismatch.items()}
+    weights = None
     if ours is not None:
+        from composer.bench.fair import weight_bytes
+
+        weights = weight_bytes(ours.policy, 2 if mode == "rollout-bf16" else None)
         ours.close()
-    f = res.get("ours_step_flops")
-    for side in ("ours", "trl"):  # our step's matrix FLOPs over each side's time per step (the same work)
-        blocks = res.get(f"{side}_block_s")
-        if f and blocks and forced:
-            res[f"{side}_gflops"] = f * n * len(blocks) / sum(blocks) / 1e9
+    _work_and_bound(res, entry, n, rollouts and forced, args, weights)
     if res.get("trl_samples_per_s") and res.get("ours_samples_per_s"):
         res["ratio"] = res["ours_samples_per_s"] / res["trl_samples_per_s"]
         res["round_ratios"] = [t / o for o, t in zip(record["ours"], record["trl"])]
         res["median_round_ratio"] = statistics.median(res["round_ratios"])
     return res
+
+
+def _work_and_bound(res: dict, entry: dict, n: int, decode: bool, args, weights: int | None) -> None:
+    """Each side's own FLOPs per step (its counted first step: what it runs, padding and every row included),
+    its ms per step, its share of the host's matmul peak on its own count and its own time, and the step at the
+    host's floor (fair.bound_ms: the fewer training FLOPs of the two sides at the peak, generation at the slower
+    of its fewer FLOPs at the peak and the policy's weights streamed once per completion position at the
+    measured bandwidth) with each side's time over it."""
+    from composer.bench.fair import bound_ms
+
+    floor = getattr(args, "floor", None) or {}
+    peak, bw = floor.get("peak"), floor.get("bandwidth")
+    for side in ("ours", "trl"):
+        fl = entry.get(side) or {}
+        res[f"{side}_step_flops"] = fl.get("step")
+        res[f"{side}_generation_flops"] = fl.get("generation")
+        blocks = res.get(f"{side}_block_s")
+        if blocks:
+            res[f"{side}_ms_per_step"] = 1e3 * sum(blocks) / (n * len(blocks))
+            if fl.get("step"):
+                res[f"{side}_gflops"] = fl["step"] * n * len(blocks) / sum(blocks) / 1e9
+    counted = [entry[s] for s in ("ours", "trl") if (entry.get(s) or {}).get("step")]
+    if not counted or not peak:
+        return
+    train = min(c["step"] - c.get("generation", 0) for c in counted)
+    gen = min(c.get("generation", 0) for c in counted) if decode else 0
+    b = bound_ms(train, gen, args.length if decode else 0, weights or 0, peak, bw)
+    if b is None:
+        return
+    res["bound"] = {**{k: round(v, 3) for k, v in b.items()}, "peak_gflops": peak, "bandwidth_gbs": bw,
+                    "weight_bytes": weights if decode else None, "decode_positions": args.length if decode else 0}
+    for side in ("ours", "trl"):
+        if res.get(f"{side}_ms_per_step"):
+            res[f"{side}_over_bound"] = res[f"{side}_ms_per_step"] / b["ms"]
+
+
+def _trl_generation(trainer, record: dict, bf16: bool = False) -> None:
+    """TRL's model's `generate` (GRPO's and GKD's, through unwrap_model_for_generation: the same object on one
+    CPU process) counted into record['trl_gen'] while TRL's first step is counted; bf16: run under bfloat16
+    autocast (the rollout-bf16 mode: TRL generating in bf16, its settings row 'rollout precision' says so)."""
+    import functools
+
+    import torch
+
+    from composer.bench.fair import generation_flops
+
+    model = trainer.model
+    fn = getattr(model, "generate", None)
+    if fn is None:
+        return
+    fn = generation_flops(fn, lambda: record.get("trl_box"), record["trl_gen"])
+    if bf16:
+        inner = fn
+
+        @functools.wraps(inner)
+        def fn(*a, **k):
+            with torch.autocast(model.device.type, dtype=torch.bfloat16):
+                return inner(*a, **k)
+
+        trainer.bench_rollout_precision = "bf16"
+    model.generate = fn
 
 
 # ------------------------------------------------------------------------------------- guided rollouts
@@ -985,21 +1138,36 @@ def format_results(results: list[dict], args, host: dict | None = None) -> str:
     from composer.bench.fair import format_settings
 
     peak = ((host or {}).get("matmul_peak") or {}).get("peak")
+    bw = (host or {}).get("bandwidth")
     lines = [(f"throughput on {args.threads} CPU thread(s); toy model {args.model} at completion length {args.length}; "
               f"matmul model: random Qwen3 (composer/bench/fair.py MATMUL_MODEL) at length {args.matmul_length}, "
               f"{args.matmul_prompts} prompts x {args.matmul_group}; forced lengths, matched rows; gradient "
-              f"checkpointing {args.checkpointing} on both sides; {args.rounds} rounds x {args.steps} steps, "
-              f"{args.warmup} warm-up step(s) dropped; ours timed as whole lightning.Trainer steps, TRL as whole HF "
-              f"Trainer steps"
-              + (f"; host matmul peak {peak:.0f} GFLOPS (float32 {host['matmul_peak']['shape']}^3, faster of MKL "
-                 f"{host['matmul_peak']['mkl']:.0f} / oneDNN {host['matmul_peak']['onednn'] or 0:.0f})" if peak else ""))]
+              f"checkpointing {args.checkpointing} on both sides; training precision "
+              f"{getattr(args, 'precision', '32-true')} on both sides; the same data in the same order on both sides; "
+              f"{args.rounds} rounds x {args.steps} steps, each side's first step (FLOP-counted) and {args.warmup} "
+              f"warm-up step(s) untimed; ours timed as whole lightning.Trainer steps, TRL as whole HF Trainer steps"
+              + (f"; host matmul peak {peak:.0f} GFLOPS ({host['matmul_peak'].get('dtype', 'float32')} "
+                 f"{host['matmul_peak']['shape']}^3, faster of MKL {host['matmul_peak']['mkl']:.0f} / oneDNN "
+                 f"{host['matmul_peak']['onednn'] or 0:.0f})" if peak else "")
+              + (f"; memory-read bandwidth {bw['gbs']:.1f} GB/s (sum of a {bw['mib']} MiB float32 buffer)"
+                 if bw else ""))]
 
     def f(r, k, d=1):
         return f"{r[k]:.{d}f}" if r.get(k) is not None else "-"
 
-    def share(r, side):
+    def share(r, side):  # a side's own FLOPs over its own time, over the peak
         g = r.get(f"{side}_gflops")
         return f"{100 * g / peak:.0f}%" if g and peak else "-"
+
+    def gflop(r, side):
+        st, gen = r.get(f"{side}_step_flops"), r.get(f"{side}_generation_flops")
+        if not st:
+            return "-"
+        return f"{st / 1e9:.3g}" + (f" ({gen / 1e9:.3g})" if gen else "")
+
+    def over(r, side):
+        x = r.get(f"{side}_over_bound")
+        return f"{x:.2f}x" if x else "-"
 
     groups = list(dict.fromkeys((r.get("size", "toy"), r.get("linear", "onednn"), r.get("mode", "matched"))
                                 for r in results))
@@ -1019,6 +1187,30 @@ def format_results(results: list[dict], args, host: dict | None = None) -> str:
                          f"{f(r, 'ours_samples_per_s'):>12s} {f(r, 'trl_samples_per_s'):>11s} "
                          f"{f(r, 'ours_tokens_per_s', 0):>11s} {f(r, 'trl_tokens_per_s', 0):>10s} {ratio:>6s} "
                          f"{med:>7s} {share(r, 'ours') + ' / ' + share(r, 'trl'):>15s}  {spread}")
+        if any(r.get("ours_step_flops") or r.get("trl_step_flops") for r in group):
+            lines += ["", ("  each side's own work per step (GFLOP of matrix products, counted on its first step; "
+                           "in brackets: inside generation), its own peak share, and the step at the host's floor"),
+                      (f"  {'pair':6s} {'ours ms':>8s} {'TRL ms':>8s} {'ours GFLOP':>14s} {'TRL GFLOP':>14s} "
+                       f"{'peak% ours/TRL':>15s} {'bound ms (train + gen)':>24s} {'ours/bound':>10s} "
+                       f"{'TRL/bound':>9s}")]
+            for r in group:
+                b = r.get("bound") or {}
+                bound = (f"{b['ms']:.4g} ({b['train_ms']:.4g} + {b['generation_ms']:.3g})" if b else "-")
+                lines.append(f"  {r['pair']:6s} {f(r, 'ours_ms_per_step', 0):>8s} {f(r, 'trl_ms_per_step', 0):>8s} "
+                             f"{gflop(r, 'ours'):>14s} {gflop(r, 'trl'):>14s} "
+                             f"{share(r, 'ours') + ' / ' + share(r, 'trl'):>15s} {bound:>24s} "
+                             f"{over(r, 'ours'):>10s} {over(r, 'trl'):>9s}")
+    lines.append("")
+    for pair in dict.fromkeys(r["pair"] for r in results):
+        ours_work, trl_work = WORK[pair]
+        if pair == "grpo" and getattr(args, "trl_continuous_batching", False):
+            trl_work = ("generation by transformers' continuous batching (paged KV cache, shared prompt blocks), "
+                        "training forwards on the padded grid")
+        lines.append(f"{pair}: the work each side does: ours: {ours_work}; TRL {TRL_NAME[pair]}: {trl_work}")
+    lines.append("the bound (composer/bench/fair.py bound_ms): the fewer training FLOPs of the two sides at the "
+                 "measured matmul peak, plus generation at the slower of its fewer FLOPs at the peak and the "
+                 "policy's weights streamed once per completion position at the measured bandwidth; side/bound: "
+                 "that side's ms per step over it")
     lines.append("")
     for r in results:
         tag = f"{r['pair']} ({r.get('size', 'toy')}, {r.get('linear', 'onednn')}, {r.get('mode', 'matched')})"
@@ -1035,11 +1227,26 @@ def format_results(results: list[dict], args, host: dict | None = None) -> str:
             verdict = "meets" if r["ratio"] >= TARGET[mode] else "below"
             lines.append(f"{tag}: ours/TRL = {r['ratio']:.2f} over all rounds, median round "
                          f"{r['median_round_ratio']:.2f} ({verdict} the {TARGET[mode]}x target)")
-        if r.get("ours_step_flops") and r.get("ours_gflops"):
-            lines.append(f"{tag}: our step {r['ours_step_flops'] / 1e9:.1f} GFLOP of matrix products (counted); "
-                         f"ours {r['ours_gflops']:.1f} GFLOPS, TRL {r.get('trl_gflops') or 0:.1f} GFLOPS at the same "
-                         "work" + (f" = {share(r, 'ours')} / {share(r, 'trl')} of the host's measured peak"
-                                   if peak else ""))
+        if r.get("ours_gflops") or r.get("trl_gflops"):
+            lines.append(f"{tag}: each on its own FLOPs per step: ours {gflop(r, 'ours')} GFLOP at "
+                         f"{f(r, 'ours_gflops')} GFLOPS, TRL {gflop(r, 'trl')} GFLOP at {f(r, 'trl_gflops')} GFLOPS"
+                         + (f" = {share(r, 'ours')} / {share(r, 'trl')} of the host's measured peak" if peak else ""))
+        b = r.get("bound")
+        if b:
+            gen = (f"; generation {b['generation_ms']:.1f} ms: {b['generation_compute_ms']:.1f} ms of compute, "
+                   f"{b['decode_stream_ms']:.1f} ms to stream {(b.get('weight_bytes') or 0) / 1e6:.1f} MB of weights "
+                   f"x {b['decode_positions']} positions at {b.get('bandwidth_gbs') or 0:.1f} GB/s"
+                   if b.get("decode_positions") else "")
+            lines.append(f"{tag}: at the host's floor the step takes {b['ms']:.1f} ms (training {b['train_ms']:.1f} "
+                         f"ms at {b['peak_gflops']:.0f} GFLOPS{gen}); ours {over(r, 'ours')}, TRL {over(r, 'trl')} "
+                         "of it")
+        mm = r.get("ours_mismatch")
+        if mm:
+            lines.append(f"{tag}: our sampler against our trainer (mismatch/*, timed steps): kl {mm.get('kl', 0):.2e}, "
+                         f"rho {mm.get('rho_min', 0):.4f}-{mm.get('rho_max', 0):.4f} (mean {mm.get('rho_mean', 0):.4f}), "
+                         f"max |log-ratio| {mm.get('abs_max', 0):.2e}; settings row 'rollout precision': ours "
+                         f"{(r.get('settings_ours') or {}).get('rollout precision', '-')}, TRL "
+                         f"{(r.get('settings_trl') or {}).get('rollout precision', '-')}")
         if r.get("ours_compiled_graphs") is not None:
             lines.append(f"{tag}: torch.compile built {r['ours_compiled_graphs']} graph(s) for our side, "
                          f"{r['ours_graphs_in_rounds']} of them inside timed rounds (recompiles); loading + first "
@@ -1074,8 +1281,9 @@ def parse_args(argv):
                         "repeats (0: skip).")
     p.add_argument("--modes", default="matched,defaults",
                    help="Comparisons: matched (equal work, forced length), compiled (the same with our "
-                        "train.compile: true) and/or defaults (TRL's default config for the same spec; grpo and sft "
-                        "only).")
+                        "train.compile: true and TRL's torch_compile), rollout-bf16 (compiled, rollouts in bf16 on "
+                        "both sides: ours rollout.precision bf16, TRL generating under bf16 autocast; grpo and opd) "
+                        "and/or defaults (TRL's default config for the same spec; grpo and sft only).")
     p.add_argument("--sweep", action="store_true",
                    help="After the table: how a GRPO step's cost grows with group size, response length and "
                         "prompts per step, ours and TRL (CSV + PNG under --out).")
@@ -1095,6 +1303,10 @@ def parse_args(argv):
                         "minutes and happens in the untimed warm-up).")
     p.add_argument("--trl-compile", action="store_true",
                    help="TRL's side with TrainingArguments.torch_compile (compare with --compile on ours).")
+    p.add_argument("--trl-continuous-batching", action="store_true",
+                   help="TRL's GRPO generating with transformers' continuous batching (use_transformers_continuous_"
+                        "batching: padding-free, prompt blocks shared, as our sampler); off by default: its CPU "
+                        "scheduler is far slower than generate here.")
     p.add_argument("--length", type=int, default=32, help="Completion length, forced on both sides (toy size).")
     p.add_argument("--sizes", default="toy,matmul",
                    help="Model sizes: toy (the toy student, --model) and/or matmul (a random-weight Qwen3 of ~26M "
@@ -1106,6 +1318,10 @@ def parse_args(argv):
     p.add_argument("--linear", default="onednn",
                    help="Linear backend of BOTH sides: onednn (composer/runtime/onednn.py, TRL's models converted "
                         "too), mkl (oneDNN off on ours), or mkl,onednn to measure both.")
+    p.add_argument("--precision", choices=("32-true", "bf16-mixed"), default="32-true",
+                   help="Training precision of BOTH sides: 32-true (float32), or bf16-mixed (ours: train.precision "
+                        "bf16-mixed, Lightning's precision plugin; TRL: bf16=True, accelerate's autocast); the "
+                        "peak share and the bound then use the host's bfloat16 matmul peak.")
     p.add_argument("--checkpointing", choices=("off", "on"), default="off",
                    help="Gradient checkpointing on both sides (matched and compiled; TRL's defaults row keeps "
                         "TRL's own default, on).")
@@ -1205,6 +1421,12 @@ def main(argv=None) -> int:
     if args.checkpointing == "on":
         args.override = list(args.override or []) + ["policy.gradient_checkpointing=true"]
     results = []
+    args.flops_cache = {}  # each side's counted step per (size, pair, work), shared by the sizes' copies of args
+    # the host's floor, measured before the pairs (the bound in the table): matmul peak in the training
+    # precision's dtype, memory-read bandwidth
+    peak = fair.peak_gflops(args.threads, dtype="bfloat16" if args.precision == "bf16-mixed" else "float32")
+    bw = fair.bandwidth_gbs(args.threads)
+    args.floor = {"matmul_peak": peak, "bandwidth_probe": bw, "peak": peak["peak"], "bandwidth": bw["gbs"]}
     with tempfile.TemporaryDirectory(prefix="bench-matmul-") as built:
         for size in sizes:
             a = _size_args(args, size, built)
@@ -1214,12 +1436,13 @@ def main(argv=None) -> int:
                     for pair in pairs:
                         if mode == "defaults" and pair == "opd":
                             continue  # GKD's defaults are another method (mixed on/off-policy data)
+                        if mode == "rollout-bf16" and pair == "sft":
+                            continue  # no rollouts
                         print(f"[bench] {size} {pair} ({mode}, {linear}): ours ({SPECS[pair]}) vs TRL "
                               f"{TRL_NAME[pair]} ...", flush=True)
                         results.append(run_pair(pair, a, mode))
-                        args.flops_cache = a.flops_cache = getattr(a, "flops_cache", {})
     host = host_info(args.threads)
-    host["matmul_peak"] = fair.peak_gflops(args.threads)
+    host["matmul_peak"], host["bandwidth"] = args.floor["matmul_peak"], args.floor["bandwidth_probe"]
     text = format_host(host) + "\n" + (format_results(results, args, host) if results else "")
     guided = None
     if args.guided:
@@ -1233,7 +1456,7 @@ def main(argv=None) -> int:
     print(text)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "flops_cache"}, "host": host,
+        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k not in ("flops_cache", "floor")}, "host": host,
                                                "results": results, "guided": guided}, indent=2, default=str))
     failed = [f"{r['pair']}{'' if r['mode'] == 'matched' else ' (' + r['mode'] + ')'} {side}: {r[side + '_error']}" for r in results for side in ("ours", "trl")
               if r.get(side + "_error") or (side == "ours" and not r.get("ours_block_s"))
