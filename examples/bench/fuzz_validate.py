@@ -898,7 +898,8 @@ def fuzz(cases: int, seed: int, steps=(), save: Path | None = None, show: int = 
     return tally
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (SystemExit with argparse's message on a bad one)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=int, default=10000)
     ap.add_argument("--seed", type=int, default=0)
@@ -910,9 +911,14 @@ def main(argv=None) -> int:
     ap.add_argument("--save", type=Path, default=None, help="write every crashing, hanging or data-losing case here")
     ap.add_argument("--show", type=int, default=5, help="print this many crashing cases in full")
     args = ap.parse_args(argv)
-    steps = [s for s in args.through.split(",") if s]
-    if set(steps) - {"run", "compile", "env", "tamper"}:
+    if {s for s in args.through.split(",") if s} - {"run", "compile", "env", "tamper"}:
         ap.error(f"--through takes run, compile, env and/or tamper, not {args.through!r}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    steps = [s for s in args.through.split(",") if s]
     t0 = time.perf_counter()
     tally = fuzz(args.cases, args.seed, steps, args.save, args.show, log=lambda m: print(m, file=sys.stderr, flush=True),
                  **({"run_timeout_s": args.run_timeout, "compile_timeout_s": args.compile_timeout} if steps else {}))
