@@ -306,13 +306,15 @@ def test_openrlhf_agent_asks_for_every_stop_token_and_cuts_at_the_first():
 
 
 def test_an_openrlhf_bundle_ends_sft_targets_with_the_end_of_turn(m, tmp_path, cli):
+    """Training targets and the evaluation's (train_sft's loss on data/eval.jsonl) alike."""
     spec = tmp_path / "sft.yaml"
-    spec.write_text(spec_text(m, SFT))
+    spec.write_text(spec_text(m, SFT.replace("eval_every: 0", "eval_every: 1")))
     out = tmp_path / "bundle"
     r = cli("compile", spec, "--out", out, "--gpus-per-node", "1")
     assert r.exit_code == 0, r.output
-    rows = [json.loads(x) for x in (out / "data" / "train.jsonl").read_text().splitlines()]
-    assert rows and all(row["target"].endswith("}.<|im_end|>") for row in rows)  # not the eos, <|endoftext|>
+    for name in ("train.jsonl", "eval.jsonl"):
+        rows = [json.loads(x) for x in (out / "data" / name).read_text().splitlines()]
+        assert rows and all(row["target"].endswith("}.<|im_end|>") for row in rows), name  # not <|endoftext|>
     plan = json.loads((out / "plan.json").read_text())
     assert plan["stop_tokens"].endswith(f"targets end with {m['turn']}")
 
