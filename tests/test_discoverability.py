@@ -65,3 +65,17 @@ def test_a_single_gated_term_logs_its_gate_under_its_name():
     from composer.gates import gate_metrics
 
     assert gate_metrics("sft", torch.tensor([True, False, False, True]), False) == {"sft/gate_frac": 0.5}
+
+
+def test_the_plugin_guide_names_every_run_context_name_a_component_reads():
+    """docs/plugins.md's run context paragraph is the declared interface of `ctx`: every `ctx.<name>` a built-in
+    component reads (components/) is named there (issue 52 item 5: 39 names were undocumented)."""
+    import re
+
+    root = Path(__file__).resolve().parent.parent
+    used = {m for f in (root / "components").rglob("*.py") for m in re.findall(r"\bctx\.([a-z_]+)", f.read_text())}
+    guide = (root / "docs" / "plugins.md").read_text()
+    para = guide[guide.index("**The run context**"):]
+    para = para[:para.index("\n\n")]
+    named = set(re.findall(r"`ctx\.([a-z_]+)", para))
+    assert used and not used - named, f"read by components, not in docs/plugins.md's run context: {sorted(used - named)}"
