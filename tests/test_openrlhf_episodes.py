@@ -226,3 +226,15 @@ def test_final_answer_is_the_turn_before_the_last_environment_answer():
     plain = Trace(enc("Q:1+2\nA:"))
     plain.add(enc("#3"), "policy")
     assert tok.decode(final_answer(plain)) == "#3"
+
+
+def test_length_penalty_with_an_environment_is_refused(tmp_path):
+    """DAPO's overlong penalty on an episode: OpenRLHF's flag measures first to last action token, the composer's
+    part every response token; compile refuses it, naming the part in `plus` and why."""
+    from composer.backends.openrlhf.flags import Unsupported
+
+    with pytest.raises(Unsupported) as e:
+        compile_spec("specs/methods/tool-grpo.yaml", ["sources.overlong={kind: overlong_penalty, buffer: 4}",
+                                                      "signal.plus={overlong: 1.0}"], tmp_path / "b")
+    assert e.value.path[-3:] == ("signal", "plus", "overlong"), e.value.path
+    assert "first to its last action token" in e.value.reason and "lightning" in e.value.hint

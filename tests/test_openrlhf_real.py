@@ -559,6 +559,91 @@ def test_plugin_guide_runs_in_the_rollout_workers(plugins_job):
             assert r["control"] and r["sampled_prompt"] == r["prompt"]
 
 
+# episodes (issue 55, item 5): rollout.environment run by the bundle's agent.py (composer/episodes.py with the spec's
+# own environment part). tool-grpo with both tools: the agent checks the python tool's sandbox in the vLLM engine's
+# Ray worker before its first episode (the job fails with the reason where it cannot run). The plugin environment
+# `retry` (examples/custom_component, shipped in the bundle): a wrong final line gets "F:line N is wrong, try
+# again" and another attempt at -0.1 (turn_reward_weight 1), so the toy student's wrong answers put environment
+# tokens into the trained batch
+TOOL_GRPO = ["train.steps=2", "rollout.environment.tools=[calculator,python]", *SMALL]
+RETRY_ENV = ["train.steps=2", *SMALL]
+
+
+@pytest.fixture(scope="module")
+def tool_grpo_job(head, tmp_path_factory):
+    bundle = compile_for_cpu("specs/methods/tool-grpo.yaml", TOOL_GRPO, tmp_path_factory.mktemp("tool_grpo"))
+    return bundle, job(head, bundle)
+
+
+@pytest.fixture(scope="module")
+def retry_env_job(head, tmp_path_factory):
+    bundle = compile_with_plugins("examples/custom_component/retry-env.yaml", [PLUGIN_SRC], RETRY_ENV,
+                                  tmp_path_factory.mktemp("retry_env"))
+    return bundle, job(head, bundle)
+
+
+def episode_rows(bundle: Path, out: dict, turn_reward: float) -> list[dict]:
+    """Every trained row of an episode job, checked on the batch OpenRLHF trained (the recorder's rows): the tokens
+    with action_mask 1 are exactly the policy's (the label's spans: no environment token, no prompt token in the loss
+    mask); every row logged its env/* counts; the reward is the toy verifier's, written plainly here (the last
+    non-empty line of the final answer, the policy's tokens after the last environment answer it answered, is the
+    solution's '#N'), plus turn_reward x the environment's answers. Returns the rows, each with its environment
+    token count and final answer."""
+    from transformers import AutoTokenizer
+
+    from composer.episodes import answer_span
+
+    plan = json.loads((bundle / "plan.json").read_text())
+    tok = AutoTokenizer.from_pretrained(str(bundle / plan["openrlhf"]["policy_path"]))
+    rows = [r for f in out["fits"] for r in f["samples"]]
+    assert rows
+    for r in rows:
+        spans, act, toks = r["spans"], r["action_mask"], r["tokens"]
+        P = spans[0][0]
+        trained = {j + 1 for j, a in enumerate(act) if a}
+        origin = {t: o for s, e, o in spans for t in range(s, e)}
+        assert trained == {t for t, o in origin.items() if o == "policy"}, (spans, sorted(trained))
+        assert all(origin.get(t) in ("policy", "environment") for t in range(P, len(toks)))
+        s, e = answer_span([origin[t] for t in range(P, len(toks))])
+        r["final"] = tok.decode(toks[P + s:P + e], skip_special_tokens=True)
+        r["env_tokens"] = sum(o == "environment" for o in origin.values())
+        env_turns = sum(o == "environment" for _, _, o in spans)
+        lines = [x.strip() for x in r["final"].splitlines() if x.strip()]
+        right = bool(lines) and lines[-1] == r["solution"].splitlines()[-1].strip()
+        assert r["reward"] == pytest.approx(float(right) + turn_reward * env_turns, abs=1e-6), r
+        assert r["env"]["env/turns"] >= 1 and r["env"]["env/env_tokens"] == r["env_tokens"], r["env"]
+    return rows
+
+
+def test_tool_grpo_trains_through_the_agent(tool_grpo_job):
+    """tool-grpo (calculator and python) as a real job: every step's loss equals Lightning's on the same batch, every
+    rollout was an episode (env/* logged per row), no environment token and no prompt token in OpenRLHF's loss mask,
+    rewards the verifier's over the final answer. The toy student writes no tool call at temperature 1.5 (its
+    budget, 6 tokens a step line, is shorter than a call): the rows are one-turn episodes; the retry job below has
+    environment tokens."""
+    bundle, out = tool_grpo_job
+    print(f"tool-grpo: largest |openrlhf - lightning| = {check_losses(out, 2):.3g}")
+    rows = episode_rows(bundle, out, 0.0)
+    calls = sum(r["env"].get("env/tool_calls", 0) for r in rows)
+    print(f"tool-grpo: {len(rows)} episodes, {calls:g} tool calls, "
+          f"{sum(r['env_tokens'] for r in rows)} environment tokens")
+    assert all("env/tool_calls" in r["env"] and "env/tool_errors" in r["env"] for r in rows)
+
+
+def test_plugin_environment_tokens_never_in_the_loss(retry_env_job):
+    """The plugin environment `retry` as a real job: the trained batch holds environment tokens (the toy student's
+    wrong answers were answered), none of them in OpenRLHF's action_mask; the reward is the verifier's over the last
+    attempt minus 0.1 per answered wrong attempt; every step's loss equals Lightning's (whose loss also never reads
+    environment tokens) on the same batch."""
+    bundle, out = retry_env_job
+    assert (bundle / "length_penalty" / "retry_env.py").exists()
+    print(f"retry-env: largest |openrlhf - lightning| = {check_losses(out, 2):.3g}")
+    rows = episode_rows(bundle, out, -0.1)
+    answered = [r for r in rows if r["env_tokens"]]
+    assert answered, "no environment answer reached the trained batch: the check says nothing"
+    print(f"retry-env: {len(rows)} episodes, {len(answered)} with environment turns, "
+          f"{sum(r['env_tokens'] for r in rows)} environment tokens, none in the loss mask")
+
 # InT: stage 1 (SFT on the agent's guided targets, built once by the engine's agent from the initial weights)
 # and stage 2 (GRPO) as two OpenRLHF runs chained in one job, stage 2 starting from stage 1's saved model
 # The spec's own policy (toy:instruct) and tiers (4 and 6), where its failed attempts get interventions and some

@@ -363,8 +363,20 @@ def samples(trainer) -> list[dict]:
                     "guided": bool(meta.get("guided", False)), "control": bool(meta.get("control", True)),
                     "tag": meta.get("tag", ""), "weight": meta.get("weight"), "solution": meta.get("solution"),
                     "tokens": [t for t, m in zip(seq, item.attention_mask.reshape(-1).tolist()) if m],  # sampled
-                    "teacher_weight": meta.get("teacher_weight")})
+                    "teacher_weight": meta.get("teacher_weight"),
+                    # what the loss saw of an episode (rollout.environment): the label's origin spans, OpenRLHF's
+                    # action_mask (entry j: token j + 1), the row's reward and its env/* extra_logs
+                    "spans": meta.get("spans"), "action_mask": act,
+                    "reward": _scalar((item.info or {}).get("reward")),  # the agent's / reward function's reward
+                    "env": {k: _scalar(v) for k, v in (item.info or {}).items() if k.startswith("env/")}})
     return out
+
+
+def _scalar(v):
+    """A per-sample Experience.info value as a float (None: absent)."""
+    import torch
+
+    return None if v is None else float(torch.as_tensor(v).reshape(-1)[0])
 
 
 def _safe(fn, *args):

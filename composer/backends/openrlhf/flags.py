@@ -183,6 +183,12 @@ def _shaping_and_filter_flags(a: _Args, run: Run, spec, terms, where: tuple, inp
                                   "backend, or drop it from `plus`")
             if "refused" in part:
                 raise Unsupported(base + (name,), part["refused"], part["hint"])
+            if spec.rollout.environment.active:
+                raise Unsupported(base + (name,), f"OpenRLHF's length penalties measure a response from its first to "
+                                  f"its last action token (the environment's answers between policy turns counted, "
+                                  f"one after the last turn not), and the composer's '{name}' counts every response "
+                                  f"token of the episode: the two differ on an episode that ends on the environment's "
+                                  f"answer", "train it on the lightning backend, or drop it from `plus`")
             if any(g is not None for g in gates(spec)):
                 raise Unsupported(base + (name,), "on OpenRLHF a term gate reads success from the sample's reward, "
                                   "which the reward part has already changed", "train it on the Lightning backend")
