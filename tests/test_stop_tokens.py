@@ -317,6 +317,31 @@ def test_an_openrlhf_bundle_ends_sft_targets_with_the_end_of_turn(m, tmp_path, c
         assert rows and all(row["target"].endswith("}.<|im_end|>") for row in rows), name  # not <|endoftext|>
     plan = json.loads((out / "plan.json").read_text())
     assert plan["stop_tokens"].endswith(f"targets end with {m['turn']}")
+    assert f"Stop tokens: {plan['stop_tokens']}." in (out / "README.md").read_text()
+
+
+def test_an_openrlhf_job_says_its_stop_tokens_first(m, tmp_path, cli, monkeypatch, capsys):
+    """The bundle's entry point prints the stop tokens before it starts OpenRLHF (here train_sft: the exec that
+    would start it is stopped)."""
+    from composer.backends.openrlhf import __main__ as entry
+
+    spec = tmp_path / "sft.yaml"
+    spec.write_text(spec_text(m, SFT))
+    out = tmp_path / "bundle"
+    assert cli("compile", spec, "--out", out, "--gpus-per-node", "1").exit_code == 0
+
+    class Started(Exception):
+        pass
+
+    def execvp(*_a):
+        raise Started
+
+    monkeypatch.setattr(entry.os, "execvp", execvp)
+    monkeypatch.delenv("COMPOSER_JOB", raising=False)
+    with pytest.raises(Started):
+        entry.main(["--plan", str(out / "plan.json"), "--no-preflight"])
+    plan = json.loads((out / "plan.json").read_text())
+    assert capsys.readouterr().out.splitlines()[0] == f"composer: stop tokens: {plan['stop_tokens']}"
 
 
 # ------------------------------------------------------------------------------------------ OpenRLHF's own rollouts

@@ -41,6 +41,8 @@ def main(argv=None) -> None:
     args = [os.environ.get(a[4:], "") if a.startswith("env:") else a for a in (rest or run["argv"])]
     if ns.check:
         sys.exit(check(plan_path, plan, run, args))
+    if plan.get("stop_tokens"):  # the run's first line: where every response ends (composer/stops.py)
+        print(f"composer: stop tokens: {plan['stop_tokens']}", flush=True)
     if run["trainer"] == "sft":
         if not ns.no_preflight and os.environ.get("COMPOSER_JOB"):  # in the bundle's Ray job: its cluster
             import ray

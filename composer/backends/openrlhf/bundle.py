@@ -693,6 +693,10 @@ def readme(v, plan, runs: list[Run], layout: Layout, inputs: Inputs, warnings: d
                   "", "```", inputs.prompt_example, "```", ""]
         if inputs.prompt_note:
             lines += [f"Note: {inputs.prompt_note}.", ""]
+    if plan.get("stop_tokens"):  # composer/stops.py; the entry point prints them first too
+        lines += [f"Stop tokens: {plan['stop_tokens']}. A response ends at the first of them (every rollout and "
+                  "evaluation request asks vLLM for all of them in its stop_token_ids); a written target ends with "
+                  "the token named last.", ""]
     for r in runs:
         lines += [f"## Run `{r.name}` ({'openrlhf.cli.train_sft' if r.trainer == 'sft' else 'openrlhf.cli.train_ppo_ray'})",
                   "", "Native OpenRLHF flags:", ""] + [f"- {x}" for x in r.native] + [""]
