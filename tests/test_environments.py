@@ -375,3 +375,17 @@ def test_the_referee_catches_an_answer_the_environment_did_not_give(tmp_path):
     rep = Report()
     check_episodes(rep, v, {}, rec, events, [])
     assert [f.partition(":")[0] for f in rep.failures()] == ["environment answers as declared"]
+
+
+def test_samples_show_the_environment():
+    """`composer samples`: the environment's spans between << and >> (bold yellow on a terminal), and each episode's
+    counts under the row."""
+    from composer.runtime.samples import guide_lines, marked
+
+    row = {"spans": [{"origin": "policy", "text": CALL}, {"origin": "environment", "text": "\n<tool_response>4"
+                                                                                          "</tool_response>\n"},
+                     {"origin": "policy", "text": "#4"}],
+           "environment": {"turns": 2, "tool_calls": 1, "tool_errors": 0, "env_tokens": 34, "ended": "answered",
+                           "rewards": []}}
+    assert marked(row) == CALL + "<<\n<tool_response>4</tool_response>\n>>#4"
+    assert guide_lines(row) == ["environment: env_tokens 34, tool_calls 1, tool_errors 0, turns 2; ended: answered"]
