@@ -81,9 +81,13 @@ def test_ddp_sft_equals_one_process_of_the_same_global_batch(tmp_path):
 
 def test_ddp_grpo_costs_and_metrics_are_reduced_over_ranks(tmp_path):
     out = tmp_path / "grpo"
-    finish(cli(["run", "specs/grpo.yaml", "train.steps=2", "train.prompts_per_step=2", *DDP, *FAST, "--out", str(out)]))
+    log = finish(cli(["run", "specs/grpo.yaml", "train.steps=2", "train.prompts_per_step=2", *DDP, *FAST, "--out",
+                      str(out)]))
     r = rows(out)
     assert len(r) == 2
+    # the end-of-run reward warning agrees with metrics.csv (issue 56: it read rank 0's rollouts only)
+    said = "the reward was 0.0 for every one of" in log
+    assert said == all(float(row["reward_mean"]) == 0.0 for row in r), (said, [row["reward_mean"] for row in r])
     # 2 ranks x 2 prompts x 8 samples = 32 rollouts: the generated tokens are summed over the ranks, the mean
     # response length is averaged over them (rank 0's 16 rollouts alone would give half the tokens)
     first = r[0]
