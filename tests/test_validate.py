@@ -342,6 +342,16 @@ CASES = [
     Case("rule_in_terms", HEAD + "terms:\n  - {signal: {kind: reward, source: verifier}, "
          "objective: {kind: grpo, loss_tokens: [guide_prefix]}}\n", "terms[0].objective.loss_tokens", 5,
          "policy gradient", rule="policy_gradient_on_guide_tokens"),
+    # ---- rollout.environment (issue 55)
+    Case("environment_tokens_trained", HEAD + "rollout: {environment: {kind: tools}}\n"
+         "signal: {kind: reward, source: verifier}\nobjective: {kind: grpo, loss_tokens: [policy, environment]}\n",
+         "objective.loss_tokens", 6, "the environment wrote them", rule="environment_tokens_never_loss"),
+    Case("environment_without_rollouts", "name: broken\nsources:\n  ref: {kind: reference_solution}\n"
+         "rollout: {environment: {kind: tools}}\nsignal: {kind: sft, target: ref}\n"
+         "objective: {kind: cross_entropy, loss_tokens: [demonstration]}\n",
+         "rollout.environment.kind", 4, "no episode ever runs", rule="environment_fits_rollout"),
+    Case("environment_feedback_without_environment", HEAD + "  fb: {kind: feedback, from: verifier, detail: environment}\n"
+         + GRPO, "sources.fb.detail", 4, "it would never have a text", rule="environment_feedback_needs_environment"),
 ]
 
 LOCATED = re.compile(r"^(?P<file>.+?):(?P<line>\d+):(?P<col>\d+): (?P<sev>error|warning): (?P<rest>.*)$")
