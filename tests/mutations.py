@@ -232,6 +232,29 @@ def m_verdict_shifted(undo):
                  "zip(texts, batch.examples[1:] + batch.examples[:1])")
 
 
+def m_dpo_no_reference(undo):
+    import components.objectives.dpo_pair as dpo
+
+    patch_source(undo, dpo, "sequence_log_ratio",
+                 "return (torch.where(mask, logp, zero) - torch.where(mask, ref.detach().to(logp.dtype), zero)).sum(-1)",
+                 "return torch.where(mask, logp, zero).sum(-1)")
+
+
+def m_dpo_pairs_swapped(undo):
+    from components.objectives.dpo_pair import DpoPair
+
+    patch_source(undo, DpoPair, "loss", "per_pair = dpo_pair_loss(s, win, lose, self.beta)",
+                 "per_pair = dpo_pair_loss(s, lose, win, self.beta)")
+
+
+def m_pairs_split(undo):
+    import composer.step as step
+
+    patch_source(undo, step, "mini_batches",
+                 "rows = [torch.nonzero(torch.isin(b.group, part)).flatten() for part in torch.tensor_split(ids, n)]",
+                 "rows = [torch.arange(k, b.size, n) for k in range(n)]")
+
+
 # name -> (description, mutation, spec, extra overrides)
 MUTATIONS = {
     "k3_k1": ("KL estimator k3 <-> k1 (kl_coef 0.001)", m_k3_k1, "specs/grpo.yaml", []),
@@ -287,6 +310,12 @@ MUTATIONS = {
                       "specs/methods/kdrl.yaml", ["terms.1.weight.steps=4", "terms.1.weight.end=0.5"]),
     "verdict_shifted": ("each response scored against the next row's example (the verifier's inputs off by one row)",
                         m_verdict_shifted, "specs/grpo.yaml", []),
+    "dpo_no_reference": ("the DPO pair term's sequence log-ratio without the reference (log pi(y) alone)",
+                         m_dpo_no_reference, "specs/methods/grpo-dpo.yaml", []),
+    "dpo_pairs_swapped": ("the DPO pair term's chosen and rejected rows swapped", m_dpo_pairs_swapped,
+                          "specs/methods/grpo-dpo.yaml", []),
+    "pairs_split": ("mini-batches of interleaved rows, not whole groups (GRPO + DPO pairs, 2 mini-batches)",
+                    m_pairs_split, "specs/methods/grpo-dpo.yaml", ["train.mini_batches=2"]),
 }
 SECOND = ["opt_kept_stage", "periodic_ref", "lr_not_stepped", "weight_dropped", "clip_skipped", "entropy_sign",
           "weight_decay", "overlong_sign", "ema_rate", "prefix_long"]

@@ -345,3 +345,26 @@ def test_the_cookbook_shows_the_spec_as_it_is():
     body = "".join(line for line in SPEC.read_text().splitlines(keepends=True) if not line.lstrip().startswith("#"))
     assert body in re.findall(r"```yaml\n(.*?)```", page, flags=re.DOTALL)
     assert "grpo-dpo: GRPO plus online DPO on each group's best and worst rollouts" in page
+
+
+def test_the_referee_sees_a_loss_call_that_cut_a_group():
+    """The referee's generic check ('pair terms see whole groups', composer/referee/checks.py): a loss call of a term
+    whose objective couples rows must hold every row of each group it touches; a term that couples nothing is not
+    checked."""
+    from components.objectives.grpo import Grpo
+    from composer.referee.checks import Report, check_whole_groups
+
+    b, _ = _random_step()
+    b.tokens = torch.arange(b.size)[:, None].repeat(1, b.tokens.shape[1])  # rows told apart by their tokens
+    events = [("rollout", {"step": 0, "batch": b})]
+
+    def verdict(obj, rows):
+        rep = Report()
+        check_whole_groups(rep, events, [{"step": 0, "term": "t", "objective": obj, "batch": b.select(torch.tensor(rows))}])
+        return rep.checks.get("pair terms see whole groups")
+
+    whole = verdict(DpoPair(), [0, 1, 2, 3, 8, 9, 10, 11])
+    assert whole.passed == 1 and whole.failed == 0
+    cut = verdict(DpoPair(), [0, 1, 2, 8, 9, 10, 11])
+    assert cut.failed == 1 and "{0: (3, 4)}" in cut.first
+    assert verdict(Grpo(), [0, 1, 2]) is None

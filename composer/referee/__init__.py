@@ -371,9 +371,10 @@ def check_recorded(v, plan: dict, rec, rows: dict) -> Report:
                            f"step {e['step']}: logged {logged}, recounted {want}")
 
     # ---- step-wide token selection (grpo.token_selection: KL-Cov, Clip-Cov, 80/20 entropy, Archer), recomputed
-    from composer.referee.checks import check_token_selection, check_traces
+    from composer.referee.checks import check_token_selection, check_traces, check_whole_groups
 
     check_token_selection(rep, term_events, rec)
+    check_whole_groups(rep, events, term_events)  # a term over pairs of rows (couples_rows) saw whole groups
     # ---- traces the policy did not write inside groups (the traces guide): which rows, their tokens, the groups
     check_traces(rep, rec, v, events)
 

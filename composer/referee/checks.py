@@ -365,6 +365,38 @@ def referee_entropy(rep, rec, e, b, mask):
     return [float(fresh[i, t]) for i, t in cells], [i for i, _t in cells]
 
 
+def check_whole_groups(rep, events, term_events) -> None:
+    """A term whose loss couples the rows of a group (`Objective.couples_rows`: a DPO pair) saw whole groups in every
+    loss call: each group of the step's rollout with a row in the batch has all its rows there (the step's
+    mini-batches and ranks split whole groups, composer/step.py), or its pairs and their normaliser would change.
+    Rows are found again in the rollout by their tokens (`row_key`), which name their prompt and so their group."""
+    from collections import Counter
+
+    rolls: dict[int, list] = {}
+    for k, e in events:
+        if k == "rollout":
+            rolls.setdefault(e["step"], []).append(e["batch"])
+    for e in term_events:
+        if type(e["objective"]).couples_rows is None:
+            continue
+        b, found = e["batch"], None
+        for r in rolls.get(e["step"], []):
+            where = {row_key(r, i): int(r.group[i]) for i in range(r.size)}
+            if all(row_key(b, i) in where for i in range(b.size)):
+                found = (r, where)
+        if found is None:
+            rep.note("pair terms see whole groups", "a loss batch whose rows are not all in a recorded rollout: "
+                     "not checked")
+            continue
+        r, where = found
+        size = Counter(int(g) for g in r.group.tolist())
+        seen = Counter(where[row_key(b, i)] for i in range(b.size))
+        cut = {g: (n, size[g]) for g, n in seen.items() if n != size[g]}
+        rep.expect("pair terms see whole groups", not cut,
+                   f"step {e['step']} {e['term']}: its loss saw part of a group (group: rows seen, rows in the "
+                   f"rollout): {dict(list(cut.items())[:4])}; a term over pairs of rows needs every group whole")
+
+
 def check_token_selection(rep, term_events, rec=None) -> None:
     """A step-wide token selection (grpo.token_selection): over every step, the run's choice against the selection's
     own reference (`reference_problem` in its file) at the statistic the referee recomputed: Cov_t from the behaviour
