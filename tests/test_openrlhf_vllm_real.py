@@ -166,3 +166,47 @@ def test_behaviour_logprobs_are_the_engines_and_match_a_fresh_forward(grpo_job):
         assert b["mean_vs_current"] <= BF16_MEAN and b["max_vs_current"] <= BF16_MAX, b
     step2 = rows[1]
     assert step2["mean_vs_initial"] > 2 * step2["mean_vs_current"], step2  # the sync reached the engine
+
+
+# episodes (issue 55, item 5) on the real engine: the plugin environment `retry` (examples/custom_component, shipped in
+# the bundle) through the bundle's agent.py, each episode several token-in/token-out generate calls of vLLM's
+# AsyncLLMEngine (the sequence so far, the environment's answer spliced in between)
+@pytest.fixture(scope="module")
+def retry_job(tmp_path_factory):
+    import json
+
+    from test_openrlhf_real import PLUGIN_SRC, compile_with_plugins
+
+    head = RealVllmHead(gpus=1)
+    try:
+        bundle = compile_with_plugins("examples/custom_component/retry-env.yaml", [PLUGIN_SRC],
+                                      [f"train.steps={STEPS}", *SMALL, *TUNING], tmp_path_factory.mktemp("retry_vllm"))
+        plan = json.loads((bundle / "plan.json").read_text())
+        for run in plan["openrlhf"]["runs"]:
+            run["argv"] += ARGV
+        (bundle / "plan.json").write_text(json.dumps(plan, indent=1))
+        yield bundle, job(head, bundle)
+    finally:
+        head.stop()
+
+
+def test_episodes_on_the_real_vllm_engine(retry_job):
+    """Episodes on vLLM 0.32: the trained batch holds environment tokens, none in OpenRLHF's action_mask, rewards the
+    verifier's over the last attempt minus 0.1 per answered wrong attempt (test_openrlhf_real.episode_rows); the
+    engine served more requests than rows (the episodes' later turns); the behaviour log-probs of the policy's tokens
+    (action_mask 1) are vLLM's own, equal to the training actor's forward to bf16 noise."""
+    from test_openrlhf_real import episode_rows
+
+    bundle, out = retry_job
+    rows = episode_rows(bundle, out, -0.1)
+    answered = [r for r in rows if r["env_tokens"]]
+    assert answered, "no environment answer reached the trained batch: the check says nothing"
+    requests = [e for e in out["engine"] if e["event"] == "request" and e["temperature"] > 0]
+    assert len(requests) > len(rows), (len(requests), len(rows))
+    for f in out["fits"]:
+        b = f["behaviour"]
+        assert b is not None and "error" not in b and b["tokens"] > 0, b
+        assert b["mean_vs_current"] <= BF16_MEAN and b["max_vs_current"] <= BF16_MAX, b
+    print(f"\nretry on vLLM: {len(rows)} episodes, {len(answered)} with environment turns "
+          f"({sum(r['env_tokens'] for r in rows)} environment tokens, none in the loss mask), {len(requests)} sampled "
+          f"requests")
