@@ -1,7 +1,8 @@
 """The referee's checks of episodes (rollout.environment, issue 55), from the spec and the recorded rollouts alone:
 
   never-trained origins    no token of an origin no objective may train (composer/origins.py NEVER_LOSS: the
-                           environment's) is in a term's loss origins or received gradient (autograd, not masks)
+                           environment's) is in a term's loss origins or received gradient (autograd, not masks), or
+                           carries a behaviour log-prob
   environment answers      each environment turn is what the declared environment answers to the policy turn before
                            it: the part's `reference_replies` (the tools environment: its calculator written again)
                            on the policy's turns as the referee decodes them, rendered as the spec's prompts show them
@@ -30,6 +31,13 @@ def check_episodes(rep, v, plan, rec, events, term_events) -> None:
         if got is not None:
             rep.expect("environment tokens never trained", not (got & set(NEVER_LOSS)),
                        f"step {e['step']} {e['term']}: gradient reached {sorted(got & set(NEVER_LOSS))} tokens")
+    # ---- tokens no objective may train carry no behaviour log-prob (only what the policy sampled has one)
+    for k, e in events:
+        if k == "rollout":
+            m = e["batch"].mask(tuple(NEVER_LOSS))
+            if bool(m.any()):
+                rep.expect("environment tokens carry no sampling log-prob", not bool(e["batch"].known_mask[m].any()),
+                           f"step {e['step']}: environment tokens hold behaviour log-probs (the policy never sampled them)")
     episodes = [(e, segment_spec(v, e["segment"])) for k, e in events if k == "rollout"]
     episodes = [(e, s) for e, s in episodes if s.rollout.environment.active]
     if not episodes:
