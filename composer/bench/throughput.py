@@ -645,7 +645,8 @@ def _run_pair(pair, args, mode, res, spec_path, ovr, spec, rollouts, rows, examp
     cache = getattr(args, "flops_cache", None)
     if cache is None:
         cache = args.flops_cache = {}
-    entry = cache.setdefault((res["size"], pair, mode == "defaults"), {})  # each side's counted step, per work
+    # each side's counted step, per work (the compiled modes reuse the eager count of the same work)
+    entry = cache.setdefault((res["size"], pair, mode == "defaults", res["rows_per_step"], args.length), {})
     try:
         ours = Ours(spec_path, ovr, examples, args.length if rollouts and forced else None, args.sampler, compiled,
                     rollouts=rollouts, device=getattr(args, "device", "cpu"), lightning=True, pair=pair)
@@ -731,7 +732,7 @@ def _run_pair(pair, args, mode, res, spec_path, ovr, spec, rollouts, rows, examp
 
         weights = weight_bytes(ours.policy, 2 if mode == "rollout-bf16" else None)
         ours.close()
-    _work_and_bound(res, entry, n, rollouts and forced, args, weights)
+    _work_and_bound(res, entry, n, rollouts and forced, args, weights, forced)
     if res.get("trl_samples_per_s") and res.get("ours_samples_per_s"):
         res["ratio"] = res["ours_samples_per_s"] / res["trl_samples_per_s"]
         res["round_ratios"] = [t / o for o, t in zip(record["ours"], record["trl"])]
@@ -739,12 +740,14 @@ def _run_pair(pair, args, mode, res, spec_path, ovr, spec, rollouts, rows, examp
     return res
 
 
-def _work_and_bound(res: dict, entry: dict, n: int, decode: bool, args, weights: int | None) -> None:
+def _work_and_bound(res: dict, entry: dict, n: int, decode: bool, args, weights: int | None,
+                    forced: bool = True) -> None:
     """Each side's own FLOPs per step (its counted first step: what it runs, padding and every row included),
     its ms per step, its share of the host's matmul peak on its own count and its own time, and the step at the
     host's floor (fair.bound_ms: the fewer training FLOPs of the two sides at the peak, generation at the slower
     of its fewer FLOPs at the peak and the policy's weights streamed once per completion position at the
-    measured bandwidth) with each side's time over it."""
+    measured bandwidth) with each side's time over it. Not forced (TRL's defaults: lengths vary from step to
+    step): the counted step's FLOPs only, no rates and no bound."""
     from composer.bench.fair import bound_ms
 
     floor = getattr(args, "floor", None) or {}
@@ -756,10 +759,10 @@ def _work_and_bound(res: dict, entry: dict, n: int, decode: bool, args, weights:
         blocks = res.get(f"{side}_block_s")
         if blocks:
             res[f"{side}_ms_per_step"] = 1e3 * sum(blocks) / (n * len(blocks))
-            if fl.get("step"):
+            if fl.get("step") and forced:
                 res[f"{side}_gflops"] = fl["step"] * n * len(blocks) / sum(blocks) / 1e9
     counted = [entry[s] for s in ("ours", "trl") if (entry.get(s) or {}).get("step")]
-    if not counted or not peak:
+    if not counted or not peak or not forced:
         return
     train = min(c["step"] - c.get("generation", 0) for c in counted)
     gen = min(c.get("generation", 0) for c in counted) if decode else 0
@@ -793,7 +796,7 @@ def _trl_generation(trainer, record: dict, bf16: bool = False) -> None:
 
         @functools.wraps(inner)
         def fn(*a, **k):
-            with torch.autocast(model.device.type, dtype=torch.bfloat16):
+            with torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16):
                 return inner(*a, **k)
 
         trainer.bench_rollout_precision = "bf16"
@@ -1241,10 +1244,16 @@ def format_results(results: list[dict], args, host: dict | None = None) -> str:
                          f"ms at {b['peak_gflops']:.0f} GFLOPS{gen}); ours {over(r, 'ours')}, TRL {over(r, 'trl')} "
                          "of it")
         mm = r.get("ours_mismatch")
+        base = next((x.get("ours_mismatch") for x in results if x.get("mode", "matched") == "matched" and x is not r
+                     and (x["pair"], x.get("size"), x.get("linear")) == (r["pair"], r.get("size"), r.get("linear"))
+                     and x.get("ours_mismatch")), None) if mode != "matched" else None
         if mm:
             lines.append(f"{tag}: our sampler against our trainer (mismatch/*, timed steps): kl {mm.get('kl', 0):.2e}, "
                          f"rho {mm.get('rho_min', 0):.4f}-{mm.get('rho_max', 0):.4f} (mean {mm.get('rho_mean', 0):.4f}), "
-                         f"max |log-ratio| {mm.get('abs_max', 0):.2e}; settings row 'rollout precision': ours "
+                         f"max |log-ratio| {mm.get('abs_max', 0):.2e}"
+                         + (f" (the matched row's, fp32 rollouts: kl {base.get('kl', 0):.2e}, max |log-ratio| "
+                            f"{base.get('abs_max', 0):.2e})" if base else "")
+                         + "; settings row 'rollout precision': ours "
                          f"{(r.get('settings_ours') or {}).get('rollout precision', '-')}, TRL "
                          f"{(r.get('settings_trl') or {}).get('rollout precision', '-')}")
         if r.get("ours_compiled_graphs") is not None:
