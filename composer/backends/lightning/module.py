@@ -474,8 +474,9 @@ class ComposerModule(L.LightningModule):
 
 
 # metrics that count over the step's rows (docs/runs.md: `response_tokens`, their sum over the step's rows; an
-# objective's `tokens` and `selected`): over DDP ranks the step's count is their sum, not one rank's share
-SUMMED = ("response_tokens", "tokens", "selected", "tokens_per_s")
+# objective's `tokens` and `selected`, a pair term's `pairs`): over DDP ranks the step's count is their sum, not one
+# rank's share
+SUMMED = ("response_tokens", "tokens", "selected", "tokens_per_s", "pairs")
 
 
 def summed_over_ranks(key: str) -> bool:
