@@ -349,6 +349,7 @@ class EpisodeEnvironment(Environment):
     """An active environment with the episode's limits (the base of `tools` and of a user's environment kind)."""
 
     active: ClassVar[bool] = True
+    turn_rewards: ClassVar[bool] = True  # its step may return a reward (False: never; turn_reward_weight cannot act)
     max_turns: int = Field(4, ge=1, le=64, description="Most policy turns per episode: after the last one the episode ends, answered or not (a tool call in it is not executed).")
     max_env_tokens: int = Field(256, ge=0, le=65536, description="Most environment tokens per episode (the sum of its answers as rendered): an answer that would pass it ends the episode instead (counted in env/ended_env_budget). Contexts are sized prompt + rollout.max_new_tokens + this.")
     turn_reward_weight: float = Field(0.0, description="Per-turn rewards the environment returns (step's reward) are summed over the episode, times this weight, into the row's reward (0: ignored; the tools environment returns none).")

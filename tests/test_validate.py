@@ -352,6 +352,8 @@ CASES = [
          "rollout.environment.kind", 4, "no episode ever runs", rule="environment_fits_rollout"),
     Case("environment_feedback_without_environment", HEAD + "  fb: {kind: feedback, from: verifier, detail: environment}\n"
          + GRPO, "sources.fb.detail", 4, "it would never have a text", rule="environment_feedback_needs_environment"),
+    Case("turn_reward_weight_without_turn_rewards", HEAD + "rollout: {environment: {kind: tools, turn_reward_weight: 1.0}}\n"
+         + GRPO, "rollout.environment.turn_reward_weight", 4, "adds nothing", rule="turn_reward_weight_acts", exit=0),
 ]
 
 LOCATED = re.compile(r"^(?P<file>.+?):(?P<line>\d+):(?P<col>\d+): (?P<sev>error|warning): (?P<rest>.*)$")

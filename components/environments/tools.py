@@ -53,6 +53,7 @@ class ToolEnvironment(EpisodeEnvironment):
     python_timeout: float = Field(5.0, gt=0, le=60, description="python: wall-clock seconds a program may run in the sandbox.")
 
     role: ClassVar[str] = "tool"
+    turn_rewards: ClassVar[bool] = False  # a tool answers; it never scores
 
     @field_validator("tools")
     @classmethod

@@ -707,3 +707,16 @@ def environment_feedback_needs_environment(spec, segment):
                "environment), and this spec has no rollout.environment: it would never have a text",
                ("sources", name, "detail"), "add rollout.environment (e.g. {kind: tools}), or use detail: step")
             for name, src in spec.sources.items() if getattr(src, "detail", None) == "environment"]
+
+
+@rule("turn_reward_weight_acts")
+def turn_reward_weight_acts(spec, segment):
+    """turn_reward_weight adds per-turn rewards an environment returns; one whose answers never carry a reward (the
+    tools environment) leaves it nothing to add (a warning)."""
+    env = spec.rollout.environment
+    if not env.active or not getattr(env, "turn_reward_weight", 0.0) or type(env).turn_rewards:
+        return []
+    return [_d("turn_reward_weight_acts", f"rollout.environment {env.kind_name()} returns no per-turn reward, so "
+               f"turn_reward_weight {env.turn_reward_weight:g} adds nothing", ("rollout", "environment",
+                                                                             "turn_reward_weight"),
+               "remove turn_reward_weight (the verifier's reward of the final answer is the row's reward)", "warning")]
