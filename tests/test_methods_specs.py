@@ -65,7 +65,7 @@ HOT = {n: ["data.train_tiers=[6]", "rollout.max_new_tokens=48"] for n in ("cispo
                                               "reinforce-pp-baseline.yaml", "kdrl.yaml", "srpo.yaml", "kdrl-mask.yaml",
                                               "prorl.yaml", "topr.yaml", "gmpo.yaml", "gpg.yaml",
                                               "kl-cov.yaml", "clip-cov.yaml", "luffy.yaml", "ppo.yaml", "ppo-rm.yaml",
-                                              "sapo.yaml", "nsr.yaml", "psr.yaml", "w-reinforce.yaml", "grpo-dpo.yaml", "grpo-dpo.yaml")}
+                                              "sapo.yaml", "nsr.yaml", "psr.yaml", "w-reinforce.yaml", "grpo-dpo.yaml")}
 
 HOT["vapo.yaml"] = ["data.train_tiers=[4,6]", "rollout.max_new_tokens=48"]  # successes for its NLL term
 HOT["tool-grpo.yaml"] = HOT["kl-cov.yaml"]  # episodes on 6-step chains: mixed groups whether or not it calls the tool
