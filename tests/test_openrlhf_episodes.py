@@ -98,7 +98,12 @@ plan = json.load(open("plan.json"))
 tok = AutoTokenizer.from_pretrained(plan["openrlhf"]["policy_path"])
 agent = _load_agent_executor("agent.py")  # OpenRLHF's own loader: AgentExecutor() from the bundle's agent.py
 assert isinstance(agent, AgentExecutorBase)
-ex = toy.make_example(problem)
+if problem == "row":  # the bundle's first training row (its prompt as the bundle rendered it), else a toy chain
+    from composer.backends.openrlhf.batch import example_of
+    row = json.loads(open("data/train.jsonl").readline())
+    ex = example_of(row["prompt"], decode_label(row["label"]))
+else:
+    ex = toy.make_example(problem)
 requests = []
 
 
@@ -238,3 +243,39 @@ def test_length_penalty_with_an_environment_is_refused(tmp_path):
                                                       "signal.plus={overlong: 1.0}"], tmp_path / "b")
     assert e.value.path[-3:] == ("signal", "plus", "overlong"), e.value.path
     assert "first to its last action token" in e.value.reason and "lightning" in e.value.hint
+
+
+@needs_openrlhf
+def test_agent_renders_the_tool_message_with_the_chat_template(tmp_path):
+    """Chat prompts on a data file (the toy student with a Qwen2.5-like template, test_environments.QWEN_LIKE): the
+    agent, in the bundle's worker, renders the calculator's answer with the policy's chat template, as Lightning does
+    (test_environments.test_chat_prompts_render_the_tool_message_with_the_template): the assistant's end of turn, the
+    tool message as a user turn of <tool_response> lines, the next generation prompt; all of it action_mask 0 with no
+    gradient; the final answer '#3' after it is verified right (every row's answer is 3). The environment's off-policy
+    share is not counted as a guide's (composer_offpolicy_frac 0, Lightning's offpolicy_token_frac)."""
+    import shutil
+
+    from test_environments import QWEN_LIKE
+    from transformers import AutoTokenizer
+
+    from composer.registry import part
+
+    model = tmp_path / "model"
+    shutil.copytree(part("toy.checkpoints")()["student"], model)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = QWEN_LIKE
+    tok.save_pretrained(model)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{3 - a}", "answer": "3"}) + "\n" for a in range(4)))
+    bundle = compile_spec("specs/methods/tool-grpo.yaml", [f"policy.model={model}", f"data.train={data}",
+                                                           "rollout.max_new_tokens=128",
+                                                           "rollout.environment.max_env_tokens=256"], tmp_path / "b")
+    first = json.loads((bundle / "data" / "train.jsonl").read_text().splitlines()[0])
+    problem = json.loads(first["label"])["problem"]
+    assert first["prompt"] == f"<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n"  # the bundle's
+    out = run_agent(bundle, [CALL, "#3<eos>"], problem="row", max_new=128)
+    want = "<|im_end|>\n<|im_start|>user\n<tool_response>\n10\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert out["context"] == want and out["trained"] == CALL + "#3<eos>"
+    assert set(out["env_mask"]) == {0} and set(out["env_grads"]) == {0.0} and len(out["env_mask"]) == len(want)
+    assert out["reward"] == 1.0 and out["logs"]["env/env_tokens"] == len(want)
+    assert out["logs"]["composer_offpolicy_frac"] == 0.0

@@ -33,6 +33,7 @@ from typing import Optional
 from composer import step as the_step
 from composer.backends.openrlhf.batch import (action_ranges, decode_label, encode_label, example_of, next_draw,
                                               request_seeds)
+from composer.origins import OFF_POLICY
 from composer.plan.plan import Plan
 from composer.protocol import INITIAL, POLICY, Generation, Score, Trace, run_async
 
@@ -296,7 +297,9 @@ class ComposerAgent:
         if not ranges:  # nothing to train: one token at weight 0 (OpenRLHF divides by the token count)
             n = len(trace.tokens)
             ranges, weight = [(n - 1, n)], 0.0
-        off = sum(len(p.tokens) for p in trace.pieces if p.origin != "policy")
+        # off-policy tokens as Lightning's batch_facts counts them (composer/origins.py OFF_POLICY: an environment's
+        # tokens are not among them)
+        off = sum(len(p.tokens) for p in trace.pieces if p.origin in OFF_POLICY)
         meta = dict(meta, spans=spans, control=trace.control, guided=trace.guided, tag=trace.tag)
         if weight is not None:
             meta["weight"] = weight
