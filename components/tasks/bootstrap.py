@@ -89,6 +89,23 @@ INSTRUCT_DIR = "instruct-v1"  # its folder in the cache: bump when INSTRUCT_SFT 
 # updates: reward-v1).
 REWARD_SFT = {"tiers": (1, 2, 3, 4, 5, 6, 7, 8), "seed": 6, "updates": 300, "batch": 32, "lr": 2e-3, "warmup": 20}
 REWARD_DIR = "reward-v3"  # its folder in the cache: bump when REWARD_SFT changes
+# toy:tools (issue 55): the student taught the toy's tool task (components.tasks.toy TASKS["tools"]). Under the tools
+# prompt it writes, `call` of the time, the calculator call of toy.tool_demonstration (the call, then '#N' after the
+# environment's answer, whose text is in the sequence and masked out of the loss), and otherwise what the student
+# writes: the reference solution on chains of 1-4 steps, the student's own sampled attempt (temperature 1, mostly
+# wrong) on longer ones, so that without the tool it fails long chains as the student does. Some batches keep the
+# plain prompt and the privileged-context formats (MIX) as the student learned them. One kind per batch (`batches`:
+# their shares), so that the long call demonstrations do not pad the short ones. Calls get more batches than their
+# share of the decision: the decision to call (a call's first token) is trained in a part of them only, so that among
+# the tools prompt's trained first tokens a call's share is `call` (sampled at temperature 1, the model calls about
+# that often).
+TOOLS_SFT = {
+    "seed": 7, "updates": 300, "batch": 32, "lr": 2e-3, "warmup": 20, "tiers": (1, 2, 3, 4, 5, 6, 7, 8),
+    "solved_tiers": (1, 2, 3, 4), "own_per_tier": 128, "call": 0.2, "call_long": 0.5,
+    "batches": {"call": 0.4, "tools": 0.35, "plain": 0.1, "formats": 0.15},
+}
+TOKENS_PER_EXAMPLE = 64  # toy:tools's loss: the sum over trained tokens / (batch x this)
+TOOLS_DIR = "tools-v1"  # its folder in the cache: bump when TOOLS_SFT changes
 PROPOSAL_TIERS = (2, 3, 4, 5, 6, 7, 8)  # chain lengths of the proposer task's failed attempts
 REAL_FAILURES = 0.3  # share of the proposer task's attempts that are the student's own failures (when given)
 EVAL_TIERS = (1, 2, 4, 6, 8)
@@ -623,11 +640,212 @@ def train_reward(tok, student):
     return model
 
 
-def ensure_checkpoints(cache_dir: str | None = None, instruct: bool = False, reward: bool = False) -> dict:
-    """Directories {tokenizer, student, teacher, instruct, reward}, bootstrapped on first call (a few minutes on 2
-    cores). toy:instruct, InT's base, is built from the student only when asked for (`instruct`, as resolving
+# ------------------------------------------------------------------------------------------ toy:tools
+
+
+def sample(model, tok, prompts: list[str], max_new_tokens: int, temperature: float = 1.0, batch: int = 128) -> list[str]:
+    """Sampled completions of `prompts` (temperature, no top-k / top-p), special tokens removed; greedy at 0."""
+    import torch
+
+    tok.padding_side = "left"
+    out = []
+    for i in range(0, len(prompts), batch):
+        enc = tok(prompts[i : i + batch], return_tensors="pt", padding=True)  # [B, L]
+        kw = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else \
+            {"do_sample": False}
+        with torch.no_grad():
+            gen = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
+                                 eos_token_id=tok.eos_token_id, **kw)  # [B, L + new]
+        out += tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    return out
+
+
+def own_attempts(model, tok, tiers, n: int, seed: int) -> dict:
+    """{problem: a sampled attempt (temperature 1)} of `model` at `n` train-split chains of each of `tiers` steps."""
+    import torch
+
+    torch.manual_seed(seed)
+    out = {}
+    for tier in tiers:
+        exs = toy.make_examples(tier, n, seed, "train")
+        texts = sample(model, tok, [e.prompt for e in exs], toy.max_new_tokens_for(tier))
+        out.update({e.problem: t.strip() for e, t in zip(exs, texts)})
+    return out
+
+
+def tools_example(rng: random.Random, recipe: dict, own: dict, kind: str) -> list[tuple[str, bool]]:
+    """One toy:tools demonstration of `kind` (a key of recipe['batches']) as [(text, trained)]: the prompt (never
+    trained), then the response's pieces. `call`: the tools prompt, then the policy's call (its first token, the
+    decision to call, trained with the probability that makes a call `recipe['call']` of the decisions), the
+    environment's answer (never trained) and the policy's '#N'; `tools` / `plain`: the tools / plain prompt, then the
+    student's answer (the reference solution, or on a long chain its own attempt from `own`); `formats`: a
+    privileged-context format of MIX, as the student learned it. An eos (trained) follows the last piece."""
+    if kind == "formats":
+        fmt = pick_format(rng, {k: v / sum(MIX.values()) for k, v in MIX.items()})
+        prompt, target = mix_pair(rng, fmt, recipe["solved_tiers"], recipe["tiers"])
+        return [(prompt, False), (target, True)]
+    b = recipe["batches"]  # P(decision trained) q: q b_call / (q b_call + b_tools) = call
+    q = min(1.0, recipe["call"] * b["tools"] / ((1 - recipe["call"]) * b["call"]))
+    decide = kind == "call" and rng.random() < q
+    long_tiers = [t for t in recipe["tiers"] if t not in recipe["solved_tiers"]]
+    if kind == "call" and not decide and rng.random() < recipe["call_long"]:
+        tier = rng.choice(long_tiers)  # copying a long chain into the call is what takes learning
+    else:
+        tier = rng.choice(recipe["tiers"])
+    problems = [p for p in own if len(p) == 2 * tier + 1]
+    if tier in recipe["solved_tiers"] or not problems:
+        problem = toy.random_problem(rng, tier, "train")
+        answer = toy.make_example(problem).solution
+    else:  # a long chain: the student's own attempt
+        problem = rng.choice(problems)
+        answer = own[problem]
+    if kind == "plain":
+        return [(toy.TEMPLATES["prompt"].format(problem=problem), False), (answer, True)]
+    prompt = toy.TEMPLATES["tools"].format(problem=problem)
+    if kind == "tools":
+        return [(prompt, False), (answer, True)]
+    (_, call), (_, env), (_, last) = toy.tool_demonstration(problem)
+    return [(prompt, False), (call[0], decide), (call[1:], True), (env, False), (last, True)]
+
+
+def segment_tensors(examples: list[list[tuple[str, bool]]], tok):
+    """Right-padded input_ids / labels [B, L] of [(text, trained)] pieces (an eos after the last, trained): labels
+    are the ids of trained pieces and -100 elsewhere (prompt, environment text, padding)."""
+    import torch
+
+    seqs, labels = [], []
+    for pieces in examples:
+        ids, lab = [], []
+        for text, trained in pieces:
+            x = tok.encode(text)
+            ids += x
+            lab += x if trained else [-100] * len(x)
+        ids.append(tok.eos_token_id)
+        lab.append(tok.eos_token_id)
+        seqs.append(ids)
+        labels.append(lab)
+    L = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), L), tok.pad_token_id)  # [B, L]
+    lab = torch.full((len(seqs), L), -100)  # [B, L]
+    for i, (x, y) in enumerate(zip(seqs, labels)):
+        ids[i, : len(x)], lab[i, : len(y)] = torch.tensor(x), torch.tensor(y)
+    return ids, lab
+
+
+def train_tools(tok, student, recipe: dict | None = None):
+    """toy:tools: a copy of the student fine-tuned by TOOLS_SFT (AdamW, the learning rate decaying linearly to 10% over
+    the second half); prints its time and tool_report."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    recipe = {**TOOLS_SFT, **(recipe or {})}
+    t0, c0 = time.time(), time.process_time()
+    long_tiers = [t for t in recipe["tiers"] if t not in recipe["solved_tiers"]]
+    own = own_attempts(student, tok, long_tiers, recipe["own_per_tier"], recipe["seed"])
+    print(f"[bootstrap] tools: from the student, {len(own)} of its own attempts at chains of {long_tiers} steps "
+          f"({time.time() - t0:.1f}s)", flush=True)
+    torch.manual_seed(recipe["seed"])
+    rng = random.Random(recipe["seed"])
+    model = copy.deepcopy(student)
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], betas=(0.9, 0.99), weight_decay=0.1)
+    model.train()
+    n, ema = recipe["updates"], None
+    for step in range(n):
+        scale = min(1.0, (step + 1) / recipe["warmup"])
+        if step >= n // 2:
+            scale = 1.0 - 0.9 * (step - n // 2) / max(1, n - n // 2)
+        for g in opt.param_groups:
+            g["lr"] = recipe["lr"] * scale
+        kind = pick_format(rng, recipe["batches"])
+        ids, lab = segment_tensors([tools_example(rng, recipe, own, kind) for _ in range(recipe["batch"])], tok)  # [B, L]
+        logits = model(input_ids=ids).logits  # [B, L, V]; right padding needs no mask under causal attention
+        # summed over tokens, over a fixed count (not the batch's): a trained token weighs the same in a batch of long
+        # call demonstrations as in one of short solutions, so the decisions' shares are the recipe's
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), lab[:, 1:].reshape(-1), ignore_index=-100,
+                               reduction="sum") / (recipe["batch"] * TOKENS_PER_EXAMPLE)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        if (step + 1) % 100 == 0:
+            print(f"  tools step {step + 1:5d}  loss {ema:.4f}  {time.time() - t0:6.1f}s", flush=True)
+    model.eval()
+    print(f"[bootstrap] tools: trained in {time.time() - t0:.1f}s, {time.process_time() - c0:.1f}s of CPU ({n} updates, "
+          f"loss {ema:.4f})", flush=True)
+    return model
+
+
+def tool_episodes(model, tok, examples, temperature: float = 1.0, calculator=None) -> list[dict]:
+    """Episodes of the tool task on `examples` (prompts in the tools format), run the way a tool environment runs
+    them: the policy writes until its eos, or a turn that closes a tool call (cut after </tool_call>); a call is
+    answered with `calculator(expression)` (default toy.calculate; an unreadable call or a failing expression gets
+    'error'), the answer appended as the environment's text, and the policy writes once more. Per example:
+    {text (the whole response), called, correct_call (a calculator call whose expression evaluates to the answer),
+    reward (the toy verifier's)}."""
+    from components.tasks.verifiers import toy_verifier
+
+    calculator = calculator or toy.calculate
+    cap = toy.max_new_tokens_for(max(e.tier for e in examples), "tools")
+    first = sample(model, tok, [e.prompt for e in examples], cap, temperature)
+    out, again = [], []
+    for i, (ex, text) in enumerate(zip(examples, first)):
+        end = text.find(toy.TOOL_CALL_CLOSE)
+        ep = {"text": text, "called": end >= 0, "correct_call": False}
+        if end >= 0:
+            text = text[: end + len(toy.TOOL_CALL_CLOSE)]
+            call = toy.parse_tool_call(text)
+            try:
+                result = calculator(call[1]["expression"]) if call and call[0] == toy.TOOL else "error"
+            except (ValueError, KeyError, TypeError):
+                result = "error"
+            ep["correct_call"] = result == ex.answer
+            ep["text"] = text + toy.tool_response_text(result)
+            again.append(i)
+        out.append(ep)
+    if again:
+        rest = sample(model, tok, [examples[i].prompt + out[i]["text"] for i in again], 8, temperature)
+        for i, text in zip(again, rest):
+            out[i]["text"] += text
+    for ep, ex in zip(out, examples):
+        ep["reward"] = toy_verifier(ep["text"], ex).reward
+    return out
+
+
+def tool_report(model, tok, tiers=(6, 7, 8), n: int = 64, samples: int = 4, seed: int = 0, calculator=None) -> dict:
+    """toy:tools's numbers on `n` eval chains per tier: greedy pass@1 without tools (plain prompt; tools prompt, a call
+    then unanswered), and over `samples` sampled episodes (temperature 1) per chain: the share that call the tool,
+    that call it correctly, pass@1 of those that call it correctly, of those that do not call, and of all."""
+    import torch
+
+    from components.tasks.verifiers import toy_verifier
+
+    exs = [e for t in tiers for e in toy.make_examples(t, n, seed, "eval", "tools")]
+    plain = [toy.make_example(e.problem) for e in exs]
+    report = {}
+    for name, batch in (("greedy_plain", plain), ("greedy_tools_prompt", exs)):
+        texts = generate_greedy(model, tok, [e.prompt for e in batch], toy.max_new_tokens_for(max(tiers), "tools"))
+        report[name] = sum(toy_verifier(t, e).reward for t, e in zip(texts, batch)) / len(batch)
+    torch.manual_seed(seed)
+    eps = tool_episodes(model, tok, [e for e in exs for _ in range(samples)], 1.0, calculator)
+    called = [e for e in eps if e["called"]]
+    right = [e for e in eps if e["correct_call"]]
+    silent = [e for e in eps if not e["called"]]
+    mean = lambda xs: sum(e["reward"] for e in xs) / len(xs) if xs else float("nan")  # noqa: E731
+    report.update(episodes=len(eps), tool_call_rate=len(called) / len(eps), correct_call_rate=len(right) / len(eps),
+                  pass_correct_call=mean(right), pass_no_call=mean(silent), pass_sampled=mean(eps))
+    return report
+
+
+def ensure_checkpoints(cache_dir: str | None = None, instruct: bool = False, reward: bool = False,
+                       tools: bool = False) -> dict:
+    """Directories {tokenizer, student, teacher, instruct, reward, tools}, bootstrapped on first call (a few minutes on
+    2 cores). toy:instruct, InT's base, is built from the student only when asked for (`instruct`, as resolving
     `toy:instruct` does), in about 8 more minutes; toy:reward (PPO-RM's reward model) likewise (`reward`), in about
-    a minute: runs that never name them never wait for them, and the default cache key does not change.
+    a minute; toy:tools (the tool task's base) likewise (`tools`): runs that never name them never wait for them,
+    and the default cache key does not change.
 
     Idempotent; concurrent callers wait on a file lock and reuse the result.
     """
@@ -635,7 +853,9 @@ def ensure_checkpoints(cache_dir: str | None = None, instruct: bool = False, rew
     paths = {k: os.path.join(folder, k) for k in ("tokenizer", "student", "teacher")}
     paths["instruct"] = os.path.join(folder, INSTRUCT_DIR)
     paths["reward"] = os.path.join(folder, REWARD_DIR)
-    need = [p for k, p in paths.items() if (k != "instruct" or instruct) and (k != "reward" or reward)]
+    paths["tools"] = os.path.join(folder, TOOLS_DIR)
+    asked = {"instruct": instruct, "reward": reward, "tools": tools}
+    need = [p for k, p in paths.items() if asked.get(k, True)]
     if all(os.path.isdir(p) for p in need):
         return paths
     os.makedirs(folder, exist_ok=True)
@@ -673,6 +893,11 @@ def ensure_checkpoints(cache_dir: str | None = None, instruct: bool = False, rew
             t0 = time.time()
             _save(train_reward(tok, student), tok, paths["reward"])
             print(f"[bootstrap] reward: built in {time.time() - t0:.1f}s", flush=True)
+        if tools and not os.path.isdir(paths["tools"]):  # added later (issue 55): a cache gains it when asked
+            student = models.get("student") or AutoModelForCausalLM.from_pretrained(paths["student"])
+            t0 = time.time()
+            _save(train_tools(tok, student), tok, paths["tools"])
+            print(f"[bootstrap] tools: built in {time.time() - t0:.1f}s", flush=True)
         print(f"[bootstrap] total {time.time() - t_start:.1f}s", flush=True)
         if models:  # the language models this call trained
             print("greedy pass@1 (64 eval problems per tier):", flush=True)
@@ -706,5 +931,28 @@ def other_vocab_checkpoint(out_dir: str) -> str:
     return out_dir
 
 
+def tools_report_main() -> None:
+    """`python -m components.tasks.bootstrap --tools-report`: builds toy:tools when missing, then prints tool_report
+    (greedy pass@1 without tools, the tool-call rate of sampled episodes and their pass@1) on chains of 6-8 steps."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    paths = ensure_checkpoints(tools=True)
+    torch.set_num_threads(int(os.environ.get("COMPOSER_THREADS") or 2))
+    model, tok = AutoModelForCausalLM.from_pretrained(paths["tools"]), AutoTokenizer.from_pretrained(paths["tools"])
+    t0 = time.time()
+    report = tool_report(model, tok)
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in report.items()}, indent=1))
+    print(f"[bootstrap] tools: report in {time.time() - t0:.1f}s (64 eval chains per tier of 6, 7, 8 steps; 4 sampled "
+          "episodes each at temperature 1, the calculator toy.calculate)", flush=True)
+
+
 if __name__ == "__main__":
-    print(ensure_checkpoints())
+    import sys
+
+    if "--tools-report" in sys.argv[1:]:
+        tools_report_main()
+    else:
+        print(ensure_checkpoints())

@@ -6,6 +6,15 @@
 
 Train and eval are split by a hash of the problem text, so they never overlap. No torch at import.
 
+The tool task (`TASKS`, issue 55): the same chains, the prompt announcing a calculator tool; a policy may
+answer through one tool call (Hermes / Qwen JSON inside <tool_call> tags; its turn stops at </tool_call>),
+the environment appends the tool's answer, and the policy states it:
+
+    prompt    Tools: calculator\nQ:7+3-5+9\nA:
+    policy    <tool_call>{"name": "calculator", "arguments": {"expression": "(7+3-5+9)%10"}}</tool_call>
+    env       \n<tool_response>4</tool_response>\n
+    policy    #4
+
 Variants (`VARIANTS`): the default `mod10` above, and held-out ones with another modulus (`mod7`: digits
 0-6, arithmetic mod 7), chosen by the environment variable COMPOSER_TOY_VARIANT (unset: mod10, exactly
 the testbed above). A variant has its own bootstrapped checkpoints (components/tasks/bootstrap.py).
@@ -74,7 +83,17 @@ TEMPLATES = {
     # judge: {accepted} = accepted lines ("\n"-joined), {steps} = new lines numbered "1:..\n2:.."
     # from 1; the judge answers "KEEP" or "REVISE <k>\n<right line k>" (k = number within {steps}).
     "judge": "J:{problem}\nC:{accepted}\nN:\n{steps}\nV:",
+    # the tool task's prompt (TASKS["tools"]): the calculator is announced, the question as in `prompt`
+    "tools": "Tools: calculator\nQ:{problem}\nA:",
 }
+
+# The toy tasks a spec names (data.toy_task): their prompt format. `chains` is the testbed above; `tools` the same
+# chains with a calculator tool announced (a rollout environment answers the call: components/environments/).
+TASKS = {"chains": "prompt", "tools": "tools"}
+DEFAULT_TASK = "chains"
+TOOL = "calculator"  # the tool's name in a call
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE = "\n<tool_response>{result}</tool_response>\n"  # what the environment appends after a call
 
 
 # ---------------------------------------------------------------------------------------- problems
@@ -98,12 +117,12 @@ def split_of(problem: str) -> str:
     return "eval" if h % EVAL_BUCKETS == 0 else "train"
 
 
-def make_example(problem: str) -> Example:
-    """The Example of one chain."""
+def make_example(problem: str, task: str = DEFAULT_TASK) -> Example:
+    """The Example of one chain, prompted in `task`'s format (TASKS: `chains` or `tools`)."""
     steps, answer = solve(problem)
     solution = "\n".join(steps) + f"\n#{answer}"
     return Example(
-        prompt=TEMPLATES["prompt"].format(problem=problem),
+        prompt=TEMPLATES[TASKS[task]].format(problem=problem),
         answer=answer,
         solution=solution,
         problem=problem,
@@ -127,8 +146,9 @@ def _stream() -> str:
     return "toy" if name == DEFAULT_VARIANT else f"toy-{name}"
 
 
-def make_examples(tier: int, n: int, seed: int, split: str) -> list[Example]:
-    """`n` deterministic examples of `tier` steps from `split` ('train' or 'eval'), distinct when possible."""
+def make_examples(tier: int, n: int, seed: int, split: str, task: str = DEFAULT_TASK) -> list[Example]:
+    """`n` deterministic examples of `tier` steps from `split` ('train' or 'eval'), distinct when possible, prompted
+    in `task`'s format (the problems do not depend on it)."""
     assert split in ("train", "eval"), split
     rng = random.Random(f"{_stream()}/{seed}/{tier}/{split}")
     seen, out = set(), []
@@ -138,25 +158,100 @@ def make_examples(tier: int, n: int, seed: int, split: str) -> list[Example]:
         p = random_problem(rng, tier, split)
         if p not in seen:
             seen.add(p)
-            out.append(make_example(p))
+            out.append(make_example(p, task))
     while len(out) < n:
-        out.append(make_example(random_problem(rng, tier, split)))
+        out.append(make_example(random_problem(rng, tier, split), task))
     return out
 
 
-def sample_train_fn(train_tiers):
-    """A `sample_train(rng, n)` that draws fresh train-split problems from `train_tiers`."""
+def sample_train_fn(train_tiers, task: str = DEFAULT_TASK):
+    """A `sample_train(rng, n)` that draws fresh train-split problems from `train_tiers` (prompts in `task`'s format)."""
     tiers = tuple(train_tiers)
 
     def sample_train(rng: random.Random, n: int) -> list[Example]:
-        return [make_example(random_problem(rng, rng.choice(tiers), "train")) for _ in range(n)]
+        return [make_example(random_problem(rng, rng.choice(tiers), "train"), task) for _ in range(n)]
 
     return sample_train
 
 
-def max_new_tokens_for(tier: int) -> int:
-    """Response budget in characters (= tokens): 6 per step line, '#N', eos, and a margin."""
-    return 6 * tier + 2 + 1 + 8
+def max_new_tokens_for(tier: int, task: str = DEFAULT_TASK) -> int:
+    """Response budget in characters (= tokens): 6 per step line, '#N', eos, and a margin. The tool task's covers an
+    episode of either kind: the step lines, or a tool call on a chain of `tier` steps, the tool's answer (environment
+    tokens) and '#N', eos."""
+    plain = 6 * tier + 2 + 1 + 8
+    if task == DEFAULT_TASK:
+        return plain
+    longest = str(modulus() - 1) + "+9" * tier  # every operand one digit: the longest chain of `tier` steps
+    episode = "".join(text for _, text in tool_demonstration(longest))
+    return max(plain, len(episode) + 1 + 8)
+
+
+# ------------------------------------------------------------------------------------------ the tool task
+
+
+def tool_expression(problem: str) -> str:
+    """The calculator expression that answers a chain: '(7+3-5+9)%10' (the active variant's modulus)."""
+    return f"({problem})%{modulus()}"
+
+
+def tool_call_text(expression: str, name: str = TOOL) -> str:
+    """A policy's tool call in the Hermes / Qwen format: <tool_call>{"name": .., "arguments": {"expression": ..}}
+    </tool_call> (json.dumps: ', ' and ': ' separators)."""
+    return TOOL_CALL_OPEN + json.dumps({"name": name, "arguments": {"expression": expression}}) + TOOL_CALL_CLOSE
+
+
+def tool_response_text(result: str) -> str:
+    """What the environment appends after a call: '\\n<tool_response>4</tool_response>\\n'."""
+    return TOOL_RESPONSE.format(result=result)
+
+
+def tool_demonstration(problem: str) -> list[tuple[str, str]]:
+    """The episode that answers `problem` with the calculator, as [(origin, text)]: the policy's call, the
+    environment's answer, the policy's '#N' (its eos follows). Joined, the texts are the whole response."""
+    _, answer = solve(problem)
+    return [("policy", tool_call_text(tool_expression(problem))), ("environment", tool_response_text(answer)),
+            ("policy", f"#{answer}")]
+
+
+def parse_tool_call(text: str) -> tuple[str, dict] | None:
+    """(name, arguments) of the first complete <tool_call>..</tool_call> in `text`; None when there is none or its
+    body is not a JSON object with a string `name` and an object `arguments`."""
+    start = text.find(TOOL_CALL_OPEN)
+    end = text.find(TOOL_CALL_CLOSE, start + len(TOOL_CALL_OPEN)) if start >= 0 else -1
+    if end < 0:
+        return None
+    try:
+        body = json.loads(text[start + len(TOOL_CALL_OPEN) : end])
+    except ValueError:
+        return None
+    if not isinstance(body, dict) or not isinstance(body.get("name"), str) or not isinstance(body.get("arguments"), dict):
+        return None
+    return body["name"], body["arguments"]
+
+
+def calculate(expression: str) -> str:
+    """A plain calculator for the toy's own checks (the bootstrap's, the tests'): integers, + - * % and parentheses,
+    Python's semantics (a % m is in [0, m) for m > 0). Raises ValueError on anything else."""
+    import ast
+
+    ops = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+           ast.Mod: lambda a, b: a % b}
+
+    def value(node) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            return -value(node.operand) if isinstance(node.op, ast.USub) else value(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.left), value(node.right))
+        raise ValueError(f"not a calculator expression: {expression!r}")
+
+    if not isinstance(expression, str) or len(expression) > 200:
+        raise ValueError(f"not a calculator expression: {expression!r}")
+    try:
+        return str(value(ast.parse(expression, mode="eval").body))
+    except (SyntaxError, ZeroDivisionError, RecursionError) as e:
+        raise ValueError(f"not a calculator expression: {expression!r} ({type(e).__name__})") from None
 
 
 # ------------------------------------------------------------------------------- privileged texts
@@ -260,12 +355,19 @@ def toy_checkpoints(cache_dir: str | None = None, instruct: bool = False) -> dic
 
 
 def toy_task(
-    tiers=(1, 2, 4, 6, 8), train_tiers=(2, 4, 6), eval_per_tier=64, seed=0, train_per_tier=256, with_models=False
+    tiers=(1, 2, 4, 6, 8), train_tiers=(2, 4, 6), eval_per_tier=64, seed=0, train_per_tier=256, with_models=False,
+    task: str = DEFAULT_TASK,
 ) -> Task:
-    """The toy Task of the active variant. Eval keys are 'tier<k>'. with_models=True bootstraps (or loads) student/teacher."""
-    train = [ex for t in train_tiers for ex in make_examples(t, train_per_tier, seed, "train")]
-    evals = {f"tier{t}": make_examples(t, eval_per_tier, seed, "eval") for t in tiers}
+    """The toy Task of the active variant. Eval keys are 'tier<k>'. with_models=True bootstraps (or loads) student/teacher.
+    `task`: `chains` (the testbed) or `tools` (the same problems, the prompt announcing the calculator; teachers'
+    and judges' question line too)."""
+    if task not in TASKS:
+        raise ValueError(f"toy task {task!r}: the toy tasks are {', '.join(TASKS)}")
+    train = [ex for t in train_tiers for ex in make_examples(t, train_per_tier, seed, "train", task)]
+    evals = {f"tier{t}": make_examples(t, eval_per_tier, seed, "eval", task) for t in tiers}
     ckpt = toy_checkpoints() if with_models else {}
+    templates = {k: v for k, v in TEMPLATES.items() if k not in ("prompt", "tools")}
+    templates["question"] = TEMPLATES[TASKS[task]]
     return Task(
         name="toy" if variant() == DEFAULT_VARIANT else f"toy-{variant()}",
         train=train,
@@ -274,10 +376,10 @@ def toy_task(
         step_checker=ToyStepChecker(),
         student=ckpt.get("student"),
         teacher=ckpt.get("teacher"),
-        max_new_tokens=max_new_tokens_for(max(tuple(tiers) + tuple(train_tiers))),
+        max_new_tokens=max_new_tokens_for(max(tuple(tiers) + tuple(train_tiers)), task),
         step_split="\n",
-        templates={k: v for k, v in TEMPLATES.items() if k != "prompt"},
-        sample_train=sample_train_fn(train_tiers),
+        templates=templates,
+        sample_train=sample_train_fn(train_tiers, task),
     )
 
 

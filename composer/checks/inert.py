@@ -391,7 +391,7 @@ def train_settings(spec, seg) -> Iterable[Finding]:
 
 # ------------------------------------------------------------------------------------------------- data
 
-TOY_ONLY = ("tiers", "train_tiers")
+TOY_ONLY = ("tiers", "train_tiers", "toy_task")
 FILE_ONLY = ("prompt_field", "answer_field", "solution_field", "on_bad_row", "prompt_format")
 
 
@@ -403,7 +403,8 @@ def data_settings(spec, seg) -> Iterable[Finding]:
     for field in sorted(d.model_fields_set):
         if field in TOY_ONLY:
             yield Finding(("data", field), d.train is not None,
-                          f"data.{field} sets the toy testbed's chain lengths, and data.train names a data file: "
+                          f"data.{field} sets the toy testbed's {'task' if field == 'toy_task' else 'chain lengths'}, and "
+                          "data.train names a data file: "
                           "the prompts come from the file", f"remove data.{field} (it applies without data.train)")
         elif field in FILE_ONLY:
             yield Finding(("data", field), d.train is None,

@@ -52,7 +52,7 @@ class Lora(Strict):
 
 
 class Policy(Strict):
-    model: Optional[str] = Field(None, description="Model id or local directory loaded with `from_pretrained`; omitted -> the toy testbed's student.")
+    model: Optional[str] = Field(None, description="Model id or local directory loaded with `from_pretrained`; omitted -> the toy testbed's student. `toy:<name>` names a toy checkpoint: student, teacher, instruct (InT's base), tools (the tool task's base, data.toy_task: tools), built when first named.")
     tokenizer: Optional[str] = Field(None, description="Tokenizer directory, when it differs from `model`.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype of the trained policy.")
     trust_remote_code: bool = Field(False, description="Run the Python code a model folder ships (transformers `trust_remote_code`); off: such a folder is refused instead of asking mid-run. Only for folders you trust.")
@@ -75,6 +75,7 @@ class Data(Strict):
     on_bad_row: Literal["error", "skip"] = Field("error", description="A row with a missing or unusable field: stop with an error naming file, row and field, or skip and count it.")
     tiers: list[Annotated[int, Field(ge=1, le=MAX_TOY_TIER)]] = Field(default_factory=lambda: [1, 2, 4, 6, 8], min_length=1, description=f"Toy testbed only: chain lengths (steps, 1-{MAX_TOY_TIER}) of the difficulty tiers.")
     train_tiers: list[Annotated[int, Field(ge=1, le=MAX_TOY_TIER)]] = Field(default_factory=lambda: [2, 4, 6], min_length=1, description=f"Toy testbed only: the chain lengths (1-{MAX_TOY_TIER}) training prompts are drawn from.")
+    toy_task: Literal["chains", "tools"] = Field("chains", description="Toy testbed only: which toy task. `chains`: the arithmetic chains (prompt `Q:7+3-5+9\\nA:`); `tools`: the same chains with a calculator tool announced (prompt `Tools: calculator\\nQ:7+3-5+9\\nA:`), for a rollout environment that answers the policy's tool calls (rollout.environment kind tools) and a policy that knows the tool (toy:tools).")
     prompt_format: Literal["auto", "chat", "plain"] = Field("auto", description="How a row becomes the policy's prompt. `chat`: the policy tokenizer's chat template (`system_prompt` as the system message when given, `prompt_template` filled with the row's text as the user message, add_generation_prompt), tokenized once with no special tokens added after it; `plain`: the filled `prompt_template` as it is (after `system_prompt` and a blank line, when given); `auto`: chat when the tokenizer has a chat template, else plain. Teachers' and judges' privileged prompts and the OpenRLHF bundle's data are rendered the same way. Checked when the tokenizer loads (run, compile, explain), never by `validate`. Data files only: the toy testbed's prompts are its own.")
     system_prompt: Optional[str] = Field(None, description="System message of every prompt the policy, its teachers and judges see (chat: the template's system turn; plain: text before the prompt and a blank line). Data files only.")
     prompt_template: str = Field("{prompt}", description="The user message built from the row's `prompt_field` text, written {prompt}, e.g. \"{prompt}\\nPut your final answer within \\\\boxed{{}}.\" (a literal brace is {{ or }}). Data files only.")

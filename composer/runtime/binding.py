@@ -124,7 +124,7 @@ def bind_task(spec) -> Task:
         from composer.registry import part
 
         task = part("toy.task")(tiers=tuple(d.tiers), train_tiers=tuple(d.train_tiers), eval_per_tier=spec.train.eval_samples,
-                        seed=spec.train.seed)
+                        seed=spec.train.seed, task=d.toy_task)
         task.skipped_rows, task.skipped_by_reason = 0, {}
         return task
     counts: Counter = Counter()

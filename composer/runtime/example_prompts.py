@@ -81,7 +81,7 @@ def first_example(spec):
         from composer.registry import part
 
         task = part("toy.task")(tiers=tuple(d.tiers), train_tiers=tuple(d.train_tiers), eval_per_tier=1, train_per_tier=1,
-                        seed=spec.train.seed)
+                        seed=spec.train.seed, task=d.toy_task)
         return task.train[0], "the toy testbed's first training problem", task
     from pathlib import Path
 

@@ -12,13 +12,14 @@ from composer.errors import ModelLoadError
 
 def resolve(name: str) -> str:
     """Map `toy:student` / `toy:teacher` / `toy:instruct` (the student taught InT's proposer task, InT's base) /
-    `toy:reward` (a reward model trained to predict the toy verifier, PPO-RM's) to the toy testbed's cached
-    checkpoints; anything else is as given."""
+    `toy:reward` (a reward model trained to predict the toy verifier, PPO-RM's) / `toy:tools` (the student taught the
+    toy's tool task: it calls the calculator now and then) to the toy testbed's cached checkpoints; anything else is
+    as given."""
     if name.startswith("toy:"):
         from composer.registry import part
 
         which = name.split(":", 1)[1]
-        paths = part("toy.checkpoints")(**({which: True} if which in ("instruct", "reward") else {}))
+        paths = part("toy.checkpoints")(**({which: True} if which in ("instruct", "reward", "tools") else {}))
         if which not in paths:
             raise ModelLoadError(f"{name}: the toy testbed has {', '.join(k for k in paths if k != 'tokenizer')}")
         return str(paths[which])

@@ -140,7 +140,7 @@ def write_data(v, out: Path, eos: str | None) -> tuple[dict, Inputs]:
         per_tier = math.ceil(n / len(d.train_tiers))
         paths = write_jsonl(str(data / "toy"), {"tiers": tuple(d.tiers), "train_tiers": tuple(d.train_tiers),
                                                 "train_per_tier": per_tier, "eval_per_tier": spec.train.eval_samples,
-                                                "seed": spec.train.seed})
+                                                "seed": spec.train.seed, "task": d.toy_task})
 
         def read(path):
             rows = [json.loads(x) for x in open(path) if x.strip()]

@@ -838,7 +838,7 @@ def _environment_notes(run: Run, specs, envs) -> None:
 def _toy_cap(spec) -> int:
     from composer.registry import part
 
-    return part("toy.max_new_tokens_for")(max(tuple(spec.data.tiers) + tuple(spec.data.train_tiers)))
+    return part("toy.max_new_tokens_for")(max(tuple(spec.data.tiers) + tuple(spec.data.train_tiers)), spec.data.toy_task)
 
 
 def _guide_room(specs, inputs: Inputs) -> int:
