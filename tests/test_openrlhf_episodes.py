@@ -279,3 +279,43 @@ def test_agent_renders_the_tool_message_with_the_chat_template(tmp_path):
     assert set(out["env_mask"]) == {0} and set(out["env_grads"]) == {0.0} and len(out["env_mask"]) == len(want)
     assert out["reward"] == 1.0 and out["logs"]["env/env_tokens"] == len(want)
     assert out["logs"]["composer_offpolicy_frac"] == 0.0
+
+
+PY_CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(7*3)"}}</tool_call>'
+
+
+@needs_openrlhf
+def test_agent_runs_the_python_tool_in_the_sandbox(tmp_path):
+    """The python tool from the bundle's agent: the program runs in the code sandbox (checked by the environment's
+    preflight when the agent builds its context) and its stdout is the environment's answer, action_mask 0."""
+    bundle = compile_spec("specs/methods/tool-grpo.yaml", ["data.tiers=[16]", "data.train_tiers=[16]",
+                                                           "rollout.environment.tools=[calculator,python]"],
+                          tmp_path / "py")
+    out = run_agent(bundle, [PY_CALL, "#5<eos>"])
+    assert out["context"] == "\n<tool_response>21</tool_response>\n" and set(out["env_mask"]) == {0}
+    assert out["logs"]["env/tool_calls"] == 1 and out["logs"]["env/tool_errors"] == 0 and out["reward"] == 1.0
+
+
+def test_agent_stops_with_the_reason_where_the_sandbox_is_missing(monkeypatch):
+    """A worker without the sandbox: the agent's first context (before any episode) raises the sandbox's reason; the
+    calculator alone needs none."""
+    from components.tasks import code_verifier
+    from components.tasks.tokenizer import char_tokenizer
+    from composer.backends.openrlhf.agent import ComposerAgent
+    from composer.plan.compile import compile_plan
+
+    def missing():
+        raise code_verifier.SandboxUnavailable("unshare: operation not permitted")
+
+    monkeypatch.setattr(code_verifier, "ensure_sandbox", missing)
+    for tools, fails in (("[calculator,python]", True), ("[calculator]", False)):
+        plan = compile_plan(validate_file(ROOT / "specs/methods/tool-grpo.yaml", [f"rollout.environment.tools={tools}"]))
+        plan["openrlhf"] = {"toy": True, "runs": [{"name": "main", "segments": [0],
+                                                   "plugin": {"agent": True, "verifier": "toy"}}]}
+        agent = ComposerAgent(plan, "main")
+        spec = agent.steps.at(0).spec
+        if fails:
+            with pytest.raises(code_verifier.SandboxUnavailable, match="operation not permitted"):
+                agent.context(spec, char_tokenizer())
+        else:
+            agent.context(spec, char_tokenizer())
