@@ -225,6 +225,20 @@ def m_opd_doubled(undo):
                  "adv = (-2 * kl_coef * (behavior_logp - teacher_logp)).detach()")
 
 
+def m_divergence_scaled(undo):
+    from components.objectives.divergence import Divergence
+
+    patch_source(undo, Divergence, "loss", "loss = aggregate(loss_tok, mask, self.aggregation, seq_weight=s)",
+                 "loss = 1.5 * aggregate(loss_tok, mask, self.aggregation, seq_weight=s)")
+
+
+def m_loo_off_by_one(undo):
+    from components.objectives.estimators import LeaveOneOut
+
+    patch_source(undo, LeaveOneOut, "estimate", "adv = (rewards.detach() - mean) * n / (n - 1).clamp(min=1)",
+                 "adv = (rewards.detach() - mean) * (n + 1) / n.clamp(min=1)")
+
+
 def m_verdict_shifted(undo):
     from components.sources.outcome_reward import RewardScorer
 
@@ -306,8 +320,12 @@ MUTATIONS = {
     "sft_scaled": ("SFT's loss scaled by 1.5 (issue 52)", m_sft_scaled, "specs/sft.yaml", []),
     "gspo_scaled": ("GSPO's policy loss scaled by 1.5 (issue 52)", m_pg_scaled, "specs/methods/gspo.yaml", []),
     "opd_doubled": ("OPD's sampled estimator's coefficient doubled", m_opd_doubled, "specs/opd.yaml", []),
+    "opd_scaled": ("OPD's loss scaled by 1.5 inside its objective (issue 52)", m_divergence_scaled, "specs/opd.yaml",
+                   []),
     "schedule_step": ("a schedule one step ahead (KDRL's KD weight, a 4-step ramp)", m_schedule_off_by_one,
                       "specs/methods/kdrl.yaml", ["terms.1.weight.steps=4", "terms.1.weight.end=0.5"]),
+    "loo_off_by_one": ("RLOO's leave-one-out baseline off by one (n+1 / n for n / (n-1))", m_loo_off_by_one,
+                       "specs/methods/rloo.yaml", []),
     "verdict_shifted": ("each response scored against the next row's example (the verifier's inputs off by one row)",
                         m_verdict_shifted, "specs/grpo.yaml", []),
     "dpo_no_reference": ("the DPO pair term's sequence log-ratio without the reference (log pi(y) alone)",

@@ -120,9 +120,11 @@ def test_truncated_filter_not_exercised(tmp_path):
 
 
 def test_truncated_drop_of_every_row(tmp_path):
-    """Every response cut (26 tokens): `drop` masks them all (a step needs rows). The referee models it: no false
-    "gate rows" or gradient failure; it fails because the filter left nothing to train on."""
-    rep = referee(GRPO, tmp_path, ["rollout.filter.truncated=drop", "rollout.max_new_tokens=26"])
+    """Every response cut (6-step chains only, whose answers are 27 tokens, at 26): `drop` masks them all (a step
+    needs rows). The referee models it: no false "gate rows" or gradient failure; it fails because the filter left
+    nothing to train on."""
+    rep = referee(GRPO, tmp_path, ["rollout.filter.truncated=drop", "rollout.max_new_tokens=26",
+                                   "data.train_tiers=[6]"])
     failed = _failed(rep)
     assert "filter kept rows" in failed and "no row to train on" in failed["filter kept rows"], rep.table()
     assert not any(name.startswith(("gate rows", "loss gradient", "loss value")) for name in failed), rep.table()

@@ -297,20 +297,27 @@ def test_declared_parts_and_their_references():
 
 
 def test_check_coverage_names_an_idle_part_and_what_makes_it_act(tmp_path):
-    """The short run of GRPO makes two passes per step, so its clip binds and is exercised; told to make one, the
-    clip never binds and the coverage table says so, with the override that would make it act."""
+    """The short run of GRPO makes two passes per step, so its clip binds and is exercised. DAPO told to make one
+    pass (its two mini-batches at lr 1e-4 never take the ratio past the clip) leaves its bound idle: "not exercised"
+    with what would make it act, and `composer check` fails (exit 1), never a pass. GRPO told to make one pass
+    cannot move the ratio at all: its bound "cannot act in this run", which is said and is no failure."""
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "composer", "check", str(ROOT / "specs" / "grpo.yaml"), "--coverage", "--out"]
-    r = subprocess.run(cmd + [str(tmp_path / "a")], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    cmd = [sys.executable, "-m", "composer", "check", "--coverage", "--out"]
+    r = subprocess.run(cmd + [str(tmp_path / "a"), str(ROOT / "specs" / "grpo.yaml")], capture_output=True, text=True,
+                       cwd=ROOT, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "objective.bound" in r.stdout and "acted:" in r.stdout.split("objective.bound")[-1].splitlines()[0]
-    r = subprocess.run(cmd + [str(tmp_path / "b"), "train.epochs=1"], capture_output=True, text=True, cwd=ROOT,
-                       timeout=900)
+    r = subprocess.run(cmd + [str(tmp_path / "b"), str(ROOT / "specs" / "methods" / "dapo.yaml"), "train.epochs=1"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=900)
     line = next(x for x in r.stdout.splitlines() if x.strip().startswith("objective.bound"))
     assert "not exercised" in line and "train.epochs=2" in line, r.stdout[-3000:]
-    assert "parts exercised" in r.stdout and "objective.bound (clip)" in r.stdout
+    assert r.returncode == 1 and "parts exercised" in r.stdout and "objective.bound (clip)" in r.stdout, r.stdout[-3000:]
+    r = subprocess.run(cmd + [str(tmp_path / "c"), str(ROOT / "specs" / "grpo.yaml"), "train.epochs=1"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=900)
+    line = next(x for x in r.stdout.splitlines() if x.strip().startswith("objective.bound"))
+    assert "cannot act in this run" in line and r.returncode == 0, r.stdout[-3000:]
 
 
 def test_an_objective_without_a_reference_loss_fails_as_not_covered(tmp_path, monkeypatch):

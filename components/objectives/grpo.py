@@ -547,10 +547,31 @@ class Grpo(Objective):
         return total, metrics
 
     def short_run_overrides(self, spec) -> list[str]:
-        """A bound acts only where the ratio leaves 1: with one on-policy update per step it never does, so the
-        referee's short run makes a second pass over each step's rollouts (train.epochs=2)."""
-        one_update = spec.train.epochs * spec.train.mini_batches == 1
-        return ["train.epochs=2"] if self.bound != "none" and one_update else []
+        """A bound acts only where the ratio leaves 1: with one on-policy update per step it never does, and one
+        more mini-batch at a small LR rarely takes it past the clip, so the referee's short run makes a second pass
+        over each step's rollouts (train.epochs=2). `none` too: no bound is told from a clip only where the ratio
+        left the clip's range. A bound whose range reaches past twice the ratio (CISPO's cap 1 + 4) takes a ten times
+        larger LR too, so that a few tokens pass it within three steps. The overrides are taken together or not at
+        all."""
+        lr = spec.train.lr
+        if self.bound == "topr":  # its truncation acts where a negative row's ratio to the SAMPLER passed 1, which a
+            # second pass (pushing those rows down) never makes: the sampler lags a step, as TOPR's off-policy setting
+            return ["sync.every=2", "sync.off_policy_ok=true", f"train.lr={10 * lr:g}"]
+        out = ["train.epochs=2"] if spec.train.epochs == 1 else []
+        if self.bounds()[1] >= 1:
+            out.append(f"train.lr={10 * lr:g}")
+        return out
+
+    def idle_reason(self, spec, field: str) -> str | None:
+        """Why part `field` cannot act in a run of `spec` (the referee's coverage says "cannot act in this run",
+        not "not exercised"): the bound, at one update per step on-policy (the ratio is 1; `inert` warns of it)."""
+        t = spec.train
+        if field != "bound" or t.epochs * t.mini_batches != 1 or spec.sync.every != 1:
+            return None
+        if self.correction.acts or sampler_is_trainer(spec):
+            return ("one update per step on-policy (train.epochs x train.mini_batches = 1, sync.every: 1) keeps the "
+                    "ratio at 1, and the spec refuses a second pass")
+        return None
 
     def reference_loss(self, batch, mask, view, inputs: dict) -> dict | None:
         """The referee's loss (DESIGN.md section 10), written again per row in float64 from the formulas of
@@ -620,6 +641,8 @@ class Grpo(Objective):
                 for t in on:
                     value += Wc[t] * -A * float(lp[i, t])
                     grad[i, t] = Wc[t] * -A
+                    # no bound is told from a clip only where the ratio left the clip's range [1 - lo, 1 + hi]
+                    acted["bound"] += not 1 - lo <= math.exp(min(max(d[t], -20.0), 20.0)) <= 1 + hi
                 continue
             if self.bound == "log_clip":  # GMPO: each log-ratio clipped on the side the advantage binds
                 def k(x):

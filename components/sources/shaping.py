@@ -60,8 +60,10 @@ class OverlongPenalty(Source):
         return overlong_penalty(response_lengths(batch), cap, min(self.buffer, cap), self.factor)
 
     def short_run_overrides(self):
-        """A cap some of the toy's 6-step answers pass into the buffer, so the penalty acts in a short run."""
-        return [] if self.max_tokens else ["rollout.max_new_tokens=40"]
+        """A cap the toy student's longest answers (4 steps and the answer line: 27 tokens with the stop token) pass
+        into the buffer of the default size 4 and its 3-step answers (21) do not, so the penalty acts in a short run
+        and tells rows apart."""
+        return [] if self.max_tokens else ["rollout.max_new_tokens=30"]
 
     def reference_rewards(self, lengths, response_cap):
         """-factor * clip(|o| - (L_max - L_cache), 0, L_cache) / L_cache (DAPO eq. 13), L_max = max_tokens or the

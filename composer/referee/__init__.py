@@ -26,9 +26,11 @@ def referee(path, out_dir, extra=(), as_declared: bool = False) -> Report:
     rep.spec = str(path)
     from composer.referee.coverage import rows as coverage_rows
 
-    idle = [f"{r['path']} ({r['kind']})" for r in coverage_rows(v, rep) if r["idle"]]
-    rep.note("parts exercised", f"not exercised: {', '.join(idle)} (composer check --coverage says why)" if idle
-             else "every part with facts was exercised")
+    # a part the run never made act checked nothing: "not exercised" is a failure, never a pass (issue 52 item 3)
+    idle = [f"{r['path']} ({r['kind']}): {r['exercised'].partition(': ')[2]}" for r in coverage_rows(v, rep)
+            if r["idle"]]
+    if rep.expect("parts exercised", not idle, "not exercised: " + "; ".join(idle)):
+        rep.note("parts exercised", "every declared part that acts changed what trained")
     rep.v = v
     return rep
 

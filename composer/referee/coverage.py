@@ -16,8 +16,8 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 HINTS = {  # why a part the run did not exercise stayed idle, and what makes it act
-    "bound": "the ratio stayed inside the bound on every token (one on-policy update per step keeps it at 1): "
-             "train.epochs=2 or train.mini_batches=2 moves it",
+    "bound": "the ratio stayed inside the bound (bound none: inside the clip's range) on every token (one "
+             "on-policy update per step keeps it at 1): train.epochs=2 or a larger train.lr moves it",
     "pairs": "no group held two rows of different rewards, so no pair formed: data tiers where the groups are mixed "
              "(e.g. data.train_tiers=[6]) or more samples per prompt",
     "aggregation": "every row had the same number of loss tokens, so the aggregations agree: more varied prompts",
@@ -89,7 +89,8 @@ def rows(v, rep) -> list[dict]:
                 for field in ("bound", "aggregation", "pairs"):
                     value = getattr(part, field, None) or getattr(part, "loss_agg" if field == "aggregation" else "", None)
                     if value is not None and (term, field) in rep.acted:
-                        out.append(_acted(f"{where}.{field}", str(value), term, field, rep)
+                        why = getattr(part, "idle_reason", lambda spec, f: None)(seg.spec, field)
+                        out.append(_acted(f"{where}.{field}", str(value), term, field, rep, why)
                                    | {"references": [f"{part.kind_name()}.reference_loss"]})
                 continue
             if not getattr(type(part), "acts", True):  # a setting that does nothing (kind none)
@@ -115,11 +116,14 @@ def rows(v, rep) -> list[dict]:
     return out
 
 
-def _acted(path: str, kind: str, term: str, field: str, rep) -> dict:
+def _acted(path: str, kind: str, term: str, field: str, rep, why: str | None = None) -> dict:
     n = rep.acted.get((term, field), 0)
     if n:
         what = {"aggregation": "batches with rows of different lengths", "pairs": "pairs"}.get(field, "tokens")
         return {"path": path, "kind": kind, "references": [], "exercised": f"acted: {n} {what}", "idle": False}
+    if why:  # the part cannot act in a run of this spec at all (validate warns of it): nothing to exercise
+        return {"path": path, "kind": kind, "references": [], "exercised": f"cannot act in this run: {why}",
+                "idle": False}
     return {"path": path, "kind": kind, "references": [], "exercised": f"not exercised: {HINTS.get(field, '')}",
             "idle": True}
 

@@ -23,14 +23,22 @@ from composer.origins import CODE, ORIGINS
 FAST = ["train.prompts_per_step=4", "rollout.max_new_tokens=32", "train.eval_every=0", "train.eval_samples=2",
         "train.checkpoint_every=1000"]
 # The toy student solves the chains it was trained on (1-4 steps) nearly always: groups there may never mix. On
-# 6-step chains it errs in most samples and gets some right, on any bootstrap (48 new tokens fit them).
-HARD = ["data.train_tiers=[6]", "rollout.max_new_tokens=48"]
+# 6-step chains it errs in most samples and gets some right, on any bootstrap (48 new tokens fit them). It writes at
+# most 4 steps (27 tokens), so 3-step chains beside them (21 tokens) give rows of different lengths: an aggregation
+# (token-mean, seq-mean, ...) is told apart.
+HARD = ["data.train_tiers=[3,6]", "rollout.max_new_tokens=48"]
 # specs with their own tiers (InT: its stages need targets and a GRPO stage that moves the weights; 8 prompts a
 # step over its 3 short steps give its stage 1 about 20 failed attempts, and 48 tokens fit its 6-step chains;
 # SRPO: its distillation term trains failed rows with a successful sibling, and its EMA teacher must be seen after
 # it moved: 8 prompts a step give such rows at more than the first step)
 HOT: dict[str, list[str]] = {"int": ["train.prompts_per_step=8", "rollout.max_new_tokens=48"],
                              "srpo": [*HARD, "train.prompts_per_step=8"],
+                             # POPE after SFT guides the prompts its rollouts fail: 6-step chains only
+                             "pope-sft": ["data.train_tiers=[6]", "rollout.max_new_tokens=48"],
+                             # HPT: SFT on the prompts no rollout solves (5- and 6-step references: two lengths),
+                             # GRPO on the others (2-step chains, and 5-6 with a success), its clip reached at 3e-4
+                             "hpt": ["data.train_tiers=[2,5,6]", "rollout.max_new_tokens=48",
+                                     "train.prompts_per_step=8", "train.lr=3e-4"],
                              # VAPO: its NLL term trains only correct rollouts: 4-step chains beside the 6-step ones
                              "vapo": ["data.train_tiers=[4,6]", "rollout.max_new_tokens=48", "train.prompts_per_step=8"]}
 GUIDE_ORIGINS = ("guide_prefix", "guide_intervention", "demonstration")  # tokens a guide wrote (the traces guide:
@@ -63,17 +71,22 @@ def short(path: Path, extra=()) -> list[str]:
         for o in dict.fromkeys(o for s in v.segments for src in s.spec.sources.values()
                                for o in src.short_run_overrides()):  # what a part needs to act in a short run
             out += [o]
-    if not data.get("stages") and not data.get("phases"):  # a part that acts only with more updates per step
-        from composer.checks.terms import terms
+    # a part that acts only with more updates per step (a stage's or a phase's too, through the base train section)
+    from composer.checks.terms import terms
 
-        more = list(dict.fromkeys(o for s in v.segments for _n, _s, obj, _w in terms(s.spec) if obj is not None
-                                  for o in obj.short_run_overrides(s.spec)))
-        if more:  # only where the spec takes them (a term without a ratio refuses a second pass: said "not exercised")
-            from composer.errors import SpecError
+    staged = bool(data.get("stages")) and len(v.segments) == len(data["stages"])
+    more = list(dict.fromkeys((i, tuple(obj.short_run_overrides(s.spec))) for i, s in enumerate(v.segments)
+                              for _n, _s, obj, _w in terms(s.spec) if obj is not None))
+    from composer.errors import SpecError
 
+    for i, group in more:  # a part's overrides together, where the spec takes them: the stage's own section, else
+        if not group:      # the run's (train.epochs is the whole run's); a term without a ratio refuses a second
+            continue       # pass, and a bound of a term beside it then "cannot act in this run" (the coverage)
+        for form in ([[f"stages.{i}.{o}" for o in group]] if staged else []) + [list(group)]:
             try:
-                validate_file(path, out + more + list(extra))
-                out += more
+                validate_file(path, out + form + list(extra))
+                out += form
+                break
             except SpecError:
                 pass
     if any(s.spec.sync.every > 2 for s in v.segments) and not data.get("stages"):
