@@ -141,7 +141,7 @@ print("RESULT " + json.dumps({
     "env_grads": [grad[s - 1 + i] for s, e, o in meta["spans"] if o == "environment" for i in range(e - s)],
     "policy_grads": [grad[s - 1 + i] for s, e, o in meta["spans"] if o == "policy" for i in range(e - s)],
     "env_mask": [act[s - 1 + i] for s, e, o in meta["spans"] if o == "environment" for i in range(e - s)],
-    "info_reward": float(exp.info["reward"][0]), "requests": requests, "answer": ex.answer,
+    "info_reward": float(exp.info["reward"][0]), "score": float(exp.scores[0]), "requests": requests, "answer": ex.answer,
     "solution": ex.solution}))
 '''
 
@@ -196,7 +196,7 @@ def test_agent_runs_a_plugin_environment_with_turn_rewards(tmp_path):
     """The plugin environment `retry` (examples/custom_component, shipped in the bundle): a wrong '#3' is answered
     'F:line 2 is wrong, try again\\nA:' (environment tokens: action_mask 0, no gradient), the second attempt is right;
     the reward is the verifier's 1 on the final answer plus turn_reward_weight 1 x the turn's -0.1 = 0.9, as
-    Lightning's RewardSignal sums them."""
+    Lightning's RewardSignal sums them; the score OpenRLHF filters groups by is the verifier's 1."""
     spec = "examples/custom_component/retry-env.yaml"
     bundle = compile_spec(spec, ["rollout.max_new_tokens=64"], tmp_path / "retry", plugins=True)
     assert (bundle / "length_penalty" / "retry_env.py").exists()
@@ -209,6 +209,9 @@ def test_agent_runs_a_plugin_environment_with_turn_rewards(tmp_path):
     assert out["context"] == "\nF:line 2 is wrong, try again\nA:", out["context"]
     assert set(out["env_mask"]) == {0} and set(out["env_grads"]) == {0.0} and 0.0 not in out["policy_grads"]
     assert out["reward"] == pytest.approx(1.0 - 0.1) and out["info_reward"] == pytest.approx(0.9)
+    # Experience.scores (what OpenRLHF's dynamic filtering reads) is the verifier's alone, as Lightning's filter reads
+    # the source's rewards without the turn rewards
+    assert out["score"] == 1.0
     assert out["logs"]["env/turn_reward"] == pytest.approx(-0.1) and out["logs"]["env/env_turns"] == 1
 
 

@@ -165,11 +165,12 @@ class ComposerAgent:
                 await self._prepare(ctx, spec.rollout.guide, example, serve, engines, initial_ok)
             trace, weight = await run_async(the_step.row_program(ctx, at, example, idx, plain=bool(meta.get("eval"))),
                                             serve)
-        reward = self._reward(ctx, example, hf_tokenizer.decode(final_answer(trace), skip_special_tokens=True))
-        env = spec.rollout.environment
+        score = self._reward(ctx, example, hf_tokenizer.decode(final_answer(trace), skip_special_tokens=True))
+        reward, env = score, spec.rollout.environment
         if env.active and env.turn_reward_weight and not meta.get("eval"):  # the per-turn rewards (Lightning's
             reward += env.turn_reward_weight * sum(trace.notes.get("env", {}).get("rewards", []))  # RewardSignal)
-        return self._result(ctx, prompt, meta, trace, weight, reward)
+        # `scores` stays the verifier's: OpenRLHF's dynamic filtering reads it, as Lightning's filter reads the source
+        return self._result(ctx, prompt, meta, trace, weight, reward, score)
 
     def _serve_for(self, ctx, example, engines, initial_ok: bool, seeds=None):
         """`serve` for a rollout of `example` (its own prompt length and response room); `seeds` (default: the
@@ -289,7 +290,7 @@ class ComposerAgent:
         verifier = self.run["plugin"].get("verifier", "none")
         return 0.0 if verifier == "none" else float(ctx.verifier(verifier)(text, example).reward)
 
-    def _result(self, ctx, prompt, meta, trace: Trace, weight, reward) -> dict:
+    def _result(self, ctx, prompt, meta, trace: Trace, weight, reward, score=None) -> dict:
         spans = trace.spans()
         lps = [0.0] * len(trace.prompt) + [x for p in trace.pieces
                                            for x in (p.logprobs if p.logprobs is not None else [0.0] * len(p.tokens))]
@@ -305,7 +306,7 @@ class ComposerAgent:
             meta["weight"] = weight
         return {
             "prompt": prompt, "label": encode_label(meta), "observation_tokens": trace.tokens,
-            "action_ranges": ranges, "rollout_log_probs": lps, "reward": reward, "scores": reward,
+            "action_ranges": ranges, "rollout_log_probs": lps, "reward": reward, "scores": reward if score is None else score,
             "truncated": not (trace.response and trace.response[-1] in ctx.stop_ids),
             "extra_logs": {"composer_guided": float(trace.guided), "composer_control": float(trace.control),
                            "composer_offpolicy_frac": off / max(len(trace.response), 1),
