@@ -322,3 +322,16 @@ def test_agent_stops_with_the_reason_where_the_sandbox_is_missing(monkeypatch):
                 agent.context(spec, char_tokenizer())
         else:
             agent.context(spec, char_tokenizer())
+
+
+def test_gate_with_turn_rewards_is_refused(tmp_path):
+    """A term gate (KDRL's distillation on failed rollouts) over episodes with per-turn rewards: OpenRLHF's advantage
+    step reads success from the sample's reward, which then holds the turn rewards too; refused naming the gate. With
+    turn_reward_weight 0 the spec compiles."""
+    from composer.backends.openrlhf.flags import Unsupported
+
+    env = "rollout.environment={kind: tools, tools: [calculator], turn_reward_weight: 1.0}"
+    with pytest.raises(Unsupported) as e:
+        compile_spec("specs/methods/kdrl-mask.yaml", [env], tmp_path / "a")
+    assert e.value.path[-3:] == ("terms", 1, "gate") and "per-turn rewards" in e.value.reason, e.value.path
+    compile_spec("specs/methods/kdrl-mask.yaml", [env.replace("1.0", "0.0")], tmp_path / "b")

@@ -728,6 +728,11 @@ def _ppo_flags(a: _Args, run: Run, spec, specs, where, layout: Layout, inputs: I
         if p["verifier"] == "auto":
             p["verifier"] = "toy" if inputs.toy else "math"
     for i, g in enumerate(gates(spec)):  # the advantage step reads success from the one reward each sample carries
+        if g is not None and spec.rollout.environment.active and spec.rollout.environment.turn_reward_weight:
+            raise Unsupported(where + ("terms", i, "gate"), "term gate: OpenRLHF reads success from the sample's "
+                              "reward, which also holds the environment's per-turn rewards (turn_reward_weight "
+                              f"{spec.rollout.environment.turn_reward_weight:g}); the gate reads its source's alone",
+                              "set rollout.environment.turn_reward_weight: 0, or train it on the lightning backend")
         if g is not None and gate_source(g, spec) != p["reward_source"]:
             raise Unsupported(where + ("terms", i, "gate"), f"term gate: OpenRLHF carries one reward per sample (from "
                               f"'{p['reward_source']}'), and this gate decides success with "
