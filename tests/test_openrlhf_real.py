@@ -560,12 +560,14 @@ def test_plugin_guide_runs_in_the_rollout_workers(plugins_job):
 
 
 # episodes (issue 55, item 5): rollout.environment run by the bundle's agent.py (composer/episodes.py with the spec's
-# own environment part). tool-grpo with both tools: the agent checks the python tool's sandbox in the vLLM engine's
-# Ray worker before its first episode (the job fails with the reason where it cannot run). The plugin environment
+# own environment part). tool-grpo with both tools on the toy's tool task (toy:tools, the student taught to call the
+# calculator now and then; 4 prompts x 4 samples at temperature 1): the agent checks the python tool's sandbox in the
+# vLLM engine's Ray worker before its first episode (the job fails with the reason where it cannot run). The plugin environment
 # `retry` (examples/custom_component, shipped in the bundle): a wrong final line gets "F:line N is wrong, try
 # again" and another attempt at -0.1 (turn_reward_weight 1), so the toy student's wrong answers put environment
 # tokens into the trained batch
-TOOL_GRPO = ["train.steps=2", "rollout.environment.tools=[calculator,python]", *SMALL]
+TOOL_GRPO = ["train.steps=2", "rollout.environment.tools=[calculator,python]", *SMALL, "train.prompts_per_step=4",
+             "rollout.temperature=1.0", "policy.model=toy:tools", "data.toy_task=tools"]
 RETRY_ENV = ["train.steps=2", *SMALL]
 
 
@@ -616,18 +618,34 @@ def episode_rows(bundle: Path, out: dict, turn_reward: float) -> list[dict]:
 
 
 def test_tool_grpo_trains_through_the_agent(tool_grpo_job):
-    """tool-grpo (calculator and python) as a real job: every step's loss equals Lightning's on the same batch, every
-    rollout was an episode (env/* logged per row), no environment token and no prompt token in OpenRLHF's loss mask,
-    rewards the verifier's over the final answer. The toy student writes no tool call at temperature 1.5 (its
-    budget, 6 tokens a step line, is shorter than a call): the rows are one-turn episodes; the retry job below has
-    environment tokens."""
+    """tool-grpo (calculator and python) on toy:tools as a real job: every step's loss equals Lightning's on the same
+    batch, every rollout was an episode (env/* logged per row), no environment token and no prompt token in
+    OpenRLHF's loss mask, rewards the verifier's over the final answer; the policy called the calculator in some
+    episodes, and each answer in the trained batch is the declared tool's (the part's reference replay:
+    ToolEnvironment.reference_replies, a parser of its own, rendered as the plain prompts' answer line)."""
+    from transformers import AutoTokenizer
+
+    from components.environments.tools import ToolEnvironment
+
     bundle, out = tool_grpo_job
     print(f"tool-grpo: largest |openrlhf - lightning| = {check_losses(out, 2):.3g}")
     rows = episode_rows(bundle, out, 0.0)
-    calls = sum(r["env"].get("env/tool_calls", 0) for r in rows)
-    print(f"tool-grpo: {len(rows)} episodes, {calls:g} tool calls, "
-          f"{sum(r['env_tokens'] for r in rows)} environment tokens")
     assert all("env/tool_calls" in r["env"] and "env/tool_errors" in r["env"] for r in rows)
+    plan = json.loads((bundle / "plan.json").read_text())
+    tok = AutoTokenizer.from_pretrained(str(bundle / plan["openrlhf"]["policy_path"]))
+    env, answers = ToolEnvironment(tools=["calculator", "python"]), 0
+    for r in rows:
+        pieces = [(o, tok.decode(r["tokens"][s:e], skip_special_tokens=True)) for s, e, o in r["spans"]]
+        turns = [text for k, (o, text) in enumerate(pieces) if o == "policy" and k + 1 < len(pieces)
+                 and pieces[k + 1][0] == "environment"]
+        said = [text for o, text in pieces if o == "environment"]
+        want = [env.render_plain(a) for a, _reward, _done in env.reference_replies(None, turns)]
+        assert said == want, (said, want)
+        answers += len(said)
+    calls = sum(r["env"]["env/tool_calls"] for r in rows)
+    print(f"tool-grpo: {len(rows)} episodes, {calls:g} tool calls, {answers} tool answers in the trained batch "
+          f"({sum(r['env_tokens'] for r in rows)} environment tokens, none in the loss mask)")
+    assert calls >= 1 and answers >= 1, "no tool call in the job: the episode checks say little"
 
 
 def test_plugin_environment_tokens_never_in_the_loss(retry_env_job):
