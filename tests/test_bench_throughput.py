@@ -299,8 +299,9 @@ def test_each_side_counts_its_own_work_and_the_table_shows_it_with_the_bound(tmp
     - TRL's GRPO generation: 4 rows prefilled (14 tokens each), the LM head on each row's last position, then 3
       decode steps of 4 rows attending to 14 + t positions;
     - our generation: each of the 2 distinct prompts prefilled once, the LM head on the 4 rows, the same decode;
-    - SFT, TRL padding-free: the 2 rows flattened (N tokens), attention over all N, its fused LM head on the N - 1
-      shifted positions (two forward products, two backward); ours: the same N tokens, attention per row.
+    - SFT, TRL (auto on CPU: padded rows, its padding-free attention would span all the rows' tokens): each row's
+      tokens, attention per row, its fused LM head on each row's T - 1 shifted positions (two forward products,
+      two backward); ours: the rows' N real tokens, attention per row.
     Each side's GFLOPS is its own count over its own time; the table has the work, peak and bound columns."""
     from composer.bench import throughput as bt
     from composer.runtime.models import load_tokenizer
@@ -327,7 +328,9 @@ def test_each_side_counts_its_own_work_and_the_table_shows_it_with_the_bound(tmp
     assert grpo["trl_step_flops"] > grpo["ours_step_flops"] > ours_gen
     lens = [len(tok.encode(e.prompt + e.solution, add_special_tokens=False)) + 1 for e in examples[:2]]  # + EOS
     N = sum(lens)
-    assert sft["trl_step_flops"] == 6 * N * body + 4 * 2 * (N - 1) * head + L * 12 * H * N * N * d
+    assert lens[0] == lens[1] and sft["trl_sft_padding"] == "padded"  # (equal rows: no pad tokens to count)
+    T = lens[0]
+    assert sft["trl_step_flops"] == 6 * N * body + 4 * 2 * 2 * (T - 1) * head + L * 12 * H * 2 * T * T * d
     assert sft["ours_step_flops"] == 6 * N * (body + head) + L * 12 * H * sum(x * x for x in lens) * d
     for r in (grpo, sft):
         for side in ("ours", "trl"):
@@ -342,7 +345,7 @@ def test_each_side_counts_its_own_work_and_the_table_shows_it_with_the_bound(tmp
     text = capsys.readouterr().out
     for needle in ("ours GFLOP", "TRL GFLOP", "peak% ours/TRL", "bound ms (train + gen)", "ours/bound",
                    "TRL/bound", "grpo: the work each side does: ours:", "sft: the work each side does:",
-                   "padding_free=True", "memory-read bandwidth", "at the host's floor the step takes",
+                   "padding_free=False (--trl-sft-padding auto", "memory-read bandwidth", "at the host's floor the step takes",
                    "our sampler against our trainer (mismatch/*"):
         assert needle in text, needle
 
@@ -374,14 +377,23 @@ def test_a_setting_trl_holds_differently_is_refused(tmp_path, capsys, monkeypatc
 
 def test_bf16_mixed_trains_both_sides_in_bf16(tmp_path, tiny):
     """--precision bf16-mixed: Lightning's bf16-mixed plugin on ours, bf16=True (accelerate's autocast) on TRL's,
-    read off both live trainers and equal; the peak is the host's bfloat16 one."""
+    read off both live trainers and equal; the peak is the host's bfloat16 one. With --trl-sft-padding free,
+    TRL's SFT step against a hand count (autocast runs the same products): the 2 rows flattened into N tokens,
+    attention over all N (a block mask), its fused LM head on the N - 1 shifted positions."""
     from composer.bench import throughput as bt
+    from composer.runtime.models import load_tokenizer
 
     out = tmp_path / "tp.json"
-    assert bt.main(["--pairs", "sft", "--modes", "matched", "--precision", "bf16-mixed", *tiny,
-                    "--json", str(out)]) == 0
+    assert bt.main(["--pairs", "sft", "--modes", "matched", "--precision", "bf16-mixed", "--trl-sft-padding", "free",
+                    *tiny, "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     (r,) = data["results"]
+    tok = load_tokenizer(tiny[tiny.index("--model") + 1])
+    body, head = _tiny_macs(len(tok))
+    L, h, H = TINY_SHAPE["L"], TINY_SHAPE["h"], TINY_SHAPE["H"]
+    N = sum(len(tok.encode(e.prompt + e.solution, add_special_tokens=False)) + 1 for e in bt.toy_examples(256, 0)[:2])
+    assert r["trl_sft_padding"] == "free"
+    assert r["trl_step_flops"] == 6 * N * body + 4 * 2 * (N - 1) * head + L * 12 * H * N * N * (h // H)
     assert r["settings_ours"]["training precision"] == r["settings_trl"]["training precision"] == "bf16-mixed"
     assert r["settings_differ"] == [] and r["ours_block_s"] and r["trl_block_s"]
     assert data["host"]["matmul_peak"]["dtype"] == "bfloat16"

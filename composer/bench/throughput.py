@@ -509,8 +509,6 @@ def trl_gkd(args, spec, model_dir, teacher_dir, examples, callback, out):
                              processing_class=tok, data_collator=collate, callbacks=[callback])
     trainer.generation_config.min_new_tokens = args.length
     trainer.generation_kwargs["min_new_tokens"] = args.length
-    prompts = ds["prompt"]
-    trainer.bench_completions_per_prompt = next((i for i, p in enumerate(prompts) if p != prompts[0]), len(prompts))
     return trainer
 
 
@@ -526,11 +524,28 @@ def trl_sft(args, spec, model_dir, examples, callback, out):
         cfg = SFTConfig(**_trl_common(args, out, spec.train.prompts_per_step, spec),
                         model_init_kwargs={"dtype": "float32"})
         return SFTTrainer(model=model_dir, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[callback])
+    free = sft_padding_free(args, model_dir)
     cfg = SFTConfig(**_trl_common(args, out, spec.train.prompts_per_step, spec),
                     completion_only_loss=True, packing=False, max_length=None, dataset_num_proc=None,
-                    padding_free=True,  # the rows flattened into one sequence (block-causal mask): no padding, as ours
-                    model_init_kwargs={"dtype": "float32"})
-    return SFTTrainer(model=model_dir, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[callback])
+                    padding_free=free, model_init_kwargs={"dtype": "float32"})
+    trainer = SFTTrainer(model=model_dir, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[callback])
+    trainer.bench_sft_padding = "free" if free else "padded"
+    return trainer
+
+
+def sft_padding_free(args, model_dir: str) -> bool:
+    """TRL's padding_free for the SFT pair (--trl-sft-padding): free (the rows flattened into one sequence, as
+    ours runs the real tokens only), padded, or auto: free only where the model attends with flash-attention,
+    whose varlen kernels keep each row's attention to itself (TRL's documented requirement). Under SDPA (CPU)
+    the flattened sequence's attention spans all N tokens under a block mask (N^2 where the rows need their own
+    L^2: at the toy's 32 rows 14.9 GFLOP a step against 9.4 padded and our 6.1), more work than padding."""
+    choice = getattr(args, "trl_sft_padding", "auto")
+    if choice != "auto":
+        return choice == "free"
+    from transformers import AutoConfig
+
+    attn = getattr(AutoConfig.from_pretrained(model_dir), "_attn_implementation", None) or ""
+    return str(attn).startswith("flash")
 
 
 def _interleaver(ours, args, record, pair: str = "grpo"):
@@ -676,6 +691,7 @@ def _run_pair(pair, args, mode, res, spec_path, ovr, spec, rollouts, rows, examp
             else:
                 trainer = trl_sft(args, spec, args.model, examples, cb, out)
             cb.trainer = trainer
+            res["trl_sft_padding"] = getattr(trainer, "bench_sft_padding", None)
             _trl_generation(trainer, record, bf16=mode == "rollout-bf16")
             with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(sys.stderr if args.debug else devnull):
                 try:
@@ -1206,6 +1222,11 @@ def format_results(results: list[dict], args, host: dict | None = None) -> str:
     lines.append("")
     for pair in dict.fromkeys(r["pair"] for r in results):
         ours_work, trl_work = WORK[pair]
+        padding = {r.get("trl_sft_padding") for r in results if r["pair"] == "sft"} - {None}
+        if pair == "sft" and padding != {"free"}:
+            trl_work = (f"padding_free=False (--trl-sft-padding {getattr(args, 'trl_sft_padding', 'auto')}; SDPA "
+                        "would attend over the whole flattened sequence): every row padded to the batch's longest"
+                        + (" (padding-free in some rows of the table)" if "free" in padding else ""))
         if pair == "grpo" and getattr(args, "trl_continuous_batching", False):
             trl_work = ("generation by transformers' continuous batching (paged KV cache, shared prompt blocks), "
                         "training forwards on the padded grid")
@@ -1316,6 +1337,12 @@ def parse_args(argv):
                    help="TRL's GRPO generating with transformers' continuous batching (use_transformers_continuous_"
                         "batching: padding-free, prompt blocks shared, as our sampler); off by default: its CPU "
                         "scheduler is far slower than generate here.")
+    p.add_argument("--trl-sft-padding", choices=("auto", "free", "padded"), default="auto",
+                   help="TRL's SFT rows: free (padding_free=True, the rows flattened into one sequence; with SDPA, as "
+                        "on CPU, its attention spans the whole flattened sequence under a block mask: more work than "
+                        "padding), padded (padding_free=False), or auto: free where the model attends with "
+                        "flash-attention (per-row varlen kernels), else padded. Each side's counted FLOPs are in the "
+                        "table either way.")
     p.add_argument("--length", type=int, default=32, help="Completion length, forced on both sides (toy size).")
     p.add_argument("--sizes", default="toy,matmul",
                    help="Model sizes: toy (the toy student, --model) and/or matmul (a random-weight Qwen3 of ~26M "
