@@ -120,11 +120,11 @@ def test_demonstrations_train_the_policy_and_never_the_environment():
 def test_the_mixture_calls_the_tool_in_its_share():
     """tools_example: deterministic in its seed. Call demonstrations train the call and '#N', never the environment's
     text, and their first token (the decision to call) in a share q such that, among the tools prompt's trained
-    decisions (a call's first token or a solution's), a call is TOOLS_SFT['call']: 0.2 x 0.35 / (0.8 x 0.4) = 0.219
+    decisions (a call's first token or a solution's), a call is TOOLS_SFT['call']: 0.2 x 0.3 / (0.8 x 0.5) = 0.15
     with the shipped batch shares. Without a call, long chains get the student's own attempt, short ones the
     reference; the plain prompt never gets a call."""
     recipe = bootstrap.TOOLS_SFT
-    assert recipe["call"] == 0.2 and recipe["batches"]["call"] == 0.4 and recipe["batches"]["tools"] == 0.35
+    assert recipe["call"] == 0.2 and recipe["batches"]["call"] == 0.5 and recipe["batches"]["tools"] == 0.3
     own = {toy.random_problem(random.Random(t), t, "train"): f"attempt {t}" for t in (5, 6, 7, 8)}
 
     def draw(kind, seed, n=3000):
@@ -133,9 +133,13 @@ def test_the_mixture_calls_the_tool_in_its_share():
     calls = draw("call", 1)
     assert calls == draw("call", 1) and calls != draw("call", 2)
     decided = sum(e[1][1] for e in calls) / len(calls)
-    assert abs(decided - 0.21875) < 0.03
-    share = decided * 0.4 / (decided * 0.4 + 0.35)
+    assert abs(decided - 0.15) < 0.03
+    share = decided * 0.5 / (decided * 0.5 + 0.3)
     assert abs(share - recipe["call"]) < 0.02
+    # the decisions are spread over the tiers as the solutions are; half of the other calls copy a long chain
+    long = lambda es: sum(len(e[0][0].split("Q:")[1]) > 12 for e in es) / len(es)  # noqa: E731 (5-8 steps)
+    assert abs(long([e for e in calls if e[1][1]]) - 0.5) < 0.07
+    assert abs(long([e for e in calls if not e[1][1]]) - 0.75) < 0.04
     for e in calls:
         assert e[0][0].startswith("Tools: calculator\nQ:") and e[1][0] == "<"
         assert [trained for _, trained in e][2:] == [True, False, True] and e[3][0].startswith("\n<tool_response>")
