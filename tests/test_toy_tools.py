@@ -218,13 +218,28 @@ def test_a_cache_gains_toy_tools_when_asked(tmp_path, monkeypatch):
     assert len(built) == 1 and paths["tools"] == str(tmp_path / bootstrap.TOOLS_DIR)
 
 
-def test_a_spec_names_the_tool_task():
-    """data.toy_task: tools binds the tool task's prompts; a typo is refused; with a data file it is inert."""
+def test_a_spec_names_the_tool_task(tmp_path):
+    """data.toy_task: tools validates and binds the tool task's prompts; a typo is refused; with a data file it is
+    refused as inert (the prompts come from the file)."""
+    from composer.checks.validate import validate_file
+    from composer.errors import SpecError
     from composer.lang.spec import Data
+    from composer.runtime.binding import bind_task
 
     assert Data().toy_task == "chains" and Data(toy_task="tools").toy_task == "tools"
     with pytest.raises(Exception, match="chains|tools"):
         Data(toy_task="tool")
+    spec = tmp_path / "s.yaml"
+    spec.write_text("name: t\nsources: {verifier: {kind: outcome_reward}}\nsignal: {kind: reward, source: verifier}\n"
+                    "objective: {kind: grpo}\ntrain: {steps: 2, eval_samples: 2}\n")
+    checked = validate_file(spec, ["data.toy_task=tools", "data.train_tiers=[6,8]"])
+    task = bind_task(checked.spec)
+    assert all(x.prompt.startswith("Tools: calculator\nQ:") for x in task.train) and task.max_new_tokens > 100
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    with pytest.raises(SpecError) as e:
+        validate_file(spec, [f"data.train={rows}", "data.toy_task=tools"])
+    assert "data_settings" in {d.rule for d in e.value.diagnostics} and "toy testbed's task" in str(e.value)
 
 
 @pytest.mark.slow
