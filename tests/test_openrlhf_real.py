@@ -662,6 +662,42 @@ def test_plugin_environment_tokens_never_in_the_loss(retry_env_job):
     print(f"retry-env: {len(rows)} episodes, {len(answered)} with environment turns, "
           f"{sum(r['env_tokens'] for r in rows)} environment tokens, none in the loss mask")
 
+# SDPO over episodes with the environment's feedback as the teacher's privileged context
+# (examples/custom_component/sdpo-env-feedback.yaml: the feedback source's detail: environment, the retry
+# environment's messages); lr 0.02: the EMA teacher moves after step 1
+@pytest.fixture(scope="module")
+def sdpo_env_job(head, tmp_path_factory):
+    bundle = compile_with_plugins("examples/custom_component/sdpo-env-feedback.yaml", [PLUGIN_SRC],
+                                  ["train.steps=2", "train.lr=0.02", *SMALL], tmp_path_factory.mktemp("sdpo_env"))
+    return bundle, job(head, bundle)
+
+
+def test_teacher_sees_the_environment_feedback(sdpo_env_job):
+    """The self-teacher's prompt of every row the environment answered holds that row's environment text (the retry
+    messages, decoded from the trained batch's environment tokens) and the row has teacher weight 1; a row the
+    environment never answered has no teacher context (weight 0); environment tokens never in the loss mask; every
+    step's loss equals Lightning's."""
+    from transformers import AutoTokenizer
+
+    bundle, out = sdpo_env_job
+    print(f"sdpo-env-feedback: largest |openrlhf - lightning| = {check_losses(out, 2):.3g}")
+    rows = episode_rows(bundle, out, 0.0)
+    plan = json.loads((bundle / "plan.json").read_text())
+    tok = AutoTokenizer.from_pretrained(str(bundle / plan["openrlhf"]["policy_path"]))
+    answered = 0
+    for r in rows:
+        weight = (r["teacher_weight"] or {}).get("teacher")
+        if not r["env_tokens"]:
+            assert weight == 0.0, r
+            continue
+        answered += 1
+        said = [tok.decode(r["tokens"][s:e], skip_special_tokens=True).strip() for s, e, o in r["spans"]
+                if o == "environment"]
+        prompt = tok.decode(r["teacher"]["teacher"], skip_special_tokens=True)
+        assert weight == 1.0 and "\n".join(said) in prompt, (said, prompt)
+    assert answered, "no row the environment answered: the check says nothing"
+    print(f"sdpo-env-feedback: {answered} of {len(rows)} rows with the environment's feedback in the teacher's prompt")
+
 # InT: stage 1 (SFT on the agent's guided targets, built once by the engine's agent from the initial weights)
 # and stage 2 (GRPO) as two OpenRLHF runs chained in one job, stage 2 starting from stage 1's saved model
 # The spec's own policy (toy:instruct) and tiers (4 and 6), where its failed attempts get interventions and some

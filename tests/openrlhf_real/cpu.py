@@ -363,7 +363,7 @@ def samples(trainer) -> list[dict]:
                     "guided": bool(meta.get("guided", False)), "control": bool(meta.get("control", True)),
                     "tag": meta.get("tag", ""), "weight": meta.get("weight"), "solution": meta.get("solution"),
                     "tokens": [t for t, m in zip(seq, item.attention_mask.reshape(-1).tolist()) if m],  # sampled
-                    "teacher_weight": meta.get("teacher_weight"),
+                    "teacher_weight": meta.get("teacher_weight"), "teacher": meta.get("teacher"),  # prompt ids
                     # what the loss saw of an episode (rollout.environment): the label's origin spans, OpenRLHF's
                     # action_mask (entry j: token j + 1), the row's reward and its env/* extra_logs
                     "spans": meta.get("spans"), "action_mask": act,
