@@ -678,7 +678,9 @@ def _run_pair(pair, args, mode, res, spec_path, ovr, spec, rollouts, rows, examp
             ours.close()
         ours = None
     trl_compiled = args.trl_compile or mode in COMPILED_MODES
-    record = {"trl": [], "ours": [], "mark": 0.0, "count_trl": "trl" not in entry and not trl_compiled,
+    trl_vllm = bool(getattr(args, "trl_grpo_extra", {}).get("use_vllm"))  # its engine's products: not counted here
+    record = {"trl": [], "ours": [], "mark": 0.0,
+              "count_trl": "trl" not in entry and not trl_compiled and not trl_vllm,
               "counting": contextlib.ExitStack(), "trl_gen": {}}
     args.trl_steps = 1 + args.warmup + args.rounds * args.steps  # the first (counted) step, warm-up, timed blocks
     cb = _interleaver(ours, args, record, pair)
