@@ -141,7 +141,8 @@ print("RESULT " + json.dumps({
     "env_grads": [grad[s - 1 + i] for s, e, o in meta["spans"] if o == "environment" for i in range(e - s)],
     "policy_grads": [grad[s - 1 + i] for s, e, o in meta["spans"] if o == "policy" for i in range(e - s)],
     "env_mask": [act[s - 1 + i] for s, e, o in meta["spans"] if o == "environment" for i in range(e - s)],
-    "info_reward": float(exp.info["reward"][0]), "score": float(exp.scores[0]), "requests": requests, "answer": ex.answer,
+    "info_reward": float(exp.info["reward"][0]), "score": float(exp.scores[0]), "requests": requests,
+    "answer": ex.answer,
     "solution": ex.solution}))
 '''
 
@@ -312,7 +313,8 @@ def test_agent_stops_with_the_reason_where_the_sandbox_is_missing(monkeypatch):
 
     monkeypatch.setattr(code_verifier, "ensure_sandbox", missing)
     for tools, fails in (("[calculator,python]", True), ("[calculator]", False)):
-        plan = compile_plan(validate_file(ROOT / "specs/methods/tool-grpo.yaml", [f"rollout.environment.tools={tools}"]))
+        v = validate_file(ROOT / "specs/methods/tool-grpo.yaml", [f"rollout.environment.tools={tools}"])
+        plan = compile_plan(v)
         plan["openrlhf"] = {"toy": True, "runs": [{"name": "main", "segments": [0],
                                                    "plugin": {"agent": True, "verifier": "toy"}}]}
         agent = ComposerAgent(plan, "main")

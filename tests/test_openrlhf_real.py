@@ -562,9 +562,9 @@ def test_plugin_guide_runs_in_the_rollout_workers(plugins_job):
 # episodes (issue 55, item 5): rollout.environment run by the bundle's agent.py (composer/episodes.py with the spec's
 # own environment part). tool-grpo with both tools on the toy's tool task (toy:tools, the student taught to call the
 # calculator now and then; 4 prompts x 4 samples at temperature 1): the agent checks the python tool's sandbox in the
-# vLLM engine's Ray worker before its first episode (the job fails with the reason where it cannot run). The plugin environment
-# `retry` (examples/custom_component, shipped in the bundle): a wrong final line gets "F:line N is wrong, try
-# again" and another attempt at -0.1 (turn_reward_weight 1), so the toy student's wrong answers put environment
+# vLLM engine's Ray worker before its first episode (the job fails with the reason where it cannot run). The plugin
+# environment `retry` (examples/custom_component, shipped in the bundle): a wrong final line gets "F:line N is wrong,
+# try again" and another attempt at -0.1 (turn_reward_weight 1), so the toy student's wrong answers put environment
 # tokens into the trained batch
 TOOL_GRPO = ["train.steps=2", "rollout.environment.tools=[calculator,python]", *SMALL, "train.prompts_per_step=4",
              "rollout.temperature=1.0", "policy.model=toy:tools", "data.toy_task=tools"]

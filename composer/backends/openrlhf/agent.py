@@ -306,7 +306,8 @@ class ComposerAgent:
             meta["weight"] = weight
         return {
             "prompt": prompt, "label": encode_label(meta), "observation_tokens": trace.tokens,
-            "action_ranges": ranges, "rollout_log_probs": lps, "reward": reward, "scores": reward if score is None else score,
+            "action_ranges": ranges, "rollout_log_probs": lps, "reward": reward,
+            "scores": reward if score is None else score,
             "truncated": not (trace.response and trace.response[-1] in ctx.stop_ids),
             "extra_logs": {"composer_guided": float(trace.guided), "composer_control": float(trace.control),
                            "composer_offpolicy_frac": off / max(len(trace.response), 1),
