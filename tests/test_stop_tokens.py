@@ -391,12 +391,22 @@ def test_the_vllm_stand_ins_stop_where_vllm_does(m, tmp_path, where, monkeypatch
     assert m["turn"] not in out.token_ids[: len(m["answer"])]  # min_tokens masks every stop token, as vLLM's
 
 
+POPE = EXACT.replace("rollout: {samples_per_prompt: 2, max_new_tokens: 64}", """rollout:
+  samples_per_prompt: 2
+  max_new_tokens: 64
+  guide: {kind: prefix, reference: reference, placement: prompt, max_fraction: 0.25, search: minimal, guided_fraction: 0.5}""").replace(
+    "sources: {verifier: {kind: outcome_reward, verifier: exact}}",
+    "sources: {verifier: {kind: outcome_reward, verifier: exact}, reference: {kind: reference_solution}}")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("openrlhf") is None, reason="needs openrlhf (make setup)")
-def test_openrlhf_native_rollouts_and_evaluation_stop_at_the_end_of_turn(m, tmp_path):
-    """A GRPO bundle on OpenRLHF's own route (reward.py, no agent: OpenRLHF's SingleTurnAgentExecutor samples) with a
-    model whose generation_config lists only the tokenizer's eos: OpenRLHF's fit loop (tests/openrlhf_fit/driver.py,
-    vLLM's stand-in stopping where vLLM does) samples every training and evaluation rollout up to <|im_end|>, since
-    the hooks ask vLLM for every stop token; the evaluation reads the turn's \\boxed{19} (reward 1)."""
+@pytest.mark.parametrize("route", ["native", "agent"])
+def test_openrlhf_rollouts_and_evaluation_stop_at_the_end_of_turn(m, tmp_path, route):
+    """A GRPO bundle with a model whose generation_config lists only the tokenizer's eos, through OpenRLHF's fit loop
+    (tests/openrlhf_fit/driver.py, vLLM's stand-in stopping where vLLM does), on both routes: OpenRLHF's own
+    (reward.py: its SingleTurnAgentExecutor samples, the hooks ask vLLM for every stop token) and the composer's
+    agent (agent.py, a POPE guide). Every training and evaluation rollout ends with <|im_end|>; the evaluation reads
+    the turn's \\boxed{19} (reward 1)."""
     from test_openrlhf_fit import drive
 
     from composer.backends.openrlhf.bundle import compile_bundle
@@ -405,12 +415,12 @@ def test_openrlhf_native_rollouts_and_evaluation_stop_at_the_end_of_turn(m, tmp_
     from composer.lang.loader import load_text
 
     model = no_turn_in_generation_config(m, tmp_path)
-    text = spec_text({**m, "model": model}, EXACT.replace("eval_every: 0", "eval_every: 1"))
-    v = validate_loaded(load_text(text.replace("steps: 1,", "steps: 2,")))
+    body = (EXACT if route == "native" else POPE).replace("eval_every: 0", "eval_every: 1")
+    v = validate_loaded(load_text(spec_text({**m, "model": model}, body).replace("steps: 1,", "steps: 2,")))
     assert v.spec.signal.kind == "reward"
     bundle = tmp_path / "bundle"
     compile_bundle(v, bundle, Layout(nodes=1, gpus_per_node=1, cluster_dir=str(tmp_path / "cluster")))
-    assert not (bundle / "agent.py").exists()  # OpenRLHF's own executor samples
+    assert (bundle / "agent.py").exists() == (route == "agent")  # else OpenRLHF's own executor samples
     out = drive(bundle, tmp_path)
     train = [s for r in out["rollouts"] if not r["eval"] for s in r["samples"]]
     evals = [s for r in out["rollouts"] if r["eval"] for s in r["samples"]]
