@@ -330,6 +330,10 @@ class Environment(Component):
         s.reset(example)
         return [s.step(t) for t in turns]
 
+    def short_run_overrides(self) -> list[str]:
+        """Overrides the referee's short run on the toy testbed needs for this environment to act (none by default)."""
+        return []
+
     def facts(self, session) -> dict[str, float]:
         """Counts of one finished episode for the step's metrics (env/<name>, averaged per row): the tools
         environment's tool_calls and tool_errors. None by default."""

@@ -68,7 +68,7 @@ HOT = {n: ["data.train_tiers=[6]", "rollout.max_new_tokens=48"] for n in ("cispo
                                               "sapo.yaml", "nsr.yaml", "psr.yaml", "w-reinforce.yaml", "grpo-dpo.yaml")}
 
 HOT["vapo.yaml"] = ["data.train_tiers=[4,6]", "rollout.max_new_tokens=48"]  # successes for its NLL term
-HOT["tool-grpo.yaml"] = HOT["kl-cov.yaml"]  # episodes on 6-step chains: mixed groups whether or not it calls the tool
+HOT["tool-grpo.yaml"] = ["data.train_tiers=[6]", "rollout.max_new_tokens=128"]  # 6-step chains: mixed groups; room for a call
 HOT["archer.yaml"] = HOT["kl-cov.yaml"]  # Archer's classes act only where the groups are mixed (A != 0)
 
 

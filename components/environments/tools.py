@@ -76,6 +76,10 @@ class ToolEnvironment(EpisodeEnvironment):
                 f"and reads the answer as environment tokens ({how}), up to {self.max_turns} turns and "
                 f"{self.max_env_tokens} environment tokens per episode")
 
+    def short_run_overrides(self) -> list[str]:
+        """The referee's short run caps responses at 48 tokens on the toy; a call is about 100 characters."""
+        return ["rollout.max_new_tokens=128"]
+
     def stop_strings(self) -> tuple[str, ...]:
         return (CLOSE,)
 

@@ -71,6 +71,8 @@ def short(path: Path, extra=()) -> list[str]:
         for o in dict.fromkeys(o for s in v.segments for src in s.spec.sources.values()
                                for o in src.short_run_overrides()):  # what a part needs to act in a short run
             out += [o]
+        for o in dict.fromkeys(o for s in v.segments for o in s.spec.rollout.environment.short_run_overrides()):
+            out += [o]  # an environment's (room for a tool call in the short run's responses)
     # a part that acts only with more updates per step (a stage's or a phase's too, through the base train section)
     from composer.checks.terms import terms
 
