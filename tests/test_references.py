@@ -348,12 +348,15 @@ def test_outcome_reward_reference_verdicts_by_hand():
 
 def test_a_verdict_scored_against_another_row_fails_re_verification(tmp_path):
     """The referee decodes each scored row again and runs the declared verifier on it: a scorer that pairs each
-    response with the next row's example (tests/mutations.py verdict_shifted) fails `verdicts re-verified`, a check
-    no other one makes (the rewards, gates and advantages all read the verdicts as the run returned them)."""
+    response with the next row's example (tests/mutations.py verdict_shifted) fails `verdicts re-verified`, the one
+    check that reads the responses' text (the rewards, gates and advantages read the verdicts as the run returned
+    them; `rewards recomputed` may fail beside it only where two rows hold the same tokens and got different
+    verdicts)."""
     import mutations
     from composer.referee import referee
 
     with mutations.mutated("verdict_shifted"):
         rep = referee(ROOT / "specs" / "grpo.yaml", tmp_path)
     failed = [f.partition(":")[0] for f in rep.failures()]
-    assert failed == ["verdicts re-verified"], rep.table()
+    assert "verdicts re-verified" in failed and set(failed) <= {"verdicts re-verified", "rewards recomputed"}, \
+        rep.table()
