@@ -253,3 +253,13 @@ def test_a_non_default_ppo_field_changes_the_launch_or_is_refused(field):
 def test_vapos_lambdas_are_refused_with_the_reason(field, words):
     route, why = _ppo_route([f"objective.{field}={PPO_NON_DEFAULT['objective.' + field]}"])
     assert route == "refused" and f"objective.{field}" in why and words in why, why
+
+
+def test_the_native_route_says_group_norms_epsilon():
+    """OpenRLHF's group_norm divides by std + 1e-9, the composer's grpo by std + std_eps (1e-6): at the default the
+    term stays native (the two differ by at most 1e-6 / std per advantage, below the parity test's 1e-4 for the toy's
+    0/1 rewards) and the bundle's notes say it; any other std_eps takes the composer's loss (NON_DEFAULT above)."""
+    v = validate_file(BASE)
+    run, = build_runs(v, Layout(), _inputs())
+    assert not run.plugin["loss"]
+    assert any("std + 1e-9" in n and "std + 1e-06" in n for n in run.notes), run.notes
