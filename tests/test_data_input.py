@@ -335,6 +335,28 @@ def test_validate_counts_prompt_and_max_new_tokens_exactly_against_the_context(r
     assert r.returncode == 2 and "row 4: its prompt is " in r.stderr, r.stderr  # counted without torch
 
 
+
+def test_an_environment_counts_its_tokens_in_the_response_budget(real, tmp_path):
+    """An episode's response holds the policy's rollout.max_new_tokens and the environment's answers (at most its
+    max_env_tokens): validation counts both after the longest prompt, and its hint leaves room for the answers."""
+    rows = [dict(ROW, problem="apples and pears " * k) for k in (3, 40, 7)]
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    data = {"train": str(train), "prompt_field": "problem", "prompt_format": "plain"}
+    env = "  environment: {kind: tools, tools: [calculator], max_env_tokens: 100}\n"
+    spec = spec_file(tmp_path, data, {"model": real["model"]})
+    spec.write_text(spec.read_text().replace("rollout: {samples_per_prompt: 2, max_new_tokens: 24}",
+                                             "rollout:\n  samples_per_prompt: 2\n  max_new_tokens: 24\n" + env))
+    n, context = max(run_prompt_tokens(spec)), 1024
+    for budget, warned in ((context - n - 100, False), (context - n - 99, True)):
+        spec.write_text(spec.read_text().replace("max_new_tokens: 24", f"max_new_tokens: {budget}"))
+        r = cli("validate", spec)
+        assert r.exit_code == 0, r.output
+        assert ("cannot fit the policy's context" in r.output) == warned, (budget, r.output)
+        if warned:
+            assert "the environment's max_env_tokens 100" in r.output, r.output
+            assert f"lower rollout.max_new_tokens to {context - n - 100} or less" in r.output, r.output
+        spec.write_text(spec.read_text().replace(f"max_new_tokens: {budget}", "max_new_tokens: 24"))
+
 def test_validate_never_imports_torch(tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", [{"question": "1+1?", "answer": "2"}])
     spec = spec_file(tmp_path, {"train": str(train)}, {"model": str(fake_model(tmp_path, 128))})

@@ -293,10 +293,11 @@ def _conversation_problem(ex, src, conv, context, where, pattern, tokenizer_name
     return None
 
 
-def generation_room(task, tokenizer, context: int | None, max_new_tokens: int) -> str | None:
+def generation_room(task, tokenizer, context: int | None, max_new_tokens: int, extra: int = 0) -> str | None:
     """A run's check of its bound prompts (train and eval, as rendered) against the policy's context with the
     response budget after them: the warning to log when the longest prompt plus rollout.max_new_tokens exceeds the
-    context (validation sees the first rows only), else None. Prompts longer than the context alone were refused or
+    context (validation sees the first rows only), else None. `extra`: the tokens an environment may add to an
+    episode (its max_env_tokens), counted after max_new_tokens. Prompts longer than the context alone were refused or
     skipped before (runtime/binding.py `check_task_lengths`)."""
     from composer.runtime.binding import _encode_all
 
@@ -304,14 +305,15 @@ def generation_room(task, tokenizer, context: int | None, max_new_tokens: int) -
         return None
     prompts = [ex.prompt for ex in task.train] + [ex.prompt for v in task.eval.values() for ex in v]
     counts = _encode_all(tokenizer, prompts) if prompts else []
-    over = [n for n in counts if n + max_new_tokens > context]
+    over = [n for n in counts if n + max_new_tokens + extra > context]
     if not over:
         return None
     longest = max(over)
+    env = f" + the environment's max_env_tokens ({extra})" if extra else ""
     return (f"WARNING: {len(over)} of {len(counts)} prompts leave fewer than rollout.max_new_tokens "
-            f"({max_new_tokens}) positions in the policy's context ({context} tokens; the longest prompt is {longest} "
+            f"({max_new_tokens}){env} positions in the policy's context ({context} tokens; the longest prompt is {longest} "
             "tokens): a response that runs long goes past the positions the model was trained on\n"
-            f"    hint: set rollout.max_new_tokens to {max(context - longest, 1)} or less to keep every response "
+            f"    hint: set rollout.max_new_tokens to {max(context - longest - extra, 1)} or less to keep every response "
             "inside the context")
 
 
@@ -345,15 +347,30 @@ def _diag(loaded, message: str, path: tuple, hint: str, severity: str = "error",
     return Diagnostic("semantics", message, path, _at(loaded, *(at or (path,))), hint, severity, rule="data_input")
 
 
+def response_budget(spec) -> int:
+    """The most tokens a response may hold: rollout.max_new_tokens, plus what an active environment may write
+    into an episode (its max_env_tokens, `Environment.extra_tokens`)."""
+    env = getattr(spec.rollout, "environment", None)
+    return spec.rollout.max_new_tokens + (env.extra_tokens() if env is not None else 0)
+
+
+def _env_words(spec) -> str:
+    """' (with the environment's N)' when an environment adds to the response budget, for messages."""
+    env = getattr(spec.rollout, "environment", None)
+    extra = env.extra_tokens() if env is not None else 0
+    return f" (rollout.max_new_tokens {spec.rollout.max_new_tokens} + the environment's max_env_tokens {extra})" \
+        if extra else ""
+
+
 def _max_new_tokens(loaded, spec, context, where) -> list[Diagnostic]:
     """A response budget that leaves no room for a prompt in the declared context (a warning: the run does
     not stop on it, but every response can run past the positions the model was trained on)."""
-    n = spec.rollout.max_new_tokens
+    n = response_budget(spec)
     if context is None or n < context:
         return []
     path = ("rollout", "max_new_tokens")
-    return [_diag(loaded, f"{n} new tokens leave no room for a prompt in the policy's context ({context} tokens, "
-                  f"{where}): every response can run past it", path, "set rollout.max_new_tokens below the "
+    return [_diag(loaded, f"{n} new tokens{_env_words(spec)} leave no room for a prompt in the policy's context "
+                  f"({context} tokens, {where}): every response can run past it", path, "set rollout.max_new_tokens below the "
                   "context, less the longest prompt", "warning", at=(path, ("policy", "model")))]
 
 
@@ -498,7 +515,7 @@ def _row_sizes(loaded, spec, key: str, name: str, rows: list[tuple[int, dict]], 
     on_bad_row skip), or cannot fit it with max_new_tokens after it (a warning: the run starts, and every response
     of such a prompt that runs long goes past the positions the model was trained on). Counted exactly with the
     declared tokenizer (`declared_tokenizer`), else bounded below by characters."""
-    d, budget, policy = spec.data, spec.rollout.max_new_tokens, spec.policy
+    d, budget, policy = spec.data, response_budget(spec), spec.policy
     tok = declared_tokenizer(policy.tokenizer or policy.model)
     skip = "or set data.on_bad_row: skip (the row is then skipped and counted)"
     out, fits_alone, too_long = [], [], []
@@ -532,10 +549,12 @@ def _row_sizes(loaded, spec, key: str, name: str, rows: list[tuple[int, dict]], 
         many = f"{len(too_long)} of the first {len(rows)} rows; the longest, row {row}," if len(too_long) > 1 else \
             f"row {row}:"
         size = f"{n} tokens ({_counted(tok, d)})" if tok is not None else f"at least {n} tokens"
-        out.append(_diag(loaded, f"{name}: {many} its prompt is {size}; with rollout.max_new_tokens {budget} it "
+        out.append(_diag(loaded, f"{name}: {many} its prompt is {size}; with a response budget of {budget}"
+                         f"{_env_words(spec)} it "
                          f"cannot fit the policy's context ({context} tokens, {where}): a response that runs long "
                          "goes past the positions the model was trained on", ("data", key),
-                         f"lower rollout.max_new_tokens to {max(context - n, 1)} or less, or shorten the rows",
+                         f"lower rollout.max_new_tokens to {max(context - n - (budget - spec.rollout.max_new_tokens), 1)}"
+                         " or less, or shorten the rows",
                          "warning", at=(("data", key), ("rollout", "max_new_tokens"))))
     return out
 

@@ -464,7 +464,8 @@ def _train(validated, out: Path, resume: bool, progress: bool, final_eval, stop:
     policy = prepare_policy(load_model(policy_name, spec.policy.dtype, trust_remote_code=trust), spec.policy)
     check_task_lengths(task, tokenizer, context_length(policy), spec.data.on_bad_row, spec.data.prompt_field)
     budget = min(spec.rollout.max_new_tokens, task.max_new_tokens or spec.rollout.max_new_tokens)  # the toy's cap
-    room = generation_room(task, tokenizer, context_length(policy), budget)  # said below
+    env = spec.rollout.environment  # an episode's response also holds the environment's answers
+    room = generation_room(task, tokenizer, context_length(policy), budget, env.extra_tokens() if env else 0)
     from composer.registry import VERIFIERS
 
     for name in sorted({getattr(s, "verifier", "") for seg in validated.segments for s in seg.spec.sources.values()}):
