@@ -119,7 +119,9 @@ def test_entry_point_plugin_ships_and_the_plan_names_it(tmp_path):
 def test_a_plugin_that_is_no_source_file_is_refused(tmp_path):
     archive = tmp_path / "plugins.zip"
     with zipfile.ZipFile(archive, "w") as z:  # importable (zipimport), but no file the bundle could copy
-        z.writestr("zipped_lp.py", (SRC / "length_penalty" / "__init__.py").read_text())
+        source = (SRC / "length_penalty" / "__init__.py").read_text()  # the kind alone, without the package's
+        source = "\n".join(ln for ln in source.splitlines() if not ln.startswith("from length_penalty import"))
+        z.writestr("zipped_lp.py", source)  # other modules (its example environment)
     spec = tmp_path / "spec.yaml"
     spec.write_text((EXAMPLE / "spec.yaml").read_text().replace("plugins: [length_penalty]", "plugins: [zipped_lp]"))
     r = compile_cli(spec, tmp_path / "b", "--allow-plugins", path=[archive])
