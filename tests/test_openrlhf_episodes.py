@@ -271,7 +271,9 @@ def test_agent_renders_the_tool_message_with_the_chat_template(tmp_path):
     tok.save_pretrained(model)
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}+{3 - a}", "answer": "3"}) + "\n" for a in range(4)))
-    bundle = compile_spec("specs/methods/tool-grpo.yaml", [f"policy.model={model}", f"data.train={data}",
+    spec = tmp_path / "tool-grpo-on-a-file.yaml"  # the shipped spec without its toy task (a data file instead)
+    spec.write_text((ROOT / "specs/methods/tool-grpo.yaml").read_text().replace("data: {toy_task: tools}\n", ""))
+    bundle = compile_spec(str(spec), [f"policy.model={model}", f"data.train={data}",
                                                            "rollout.max_new_tokens=128",
                                                            "rollout.environment.max_env_tokens=256"], tmp_path / "b")
     first = json.loads((bundle / "data" / "train.jsonl").read_text().splitlines()[0])

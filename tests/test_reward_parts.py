@@ -46,6 +46,8 @@ def test_reward_signal_adds_weighted_parts_and_logs_each():
     logged = {}
 
     class Ctx:
+        spec = None  # no run spec: no environment's turn rewards
+
         def source(self, name):
             return {"verifier": Src([1.0, 0.0]), "fmt": Src([0.5, 0.5]), "len": LengthPenalty(coef=0.1)}[name]
 
