@@ -339,6 +339,12 @@ class Environment(Component):
         environment's tool_calls and tool_errors. None by default."""
         return {}
 
+    @property
+    def runs_code(self) -> bool:
+        """Runs the policy's programs in the code sandbox (validation warns where it is missing; a bundle says so);
+        False by default."""
+        return False
+
     def preflight(self, ctx) -> None:
         """Checks that must fail before any training (a tool's sandbox); nothing by default."""
 

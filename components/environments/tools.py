@@ -92,8 +92,12 @@ class ToolEnvironment(EpisodeEnvironment):
     def facts(self, session) -> dict[str, float]:
         return {"tool_calls": session.calls, "tool_errors": session.errors}
 
+    @property
+    def runs_code(self) -> bool:
+        return "python" in self.tools
+
     def preflight(self, ctx) -> None:
-        if "python" in self.tools:
+        if self.runs_code:
             from components.tasks.code_verifier import ensure_sandbox
 
             ensure_sandbox()  # raises SandboxUnavailable with the reason: code never runs without it

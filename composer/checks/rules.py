@@ -685,7 +685,7 @@ def environment_fits_rollout(spec, segment):
                       f"{spec.rollout.guide.kind_name()}: the guide writes each rollout's program itself, and an "
                       "episode is a program of its own (policy and environment turns); the two do not compose",
                       where + ("kind",), "use guide: {kind: none} with an environment, or drop the environment"))
-    if "python" in (getattr(env, "tools", None) or []):
+    if env.runs_code:
         import shutil
         import sys
 

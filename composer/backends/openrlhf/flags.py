@@ -834,7 +834,7 @@ def _environment_notes(run: Run, specs, envs) -> None:
         + "; env/turns, env/tool_calls, env/tool_errors, env/env_tokens and why episodes ended are logged per step")
     run.notes.append(f"data.max_len counts prompt + rollout.max_new_tokens + the environment's max_env_tokens "
                      f"({max(e.extra_tokens() for e in envs)}): OpenRLHF cuts every sequence at data.max_len")
-    if any("python" in getattr(e, "tools", ()) for e in envs):
+    if any(e.runs_code for e in envs):
         run.notes.append("the python tool runs programs in the code sandbox (Linux namespaces, rlimits, seccomp) "
                          "inside the vLLM engine's Ray worker: the agent checks the sandbox when it starts and stops "
                          "the job with the reason where a node lacks it (never runs code without it)")
