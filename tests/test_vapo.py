@@ -23,6 +23,7 @@ from _helpers import openrlhf_code, openrlhf_env as _openrlhf_env
 from components.objectives.ppo import Ppo, adaptive_lambda, gae
 from composer.batch import TrajectoryBatch
 from composer.origins import CODE
+from test_ppo import _batch as ppo_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 VAPO = ROOT / "specs" / "methods" / "vapo.yaml"
@@ -89,17 +90,8 @@ def test_decoupled_and_adaptive_gae_by_hand():
 
 
 def _batch(B=5, P=2, T=12, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(2, T - P + 1, (B,), generator=g)
-    origin = torch.zeros((B, T), dtype=torch.uint8)
-    for i in range(B):
-        origin[i, :P] = CODE["prompt"]
-        origin[i, P: P + int(lens[i])] = CODE["policy"]
-    return TrajectoryBatch(tokens=torch.randint(0, 20, (B, T), generator=g), origin=origin,
-                           behavior_logprobs=-torch.rand((B, T), generator=g) * 2, group=torch.arange(B),
-                           control=torch.ones(B, dtype=torch.bool), rewards=torch.randn(B, generator=g),
-                           initial_logprobs=-torch.rand((B, T), generator=g) * 2,
-                           values=torch.randn((B, T), generator=g))
+    """test_ppo's random rows (P prompt tokens, responses of varying length), larger by default."""
+    return ppo_batch(B, P, T, seed)
 
 
 def test_validation_of_the_new_fields():
