@@ -100,14 +100,14 @@ TUNING = ["train.lr=0.02", "train.entropy_coef=0.01"]
 ARGV = ["--vllm.enforce_eager", "--algo.advantage.is_correction_level", "token"]
 
 
-@pytest.fixture(scope="module")
-def grpo_job(tmp_path_factory):
+def job_on_vllm(compile_bundle):
+    """A bundle compiled by `compile_bundle()` on a local Ray head with the real engine, ARGV added to every run:
+    yields (bundle, the job's record)."""
     import json
 
     head = RealVllmHead(gpus=1)
     try:
-        bundle = compile_for_cpu("specs/grpo.yaml", [f"train.steps={STEPS}", *SMALL, *TUNING],
-                                 tmp_path_factory.mktemp("grpo_vllm"))
+        bundle = compile_bundle()
         plan = json.loads((bundle / "plan.json").read_text())
         for run in plan["openrlhf"]["runs"]:
             run["argv"] += ARGV
@@ -115,6 +115,12 @@ def grpo_job(tmp_path_factory):
         yield bundle, job(head, bundle)
     finally:
         head.stop()
+
+
+@pytest.fixture(scope="module")
+def grpo_job(tmp_path_factory):
+    yield from job_on_vllm(lambda: compile_for_cpu("specs/grpo.yaml", [f"train.steps={STEPS}", *SMALL, *TUNING],
+                                                   tmp_path_factory.mktemp("grpo_vllm")))
 
 
 def test_openrlhf_job_on_the_real_vllm_engine_trains(grpo_job):
@@ -173,21 +179,11 @@ def test_behaviour_logprobs_are_the_engines_and_match_a_fresh_forward(grpo_job):
 # AsyncLLMEngine (the sequence so far, the environment's answer spliced in between)
 @pytest.fixture(scope="module")
 def retry_job(tmp_path_factory):
-    import json
-
     from test_openrlhf_real import PLUGIN_SRC, compile_with_plugins
 
-    head = RealVllmHead(gpus=1)
-    try:
-        bundle = compile_with_plugins("examples/custom_component/retry-env.yaml", [PLUGIN_SRC],
-                                      [f"train.steps={STEPS}", *SMALL, *TUNING], tmp_path_factory.mktemp("retry_vllm"))
-        plan = json.loads((bundle / "plan.json").read_text())
-        for run in plan["openrlhf"]["runs"]:
-            run["argv"] += ARGV
-        (bundle / "plan.json").write_text(json.dumps(plan, indent=1))
-        yield bundle, job(head, bundle)
-    finally:
-        head.stop()
+    yield from job_on_vllm(lambda: compile_with_plugins(
+        "examples/custom_component/retry-env.yaml", [PLUGIN_SRC], [f"train.steps={STEPS}", *SMALL, *TUNING],
+        tmp_path_factory.mktemp("retry_vllm")))
 
 
 def test_episodes_on_the_real_vllm_engine(retry_job):
