@@ -515,3 +515,15 @@ def test_stretch_makes_sft_rows_as_long_as_asked():
     long = stretch(ex, 128)
     for a, b in zip(ex, long):
         assert len(b.solution) >= 128 and b.solution.startswith(a.solution) and b.prompt == a.prompt
+
+
+def test_profile_reports_our_phases_at_each_size(capsys, tiny):
+    """`--profile` prints where our step's time goes (wall vs ATen per phase, the heaviest ops) at each size of
+    `--sizes`, the matmul size on its own built checkpoint (the profile behind the bound's reading)."""
+    from composer.bench import throughput as bt
+
+    assert bt.main(["--pairs", "sft", "--profile", *tiny]) == 0
+    out = capsys.readouterr().out
+    assert "[toy] sft ours under torch.profiler" in out and "heaviest ATen ops" in out
+    assert "engine.generate" not in out  # SFT samples nothing
+    assert bt.main(["--pairs", "sft", "--profile", *tiny, "--sizes", "nope"]) == 2

@@ -1440,10 +1440,6 @@ def main(argv=None) -> int:
         paths = ensure_checkpoints()
         args.model = args.model or paths["student"]
         args.teacher = args.teacher or paths["teacher"]
-    if args.profile:
-        for pair in pairs:
-            print(profile_ours(pair, args), flush=True)
-        return 0
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if [m for m in modes if m not in MODES]:
         print(f"unknown mode(s) in {args.modes!r}; choose from {', '.join(MODES)}", file=sys.stderr)
@@ -1456,6 +1452,13 @@ def main(argv=None) -> int:
         print(f"--sizes {args.sizes!r} / --linear {args.linear!r}: choose sizes from toy, matmul and linear backends "
               f"from {', '.join(fair.LINEARS)}", file=sys.stderr)
         return 2
+    if args.profile:  # at each size of --sizes (the matmul size's checkpoint built as for the comparison)
+        with tempfile.TemporaryDirectory(prefix="bench-matmul-") as built:
+            for size in sizes:
+                a = _size_args(args, size, built)
+                for pair in pairs:
+                    print(f"[{size}]", profile_ours(pair, a), flush=True)
+        return 0
     if args.checkpointing == "on":
         args.override = list(args.override or []) + ["policy.gradient_checkpointing=true"]
     results = []
