@@ -35,7 +35,7 @@ def episode_row(ctx, example, env):
     """The program of one episode of `example` with the environment part `env` (an active Environment)."""
     trace = Trace(ctx.prompt_ids(example))
     session = env.session()
-    notes = {"turns": 0, "env_tokens": 0, "env_turns": 0, "ended": "turns", "rewards": []}
+    notes = {"turns": 0, "env_tokens": 0, "env_turns": 0, "ended": "turns", "rewards": [], "cut": False}
     policy_left, env_left = ctx.max_new_tokens, env.max_env_tokens
     opening = session.reset(example) or ""
     if opening:
@@ -58,7 +58,7 @@ def episode_row(ctx, example, env):
         policy_left -= len(tokens)
         notes["turns"] += 1
         if not hit and not gen.finished:  # cut by the budget in the middle of a turn
-            notes["ended"] = "budget"
+            notes["ended"], notes["cut"] = "budget", True
             break
         if turn == env.max_turns - 1:  # the last turn: never answered (a call in it is not executed)
             notes["ended"] = "turns" if hit else "answered"
@@ -82,6 +82,15 @@ def episode_row(ctx, example, env):
             break
     trace.notes["env"] = {**notes, **env.facts(session)}
     return trace
+
+
+def cut_mid_turn(notes) -> bool | None:
+    """Whether an episode's policy was cut by its budget in the middle of a turn: DAPO's overlong case, what the
+    `truncated` flag and `rollout.filter.truncated` mean for an episode (one the environment ended, or whose last
+    call the turn limit left unanswered, ends on no stop token and is not cut). None for a row that is no episode:
+    its response is cut when it does not end in a stop token."""
+    env = notes.get("env") if isinstance(notes, dict) else None
+    return bool(env.get("cut")) if isinstance(env, dict) else None
 
 
 def cut_at_stop(decode, tokens: list[int], logprobs, stops) -> tuple[list[int], list | None, bool]:

@@ -126,14 +126,23 @@ def filter_source(flt: RolloutFilter, spec) -> str | None:
 
 def truncated_rows(batch, eos_id):
     """[B] bool: rows whose response does not end in a stop token (cut at the length cap), as the OpenRLHF agent
-    reports `truncated`. `eos_id`: one id or the model's stop tokens (composer/stops.py)."""
+    reports `truncated`; an episode's row (rollout.environment) is cut when its policy was cut in the middle of a
+    turn (composer/episodes.py `cut_mid_turn`), not when the environment or the turn limit ended it. `eos_id`: one
+    id or the model's stop tokens (composer/stops.py)."""
+    from composer.episodes import cut_mid_turn
+
     resp = batch.response_mask  # [B, T]
     T = resp.shape[1]
     pos = torch.arange(T, device=resp.device).expand_as(resp)
     last = torch.where(resp, pos, torch.full_like(pos, -1)).max(-1).values  # [B] last response position
     tok = batch.tokens.gather(1, last.clamp(min=0)[:, None]).squeeze(1)  # [B]
     stops = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), dtype=tok.dtype, device=tok.device)
-    return (last < 0) | ~torch.isin(tok, stops)
+    out = (last < 0) | ~torch.isin(tok, stops)  # [B]
+    for i, note in enumerate((batch.notes or [])[: out.shape[0]]):
+        cut = cut_mid_turn(note)
+        if cut is not None:
+            out[i] = cut
+    return out
 
 
 def equal_prompts(rewards, prompt_index) -> dict[int, bool]:

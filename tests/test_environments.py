@@ -144,7 +144,7 @@ def test_episode_on_a_scripted_policy():
     assert said[1] == ctx.encode("Q:7+3-5+9\nA:" + CALL + "\n<tool_response>4</tool_response>\n")
     n_env = len("\n<tool_response>4</tool_response>\n")  # 34 characters = tokens
     assert trace.notes["env"] == {"turns": 2, "env_tokens": n_env, "env_turns": 1, "ended": "answered",
-                                  "rewards": [], "tool_calls": 1, "tool_errors": 0}
+                                  "rewards": [], "cut": False, "tool_calls": 1, "tool_errors": 0}
 
 
 def test_episode_budgets_and_turns():
@@ -206,6 +206,52 @@ def test_environment_tokens_get_no_loss_and_no_gradient():
     loss, _m = obj.loss(batch, PolicyView(logprobs=lp), adv)
     (g,) = torch.autograd.grad(loss, lp)
     assert bool((g[envm] == 0).all()) and bool((g[batch.policy_mask] != 0).any())
+
+
+def test_an_episode_is_truncated_only_when_its_policy_was_cut_mid_turn():
+    """`truncated` (rollout.filter.truncated, the samples' flag, OpenRLHF's) for episodes: a row the environment
+    ended, or whose last call the turn limit left unanswered, ends on no stop token and was not cut; one whose
+    policy ran out of budget in the middle of a turn was. The implementation (notes), the OpenRLHF agent's flag and
+    the referee's reading of the tokens alone agree; without the episode the stop-token rule would flag three."""
+    from composer.backends.openrlhf.agent import truncated as agent_truncated
+    from composer.filters import truncated_rows
+    from composer.referee.checks import truncated as referee_truncated
+    from composer.trajectory import assemble
+
+    ctx = ScriptedCtx()
+    stops = [ctx.tokenizer.eos_token_id]
+    rows = [  # (environment, the policy's turns, cut?)
+        (ToolEnvironment(), [CALL, "#4<eos>"], False),  # answered after a call
+        (ToolEnvironment(max_turns=2), [CALL, CALL], False),  # the turn limit: the second call never answered
+        (_Ending(), [CALL], False),  # the environment ended the episode on its answer
+        (ToolEnvironment(max_env_tokens=20), [CALL], False),  # the answer did not fit max_env_tokens
+    ]
+    traces = [drive([episode_row(ctx, example(), env)], scripted(ctx, turns)[0])[0] for env, turns, _ in rows]
+    short = ScriptedCtx(budget=100)  # the call takes 90, the answer gets 10 of its 20 tokens: cut mid-turn
+    traces += drive([episode_row(short, example(), ToolEnvironment())], scripted(short, [CALL, "#4 and more text<eos>"])[0])
+    want = [c for _e, _t, c in rows] + [True]
+    assert [t.notes["env"]["ended"] for t in traces] == ["answered", "turns", "environment", "env_budget", "budget"]
+    batch = assemble(traces, [example()] * len(traces), [0] * len(traces), ctx.tokenizer.pad_token_id)
+    assert truncated_rows(batch, stops).tolist() == want
+    assert [agent_truncated(t, stops) for t in traces] == want
+    decode = lambda ids: ctx.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    assert referee_truncated(batch, stops[0], decode, ToolEnvironment().stop_strings()) == want
+    assert referee_truncated(batch, stops[0]) == [False, True, True, True, True]  # the stop-token rule alone
+
+
+class _Ending(ToolEnvironment):
+    """The tools environment that ends the episode with its first answer."""
+
+    def session(self):
+        session = super().session()
+        step = session.step
+
+        def ending(text):
+            answer, reward, _done = step(text)
+            return answer, reward, True
+
+        session.step = ending
+        return session
 
 
 # ------------------------------------------------------------------------------------------ validation

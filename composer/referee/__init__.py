@@ -529,8 +529,11 @@ def _filter_reference(v, rec, events, term_events, eos) -> dict:
         def rewards_of(k, rounds=rounds, spec=spec, src=src, step=step):
             return None if src is None else source_rewards(rec, spec, src, rounds[k], step)
 
-        ref = flt.reference_rows(rewards_of, [truncated(r, eos) for r in rounds], spec.rollout.samples_per_prompt,
-                                 spec.train.prompts_per_step)
+        env = spec.rollout.environment
+        decode = (lambda ids: rec.tokenizer.decode(ids, skip_special_tokens=True)) if env.active else None
+        stop_strings = tuple(env.stop_strings()) if env.active else ()
+        ref = flt.reference_rows(rewards_of, [truncated(r, eos, decode, stop_strings) for r in rounds],
+                                 spec.rollout.samples_per_prompt, spec.train.prompts_per_step)
         out[step] = {"flt": flt, "batches": rounds, "ref": ref, "n": spec.rollout.samples_per_prompt,
                      "prompts": spec.train.prompts_per_step, "epochs": spec.train.epochs}
     return out

@@ -198,13 +198,26 @@ def expected_rewards(rec, spec, sig, b, task_cap, step: int | None = None) -> tu
     return out, sum(1 for r, r0 in zip(out, base) if r != r0)
 
 
-def truncated(b, eos_id) -> list:
-    """Rows whose response does not end in a stop token (`eos_id`: one id, or the stop tokens, composer/stops.py)."""
+def truncated(b, eos_id, decode=None, stop_strings: tuple = ()) -> list:
+    """Rows whose response does not end in a stop token (`eos_id`: one id, or the stop tokens, composer/stops.py).
+    An episode's row (`decode` given: the spec declares an environment, whose turns end at `stop_strings` too) is
+    cut only where its response ends in a policy turn that ends in neither a stop token nor a stop string: a row
+    ending in the environment's tokens, or in a call the turn limit left unanswered, was not cut."""
     stops = {eos_id} if isinstance(eos_id, int) else set(eos_id)
+    env = CODE["environment"]
     out = []
     for i in range(b.size):
         pos = b.response_mask[i].nonzero().flatten().tolist()
-        out.append(not pos or int(b.tokens[i, pos[-1]]) not in stops)
+        if decode is None:
+            out.append(not pos or int(b.tokens[i, pos[-1]]) not in stops)
+            continue
+        codes = [int(b.origin[i, p]) for p in pos]
+        if not pos or codes[-1] == env or int(b.tokens[i, pos[-1]]) in stops:
+            out.append(False)
+            continue
+        start = max((k + 1 for k, c in enumerate(codes) if c == env), default=0)  # the final turn's first token
+        text = decode([int(b.tokens[i, p]) for p in pos[start:]])
+        out.append(not any(s in text for s in stop_strings))
     return out
 
 

@@ -308,12 +308,21 @@ class ComposerAgent:
             "prompt": prompt, "label": encode_label(meta), "observation_tokens": trace.tokens,
             "action_ranges": ranges, "rollout_log_probs": lps, "reward": reward,
             "scores": reward if score is None else score,
-            "truncated": not (trace.response and trace.response[-1] in ctx.stop_ids),
+            "truncated": truncated(trace, ctx.stop_ids),
             "extra_logs": {"composer_guided": float(trace.guided), "composer_control": float(trace.control),
                            "composer_offpolicy_frac": off / max(len(trace.response), 1),
                            "composer_reviews": float(trace.notes.get("reviews", 0)),  # the guide's reviews
                            **episode_logs(ctx.spec, trace)},
         }
+
+
+def truncated(trace: Trace, stop_ids) -> bool:
+    """OpenRLHF's `truncated` flag as the Lightning backend sets it (composer/filters.py `truncated_rows`): an
+    episode's when its policy was cut in the middle of a turn, any other row's when it ends in no stop token."""
+    from composer.episodes import cut_mid_turn
+
+    cut = cut_mid_turn(trace.notes)
+    return cut if cut is not None else not (trace.response and trace.response[-1] in stop_ids)
 
 
 def final_answer(trace: Trace) -> list[int]:
