@@ -56,10 +56,12 @@ MODES = ("matched", "compiled", "rollout-bf16", "defaults")
 WORK = {  # what each side's step runs (the table's FLOPs count it), per pair: (ours, TRL)
     "grpo": (("each distinct prompt prefilled once and its cache copied to the group's rows, every row decoded; "
               "training forwards padding-free (composer/runtime/varlen.py) with a group's shared prompt run once "
-              "(shared_prefix_plan)"),
+              "(shared_prefix_plan; in float32 only: under bf16-mixed every row's prompt runs, as OpenRLHF's actor "
+              "does, since a copied bf16 past rounds differently from one pass)"),
              ("every row's prompt prefilled (G left-padded copies), every row decoded; training forwards on the "
               "padded [rows, prompt + completion] grid")),
-    "opd": ("the same sampler as grpo; student and teacher forwards padding-free, a group's shared prompt run once",
+    "opd": ("the same sampler as grpo; student and teacher forwards padding-free, a group's shared prompt run once "
+            "(float32 only, as for grpo)",
             ("every row's prompt prefilled (the dataset repeats each prompt G times), every row decoded; student "
              "and teacher forwards on the padded grid")),
     "sft": ("padding-free forwards (composer/runtime/varlen.py: the rows' real tokens only, attention per row)",
@@ -1168,8 +1170,10 @@ def format_results(results: list[dict], args, host: dict | None = None) -> str:
               f"{args.rounds} rounds x {args.steps} steps, each side's first step (FLOP-counted) and {args.warmup} "
               f"warm-up step(s) untimed; ours timed as whole lightning.Trainer steps, TRL as whole HF Trainer steps"
               + (f"; host matmul peak {peak:.0f} GFLOPS ({host['matmul_peak'].get('dtype', 'float32')} "
-                 f"{host['matmul_peak']['shape']}^3, faster of MKL {host['matmul_peak']['mkl']:.0f} / oneDNN "
-                 f"{host['matmul_peak']['onednn'] or 0:.0f})" if peak else "")
+                 f"{host['matmul_peak']['shape']}^3, " + (
+                     f"faster of MKL {host['matmul_peak']['mkl']:.0f} / oneDNN {host['matmul_peak']['onednn']:.0f})"
+                     if host['matmul_peak']['onednn'] else "ATen's product; oneDNN's float32 linear not probed)")
+                 if peak else "")
               + (f"; memory-read bandwidth {bw['gbs']:.1f} GB/s (sum of a {bw['mib']} MiB float32 buffer)"
                  if bw else ""))]
 
