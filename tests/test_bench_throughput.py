@@ -213,8 +213,31 @@ def test_matmul_mode_needs_no_model(monkeypatch, capsys):
 
     monkeypatch.setattr(bootstrap, "ensure_checkpoints", no_bootstrap)
     monkeypatch.setattr(T, "MATMUL_SHAPES", ((256, 64, 96),))
+    real = T.decode_stream_table
+    monkeypatch.setattr(T, "decode_stream_table", lambda threads: real(threads, TINY_STREAM, steps=2))
     assert T.main(["--matmul", "--threads", "1"]) == 0
-    assert "256 x 64 x 96" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "256 x 64 x 96" in out and "decode-step products" in out
+
+
+TINY_STREAM = {"layers": 2, "hidden": 64, "heads": 2, "kv_heads": 1, "intermediate": 128}
+
+
+def test_the_decode_stream_table_reads_every_layers_weights_once_a_step(monkeypatch):
+    """`--matmul`'s decode table: the step's bytes are every layer's q/k/v, o, gate/up and down weights (counted by
+    hand for a tiny shape), one line per rows x dtype, each rate and its distance from the probe's floor."""
+    from composer.bench import fair
+    from composer.bench import throughput as T
+
+    monkeypatch.setattr(fair, "bandwidth_gbs", lambda threads: {"gbs": 10.0, "mib": 1})
+    text = T.decode_stream_table(1, TINY_STREAM, rows=(1, 8), steps=2)
+    h, d, inter = 64, 32, 128
+    per_layer = (2 + 2 * 1) * d * h + h * 2 * d + 2 * inter * h + h * inter  # qkv, o, gate_up, down
+    assert f"{2 * per_layer * 4 / 1e6:.0f} MB of float32 weights" in text
+    assert f"{2 * per_layer * 4 / 10.0 / 1e6:.2f} ms a step" in text
+    rows = [line.split() for line in text.splitlines()[2:]]
+    assert [(r[0], r[1]) for r in rows] == [("1", "float32"), ("8", "float32"), ("1", "bfloat16"), ("8", "bfloat16")]
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 and r[4].endswith("x") for r in rows)
 
 
 # ------------------------------------------------------------------ fair by construction (issue 45)

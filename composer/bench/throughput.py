@@ -1105,6 +1105,52 @@ def matmul_table(threads: int, shapes=MATMUL_SHAPES, repeats: int = 20) -> str:
     return "\n".join(lines)
 
 
+def decode_stream_table(threads: int, shape: dict | None = None, rows=(1, 8), steps: int = 20) -> str:
+    """The decode step's products at the matmul size (fair.MATMUL_MODEL: per layer the fused q/k/v, o, the fused
+    gate/up and down weights, every layer's its own tensors, so each step streams all of them from memory as a
+    decode step does): ms per step for `rows` rows through F.linear in float32 and with bfloat16 weights, the
+    weights' read rate, against the bandwidth probe (fair.bandwidth_gbs) that the bound's decode floor reads."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from composer.bench.fair import MATMUL_MODEL, bandwidth_gbs
+
+    torch.set_num_threads(threads)
+    c = {**MATMUL_MODEL, **(shape or {})}
+    h, d = c["hidden"], c["hidden"] // c["heads"]
+    per_layer = [((c["heads"] + 2 * c["kv_heads"]) * d, h), (h, c["heads"] * d), (2 * c["intermediate"], h),
+                 (h, c["intermediate"])]  # (out, in): qkv, o, gate_up, down
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(o, i, generator=g) for _ in range(c["layers"]) for o, i in per_layer]
+    weight_bytes = sum(w.numel() for w in ws) * 4
+    bw = bandwidth_gbs(threads)["gbs"]
+    lines = [f"decode-step products at the matmul size ({c['layers']} layers, hidden {h}, MLP {c['intermediate']}: "
+             f"{weight_bytes / 1e6:.0f} MB of float32 weights, streamed once a step) on {threads} thread(s); the "
+             f"bound's floor at the probe's {bw:.1f} GB/s: {weight_bytes / bw / 1e6:.2f} ms a step",
+             f"  {'rows':>5s} {'weights':>9s} {'ms/step':>8s} {'GB/s':>6s} {'x floor':>8s}"]
+    for dtype in (torch.float32, torch.bfloat16):
+        wd = [w.to(dtype) for w in ws]
+        nbytes = sum(w.numel() * w.element_size() for w in wd)
+        for m in rows:
+            xs = {i: torch.randn(m, i, generator=g).to(dtype) for i in {w.shape[1] for w in wd}}
+
+            def step():
+                for w in wd:
+                    F.linear(xs[w.shape[1]], w)
+
+            for _ in range(3):
+                step()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            ms = (time.perf_counter() - t0) / steps * 1e3
+            lines.append(f"  {m:5d} {str(dtype).removeprefix('torch.'):>9s} {ms:8.2f} {nbytes / ms / 1e6:6.1f} "
+                         f"{ms / (nbytes / bw / 1e6):7.1f}x")
+    return "\n".join(lines)
+
+
 KERNELS = ("aten::", "mkldnn::")  # profiler events that are kernels (oneDNN's linear: composer/runtime/onednn.py)
 
 
@@ -1437,6 +1483,7 @@ def main(argv=None) -> int:
     if args.matmul:  # no model: no toy bootstrap
         print(format_host(host_info(args.threads)))
         print(matmul_table(args.threads, MATMUL_SHAPES))
+        print(decode_stream_table(args.threads))
         return 0
     if not args.model or ("opd" in pairs and not args.teacher):
         from components.tasks.bootstrap import ensure_checkpoints
