@@ -52,7 +52,7 @@ def episode_row(ctx, example, env):
         if policy_left <= 0:
             notes["ended"] = "budget"
             break
-        [gen] = yield Sample(trace.tokens, policy_left)
+        [gen] = yield Sample(trace.tokens, policy_left, stop=tuple(stops))
         tokens, lps, hit = cut_at_stop(ctx.decode, gen.tokens, gen.logprobs, stops)
         trace.add(tokens, "policy", lps)
         policy_left -= len(tokens)

@@ -50,6 +50,8 @@ class Sample:
     model: str = POLICY
     greedy: bool = False
     purpose: str = "rollout"  # cost bucket: rollout | judge | search | filter
+    stop: tuple = ()  # text that also ends the continuation (an environment's `</tool_call>`): an engine that can
+    # stop there does (vLLM's stop strings), one that cannot runs on; the program cuts at it either way
 
     def key(self) -> tuple:
         return ("sample", self.model, self.greedy, self.purpose)

@@ -111,7 +111,8 @@ class Engine:  # the stand-in for vLLM's engine: turn k of the script after k en
     async def generate(self, ids, sp, multi_modal_data=None):
         text = tok.decode(ids, skip_special_tokens=True)[len(ex.prompt):]
         k = sum(text.count(m) for m in ("<tool_response>", "try again"))
-        requests.append({"k": k, "max_tokens": sp.max_tokens, "seed": sp.seed})
+        requests.append({"k": k, "max_tokens": sp.max_tokens, "seed": sp.seed, "stop": getattr(sp, "stop", None),
+                         "include_stop": getattr(sp, "include_stop_str_in_output", None)})
         out = tok.encode(turns[min(k, len(turns) - 1)], add_special_tokens=False)
         toks = out[: sp.max_tokens]
         lps = [{t: types.SimpleNamespace(logprob=-0.25)} for t in toks]
@@ -161,8 +162,8 @@ CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "7+3"}}</t
 
 @needs_openrlhf
 def test_agent_runs_a_tool_episode_on_openrlhf_classes(tmp_path):
-    """tool-grpo's agent on a scripted engine: turn 1 calls the calculator (and runs on past </tool_call>: cut there,
-    as vLLM's stop string would), the environment answers `\\n<tool_response>10</tool_response>\\n`, turn 2 writes the
+    """tool-grpo's agent on a scripted engine: turn 1 calls the calculator (and runs on past </tool_call>, which the
+    agent passes to vLLM as a stop string: cut there), the environment answers `\\n<tool_response>10</tool_response>\\n`, turn 2 writes the
     solution. In OpenRLHF's Experience the trained tokens are exactly the two policy turns, the context after the
     prompt exactly the tool's answer, whose tokens get action_mask 0 and zero gradient in OpenRLHF's PolicyLoss
     (the policy's tokens non-zero); the reward is the toy verifier's (1: the final answer is right); env/* counts:
@@ -188,6 +189,9 @@ def test_agent_runs_a_tool_episode_on_openrlhf_classes(tmp_path):
     # the second turn's budget is what the policy has left of max_new_tokens (the environment's tokens not counted)
     first, second = [r["max_tokens"] for r in out["requests"]]
     assert second == first - len(CALL)
+    # each policy turn asks vLLM to stop at the environment's stop string, kept in the output (the episode cuts at
+    # the token that completes it: the scripted engine above runs past it, as an engine without stop strings would)
+    assert [(r["stop"], r["include_stop"]) for r in out["requests"]] == [(["</tool_call>"], True)] * 2
     wrong = run_agent(bundle, [CALL, sol.replace("#5", "#6") + "<eos>"])
     assert wrong["reward"] == 0.0 and wrong["trained"] == CALL + sol.replace("#5", "#6") + "<eos>"
 

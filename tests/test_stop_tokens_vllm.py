@@ -104,3 +104,37 @@ def test_a_run_on_vllm_trains_and_evaluates_responses_that_end_at_the_end_of_tur
     assert rows and all(r["response"] == stops_model.ANSWER and not r["truncated"] for r in rows), rows[:2]
     evals = [json.loads(x) for x in (out / "eval_samples.jsonl").read_text().splitlines()]
     assert evals and all(e["response"] == stops_model.ANSWER and e["reward"] == 1.0 for e in evals), evals[:2]
+
+
+def test_the_agent_passes_an_environments_stop_string_to_vllm(m):
+    """An episode's policy turn ends at its environment's stop string (`</tool_call>`, composer/episodes.py): the
+    OpenRLHF agent passes it to vLLM (`stop`, kept in the output), so vLLM 0.32 stops at the token that completes
+    it instead of sampling on. Here the model's greedy answer `\\boxed{19}<|im_end|>` with the stop string `19}`:
+    the continuation ends at the token completing it, shorter than the answer, its text holding the stop string;
+    without one the same call runs to the end of turn."""
+    import asyncio
+
+    from vllm import SamplingParams
+
+    from composer.backends.openrlhf.agent import ComposerAgent
+
+    eng, tok = start(m["model"])
+
+    class Async:  # OpenRLHF's engine interface over the composer's vLLM engine's LLM
+        async def generate(self, ids, p):
+            return eng.llm.generate([{"prompt_token_ids": list(ids)}], p, use_tqdm=False)[0]
+
+    try:
+        ids = tok.encode(stops_model.realmodel.chat("x"), add_special_tokens=False)
+        sp = SamplingParams(max_tokens=16)
+
+        def turn(stop):
+            return asyncio.run(ComposerAgent.generate(None, Async(), ids, sp, 16, True, 0, stop))
+
+        cut, whole = turn(("19}",)), turn(())
+        text = tok.decode(cut.tokens, skip_special_tokens=True)
+        assert "19}" in text and not tok.decode(cut.tokens[:-1], skip_special_tokens=True).count("19}"), text
+        assert cut.finished and len(cut.tokens) < len(whole.tokens)
+        assert whole.tokens[: len(cut.tokens)] == cut.tokens  # the same greedy tokens, stopped earlier
+    finally:
+        eng.close()

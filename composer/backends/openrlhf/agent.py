@@ -99,7 +99,8 @@ class ComposerAgent:
                         for _ in range(req.n)]
                 return [Generation(t, f, None) for t, f in outs]
             eng = self._engine(engine, req.model, initial_ok)
-            return list(await asyncio.gather(*(self.generate(eng, req.tokens, sp, budget, req.greedy, seeds())
+            return list(await asyncio.gather(*(self.generate(eng, req.tokens, sp, budget, req.greedy, seeds(),
+                                                             getattr(req, "stop", ()))
                                                for _ in range(req.n))))
 
         return serve
@@ -113,13 +114,18 @@ class ComposerAgent:
         return engine
 
     async def generate(self, engine, ids, sp, max_tokens: int, greedy: bool = False,
-                       seed: Optional[int] = None) -> Generation:
-        """One continuation of `ids`: its tokens, whether it stopped at EOS, and the sampler's log-probs."""
+                       seed: Optional[int] = None, stop: tuple = ()) -> Generation:
+        """One continuation of `ids`: its tokens, whether it stopped at EOS, and the sampler's log-probs. `stop`:
+        text that also ends it (an episode's `</tool_call>`), passed to vLLM as stop strings kept in the output, so
+        the engine stops at the token that completes one instead of sampling past it (the episode cuts there)."""
         if max_tokens < 1:
             return Generation([], False, None if greedy else [])
         p = copy.deepcopy(sp)
         p.max_tokens = max_tokens
         p.seed = seed
+        if stop:
+            p.stop = sorted(set(getattr(sp, "stop", None) or ()) | set(stop))
+            p.include_stop_str_in_output = True
         if greedy:
             p.temperature, p.logprobs = 0.0, None
         out = (await engine.generate(list(ids), p)).outputs[0]
