@@ -335,7 +335,6 @@ def test_validate_counts_prompt_and_max_new_tokens_exactly_against_the_context(r
     assert r.returncode == 2 and "row 4: its prompt is " in r.stderr, r.stderr  # counted without torch
 
 
-
 def test_an_environment_counts_its_tokens_in_the_response_budget(real, tmp_path):
     """An episode's response holds the policy's rollout.max_new_tokens and the environment's answers (at most its
     max_env_tokens): validation counts both after the longest prompt, and its hint leaves room for the answers."""
@@ -356,6 +355,7 @@ def test_an_environment_counts_its_tokens_in_the_response_budget(real, tmp_path)
             assert "the environment's max_env_tokens 100" in r.output, r.output
             assert f"lower rollout.max_new_tokens to {context - n - 100} or less" in r.output, r.output
         spec.write_text(spec.read_text().replace(f"max_new_tokens: {budget}", "max_new_tokens: 24"))
+
 
 def test_validate_never_imports_torch(tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", [{"question": "1+1?", "answer": "2"}])

@@ -163,8 +163,8 @@ CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "7+3"}}</t
 @needs_openrlhf
 def test_agent_runs_a_tool_episode_on_openrlhf_classes(tmp_path):
     """tool-grpo's agent on a scripted engine: turn 1 calls the calculator (and runs on past </tool_call>, which the
-    agent passes to vLLM as a stop string: cut there), the environment answers `\\n<tool_response>10</tool_response>\\n`, turn 2 writes the
-    solution. In OpenRLHF's Experience the trained tokens are exactly the two policy turns, the context after the
+    agent passes to vLLM as a stop string: cut there), the environment answers
+    `\\n<tool_response>10</tool_response>\\n`, turn 2 writes the solution. In OpenRLHF's Experience the trained tokens are exactly the two policy turns, the context after the
     prompt exactly the tool's answer, whose tokens get action_mask 0 and zero gradient in OpenRLHF's PolicyLoss
     (the policy's tokens non-zero); the reward is the toy verifier's (1: the final answer is right); env/* counts:
     2 policy turns, 1 tool call, 0 errors, the answer's token count, ended by an answer. A final answer that is wrong

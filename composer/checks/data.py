@@ -347,17 +347,22 @@ def _diag(loaded, message: str, path: tuple, hint: str, severity: str = "error",
     return Diagnostic("semantics", message, path, _at(loaded, *(at or (path,))), hint, severity, rule="data_input")
 
 
-def response_budget(spec) -> int:
-    """The most tokens a response may hold: rollout.max_new_tokens, plus what an active environment may write
-    into an episode (its max_env_tokens, `Environment.extra_tokens`)."""
+def _env_extra(spec) -> int:
+    """What an active environment may write into an episode's response (its max_env_tokens,
+    `Environment.extra_tokens`); 0 without one."""
     env = getattr(spec.rollout, "environment", None)
-    return spec.rollout.max_new_tokens + (env.extra_tokens() if env is not None else 0)
+    return env.extra_tokens() if env is not None else 0
+
+
+def response_budget(spec) -> int:
+    """The most tokens a response may hold: rollout.max_new_tokens plus the environment's answers."""
+    return spec.rollout.max_new_tokens + _env_extra(spec)
 
 
 def _env_words(spec) -> str:
-    """' (with the environment's N)' when an environment adds to the response budget, for messages."""
-    env = getattr(spec.rollout, "environment", None)
-    extra = env.extra_tokens() if env is not None else 0
+    """' (rollout.max_new_tokens N + the environment's max_env_tokens M)' when an environment adds to the response
+    budget, for messages."""
+    extra = _env_extra(spec)
     return f" (rollout.max_new_tokens {spec.rollout.max_new_tokens} + the environment's max_env_tokens {extra})" \
         if extra else ""
 
@@ -553,7 +558,7 @@ def _row_sizes(loaded, spec, key: str, name: str, rows: list[tuple[int, dict]], 
                          f"{_env_words(spec)} it "
                          f"cannot fit the policy's context ({context} tokens, {where}): a response that runs long "
                          "goes past the positions the model was trained on", ("data", key),
-                         f"lower rollout.max_new_tokens to {max(context - n - (budget - spec.rollout.max_new_tokens), 1)}"
+                         f"lower rollout.max_new_tokens to {max(context - n - _env_extra(spec), 1)}"
                          " or less, or shorten the rows",
                          "warning", at=(("data", key), ("rollout", "max_new_tokens"))))
     return out

@@ -99,8 +99,7 @@ class ComposerAgent:
                         for _ in range(req.n)]
                 return [Generation(t, f, None) for t, f in outs]
             eng = self._engine(engine, req.model, initial_ok)
-            return list(await asyncio.gather(*(self.generate(eng, req.tokens, sp, budget, req.greedy, seeds(),
-                                                             getattr(req, "stop", ()))
+            return list(await asyncio.gather(*(self.generate(eng, req.tokens, sp, budget, req.greedy, seeds(), req.stop)
                                                for _ in range(req.n))))
 
         return serve
