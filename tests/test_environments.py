@@ -234,7 +234,9 @@ def test_an_episode_is_truncated_only_when_its_policy_was_cut_mid_turn():
     batch = assemble(traces, [example()] * len(traces), [0] * len(traces), ctx.tokenizer.pad_token_id)
     assert truncated_rows(batch, stops).tolist() == want
     assert [agent_truncated(t, stops) for t in traces] == want
-    decode = lambda ids: ctx.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    def decode(ids):
+        return ctx.tokenizer.decode(ids, skip_special_tokens=True)
+
     assert referee_truncated(batch, stops[0], decode, ToolEnvironment().stop_strings()) == want
     assert referee_truncated(batch, stops[0]) == [False, True, True, True, True]  # the stop-token rule alone
 

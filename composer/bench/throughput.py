@@ -1130,21 +1130,20 @@ def decode_stream_table(threads: int, shape: dict | None = None, rows=(1, 8), st
              f"{weight_bytes / 1e6:.0f} MB of float32 weights, streamed once a step) on {threads} thread(s); the "
              f"bound's floor at the probe's {bw:.1f} GB/s: {weight_bytes / bw / 1e6:.2f} ms a step",
              f"  {'rows':>5s} {'weights':>9s} {'ms/step':>8s} {'GB/s':>6s} {'x floor':>8s}"]
+    def step(wd, xs):  # one decode step's products: every weight once
+        for w in wd:
+            F.linear(xs[w.shape[1]], w)
+
     for dtype in (torch.float32, torch.bfloat16):
         wd = [w.to(dtype) for w in ws]
         nbytes = sum(w.numel() * w.element_size() for w in wd)
         for m in rows:
             xs = {i: torch.randn(m, i, generator=g).to(dtype) for i in {w.shape[1] for w in wd}}
-
-            def step():
-                for w in wd:
-                    F.linear(xs[w.shape[1]], w)
-
             for _ in range(3):
-                step()
+                step(wd, xs)
             t0 = time.perf_counter()
             for _ in range(steps):
-                step()
+                step(wd, xs)
             ms = (time.perf_counter() - t0) / steps * 1e3
             lines.append(f"  {m:5d} {str(dtype).removeprefix('torch.'):>9s} {ms:8.2f} {nbytes / ms / 1e6:6.1f} "
                          f"{ms / (nbytes / bw / 1e6):7.1f}x")
